@@ -1,0 +1,3 @@
+from proto_server.cli import main
+
+raise SystemExit(main())

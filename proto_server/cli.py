@@ -1,0 +1,127 @@
+"""`proto-server serve`: run the server with its embedded defaults, or with flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import trio
+
+from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.script import Planner, ScriptError, load_script
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.server.logs import configure
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="proto-server",
+        description="An OpenAI Responses API server for agent loops: one Response per rollout.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve the Responses API over WebSocket on one port.",
+    )
+    defaults = ServerConfig()
+    timing = TimingModel()
+    serve.add_argument("--host", default=defaults.host, help="address to listen on")
+    serve.add_argument(
+        "--port", type=int, default=defaults.port, help="port to listen on; 0 picks a free one"
+    )
+    serve.add_argument(
+        "--script",
+        metavar="FILE",
+        help="a rollout script (JSON) for the simulated model; without one, the built-in "
+        "default model answers any client",
+    )
+    serve.add_argument(
+        "--decode-rate",
+        type=float,
+        default=timing.decode_tokens_per_s,
+        metavar="TOKENS_PER_S",
+        help="modelled decode speed of the simulated GPU",
+    )
+    serve.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=timing.prefill_tokens_per_s,
+        metavar="TOKENS_PER_S",
+        help="modelled prefill speed for uncached prompt tokens",
+    )
+    serve.add_argument(
+        "--burst-rate",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="modelled decode speed during bursts (e.g. 4000); off by default",
+    )
+    serve.add_argument(
+        "--burst-share",
+        type=float,
+        default=timing.burst_share,
+        metavar="FRACTION",
+        help="share of tokens decoded at the burst rate",
+    )
+    serve.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        help="largest client frame; a larger one closes the connection with code 1009",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="structured logs on stderr",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure(args.log_level)
+    try:
+        timing = TimingModel(
+            prefill_tokens_per_s=args.prefill_rate,
+            decode_tokens_per_s=args.decode_rate,
+            burst_tokens_per_s=args.burst_rate,
+            burst_share=args.burst_share,
+        )
+        planner: Planner = load_script(args.script) if args.script else DefaultModel()
+    except (ValueError, ScriptError) as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes
+    )
+    server = ProtoServer(SimulatedGenerator(planner, timing), config)
+    try:
+        trio.run(partial(_serve, server, args.script))
+    except KeyboardInterrupt:
+        print("proto-server: stopped", file=sys.stderr)
+    except OSError as exc:
+        print(
+            f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
+            "pick another --port (0 picks a free one)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+async def _serve(server: ProtoServer, script: str | None) -> None:
+    async with trio.open_nursery() as nursery:
+        address: BoundAddress = await nursery.start(server.serve)
+        model = f"script {script}" if script else "the built-in default model"
+        print(
+            f"proto-server listening on {address.http_url} "
+            f"(WebSocket {address.ws_url}, prototype dialect; simulated GPU with {model})",
+            flush=True,
+        )

@@ -1,0 +1,9 @@
+"""Ids in the shapes clients expect (`resp_...`, `msg_...`, `fc_...`, `call_...`)."""
+
+from __future__ import annotations
+
+import secrets
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"

@@ -1,0 +1,72 @@
+"""How a conversation becomes tokens: one text template per item, encoded with o200k_base.
+
+The template is this server's own (a real model brings its chat template instead). What matters
+is that each item renders on its own, so a conversation is extended by rendering only new items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import orjson
+
+from proto_server.core.tokenizer import o200k_base
+from proto_server.wire.converter import unstructure
+from proto_server.wire.items import (
+    CustomToolCall,
+    CustomToolCallOutput,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    UnknownItem,
+    content_text,
+)
+from proto_server.wire.tools import Tool
+
+
+class Renderer(Protocol):
+    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]: ...
+
+    def render_item(self, item: Item) -> list[int]: ...
+
+
+def item_text(item: Item) -> str:
+    """The template of one item: a header line naming who speaks, then the content."""
+    match item:
+        case Message(role=role, content=content):
+            return f"<|{role}|>\n{content_text(content)}\n"
+        case FunctionCall(name=name, call_id=call_id, arguments=arguments):
+            return f"<|assistant|> call {name} {call_id}\n{arguments}\n"
+        case CustomToolCall(name=name, call_id=call_id, input=text):
+            return f"<|assistant|> custom {name} {call_id}\n{text}\n"
+        case FunctionCallOutput(call_id=call_id, output=output) | CustomToolCallOutput(
+            call_id=call_id, output=output
+        ):
+            return f"<|tool|> {call_id}\n{content_text(output)}\n"
+        case UnknownItem(raw=raw):
+            return f"<|{item.type}|>\n{orjson.dumps(raw).decode()}\n"
+    raise TypeError(f"not an item: {item!r}")
+
+
+def prefix_text(instructions: str | None, tools: Sequence[Tool]) -> str:
+    parts = []
+    if instructions:
+        parts.append(f"<|system|>\n{instructions}\n")
+    if tools:
+        parts.append(f"<|tools|>\n{orjson.dumps(unstructure(tuple(tools))).decode()}\n")
+    return "".join(parts)
+
+
+class O200kRenderer:
+    """The default renderer: the item templates above, tokenized with o200k_base."""
+
+    def __init__(self) -> None:
+        self._encoding = o200k_base()
+
+    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
+        return self._encoding.encode_ordinary(prefix_text(instructions, tools))
+
+    def render_item(self, item: Item) -> list[int]:
+        return self._encoding.encode_ordinary(item_text(item))

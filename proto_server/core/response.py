@@ -1,0 +1,439 @@
+"""The Response state machine: where every streamed event is born.
+
+One `ResponseMachine` per Response. The server calls it with what the generator produced (text,
+tool calls, the end of a segment) and with what the client asked (append, cancel); each call
+returns the events to send, in order. It never awaits and never reads a clock.
+
+    in_progress --tool calls--> suspended --append answers all--> in_progress --> ...
+    in_progress --no tool call--> completed        any open state --> failed | incomplete | cancelled
+
+A call that is not legal in the current state raises and changes nothing: a client's mistake is
+a `ProtocolError` (it becomes an `error` event), a generator's is an `IllegalTransition` (a bug
+of the server, which fails the Response).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.ids import new_id
+from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.events import (
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ResponseCancelled,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseDone,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+    ServerEvent,
+)
+from proto_server.wire.items import (
+    CustomToolCallOutput,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    OutputText,
+)
+from proto_server.wire.response import InputTokensDetails, Response, Usage
+from proto_server.wire.tools import Tool
+
+
+class Status(enum.Enum):
+    IN_PROGRESS = "in_progress"
+    SUSPENDED = "suspended"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INCOMPLETE = "incomplete"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    @property
+    def wire(self) -> str:
+        """What the Response object says: a suspended Response is still `in_progress`."""
+        return "in_progress" if self is Status.SUSPENDED else self.value
+
+
+TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED})
+
+TRANSITIONS: Mapping[Status, frozenset[Status]] = {
+    Status.IN_PROGRESS: frozenset(
+        {Status.SUSPENDED, Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
+    ),
+    Status.SUSPENDED: frozenset(
+        {Status.IN_PROGRESS, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
+    ),
+    Status.COMPLETED: frozenset(),
+    Status.FAILED: frozenset(),
+    Status.INCOMPLETE: frozenset(),
+    Status.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(Exception):
+    """The generator drove the machine somewhere it cannot go: a server bug, never the client's."""
+
+
+@attrs.frozen(kw_only=True)
+class ResponseSettings:
+    """What the create request said that the Response object echoes back."""
+
+    model: str
+    instructions: str | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    store: bool = False
+    previous_response_id: str | None = None
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class _OpenMessage:
+    item_id: str
+    output_index: int
+    deltas: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class _OpenCall:
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    deltas: list[str] = attrs.field(factory=list)
+
+
+class ResponseMachine:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        created_at: int,
+        settings: ResponseSettings,
+        conversation: Conversation,
+    ) -> None:
+        self.id = response_id
+        self.created_at = created_at
+        self.settings = settings
+        self.conversation = conversation
+        self.status = Status.IN_PROGRESS
+        self.pending_calls: dict[str, Item] = {}
+        self.answered_calls: set[str] = set()
+        self.segments = 0
+        self._output: list[Item] = []
+        self._open: _OpenMessage | _OpenCall | None = None
+        self._input_tokens = 0
+        self._cached_tokens = 0
+        self._output_tokens = 0
+        self.error: ErrorDetail | None = None
+        self.incomplete_reason: str | None = None
+
+    # -- what the Response looks like ------------------------------------------------------
+
+    @property
+    def output(self) -> Sequence[Item]:
+        return self._output
+
+    def usage(self) -> Usage:
+        return Usage(
+            input_tokens=self._input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=self._cached_tokens),
+            output_tokens=self._output_tokens,
+            total_tokens=self._input_tokens + self._output_tokens,
+        )
+
+    def snapshot(self) -> Response:
+        s = self.settings
+        return Response(
+            id=self.id,
+            created_at=self.created_at,
+            status=self.status.wire,
+            model=s.model,
+            output=tuple(self._output),
+            previous_response_id=s.previous_response_id,
+            instructions=s.instructions,
+            tools=s.tools,
+            tool_choice=s.tool_choice,
+            parallel_tool_calls=s.parallel_tool_calls,
+            store=s.store,
+            error=self.error,
+            incomplete_details=(
+                {"reason": self.incomplete_reason} if self.incomplete_reason is not None else None
+            ),
+            usage=self.usage(),
+            metadata=s.metadata,
+        )
+
+    # -- the Response's life -----------------------------------------------------------------
+
+    def start(self) -> list[ServerEvent]:
+        snapshot = self.snapshot()
+        return [ResponseCreated(response=snapshot), ResponseInProgress(response=snapshot)]
+
+    def begin_segment(self, *, prompt_tokens: int, cached_tokens: int) -> None:
+        """The generator prefilled a prompt of which `cached_tokens` were already warm."""
+        self._require_streaming("begin a segment")
+        self.segments += 1
+        self._input_tokens += prompt_tokens
+        self._cached_tokens += cached_tokens
+
+    def end_segment(self) -> list[ServerEvent]:
+        """The model stopped: suspend if it called tools, otherwise complete."""
+        self._require_streaming("end a segment")
+        if isinstance(self._open, _OpenCall):
+            raise IllegalTransition("a segment ended inside a tool call")
+        events = self._close_message()
+        if self.pending_calls:
+            self._move(Status.SUSPENDED)
+            return [*events, ResponseDone(response=self.snapshot())]
+        self._move(Status.COMPLETED)
+        return [*events, ResponseCompleted(response=self.snapshot())]
+
+    def fail(self, error: ErrorDetail) -> list[ServerEvent]:
+        events = self._abandon_open_item()
+        self._move(Status.FAILED)
+        self.error = error
+        return [*events, ResponseFailed(response=self.snapshot())]
+
+    def make_incomplete(self, reason: str) -> list[ServerEvent]:
+        events = self._abandon_open_item()
+        self._move(Status.INCOMPLETE)
+        self.incomplete_reason = reason
+        return [*events, ResponseIncomplete(response=self.snapshot())]
+
+    def cancel(self) -> list[ServerEvent]:
+        """The client's `response.cancel`."""
+        if self.status.terminal:
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.id} already ended ({self.status.value}); nothing to cancel.",
+            )
+        events = self._abandon_open_item()
+        self._move(Status.CANCELLED)
+        return [*events, ResponseCancelled(response=self.snapshot())]
+
+    # -- what the generator produced -------------------------------------------------------------
+
+    def text_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
+        self._require_streaming("stream text")
+        if isinstance(self._open, _OpenCall):
+            raise IllegalTransition("text arrived inside a tool call")
+        events: list[ServerEvent] = []
+        if self._open is None:
+            item_id = new_id("msg")
+            index = len(self._output)
+            self._open = _OpenMessage(item_id, index)
+            empty = Message(id=item_id, role="assistant", content=(), status="in_progress")
+            events.append(OutputItemAdded(output_index=index, item=empty))
+            events.append(
+                ContentPartAdded(
+                    item_id=item_id, output_index=index, content_index=0, part=OutputText(text="")
+                )
+            )
+        message = self._open
+        message.deltas.append(delta)
+        self._output_tokens += tokens
+        events.append(
+            OutputTextDelta(
+                item_id=message.item_id,
+                output_index=message.output_index,
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def begin_function_call(self, name: str, *, tokens: int = 0) -> list[ServerEvent]:
+        self._require_streaming("call a tool")
+        if isinstance(self._open, _OpenCall):
+            raise IllegalTransition("a tool call began inside another")
+        events = self._close_message()
+        call = _OpenCall(new_id("fc"), len(self._output), new_id("call"), name)
+        self._open = call
+        self._output_tokens += tokens
+        item = FunctionCall(
+            id=call.item_id, call_id=call.call_id, name=name, arguments="", status="in_progress"
+        )
+        events.append(OutputItemAdded(output_index=call.output_index, item=item))
+        return events
+
+    def function_call_arguments_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
+        call = self._require_open_call()
+        call.deltas.append(delta)
+        self._output_tokens += tokens
+        return [
+            FunctionCallArgumentsDelta(
+                item_id=call.item_id, output_index=call.output_index, delta=delta
+            )
+        ]
+
+    def end_function_call(self) -> list[ServerEvent]:
+        call = self._require_open_call()
+        arguments = "".join(call.deltas)
+        item = FunctionCall(
+            id=call.item_id,
+            call_id=call.call_id,
+            name=call.name,
+            arguments=arguments,
+            status="completed",
+        )
+        self._open = None
+        self._finish(item)
+        self.pending_calls[call.call_id] = item
+        return [
+            FunctionCallArgumentsDone(
+                item_id=call.item_id,
+                output_index=call.output_index,
+                name=call.name,
+                arguments=arguments,
+            ),
+            OutputItemDone(output_index=call.output_index, item=item),
+        ]
+
+    # -- what the client sent --------------------------------------------------------------------
+
+    def check_append(self, items: Sequence[Item]) -> None:
+        """Raise the `ProtocolError` that `append(items)` would raise, changing nothing."""
+        if self.status.terminal:
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.id} already ended ({self.status.value}); nothing can be "
+                "appended to it. Start a new one with response.create.",
+            )
+        if self.status is not Status.SUSPENDED:
+            raise ProtocolError(
+                "response_in_progress",
+                f"Response {self.id} is still streaming; wait for response.done, then append.",
+            )
+        if not items:
+            raise ProtocolError(
+                "invalid_field", "`input` is empty; append at least one item.", param="input"
+            )
+        answering: set[str] = set()
+        has_message = False
+        for index, item in enumerate(items):
+            param = f"input[{index}]"
+            if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+                call_id = item.call_id
+                if call_id in answering or call_id in self.answered_calls:
+                    raise ProtocolError(
+                        "duplicate_call_id",
+                        f"Call {call_id!r} was already answered; send each output once.",
+                        param=f"{param}.call_id",
+                    )
+                if call_id not in self.pending_calls:
+                    waiting = ", ".join(self.pending_calls) or "none"
+                    raise ProtocolError(
+                        "unknown_call_id",
+                        f"No call {call_id!r} is awaiting output in response {self.id}; "
+                        f"awaiting: {waiting}.",
+                        param=f"{param}.call_id",
+                    )
+                answering.add(call_id)
+            elif isinstance(item, Message) and item.role != "assistant":
+                has_message = True
+            else:
+                raise ProtocolError(
+                    "invalid_field",
+                    f"`{param}` is a {item.type!r} item; response.append takes "
+                    "function_call_output, custom_tool_call_output and message items.",
+                    param=f"{param}.type",
+                )
+        still_pending = self.pending_calls.keys() - answering
+        if has_message and still_pending:
+            raise ProtocolError(
+                "missing_tool_output",
+                "A new message cannot resume the Response while calls await output: "
+                f"{', '.join(sorted(still_pending))}. Send their outputs first or in the same "
+                "append.",
+                param="input",
+            )
+
+    def append(self, items: Sequence[Item]) -> list[ServerEvent]:
+        """Record tool outputs (and messages); resume once no call awaits output.
+
+        Returns the events that announce the resumption, or nothing while calls are pending.
+        """
+        self.check_append(items)
+        for item in items:
+            if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+                del self.pending_calls[item.call_id]
+                self.answered_calls.add(item.call_id)
+        self.conversation.extend(items)
+        if self.pending_calls:
+            return []
+        self._move(Status.IN_PROGRESS)
+        return [ResponseInProgress(response=self.snapshot())]
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _move(self, to: Status) -> None:
+        if to not in TRANSITIONS[self.status]:
+            raise IllegalTransition(f"{self.status.value} -> {to.value}")
+        self.status = to
+
+    def _require_streaming(self, what: str) -> None:
+        if self.status is not Status.IN_PROGRESS:
+            raise IllegalTransition(f"cannot {what} while {self.status.value}")
+
+    def _require_open_call(self) -> _OpenCall:
+        self._require_streaming("stream tool-call arguments")
+        if not isinstance(self._open, _OpenCall):
+            raise IllegalTransition("no tool call is open")
+        return self._open
+
+    def _finish(self, item: Item) -> None:
+        self._output.append(item)
+        self.conversation.extend((item,))
+
+    def _close_message(self, status: str = "completed") -> list[ServerEvent]:
+        message = self._open
+        if not isinstance(message, _OpenMessage):
+            return []
+        self._open = None
+        text = "".join(message.deltas)
+        part = OutputText(text=text)
+        item = Message(id=message.item_id, role="assistant", content=(part,), status=status)
+        self._finish(item)
+        where = {"item_id": message.item_id, "output_index": message.output_index}
+        return [
+            OutputTextDone(content_index=0, text=text, **where),
+            ContentPartDone(content_index=0, part=part, **where),
+            OutputItemDone(output_index=message.output_index, item=item),
+        ]
+
+    def _abandon_open_item(self) -> list[ServerEvent]:
+        """Close whatever was streaming as `incomplete`, so every `added` gets its `done`."""
+        if self.status.terminal:
+            raise IllegalTransition(f"Response already {self.status.value}")
+        call = self._open
+        if not isinstance(call, _OpenCall):
+            return self._close_message("incomplete")
+        self._open = None
+        item = FunctionCall(
+            id=call.item_id,
+            call_id=call.call_id,
+            name=call.name,
+            arguments="".join(call.deltas),
+            status="incomplete",
+        )
+        self._output.append(item)  # never answered, so kept out of the conversation
+        return [OutputItemDone(output_index=call.output_index, item=item)]

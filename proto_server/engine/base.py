@@ -1,0 +1,26 @@
+"""The interface every generator backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+from proto_server.core.conversation import Conversation
+from proto_server.engine.chunks import Chunk
+
+
+class GeneratorSession(Protocol):
+    """One rollout's warm model state.
+
+    `generate` prefills whatever the conversation gained since the last segment, decodes one
+    segment into `send`, and returns; the state stays warm until `aclose`.
+    """
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TokenGenerator(Protocol):
+    def open_session(self, conversation: Conversation) -> GeneratorSession: ...

@@ -1,0 +1,48 @@
+"""What a generator session produces, in order, for one segment.
+
+A segment is `Prefilled`, then any mix of text and complete tool calls, then `SegmentEnd`.
+The sampling loop turns each chunk into calls on the Response state machine.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Prefilled:
+    """The prompt is in the model's state; `cached_tokens` of it were already warm."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class TextDelta:
+    text: str
+    tokens: int = 1
+
+
+@attrs.frozen
+class ToolCallBegin:
+    name: str
+    tokens: int = 0
+
+
+@attrs.frozen
+class ToolCallArgumentsDelta:
+    delta: str
+    tokens: int = 1
+
+
+@attrs.frozen
+class ToolCallEnd:
+    pass
+
+
+@attrs.frozen
+class SegmentEnd:
+    pass
+
+
+Chunk = Prefilled | TextDelta | ToolCallBegin | ToolCallArgumentsDelta | ToolCallEnd | SegmentEnd

@@ -1,0 +1,25 @@
+"""Every limit and default of a running server, in one place (the CLI's flags map onto it)."""
+
+from __future__ import annotations
+
+import attrs
+
+MiB = 1024 * 1024
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: A client frame larger than this closes the connection with code 1009 and says so.
+    max_message_bytes: int = 16 * MiB
+    #: Server events buffered for a slow client before the stream itself slows down.
+    client_queue_events: int = 256
+    #: Chunks the generator may run ahead of the sampling loop.
+    chunk_queue: int = 64
+    #: Time a new connection has to send its request head.
+    handshake_timeout_s: float = 10.0
+    #: Largest request head (request line and headers) accepted.
+    max_request_head_bytes: int = 64 * 1024
+    #: The model name reported when a request names none.
+    default_model: str = "proto-sim"

@@ -1,0 +1,87 @@
+"""The first bytes of a connection: read the request head once, then hand the stream on.
+
+One port serves plain HTTP and WebSocket. We read the head with h11 to see which it is; an
+upgrade goes to trio-websocket over a stream that first replays the bytes we already read.
+"""
+
+from __future__ import annotations
+
+import attrs
+import h11
+import trio
+
+
+class ReplayStream(trio.abc.Stream):
+    """A stream that yields `already_read` before reading on from `stream`."""
+
+    def __init__(self, stream: trio.abc.Stream, already_read: bytes) -> None:
+        self._stream = stream
+        self._buffer = already_read
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._buffer:
+            size = len(self._buffer) if max_bytes is None else max_bytes
+            data, self._buffer = self._buffer[:size], self._buffer[size:]
+            await trio.lowlevel.checkpoint()
+            return data
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@attrs.frozen
+class RequestHead:
+    request: h11.Request
+    raw: bytes  # every byte read so far, head and anything after it
+    connection: h11.Connection  # for plain HTTP, already past the head
+
+    @property
+    def target(self) -> str:
+        return self.request.target.decode("latin-1")
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    def header(self, name: bytes) -> str | None:
+        for key, value in self.request.headers:
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
+    @property
+    def is_websocket(self) -> bool:
+        upgrade = self.header(b"upgrade") or ""
+        return upgrade.lower() == "websocket"
+
+
+class BadRequestHead(Exception):
+    pass
+
+
+async def read_request_head(stream: trio.abc.Stream, *, max_bytes: int) -> RequestHead | None:
+    """The request head, or None if the peer closed first; `BadRequestHead` if it is not HTTP."""
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
+    raw = bytearray()
+    while True:
+        try:
+            event = connection.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise BadRequestHead(str(exc)) from None
+        if isinstance(event, h11.Request):
+            return RequestHead(event, bytes(raw), connection)
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some()
+            if not data:
+                return None
+            raw += data
+            connection.receive_data(data)
+            continue
+        raise BadRequestHead(f"unexpected {type(event).__name__} before a request")

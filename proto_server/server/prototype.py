@@ -1,0 +1,73 @@
+"""The prototype dialect: a whole agent rollout is ONE long-lived Response.
+
+`response.create` opens it; on tool calls it suspends (`response.done`); `response.append`
+answers the calls and resumes it; `response.completed` ends it. One Response open at a time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from proto_server.server.rollout import Rollout
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
+
+if TYPE_CHECKING:
+    import trio
+
+    from proto_server.server.app import ProtoServer
+    from proto_server.server.connection import Connection
+
+
+class PrototypeDialect:
+    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+        self._server = server
+        self._connection = connection
+        self._nursery = nursery
+        self.rollout: Rollout | None = None
+
+    def handle(self, event: ClientEvent) -> None:
+        match event:
+            case ResponseCreate():
+                self._create(event)
+            case ResponseAppend(input=items):
+                self._open_rollout("append to").append(items)
+            case ResponseCancel():
+                self._open_rollout("cancel").cancel()
+
+    def _open_rollout(self, verb: str) -> Rollout:
+        rollout = self.rollout
+        if rollout is None or rollout.machine.status.terminal:
+            raise ProtocolError(
+                "no_open_response",
+                f"There is no open Response to {verb} on this connection; "
+                "start one with response.create.",
+            )
+        return rollout
+
+    def _create(self, create: ResponseCreate) -> None:
+        current = self.rollout
+        if current is not None and not current.machine.status.terminal:
+            raise ProtocolError(
+                "concurrent_request",
+                f"Response {current.machine.id} is still open ({current.machine.status.value}); "
+                "answer it with response.append, or end it with response.cancel, before "
+                "creating another.",
+            )
+        if create.previous_response_id is not None:
+            raise _unsupported("previous_response_id", "a prototype Response continues with response.append")
+        if create.generate is False:
+            raise _unsupported("generate", "warm-ups belong to the launched dialect")
+        if create.background:
+            raise _unsupported("background", "background responses are not served over a WebSocket")
+        self.rollout = self._server.open_rollout(create, self._connection)
+        self._nursery.start_soon(self.rollout.run)
+
+
+def _unsupported(field: str, why: str) -> ProtocolError:
+    return ProtocolError(
+        "invalid_field",
+        f"`{field}` is not supported in the prototype dialect: {why}. Remove it, or connect "
+        "without the prototype opt-in to use the launched dialect.",
+        param=field,
+    )

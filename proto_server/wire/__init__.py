@@ -1,0 +1,1 @@
+"""Bytes <-> typed events and items: attrs classes, one cattrs converter, typed errors."""

@@ -1,0 +1,215 @@
+"""The one cattrs converter, and the functions that turn frames into events and back.
+
+Structuring is strict (a number is not a string) and every failure becomes a `ProtocolError`
+whose `param` is the path of the offending field, e.g. `input[2].call_id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import orjson
+from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
+from cattrs.preconf.orjson import make_converter
+
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import (
+    CLIENT_EVENT_TYPES,
+    SERVER_EVENT_TYPES,
+    ClientEvent,
+    ServerEvent,
+)
+from proto_server.wire.items import (
+    ITEM_TYPES,
+    Content,
+    ContentPart,
+    InputText,
+    Item,
+    OutputText,
+    UnknownItem,
+    UnknownPart,
+)
+from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
+
+T = TypeVar("T")
+
+converter = make_converter(forbid_extra_keys=False)
+
+
+class InvalidValue(ValueError):
+    """A value of the wrong shape; the converter adds where it was."""
+
+
+def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
+    def structure(value: Any, _: Any) -> T:
+        # bool is an int in Python, never on the wire
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise InvalidValue(f"expected {name}, got {_json_kind(value)}")
+        return value
+
+    return structure
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+    kinds.update({type(None): "null", list: "an array", dict: "an object"})
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _object(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidValue(f"expected an object, got {_json_kind(value)}")
+    return value
+
+
+def _tagged(value: Any) -> tuple[Mapping[str, Any], str]:
+    obj = _object(value)
+    tag = obj.get("type")
+    if not isinstance(tag, str):
+        raise InvalidValue("expected an object with a string `type`")
+    return obj, tag
+
+
+def _structure_part(value: Any, _: Any) -> ContentPart:
+    obj, tag = _tagged(value)
+    if tag == "input_text":
+        return converter.structure(obj, InputText)
+    if tag == "output_text":
+        return converter.structure(obj, OutputText)
+    return UnknownPart(obj)
+
+
+def _structure_content(value: Any, _: Any) -> Content:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return tuple(converter.structure(value, list[ContentPart]))  # type: ignore[arg-type]
+    raise InvalidValue(f"expected a string or an array of content parts, got {_json_kind(value)}")
+
+
+def _structure_item(value: Any, _: Any) -> Item:
+    obj = _object(value)
+    if "type" not in obj and "role" in obj:
+        # the "easy input message" of the Responses API: {"role": ..., "content": ...}
+        obj = {"type": "message", **obj}
+    obj, tag = _tagged(obj)
+    cls = ITEM_TYPES.get(tag)
+    if cls is None:
+        return UnknownItem(obj)
+    return converter.structure(obj, cls)
+
+
+def _structure_items(value: Any, _: Any) -> tuple[Item, ...]:
+    if not isinstance(value, list):
+        raise InvalidValue(f"expected an array of items, got {_json_kind(value)}")
+    return tuple(converter.structure(value, list[Item]))  # type: ignore[arg-type]
+
+
+def _structure_input(value: Any, _: Any) -> str | tuple[Item, ...]:
+    if isinstance(value, str):
+        return value
+    return _structure_items(value, None)
+
+
+def _structure_tool(value: Any, _: Any) -> Tool:
+    if isinstance(value, str):
+        return UnknownTool(value)  # a tool named only, as some clients and captures abbreviate
+    obj, tag = _tagged(value)
+    if tag == "function":
+        return converter.structure(obj, FunctionTool)
+    return UnknownTool(obj)
+
+
+converter.register_structure_hook(str, _strict(str, "a string"))
+converter.register_structure_hook(int, _strict(int, "an integer"))
+converter.register_structure_hook(bool, _strict(bool, "a boolean"))
+converter.register_structure_hook(float, lambda v, _: float(_strict((int, float), "a number")(v, _)))  # type: ignore[arg-type]
+converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
+converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
+converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
+converter.register_structure_hook_func(lambda t: t == Item, _structure_item)
+converter.register_structure_hook_func(lambda t: t == tuple[Item, ...], _structure_items)
+converter.register_structure_hook_func(lambda t: t == str | tuple[Item, ...], _structure_input)
+converter.register_structure_hook_func(lambda t: t == Tool, _structure_tool)
+for carried in (UnknownItem, UnknownPart, UnknownTool):
+    converter.register_unstructure_hook(carried, lambda obj: obj.raw)
+converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)
+
+
+def _locate(exc: BaseException, path: str = "") -> tuple[str, BaseException]:
+    """Follow cattrs' validation notes down to the first leaf error and the path to it."""
+    if not isinstance(exc, BaseValidationError):
+        return path, exc
+    inner = exc.exceptions[0]
+    for note in getattr(inner, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            path = f"{path}.{note.name}" if path else note.name
+            break
+        if isinstance(note, IterableValidationNote):
+            path = f"{path}[{note.index}]"
+            break
+    return _locate(inner, path)
+
+
+def _structure_or_refuse(obj: Mapping[str, Any], cls: type[T]) -> T:
+    try:
+        return converter.structure(obj, cls)
+    except BaseValidationError as exc:
+        path, leaf = _locate(exc)
+        if isinstance(leaf, KeyError):
+            message = "is required but missing"
+        elif isinstance(leaf, InvalidValue):
+            message = str(leaf)
+        else:
+            message = f"is not valid ({leaf})"
+        raise ProtocolError(
+            "invalid_field",
+            f"`{path}` {message}; fix the field and resend the frame.",
+            param=path or None,
+        ) from None
+
+
+def decode_client_event(frame: str | bytes) -> ClientEvent:
+    """A text frame from a client, as a typed event; a `ProtocolError` says what is wrong."""
+    try:
+        obj = orjson.loads(frame)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(
+            "invalid_json", f"The frame is not valid JSON ({exc}); send one JSON object per text frame."
+        ) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(
+            "invalid_json",
+            f"The frame is JSON {_json_kind(obj)}, not an object; send one event object per frame.",
+        )
+    tag = obj.get("type")
+    if not isinstance(tag, str):
+        raise ProtocolError(
+            "invalid_field", "The event has no string `type`; set it, e.g. \"response.create\".", param="type"
+        )
+    cls = CLIENT_EVENT_TYPES.get(tag)
+    if cls is None:
+        known = ", ".join(CLIENT_EVENT_TYPES)
+        raise ProtocolError(
+            "unknown_event_type", f"Unknown event type {tag!r}; this server accepts {known}.", param="type"
+        )
+    return _structure_or_refuse(obj, cls)
+
+
+def encode_server_event(event: ServerEvent, sequence_number: int) -> str:
+    """One server event as the text of one WebSocket frame (or one SSE `data:` line)."""
+    obj = converter.unstructure(event)
+    obj["sequence_number"] = sequence_number
+    return orjson.dumps(obj).decode()
+
+
+def decode_server_event(frame: str | bytes) -> tuple[int, ServerEvent]:
+    """A frame the server sent, for clients and tests: its sequence number and its event."""
+    obj = orjson.loads(frame)
+    cls = SERVER_EVENT_TYPES[obj["type"]]
+    return obj["sequence_number"], converter.structure(obj, cls)
+
+
+def unstructure(value: Any) -> Any:
+    return converter.unstructure(value)

@@ -1,0 +1,45 @@
+"""Typed errors that say whose fault a failure is.
+
+A `ProtocolError` is the client's fault: it becomes an `error` event and the connection lives on.
+A `ServerFault` is the model's or the server's: it ends the open Response with `response.failed`.
+Both carry what the wire needs; the conversion to events happens at one boundary, in the server.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class ErrorDetail:
+    """The `error` object of an `error` event or a failed Response."""
+
+    type: str
+    code: str
+    message: str
+    param: str | None = None
+
+
+class ProtocolError(Exception):
+    """A client frame was malformed or not legal now; nothing it asked for has happened."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(type=error_type, code=code, message=message, param=param)
+
+
+class ServerFault(Exception):
+    """The model, the generator or the server failed; the Response fails, the connection lives."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.detail = ErrorDetail(type="server_error", code=code, message=message)

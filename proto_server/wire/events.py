@@ -1,0 +1,257 @@
+"""Every event on the wire: what clients send, and what the server streams back.
+
+Server events carry no `sequence_number`: the connection's writer stamps it as it encodes, so the
+numbers follow the order in which frames really leave, whoever produced the events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from proto_server.wire.errors import ErrorDetail
+from proto_server.wire.items import Item, OutputText
+from proto_server.wire.response import Response
+from proto_server.wire.tools import Tool
+
+# -- client events ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ResponseCreate:
+    """Start a Response. Unknown fields are accepted and ignored: real clients send many."""
+
+    type: str = "response.create"
+    model: str | None = None
+    input: str | tuple[Item, ...] = ()
+    instructions: str | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    generate: bool | None = None
+    max_output_tokens: int | None = None
+    metadata: Mapping[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ResponseAppend:
+    """Answer the suspended Response's tool calls (and/or add a user message) and resume it."""
+
+    type: str = "response.append"
+    input: tuple[Item, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ResponseCancel:
+    """This project's extension: end the open Response with status `cancelled`."""
+
+    type: str = "response.cancel"
+    response_id: str | None = None
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel
+
+CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
+    "response.create": ResponseCreate,
+    "response.append": ResponseAppend,
+    "response.cancel": ResponseCancel,
+}
+
+# -- server events: the Response's life ------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ResponseCreated:
+    type: str = "response.created"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInProgress:
+    type: str = "response.in_progress"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseDone:
+    """Prototype dialect: this segment is over, the Response is still open, append to resume."""
+
+    type: str = "response.done"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseCompleted:
+    type: str = "response.completed"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseFailed:
+    type: str = "response.failed"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseIncomplete:
+    type: str = "response.incomplete"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseCancelled:
+    """This project's extension, the answer to `response.cancel`."""
+
+    type: str = "response.cancelled"
+    response: Response
+
+
+# -- server events: items and their deltas ---------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class OutputItemAdded:
+    type: str = "response.output_item.added"
+    output_index: int
+    item: Item
+
+
+@attrs.frozen(kw_only=True)
+class OutputItemDone:
+    type: str = "response.output_item.done"
+    output_index: int
+    item: Item
+
+
+@attrs.frozen(kw_only=True)
+class ContentPartAdded:
+    type: str = "response.content_part.added"
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+@attrs.frozen(kw_only=True)
+class ContentPartDone:
+    type: str = "response.content_part.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+@attrs.frozen(kw_only=True)
+class OutputTextDelta:
+    type: str = "response.output_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: tuple[Any, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class OutputTextDone:
+    type: str = "response.output_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: tuple[Any, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class FunctionCallArgumentsDelta:
+    type: str = "response.function_call_arguments.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+@attrs.frozen(kw_only=True)
+class FunctionCallArgumentsDone:
+    type: str = "response.function_call_arguments.done"
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+@attrs.frozen(kw_only=True)
+class CustomToolCallInputDelta:
+    type: str = "response.custom_tool_call_input.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+@attrs.frozen(kw_only=True)
+class CustomToolCallInputDone:
+    type: str = "response.custom_tool_call_input.done"
+    item_id: str
+    output_index: int
+    input: str
+
+
+@attrs.frozen(kw_only=True)
+class ErrorEvent:
+    """A client frame was refused; `status` is HTTP-like. The connection stays open."""
+
+    type: str = "error"
+    status: int
+    error: ErrorDetail
+
+
+ResponseEvent = (
+    ResponseCreated
+    | ResponseInProgress
+    | ResponseDone
+    | ResponseCompleted
+    | ResponseFailed
+    | ResponseIncomplete
+    | ResponseCancelled
+)
+ItemEvent = (
+    OutputItemAdded
+    | OutputItemDone
+    | ContentPartAdded
+    | ContentPartDone
+    | OutputTextDelta
+    | OutputTextDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
+    | CustomToolCallInputDelta
+    | CustomToolCallInputDone
+)
+ServerEvent = ResponseEvent | ItemEvent | ErrorEvent
+
+SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
+    cls.__attrs_attrs__.type.default: cls  # type: ignore[attr-defined]
+    for cls in (
+        ResponseCreated,
+        ResponseInProgress,
+        ResponseDone,
+        ResponseCompleted,
+        ResponseFailed,
+        ResponseIncomplete,
+        ResponseCancelled,
+        OutputItemAdded,
+        OutputItemDone,
+        ContentPartAdded,
+        ContentPartDone,
+        OutputTextDelta,
+        OutputTextDone,
+        FunctionCallArgumentsDelta,
+        FunctionCallArgumentsDone,
+        CustomToolCallInputDelta,
+        CustomToolCallInputDone,
+        ErrorEvent,
+    )
+}

@@ -1,0 +1,51 @@
+"""A bare WebSocket test client: JSON in, JSON out, nothing hidden."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+TERMINAL = {"response.completed", "response.failed", "response.incomplete", "response.cancelled"}
+
+
+class Client:
+    def __init__(self, ws: WebSocketConnection) -> None:
+        self.ws = ws
+        self.received: list[dict[str, Any]] = []
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send_message(orjson.dumps(event).decode())
+
+    async def receive(self) -> dict[str, Any]:
+        with trio.fail_after(10):
+            event: dict[str, Any] = orjson.loads(await self.ws.get_message())
+        self.received.append(event)
+        return event
+
+    async def until(self, *types: str) -> list[dict[str, Any]]:
+        """Events up to and including the first whose type is one of `types`."""
+        events = []
+        while True:
+            event = await self.receive()
+            events.append(event)
+            if event["type"] in types:
+                return events
+
+    async def segment(self) -> list[dict[str, Any]]:
+        """Events up to the end of a segment: a suspension, an end, or an error."""
+        return await self.until("response.done", "error", *TERMINAL)
+
+
+@asynccontextmanager
+async def connect(url: str, **headers: str) -> AsyncIterator[Client]:
+    async with open_websocket_url(url, extra_headers=list(headers.items())) as ws:
+        yield Client(ws)
+
+
+def types(events: list[dict[str, Any]]) -> list[str]:
+    return [event["type"].removeprefix("response.") for event in events]
