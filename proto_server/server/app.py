@@ -78,6 +78,18 @@ class ProtoServer:
         self.renderer = renderer or O200kRenderer()
         self.open_connections = 0
         self.open_rollouts = 0
+        self._changed = trio.Event()
+
+    def _count(self, *, connections: int = 0, rollouts: int = 0) -> None:
+        self.open_connections += connections
+        self.open_rollouts += rollouts
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no connection and no rollout is open (every one has released its state)."""
+        while self.open_connections or self.open_rollouts:
+            await self._changed.wait()
 
     async def serve(
         self, *, task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED
@@ -94,7 +106,7 @@ class ProtoServer:
             task_status.started(address)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        self.open_connections += 1
+        self._count(connections=1)
         try:
             head = None
             with trio.move_on_after(self.config.handshake_timeout_s):
@@ -114,9 +126,9 @@ class ProtoServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went away; everything it started is already cancelled
         finally:
-            self.open_connections -= 1
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+            self._count(connections=-1)
 
     async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead) -> None:
         async with trio.open_nursery() as nursery:
@@ -183,7 +195,7 @@ class ProtoServer:
             settings=settings,
             conversation=conversation,
         )
-        self.open_rollouts += 1
+        self._count(rollouts=1)
         log.debug(
             "rollout.opened",
             extra={"connection": connection.id, "response": machine.id, "open": self.open_rollouts},
@@ -197,7 +209,7 @@ class ProtoServer:
         )
 
     def _rollout_closed(self, rollout: Rollout) -> None:
-        self.open_rollouts -= 1
+        self._count(rollouts=-1)
 
 
 async def _send_json(stream: trio.abc.Stream, conn: h11.Connection, status: int, body: object) -> None:

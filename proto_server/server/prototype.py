@@ -37,11 +37,18 @@ class PrototypeDialect:
 
     def _open_rollout(self, verb: str) -> Rollout:
         rollout = self.rollout
-        if rollout is None or rollout.machine.status.terminal:
+        if rollout is None:
             raise ProtocolError(
                 "no_open_response",
                 f"There is no open Response to {verb} on this connection; "
                 "start one with response.create.",
+            )
+        machine = rollout.machine
+        if machine.status.terminal:
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {machine.id} already ended ({machine.status.value}); there is "
+                f"nothing to {verb}. Start a new Response with response.create.",
             )
         return rollout
 

@@ -1,0 +1,164 @@
+"""The sans-IO Response state machine, driven synchronously: no sockets, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.render import O200kRenderer
+from proto_server.core.response import (
+    TERMINAL,
+    TRANSITIONS,
+    IllegalTransition,
+    ResponseMachine,
+    ResponseSettings,
+    Status,
+)
+from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
+
+
+def machine() -> ResponseMachine:
+    conv = Conversation(O200kRenderer())
+    conv.extend([Message(role="user", content="hi")])
+    return ResponseMachine(
+        response_id="resp_1",
+        created_at=0,
+        settings=ResponseSettings(model="m"),
+        conversation=conv,
+    )
+
+
+def suspended_with(calls: int) -> tuple[ResponseMachine, list[str]]:
+    m = machine()
+    m.start()
+    m.begin_segment(prompt_tokens=10, cached_tokens=0)
+    call_ids = []
+    for _ in range(calls):
+        m.begin_function_call("exec_command", tokens=2)
+        m.function_call_arguments_delta("{}", tokens=1)
+        (_, done) = m.end_function_call()
+        call_ids.append(done.item.call_id)  # type: ignore[union-attr]
+    m.end_segment()
+    assert m.status is Status.SUSPENDED
+    return m, call_ids
+
+
+def output(call_id: str) -> FunctionCallOutput:
+    return FunctionCallOutput(call_id=call_id, output="ok")
+
+
+def test_the_transition_table() -> None:
+    assert TRANSITIONS[Status.IN_PROGRESS] == {
+        Status.SUSPENDED, Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
+    }  # fmt: skip
+    assert TRANSITIONS[Status.SUSPENDED] == {
+        Status.IN_PROGRESS, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
+    }  # fmt: skip
+    for status in TERMINAL:
+        assert TRANSITIONS[status] == frozenset()
+
+
+def test_a_segment_without_tool_calls_completes() -> None:
+    m = machine()
+    m.start()
+    m.begin_segment(prompt_tokens=5, cached_tokens=0)
+    m.text_delta("Hi", tokens=1)
+    events = m.end_segment()
+    assert [e.type for e in events] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert m.status is Status.COMPLETED
+    assert m.usage().total_tokens == 6
+
+
+def test_a_partial_append_keeps_it_suspended_and_the_last_answer_resumes() -> None:
+    m, (a, b) = suspended_with(2)
+    assert m.append([output(a)]) == []
+    assert m.status is Status.SUSPENDED
+    assert list(m.pending_calls) == [b]
+    events = m.append([output(b)])
+    assert [e.type for e in events] == ["response.in_progress"]
+    assert m.status is Status.IN_PROGRESS
+
+
+@pytest.mark.parametrize(
+    ("items", "code"),
+    [
+        ([output("call_unknown")], "unknown_call_id"),
+        ("dup", "duplicate_call_id"),
+        ([], "invalid_field"),
+        ([FunctionCall(call_id="c", name="n", arguments="{}")], "invalid_field"),
+        ([Message(role="user", content="more")], "missing_tool_output"),
+    ],
+)
+def test_a_refused_append_changes_nothing(items: object, code: str) -> None:
+    m, (a,) = suspended_with(1)
+    if items == "dup":
+        items = [output(a), output(a)]
+    before = (m.status, dict(m.pending_calls), set(m.answered_calls), m.conversation.token_count)
+    with pytest.raises(ProtocolError) as refused:
+        m.append(items)  # type: ignore[arg-type]
+    assert refused.value.detail.code == code
+    after = (m.status, dict(m.pending_calls), set(m.answered_calls), m.conversation.token_count)
+    assert after == before
+
+
+def test_append_while_streaming_or_after_the_end_is_refused() -> None:
+    m = machine()
+    m.start()
+    with pytest.raises(ProtocolError) as refused:
+        m.append([output("x")])
+    assert refused.value.detail.code == "response_in_progress"
+    m.begin_segment(prompt_tokens=1, cached_tokens=0)
+    m.end_segment()
+    with pytest.raises(ProtocolError) as refused:
+        m.append([output("x")])
+    assert refused.value.detail.code == "no_open_response"
+
+
+def test_the_generator_cannot_drive_an_illegal_move_and_nothing_changes() -> None:
+    m, _ = suspended_with(1)
+    with pytest.raises(IllegalTransition):
+        m.text_delta("late", tokens=1)
+    with pytest.raises(IllegalTransition):
+        m.end_segment()
+    assert m.status is Status.SUSPENDED
+    m2 = machine()
+    m2.start()
+    m2.begin_segment(prompt_tokens=1, cached_tokens=0)
+    m2.begin_function_call("f")
+    with pytest.raises(IllegalTransition):
+        m2.text_delta("inside a call", tokens=1)
+    with pytest.raises(IllegalTransition):
+        m2.end_segment()
+
+
+def test_failing_mid_call_closes_the_item_and_leaves_no_call_pending() -> None:
+    m = machine()
+    m.start()
+    m.begin_segment(prompt_tokens=1, cached_tokens=0)
+    m.begin_function_call("f")
+    events = m.fail(ErrorDetail(type="server_error", code="x", message="boom"))
+    assert [e.type for e in events] == ["response.output_item.done", "response.failed"]
+    assert events[0].item.status == "incomplete"  # type: ignore[union-attr]
+    assert m.pending_calls == {}
+    assert m.snapshot().error is not None
+    with pytest.raises(ProtocolError):
+        m.cancel()
+
+
+def test_usage_adds_up_over_segments() -> None:
+    m, (a,) = suspended_with(1)
+    m.append([output(a)])
+    m.begin_segment(prompt_tokens=30, cached_tokens=20)
+    m.text_delta("done", tokens=1)
+    m.end_segment()
+    usage = m.usage()
+    assert usage.input_tokens == 40
+    assert usage.input_tokens_details.cached_tokens == 20
+    assert usage.output_tokens == 2 + 1 + 1
+    assert usage.total_tokens == 44

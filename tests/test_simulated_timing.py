@@ -1,0 +1,113 @@
+"""The simulated GPU's timing model, on trio's MockClock (virtual seconds, no real waiting)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.render import O200kRenderer
+from proto_server.core.tokenizer import o200k_base
+from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, TextDelta, ToolCallEnd
+from proto_server.engine.script import parse_script
+from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
+from proto_server.wire.converter import converter
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
+from proto_server.wire.tools import Tool
+
+from .conftest import EXEC_COMMAND
+
+PREFILL = 10_000.0
+DECODE = 1_000.0
+
+
+def thousand_token_text() -> str:
+    text = " ok" * 1000
+    assert len(o200k_base().encode_ordinary(text)) == 1000  # the premise of these tests
+    return text
+
+
+async def run_segment(session: SimulatedSession) -> list[tuple[float, Chunk]]:
+    """Every chunk of one segment, with the virtual time it arrived."""
+    timeline: list[tuple[float, Chunk]] = []
+    send, receive = trio.open_memory_channel[Chunk](math.inf)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.generate, send)
+        async for chunk in receive:
+            timeline.append((trio.current_time(), chunk))
+            if isinstance(chunk, SegmentEnd):
+                break
+    return timeline
+
+
+def conversation() -> Conversation:
+    tools: tuple[Tool, ...] = (converter.structure(EXEC_COMMAND, Tool),)  # type: ignore[arg-type]
+    conv = Conversation(O200kRenderer(), instructions="You fix bugs.", tools=tools)
+    conv.extend([Message(role="user", content="fix it")])
+    return conv
+
+
+async def test_a_thousand_tokens_at_a_thousand_per_second_take_one_second_after_prefill(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = parse_script({"segments": [{"text": thousand_token_text()}]})
+    conv = conversation()
+    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(conv)
+    start = trio.current_time()
+    timeline = await run_segment(session)
+
+    prefill = conv.token_count / PREFILL
+    first_at, first = timeline[0]
+    assert first == Prefilled(prompt_tokens=conv.token_count, cached_tokens=0)
+    assert first_at - start == pytest.approx(prefill)
+    texts = [(t, c) for t, c in timeline if isinstance(c, TextDelta)]
+    assert sum(c.tokens for _, c in texts) == 1000
+    assert texts[0][0] - start == pytest.approx(prefill + 1 / DECODE)
+    assert texts[-1][0] - start == pytest.approx(prefill + 1.0)
+
+
+async def test_a_resumed_segment_prefills_only_what_was_appended(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = parse_script(
+        {
+            "segments": [
+                {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "cat log"}}]},
+                {"text": "ok"},
+            ]
+        }
+    )
+    conv = conversation()
+    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(conv)
+    first = await run_segment(session)
+    assert any(isinstance(c, ToolCallEnd) for _, c in first)
+    # what the Response machine does with that segment, then what the client appends
+    conv.extend([FunctionCall(call_id="call_1", name="exec_command", arguments='{"cmd":"cat log"}')])
+    warm = conv.token_count
+    appended = conv.extend([FunctionCallOutput(call_id="call_1", output="line\n" * 2000)])
+    assert appended > 2000
+
+    start = trio.current_time()
+    second = await run_segment(session)
+    at, prefilled = second[0]
+    assert prefilled == Prefilled(prompt_tokens=warm + appended, cached_tokens=warm)
+    assert at - start == pytest.approx(appended / PREFILL)
+
+
+async def test_bursts_decode_their_share_of_tokens_faster(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = parse_script({"segments": [{"text": thousand_token_text()}]})
+    timing = TimingModel(prefill_tokens_per_s=1e12, burst_tokens_per_s=4000.0, burst_share=0.5)
+    session = SimulatedGenerator(script, timing).open_session(conversation())
+    start = trio.current_time()
+    timeline = await run_segment(session)
+    # 500 tokens at 1,000/s and 500 at 4,000/s
+    assert timeline[-1][0] - start == pytest.approx(0.5 + 0.125, abs=1e-6)
+
+
+def test_rates_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="decode_tokens_per_s"):
+        TimingModel(decode_tokens_per_s=0)
