@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -98,14 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    config = ServerConfig(
-        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes
-    )
+    config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
     server = ProtoServer(SimulatedGenerator(planner, timing), config)
     try:
         trio.run(partial(_serve, server, args.script))
-    except KeyboardInterrupt:
-        print("proto-server: stopped", file=sys.stderr)
     except OSError as exc:
         print(
             f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
@@ -125,3 +122,8 @@ async def _serve(server: ProtoServer, script: str | None) -> None:
             f"(WebSocket {address.ws_url}, prototype dialect; simulated GPU with {model})",
             flush=True,
         )
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                print(f"proto-server: {signal.Signals(signum).name}, stopping", file=sys.stderr)
+                nursery.cancel_scope.cancel()
+                break

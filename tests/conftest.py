@@ -72,9 +72,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
     ) -> Running:
         if planner is None:
             planner = parse_script(script) if script is not None else DefaultModel()
-        server = ProtoServer(
-            SimulatedGenerator(planner, timing), ServerConfig(port=0, **config)
-        )
+        server = ProtoServer(SimulatedGenerator(planner, timing), ServerConfig(port=0, **config))
         address = await nursery.start(server.serve)
         return Running(server, address)
 

@@ -33,7 +33,9 @@ def test_model_segments_are_runs_of_model_items() -> None:
     assert conv.model_segments == 1
     end = conv.token_count
     assert conv.model_output_end == end
-    conv.extend([FunctionCallOutput(call_id="a", output="1"), FunctionCallOutput(call_id="b", output="2")])
+    conv.extend(
+        [FunctionCallOutput(call_id="a", output="1"), FunctionCallOutput(call_id="b", output="2")]
+    )
     assert conv.tool_outputs == 2
     assert conv.model_output_end == end
     conv.extend([Message(role="assistant", content="done")])

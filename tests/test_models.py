@@ -31,7 +31,8 @@ def test_a_script_follows_the_conversation() -> None:
     c.extend([FunctionCall(call_id="a", name="exec_command", arguments="{}")])
     c.extend([FunctionCallOutput(call_id="a", output="x")])
     assert [call.arguments for call in script.plan(c).tool_calls] == [
-        '{"cmd":"cat a.py"}', '{"cmd":"cat b.py"}'
+        '{"cmd":"cat a.py"}',
+        '{"cmd":"cat b.py"}',
     ]
 
 

@@ -118,8 +118,10 @@ async def test_append_with_nothing_open_or_after_the_end(start_server: StartServ
         events = await finish_rollout(client, await client.segment())
         error = await refused(
             client,
-            {"type": "response.append", "input": [{"type": "message", "role": "user",
-                                                   "content": "one more thing"}]},
+            {
+                "type": "response.append",
+                "input": [{"type": "message", "role": "user", "content": "one more thing"}],
+            },
         )
         assert error["code"] == "no_open_response"
         assert events[-1]["response"]["id"] in error["message"]
@@ -166,7 +168,12 @@ async def test_append_takes_only_outputs_and_messages(start_server: StartServer)
     async with connect(running.prototype_url) as client:
         await client.send(create())
         events = await client.segment()
-        replay = {"type": "function_call", "call_id": "c", "name": "exec_command", "arguments": "{}"}
+        replay = {
+            "type": "function_call",
+            "call_id": "c",
+            "name": "exec_command",
+            "arguments": "{}",
+        }
         error = await refused(client, {"type": "response.append", "input": [replay]})
         assert (error["code"], error["param"]) == ("invalid_field", "input[0].type")
         error = await refused(client, {"type": "response.append", "input": []})
@@ -288,7 +295,9 @@ class RecordingGenerator:
 
 
 @pytest.mark.parametrize("when", ["streaming", "suspended"])
-async def test_a_vanished_client_leaves_nothing_behind(start_server: StartServer, when: str) -> None:
+async def test_a_vanished_client_leaves_nothing_behind(
+    start_server: StartServer, when: str
+) -> None:
     if when == "streaming":
         running = await start_server(LONG_TEXT, timing=SLOW)
     else:

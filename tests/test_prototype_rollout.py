@@ -50,8 +50,9 @@ def collapse(names: list[str]) -> list[str]:
 
 def answers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls = [
-        e["item"] for e in events if e["type"] == "response.output_item.done"
-        and e["item"]["type"] == "function_call"
+        e["item"]
+        for e in events
+        if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"
     ]
     return [
         {"type": "function_call_output", "call_id": c["call_id"], "output": f"ran {c['arguments']}"}
@@ -91,7 +92,11 @@ async def test_a_whole_rollout_is_one_response(start_server: StartServer) -> Non
     assert len(response_ids) == 1
     # output indices continue across segments: 0,1 | 2,3 | 4
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [
-        0, 1, 2, 3, 4
+        0,
+        1,
+        2,
+        3,
+        4,
     ]
     assert first[-1]["response"]["status"] == "in_progress"
     final = third[-1]["response"]
@@ -101,7 +106,9 @@ async def test_a_whole_rollout_is_one_response(start_server: StartServer) -> Non
     ]  # fmt: skip
     assert final["output"][-1]["content"][0]["text"] == "Fixed: the loop was off by one."
     assert [i["arguments"] for i in final["output"] if i["type"] == "function_call"] == [
-        '{"cmd":"ls"}', '{"cmd":"cat a.py"}', '{"cmd":"cat b.py"}'
+        '{"cmd":"ls"}',
+        '{"cmd":"cat a.py"}',
+        '{"cmd":"cat b.py"}',
     ]
     # deltas add up to their done texts
     text = "".join(e["delta"] for e in first if e["type"] == "response.output_text.delta")
@@ -189,8 +196,19 @@ async def test_a_request_body_with_unknown_fields_and_tools_is_served(
     async with connect(running.prototype_url) as client:
         await client.send(
             create(
-                tools=[EXEC_COMMAND, {"type": "web_search"}, {"type": "custom", "name": "apply_patch",
-                       "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}],
+                tools=[
+                    EXEC_COMMAND,
+                    {"type": "web_search"},
+                    {
+                        "type": "custom",
+                        "name": "apply_patch",
+                        "format": {
+                            "type": "grammar",
+                            "syntax": "lark",
+                            "definition": "start: /.+/",
+                        },
+                    },
+                ],
                 reasoning={"effort": "medium"},
                 include=["reasoning.encrypted_content"],
                 prompt_cache_key="abc",

@@ -54,7 +54,9 @@ async def test_a_thousand_tokens_at_a_thousand_per_second_take_one_second_after_
 ) -> None:
     script = parse_script({"segments": [{"text": thousand_token_text()}]})
     conv = conversation()
-    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(conv)
+    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(
+        conv
+    )
     start = trio.current_time()
     timeline = await run_segment(session)
 
@@ -80,11 +82,15 @@ async def test_a_resumed_segment_prefills_only_what_was_appended(
         }
     )
     conv = conversation()
-    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(conv)
+    session = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=PREFILL)).open_session(
+        conv
+    )
     first = await run_segment(session)
     assert any(isinstance(c, ToolCallEnd) for _, c in first)
     # what the Response machine does with that segment, then what the client appends
-    conv.extend([FunctionCall(call_id="call_1", name="exec_command", arguments='{"cmd":"cat log"}')])
+    conv.extend(
+        [FunctionCall(call_id="call_1", name="exec_command", arguments='{"cmd":"cat log"}')]
+    )
     warm = conv.token_count
     appended = conv.extend([FunctionCallOutput(call_id="call_1", output="line\n" * 2000)])
     assert appended > 2000

@@ -74,7 +74,9 @@ def test_codex_0107_appends_are_function_call_outputs() -> None:
 
 
 def test_an_easy_input_message_needs_no_type() -> None:
-    event = decode_client_event('{"type":"response.create","input":[{"role":"user","content":"hi"}]}')
+    event = decode_client_event(
+        '{"type":"response.create","input":[{"role":"user","content":"hi"}]}'
+    )
     assert isinstance(event, ResponseCreate)
     assert event.input == (Message(role="user", content="hi"),)
 

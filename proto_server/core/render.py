@@ -41,8 +41,9 @@ def item_text(item: Item) -> str:
             return f"<|assistant|> call {name} {call_id}\n{arguments}\n"
         case CustomToolCall(name=name, call_id=call_id, input=text):
             return f"<|assistant|> custom {name} {call_id}\n{text}\n"
-        case FunctionCallOutput(call_id=call_id, output=output) | CustomToolCallOutput(
-            call_id=call_id, output=output
+        case (
+            FunctionCallOutput(call_id=call_id, output=output)
+            | CustomToolCallOutput(call_id=call_id, output=output)
         ):
             return f"<|tool|> {call_id}\n{content_text(output)}\n"
         case UnknownItem(raw=raw):

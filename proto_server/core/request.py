@@ -20,7 +20,9 @@ def response_settings(create: ResponseCreate, *, default_model: str) -> Response
         instructions=create.instructions,
         tools=create.tools,
         tool_choice=create.tool_choice,
-        parallel_tool_calls=True if create.parallel_tool_calls is None else create.parallel_tool_calls,
+        parallel_tool_calls=True
+        if create.parallel_tool_calls is None
+        else create.parallel_tool_calls,
         store=bool(create.store),
         previous_response_id=create.previous_response_id,
         metadata=create.metadata or {},

@@ -5,7 +5,8 @@ tool calls, the end of a segment) and with what the client asked (append, cancel
 returns the events to send, in order. It never awaits and never reads a clock.
 
     in_progress --tool calls--> suspended --append answers all--> in_progress --> ...
-    in_progress --no tool call--> completed        any open state --> failed | incomplete | cancelled
+    in_progress --no tool call--> completed
+    any open state --> failed | incomplete | cancelled
 
 A call that is not legal in the current state raises and changes nothing: a client's mistake is
 a `ProtocolError` (it becomes an `error` event), a generator's is an `IllegalTransition` (a bug
@@ -413,11 +414,11 @@ class ResponseMachine:
         part = OutputText(text=text)
         item = Message(id=message.item_id, role="assistant", content=(part,), status=status)
         self._finish(item)
-        where = {"item_id": message.item_id, "output_index": message.output_index}
+        item_id, index = message.item_id, message.output_index
         return [
-            OutputTextDone(content_index=0, text=text, **where),
-            ContentPartDone(content_index=0, part=part, **where),
-            OutputItemDone(output_index=message.output_index, item=item),
+            OutputTextDone(item_id=item_id, output_index=index, content_index=0, text=text),
+            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
+            OutputItemDone(output_index=index, item=item),
         ]
 
     def _abandon_open_item(self) -> list[ServerEvent]:

@@ -15,7 +15,7 @@ from typing import Any
 from unittest import mock
 
 import tiktoken
-from tiktoken_ext import openai_public
+from tiktoken_ext import openai_public  # type: ignore[import-untyped]
 
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 

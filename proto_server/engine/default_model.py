@@ -106,14 +106,17 @@ class DefaultModel:
         if not tools:
             said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
             return Segment(
-                text="Hello from proto-server's built-in simulated model." + said
+                text="Hello from proto-server's built-in simulated model."
+                + said
                 + " Start the server with --script FILE to script a rollout."
             )
         if conversation.tool_outputs == 0:
             tool = _choose_tool(tools, user_text)
             arguments = example_value(tool.parameters or {"type": "object"}, tool.name)
             return Segment(
-                tool_calls=(ScriptedCall(name=tool.name, arguments=orjson.dumps(arguments).decode()),)
+                tool_calls=(
+                    ScriptedCall(name=tool.name, arguments=orjson.dumps(arguments).decode()),
+                )
             )
         outputs = [i for i in items if isinstance(i, FunctionCallOutput | CustomToolCallOutput)]
         calls = {i.call_id: i.name for i in items if isinstance(i, FunctionCall)}

@@ -1,7 +1,8 @@
 """Rollout scripts: what the simulated model says and which tools it calls, segment by segment.
 
     {"segments": [
-      {"text": "Let me look.", "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}]},
+      {"text": "Let me look.",
+       "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}]},
       {"text": "Fixed: the loop was off by one."}
     ]}
 

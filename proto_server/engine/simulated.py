@@ -40,8 +40,10 @@ class TimingModel:
     prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive)
     decode_tokens_per_s: float = attrs.field(default=1_000.0, validator=_positive)
     burst_tokens_per_s: float | None = None
-    burst_share: float = attrs.field(default=0.5, validator=attrs.validators.and_(
-        attrs.validators.ge(0.0), attrs.validators.le(1.0)))
+    burst_share: float = attrs.field(
+        default=0.5,
+        validator=attrs.validators.and_(attrs.validators.ge(0.0), attrs.validators.le(1.0)),
+    )
 
     def prefill_seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -1,1 +1,1 @@
-"""trio: one listener, one nursery per connection, the dialects. Only moves bytes and owns lifetimes."""
+"""trio: one listener, a nursery per connection, the dialects; moves bytes, owns lifetimes."""

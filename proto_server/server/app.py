@@ -1,10 +1,10 @@
 """The server: one listener for HTTP and WebSocket, a nursery per connection.
 
-    server nursery (serve)
-     └─ connection nursery (one per socket, _handle)
-         ├─ trio-websocket's reader
-         ├─ writer and reader (connection.py)
-         └─ rollout nursery (rollout.py): generator task + sampling loop
+server nursery (serve)
+ └─ connection nursery (one per socket, _handle)
+     ├─ trio-websocket's reader
+     ├─ writer and reader (connection.py)
+     └─ rollout nursery (rollout.py): generator task + sampling loop
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
 from proto_server.server.connection import Connection
-from proto_server.server.handshake import BadRequestHead, ReplayStream, RequestHead, read_request_head
+from proto_server.server.handshake import (
+    BadRequestHead,
+    ReplayStream,
+    RequestHead,
+    read_request_head,
+)
 from proto_server.server.logs import log
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
@@ -139,7 +144,8 @@ class ProtoServer:
             )
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 await request.reject(
-                    404, body=f"No WebSocket endpoint at {head.path}; use {RESPONSES_PATH}.".encode()
+                    404,
+                    body=f"No WebSocket endpoint at {head.path}; use {RESPONSES_PATH}.".encode(),
                 )
                 return
             dialect_name = select_dialect(head)
@@ -212,7 +218,9 @@ class ProtoServer:
         self._count(rollouts=-1)
 
 
-async def _send_json(stream: trio.abc.Stream, conn: h11.Connection, status: int, body: object) -> None:
+async def _send_json(
+    stream: trio.abc.Stream, conn: h11.Connection, status: int, body: object
+) -> None:
     data = orjson.dumps(body)
     headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
     await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")

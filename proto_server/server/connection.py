@@ -64,7 +64,11 @@ class Connection:
             except ProtocolError as exc:
                 log.info(
                     "client.refused",
-                    extra={"connection": self.id, "code": exc.detail.code, "param": exc.detail.param},
+                    extra={
+                        "connection": self.id,
+                        "code": exc.detail.code,
+                        "param": exc.detail.param,
+                    },
                 )
                 await self.events.send(ErrorEvent(status=exc.status, error=exc.detail))
 

@@ -24,7 +24,7 @@ class ReplayStream(trio.abc.Stream):
             data, self._buffer = self._buffer[:size], self._buffer[size:]
             await trio.lowlevel.checkpoint()
             return data
-        return await self._stream.receive_some(max_bytes)
+        return bytes(await self._stream.receive_some(max_bytes))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._stream.send_all(data)
@@ -78,7 +78,7 @@ async def read_request_head(stream: trio.abc.Stream, *, max_bytes: int) -> Reque
         if isinstance(event, h11.Request):
             return RequestHead(event, bytes(raw), connection)
         if event is h11.NEED_DATA:
-            data = await stream.receive_some()
+            data = bytes(await stream.receive_some())
             if not data:
                 return None
             raw += data

@@ -14,7 +14,8 @@ class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
         pairs = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
-        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {record.getMessage()}"
+        when = self.formatTime(record, "%H:%M:%S")
+        line = f"{when} {record.levelname.lower()} {record.getMessage()}"
         line = f"{line} {pairs}" if pairs else line
         if record.exc_info:
             line = f"{line}\n{self.formatException(record.exc_info)}"

@@ -62,7 +62,9 @@ class PrototypeDialect:
                 "creating another.",
             )
         if create.previous_response_id is not None:
-            raise _unsupported("previous_response_id", "a prototype Response continues with response.append")
+            raise _unsupported(
+                "previous_response_id", "a prototype Response continues with response.append"
+            )
         if create.generate is False:
             raise _unsupported("generate", "warm-ups belong to the launched dialect")
         if create.background:

@@ -65,7 +65,8 @@ class Rollout:
     def cancel(self) -> None:
         if self.machine.status.terminal or self._cancel_requested:
             raise ProtocolError(
-                "no_open_response", f"Response {self.machine.id} is already ending; nothing to cancel."
+                "no_open_response",
+                f"Response {self.machine.id} is already ending; nothing to cancel.",
             )
         self._cancel_requested = True
         if self._generator_scope is not None:

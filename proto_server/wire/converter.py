@@ -42,11 +42,14 @@ class InvalidValue(ValueError):
 
 
 def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
+    # an integer is a number on the wire; a boolean is never an integer (as it is in Python)
+    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
+
     def structure(value: Any, _: Any) -> T:
-        # bool is an int in Python, never on the wire
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
             raise InvalidValue(f"expected {name}, got {_json_kind(value)}")
-        return value
+        checked: Any = value
+        return float(checked) if kind is float else checked  # type: ignore[return-value]
 
     return structure
 
@@ -84,7 +87,7 @@ def _structure_content(value: Any, _: Any) -> Content:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return tuple(converter.structure(value, list[ContentPart]))  # type: ignore[arg-type]
+        return tuple(converter.structure(value, list[ContentPart]))  # type: ignore[arg-type,unused-ignore]
     raise InvalidValue(f"expected a string or an array of content parts, got {_json_kind(value)}")
 
 
@@ -103,7 +106,7 @@ def _structure_item(value: Any, _: Any) -> Item:
 def _structure_items(value: Any, _: Any) -> tuple[Item, ...]:
     if not isinstance(value, list):
         raise InvalidValue(f"expected an array of items, got {_json_kind(value)}")
-    return tuple(converter.structure(value, list[Item]))  # type: ignore[arg-type]
+    return tuple(converter.structure(value, list[Item]))  # type: ignore[arg-type,unused-ignore]
 
 
 def _structure_input(value: Any, _: Any) -> str | tuple[Item, ...]:
@@ -124,7 +127,7 @@ def _structure_tool(value: Any, _: Any) -> Tool:
 converter.register_structure_hook(str, _strict(str, "a string"))
 converter.register_structure_hook(int, _strict(int, "an integer"))
 converter.register_structure_hook(bool, _strict(bool, "a boolean"))
-converter.register_structure_hook(float, lambda v, _: float(_strict((int, float), "a number")(v, _)))  # type: ignore[arg-type]
+converter.register_structure_hook(float, _strict(float, "a number"))
 converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
@@ -176,7 +179,8 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
         obj = orjson.loads(frame)
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(
-            "invalid_json", f"The frame is not valid JSON ({exc}); send one JSON object per text frame."
+            "invalid_json",
+            f"The frame is not valid JSON ({exc}); send one JSON object per text frame.",
         ) from None
     if not isinstance(obj, dict):
         raise ProtocolError(
@@ -186,13 +190,17 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
     tag = obj.get("type")
     if not isinstance(tag, str):
         raise ProtocolError(
-            "invalid_field", "The event has no string `type`; set it, e.g. \"response.create\".", param="type"
+            "invalid_field",
+            'The event has no string `type`; set it, e.g. "response.create".',
+            param="type",
         )
     cls = CLIENT_EVENT_TYPES.get(tag)
     if cls is None:
         known = ", ".join(CLIENT_EVENT_TYPES)
         raise ProtocolError(
-            "unknown_event_type", f"Unknown event type {tag!r}; this server accepts {known}.", param="type"
+            "unknown_event_type",
+            f"Unknown event type {tag!r}; this server accepts {known}.",
+            param="type",
         )
     return _structure_or_refuse(obj, cls)
 

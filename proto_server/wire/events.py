@@ -233,7 +233,7 @@ ItemEvent = (
 ServerEvent = ResponseEvent | ItemEvent | ErrorEvent
 
 SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
-    cls.__attrs_attrs__.type.default: cls  # type: ignore[attr-defined]
+    attrs.fields(cls).type.default: cls
     for cls in (
         ResponseCreated,
         ResponseInProgress,

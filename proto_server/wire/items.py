@@ -96,7 +96,14 @@ class UnknownItem:
         return str(self.raw.get("type"))
 
 
-Item = Message | FunctionCall | FunctionCallOutput | CustomToolCall | CustomToolCallOutput | UnknownItem
+Item = (
+    Message
+    | FunctionCall
+    | FunctionCallOutput
+    | CustomToolCall
+    | CustomToolCallOutput
+    | UnknownItem
+)
 ToolCall = FunctionCall | CustomToolCall
 ToolOutput = FunctionCallOutput | CustomToolCallOutput
 

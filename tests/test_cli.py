@@ -1,0 +1,66 @@
+"""`proto-server serve` as a user runs it: a real process, a real port, a clean stop."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import trio
+
+from .test_prototype_rollout import create
+from .wsclient import connect
+
+
+async def read_line(stream: trio.abc.ReceiveStream) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await stream.receive_some()
+        assert chunk, "the server exited before printing its address"
+        data += chunk
+    return data.decode()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+async def test_serve_prints_where_it_listens_serves_and_stops_cleanly(
+    nursery: trio.Nursery, stop: signal.Signals
+) -> None:
+    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
+    with trio.fail_after(30):
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        )
+        assert process.stdout is not None and process.stderr is not None
+        line = await read_line(process.stdout)
+        assert line.startswith("proto-server listening on http://127.0.0.1:")
+        ws_url = line.split("WebSocket ")[1].split(",")[0]
+        async with connect(ws_url + "?dialect=prototype") as client:
+            await client.send(create(tools=[]))
+            events = await client.segment()
+        assert events[-1]["type"] == "response.completed"
+        process.send_signal(stop)
+        assert await process.wait() == 0
+        err = (await process.stderr.receive_some()).decode()
+        assert f"{stop.name}, stopping" in err
+
+
+def test_a_bad_script_is_reported_before_listening(tmp_path: object) -> None:
+    path = tmp_path / "bad.json"  # type: ignore[operator]
+    path.write_text(json.dumps({"segments": [{"text": 3}]}))
+    done = subprocess.run(
+        [sys.executable, "-m", "proto_server", "serve", "--script", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "segments[0].text must be a string" in done.stderr
