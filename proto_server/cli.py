@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 import trio
 
@@ -16,6 +19,14 @@ from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import configure
+from proto_server.server.store import SQLiteStore
+
+API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
+
+
+def default_store_path() -> Path:
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "proto-server" / "responses.sqlite3"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +88,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest client frame; a larger one closes the connection with code 1009",
     )
     serve.add_argument(
+        "--max-connection-lifetime",
+        type=float,
+        default=defaults.max_connection_lifetime_s,
+        metavar="SECONDS",
+        help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="launched dialect: response.create frames that may wait behind the one in flight",
+    )
+    serve.add_argument(
+        "--store",
+        default=str(default_store_path()),
+        metavar="PATH",
+        help="SQLite file for store: true responses; ':memory:' keeps them in memory",
+    )
+    serve.add_argument(
+        "--store-max-responses",
+        type=int,
+        default=100_000,
+        help="retention: the newest this many stored responses are kept",
+    )
+    serve.add_argument(
+        "--store-max-age",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="retention: stored responses older than this are deleted",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="accept this bearer key (repeatable); also PROTO_SERVER_API_KEYS=k1,k2; "
+        "without any, no auth",
+    )
+    serve.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -99,8 +150,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
-    server = ProtoServer(SimulatedGenerator(planner, timing), config)
+    keys = args.api_key or [k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        max_connection_lifetime_s=args.max_connection_lifetime,
+        max_queued_requests=args.max_queued_requests,
+        api_keys=tuple(k.strip() for k in keys),
+    )
+    try:
+        if args.store != ":memory:":
+            Path(args.store).parent.mkdir(parents=True, exist_ok=True)
+        store = SQLiteStore(
+            args.store,
+            max_responses=args.store_max_responses,
+            max_age_s=args.store_max_age * 24 * 3600,
+        )
+    except (OSError, sqlite3.Error) as exc:
+        print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    server = ProtoServer(SimulatedGenerator(planner, timing), config, store=store)
     try:
         trio.run(partial(_serve, server, args.script))
     except OSError as exc:
@@ -119,7 +190,7 @@ async def _serve(server: ProtoServer, script: str | None) -> None:
         model = f"script {script}" if script else "the built-in default model"
         print(
             f"proto-server listening on {address.http_url} "
-            f"(WebSocket {address.ws_url}, prototype dialect; simulated GPU with {model})",
+            f"(WebSocket {address.ws_url}; simulated GPU with {model})",
             flush=True,
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
@@ -26,9 +28,10 @@ async def read_line(stream: trio.abc.ReceiveStream) -> str:
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 async def test_serve_prints_where_it_listens_serves_and_stops_cleanly(
-    nursery: trio.Nursery, stop: signal.Signals
+    nursery: trio.Nursery, stop: signal.Signals, tmp_path: Path
 ) -> None:
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
     with trio.fail_after(30):
         process: trio.Process = await nursery.start(
             partial(
@@ -37,12 +40,13 @@ async def test_serve_prints_where_it_listens_serves_and_stops_cleanly(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 check=False,
+                env=env,
             )
         )
         assert process.stdout is not None and process.stderr is not None
         line = await read_line(process.stdout)
         assert line.startswith("proto-server listening on http://127.0.0.1:")
-        ws_url = line.split("WebSocket ")[1].split(",")[0]
+        ws_url = line.split("WebSocket ")[1].split(";")[0]
         async with connect(ws_url + "?dialect=prototype") as client:
             await client.send(create(tools=[]))
             events = await client.segment()
@@ -51,6 +55,8 @@ async def test_serve_prints_where_it_listens_serves_and_stops_cleanly(
         assert await process.wait() == 0
         err = (await process.stderr.receive_some()).decode()
         assert f"{stop.name}, stopping" in err
+    # the default store is a SQLite file in the user's data directory
+    assert (tmp_path / "proto-server" / "responses.sqlite3").exists()
 
 
 def test_a_bad_script_is_reported_before_listening(tmp_path: object) -> None:

@@ -11,20 +11,18 @@ from proto_server.core.response import (
     TRANSITIONS,
     IllegalTransition,
     ResponseMachine,
-    ResponseSettings,
     Status,
 )
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
+from proto_server.wire.response import Response
 
 
 def machine() -> ResponseMachine:
     conv = Conversation(O200kRenderer())
     conv.extend([Message(role="user", content="hi")])
     return ResponseMachine(
-        response_id="resp_1",
-        created_at=0,
-        settings=ResponseSettings(model="m"),
+        response=Response(id="resp_1", created_at=0, status="in_progress", model="m"),
         conversation=conv,
     )
 
@@ -162,3 +160,17 @@ def test_usage_adds_up_over_segments() -> None:
     assert usage.input_tokens_details.cached_tokens == 20
     assert usage.output_tokens == 2 + 1 + 1
     assert usage.total_tokens == 44
+
+
+def test_in_the_launched_dialect_a_segment_with_tool_calls_completes() -> None:
+    m = ResponseMachine(
+        response=Response(id="resp_2", created_at=0, status="in_progress", model="m"),
+        conversation=Conversation(O200kRenderer()),
+        suspend_on_tool_calls=False,
+    )
+    m.start()
+    m.begin_segment(prompt_tokens=1, cached_tokens=0)
+    m.begin_function_call("f")
+    m.end_function_call()
+    assert m.end_segment()[-1].type == "response.completed"
+    assert m.status is Status.COMPLETED

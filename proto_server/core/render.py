@@ -11,6 +11,7 @@ from typing import Protocol
 
 import orjson
 
+from proto_server.core.compaction import summary_of
 from proto_server.core.tokenizer import o200k_base
 from proto_server.wire.converter import unstructure
 from proto_server.wire.items import (
@@ -47,6 +48,8 @@ def item_text(item: Item) -> str:
         ):
             return f"<|tool|> {call_id}\n{content_text(output)}\n"
         case UnknownItem(raw=raw):
+            if item.type == "compaction" and (summary := summary_of(item)) is not None:
+                return f"<|compaction|>\n{summary}\n"
             return f"<|{item.type}|>\n{orjson.dumps(raw).decode()}\n"
     raise TypeError(f"not an item: {item!r}")
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from proto_server.core.response import ResponseSettings
+import attrs
+
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
+from proto_server.wire.response import Response
+from proto_server.wire.tools import FunctionTool, Tool
 
 
 def input_items(create: ResponseCreate) -> tuple[Item, ...]:
@@ -14,16 +17,47 @@ def input_items(create: ResponseCreate) -> tuple[Item, ...]:
     return create.input
 
 
-def response_settings(create: ResponseCreate, *, default_model: str) -> ResponseSettings:
-    return ResponseSettings(
+def echoed_tool(tool: Tool) -> Tool:
+    """Function tools come back complete, as the API echoes them; others exactly as sent."""
+    if not isinstance(tool, FunctionTool):
+        return tool
+    return attrs.evolve(
+        tool,
+        parameters=tool.parameters if tool.parameters is not None else {"type": "object"},
+        strict=True if tool.strict is None else tool.strict,
+    )
+
+
+def response_template(
+    create: ResponseCreate, *, response_id: str, created_at: int, default_model: str
+) -> Response:
+    """The Response object a create asks for, before anything has been generated."""
+    optional = {
+        name: value
+        for name in (
+            "temperature", "top_p", "text", "truncation", "service_tier", "top_logprobs",
+        )
+        if (value := getattr(create, name)) is not None
+    }  # fmt: skip
+    return Response(
+        id=response_id,
+        created_at=created_at,
+        status="in_progress",
         model=create.model or default_model,
         instructions=create.instructions,
-        tools=create.tools,
+        tools=tuple(echoed_tool(tool) for tool in create.tools),
         tool_choice=create.tool_choice,
-        parallel_tool_calls=True
-        if create.parallel_tool_calls is None
-        else create.parallel_tool_calls,
-        store=bool(create.store),
+        parallel_tool_calls=(
+            True if create.parallel_tool_calls is None else create.parallel_tool_calls
+        ),
+        store=True if create.store is None else create.store,
         previous_response_id=create.previous_response_id,
         metadata=create.metadata or {},
+        max_output_tokens=create.max_output_tokens,
+        max_tool_calls=create.max_tool_calls,
+        reasoning=create.reasoning,
+        user=create.user,
+        prompt_cache_key=create.prompt_cache_key,
+        safety_identifier=create.safety_identifier,
+        **optional,
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 
@@ -51,7 +50,6 @@ from proto_server.wire.items import (
     OutputText,
 )
 from proto_server.wire.response import InputTokensDetails, Response, Usage
-from proto_server.wire.tools import Tool
 
 
 class Status(enum.Enum):
@@ -92,20 +90,6 @@ class IllegalTransition(Exception):
     """The generator drove the machine somewhere it cannot go: a server bug, never the client's."""
 
 
-@attrs.frozen(kw_only=True)
-class ResponseSettings:
-    """What the create request said that the Response object echoes back."""
-
-    model: str
-    instructions: str | None = None
-    tools: tuple[Tool, ...] = ()
-    tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
-    store: bool = False
-    previous_response_id: str | None = None
-    metadata: Mapping[str, Any] = attrs.field(factory=dict)
-
-
 @attrs.define
 class _OpenMessage:
     item_id: str
@@ -126,14 +110,13 @@ class ResponseMachine:
     def __init__(
         self,
         *,
-        response_id: str,
-        created_at: int,
-        settings: ResponseSettings,
+        response: Response,
         conversation: Conversation,
+        suspend_on_tool_calls: bool = True,
     ) -> None:
-        self.id = response_id
-        self.created_at = created_at
-        self.settings = settings
+        self.id = response.id
+        self.suspend_on_tool_calls = suspend_on_tool_calls
+        self._template = response
         self.conversation = conversation
         self.status = Status.IN_PROGRESS
         self.pending_calls: dict[str, Item] = {}
@@ -162,25 +145,15 @@ class ResponseMachine:
         )
 
     def snapshot(self) -> Response:
-        s = self.settings
-        return Response(
-            id=self.id,
-            created_at=self.created_at,
+        return attrs.evolve(
+            self._template,
             status=self.status.wire,
-            model=s.model,
             output=tuple(self._output),
-            previous_response_id=s.previous_response_id,
-            instructions=s.instructions,
-            tools=s.tools,
-            tool_choice=s.tool_choice,
-            parallel_tool_calls=s.parallel_tool_calls,
-            store=s.store,
             error=self.error,
             incomplete_details=(
                 {"reason": self.incomplete_reason} if self.incomplete_reason is not None else None
             ),
             usage=self.usage(),
-            metadata=s.metadata,
         )
 
     # -- the Response's life -----------------------------------------------------------------
@@ -197,12 +170,16 @@ class ResponseMachine:
         self._cached_tokens += cached_tokens
 
     def end_segment(self) -> list[ServerEvent]:
-        """The model stopped: suspend if it called tools, otherwise complete."""
+        """The model stopped: suspend if it called tools (prototype), otherwise complete.
+
+        In the launched dialect (`suspend_on_tool_calls=False`) a Response always completes;
+        its tool calls are answered by the next `response.create`.
+        """
         self._require_streaming("end a segment")
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("a segment ended inside a tool call")
         events = self._close_message()
-        if self.pending_calls:
+        if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
             return [*events, ResponseDone(response=self.snapshot())]
         self._move(Status.COMPLETED)

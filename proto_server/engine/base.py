@@ -7,7 +7,7 @@ from typing import Protocol
 import trio
 
 from proto_server.core.conversation import Conversation
-from proto_server.engine.chunks import Chunk
+from proto_server.engine.chunks import Chunk, Prefilled
 
 
 class GeneratorSession(Protocol):
@@ -18,6 +18,10 @@ class GeneratorSession(Protocol):
     """
 
     async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None: ...
+
+    async def prefill(self) -> Prefilled:
+        """Bring the model state up to the conversation without decoding (a warm-up)."""
+        ...
 
     async def aclose(self) -> None: ...
 

@@ -89,18 +89,27 @@ class SimulatedSession:
         self._conversation = conversation
         self._planner = planner
         self._timing = timing
-        self._warm = False
+        self._prefilled_upto = 0
+        self._has_spoken = False
         self.closed = False
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+    def _cached(self) -> int:
+        """Tokens of the conversation already in the (simulated) KV cache."""
         conversation = self._conversation
-        segment = self._planner.plan(conversation)
-        prompt = conversation.token_count
-        # The KV cache holds everything up to the end of what the model itself last said.
-        cached = conversation.model_output_end if self._warm else 0
+        spoken = conversation.model_output_end if self._has_spoken else 0
+        return min(max(self._prefilled_upto, spoken), conversation.token_count)
+
+    async def prefill(self) -> Prefilled:
+        prompt = self._conversation.token_count
+        cached = self._cached()
         await trio.sleep(self._timing.prefill_seconds(prompt - cached))
-        self._warm = True
-        await send.send(Prefilled(prompt_tokens=prompt, cached_tokens=cached))
+        self._prefilled_upto = prompt
+        return Prefilled(prompt_tokens=prompt, cached_tokens=cached)
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+        segment = self._planner.plan(self._conversation)
+        await send.send(await self.prefill())
+        self._has_spoken = True
         pacer = _Pacer(self._timing)
         for piece, tokens in _pieces(segment.text):
             await pacer.tokens(tokens)

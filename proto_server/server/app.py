@@ -4,17 +4,20 @@ server nursery (serve)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
      ├─ writer and reader (connection.py)
-     └─ rollout nursery (rollout.py): generator task + sampling loop
+     ├─ the launched dialect's turn loop (launched.py)
+     └─ rollout nurseries (sampling.py): generator task + sampling loop
 """
 
 from __future__ import annotations
 
+import collections
+import hmac
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal
 
 import attrs
-import h11
 import orjson
 import trio
 from trio_websocket import wrap_server_stream
@@ -22,21 +25,27 @@ from trio_websocket import wrap_server_stream
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import input_items, response_settings
+from proto_server.core.request import input_items, response_template
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
-from proto_server.server.connection import Connection
+from proto_server.server.connection import Connection, Dialect
 from proto_server.server.handshake import (
     BadRequestHead,
     ReplayStream,
     RequestHead,
     read_request_head,
 )
+from proto_server.server.http import error_body, serve_http, unauthorized
+from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
-from proto_server.wire.events import ResponseCreate
+from proto_server.server.sampling import SamplingLoop, TurnRecord
+from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ResponseCreate, ServerEvent
+from proto_server.wire.items import Item
 
 RESPONSES_PATH = "/v1/responses"
 PROTOTYPE_BETA = "responses_websockets=2026-02-04"
@@ -77,12 +86,16 @@ class ProtoServer:
         config: ServerConfig | None = None,
         *,
         renderer: Renderer | None = None,
+        store: ResponseStore | None = None,
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
         self.renderer = renderer or O200kRenderer()
+        self.store: ResponseStore = store or SQLiteStore(":memory:")
         self.open_connections = 0
         self.open_rollouts = 0
+        #: The most recent Responses' costs, newest last (tests and the benchmark read them).
+        self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
         self._changed = trio.Event()
 
     def _count(self, *, connections: int = 0, rollouts: int = 0) -> None:
@@ -95,6 +108,17 @@ class ProtoServer:
         """Return once no connection and no rollout is open (every one has released its state)."""
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
+
+    def authorized(self, authorization: str | None) -> bool:
+        keys = self.config.api_keys
+        if not keys:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
+        )
+
+    # -- listening -------------------------------------------------------------------------------
 
     async def serve(
         self, *, task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED
@@ -127,7 +151,7 @@ class ProtoServer:
             if head.is_websocket:
                 await self._serve_websocket(stream, head)
             else:
-                await self._serve_http(stream, head)
+                await serve_http(self, stream, head)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went away; everything it started is already cancelled
         finally:
@@ -142,95 +166,107 @@ class ProtoServer:
                 ReplayStream(stream, head.raw),
                 max_message_size=self.config.max_message_bytes,
             )
+            json = [(b"content-type", b"application/json")]
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
-                await request.reject(
-                    404,
-                    body=f"No WebSocket endpoint at {head.path}; use {RESPONSES_PATH}.".encode(),
+                refusal = ProtocolError(
+                    "not_found",
+                    f"No WebSocket endpoint at {head.path}; connect to {RESPONSES_PATH}.",
+                    status=404,
                 )
+                await request.reject(404, extra_headers=json, body=error_body(refusal))
+                return
+            if not self.authorized(head.header(b"authorization")):
+                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
-            if dialect_name != "prototype":
-                await request.reject(
-                    400,
-                    body=b"This server speaks the prototype dialect on the WebSocket: send "
-                    b"'OpenAI-Beta: responses_websockets=2026-02-04', 'X-Proto-Dialect: prototype' "
-                    b"or ?dialect=prototype.",
-                )
-                return
             ws = await request.accept()
             connection = Connection(ws, queue_events=self.config.client_queue_events)
             log.info(
                 "connection.opened",
                 extra={"connection": connection.id, "dialect": dialect_name, "path": head.target},
             )
-            dialect = PrototypeDialect(self, connection, nursery)
+            dialect: Dialect
+            if dialect_name == "prototype":
+                dialect = PrototypeDialect(self, connection, nursery)
+            else:
+                dialect = LaunchedDialect(self, connection, nursery)
             try:
-                await connection.run(nursery, dialect)
+                await connection.run(
+                    nursery, dialect, lifetime_s=self.config.max_connection_lifetime_s
+                )
             finally:
                 log.info("connection.closed", extra={"connection": connection.id})
 
-    async def _serve_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
-        if head.path == "/healthz":
-            await _send_json(stream, head.connection, 200, {"status": "ok"})
-            return
-        await _send_json(
-            stream,
-            head.connection,
-            404,
-            {
-                "error": {
-                    "type": "invalid_request_error",
-                    "code": "not_found",
-                    "message": f"Nothing is served at {head.request.method.decode()} {head.path}. "
-                    f"Open a WebSocket at {RESPONSES_PATH}.",
-                    "param": None,
-                }
-            },
-        )
+    # -- Responses -------------------------------------------------------------------------------
 
-    def open_rollout(self, create: ResponseCreate, connection: Connection) -> Rollout:
-        """A new Response with a fresh conversation and generator session, not yet running."""
-        settings = response_settings(create, default_model=self.config.default_model)
+    def new_rollout(self, create: ResponseCreate) -> Rollout:
+        """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
-            self.renderer, instructions=settings.instructions, tools=settings.tools
-        )
-        conversation.extend(input_items(create))
-        machine = ResponseMachine(
-            response_id=new_id("resp"),
-            created_at=int(time.time()),
-            settings=settings,
-            conversation=conversation,
+            self.renderer, instructions=create.instructions, tools=create.tools
         )
         self._count(rollouts=1)
-        log.debug(
-            "rollout.opened",
-            extra={"connection": connection.id, "response": machine.id, "open": self.open_rollouts},
-        )
         return Rollout(
-            machine,
+            conversation,
             self.generator.open_session(conversation),
-            connection.events,
-            chunk_queue=self.config.chunk_queue,
-            on_exit=self._rollout_closed,
+            on_close=lambda _: self._count(rollouts=-1),
         )
 
-    def _rollout_closed(self, rollout: Rollout) -> None:
-        self._count(rollouts=-1)
+    def begin_response(
+        self,
+        create: ResponseCreate,
+        events: trio.MemorySendChannel[ServerEvent],
+        *,
+        source: str,
+        rollout: Rollout | None = None,
+        history: Sequence[Item] = (),
+        suspend_on_tool_calls: bool = False,
+    ) -> SamplingLoop:
+        """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
 
+        Only what is new is rendered: the create's input on a warm rollout; the prefix, the
+        history and the input on a cold one.
+        """
+        if rollout is None:
+            rollout = self.new_rollout(create)
+            rendered_mark = 0
+            rollout.conversation.extend(history)
+        else:
+            rendered_mark = rollout.conversation.rendered_tokens
+        conversation = rollout.conversation
+        first_item = len(conversation.items)
+        conversation.extend(input_items(create))
+        response = response_template(
+            create,
+            response_id=new_id("resp"),
+            created_at=int(time.time()),
+            default_model=self.config.default_model,
+        )
+        machine = ResponseMachine(
+            response=response,
+            conversation=conversation,
+            suspend_on_tool_calls=suspend_on_tool_calls,
+        )
 
-async def _send_json(
-    stream: trio.abc.Stream, conn: h11.Connection, status: int, body: object
-) -> None:
-    data = orjson.dumps(body)
-    headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
-    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
-    await stream.send_all(conn.send(h11.Data(data=data)) or b"")
-    await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+        async def persist(machine: ResponseMachine) -> None:
+            items = tuple(conversation.items[first_item:])
+            await self.store.put(StoredResponse(response=machine.snapshot(), items=items))
+
+        return SamplingLoop(
+            machine,
+            rollout,
+            events,
+            chunk_queue=self.config.chunk_queue,
+            source=source,
+            rendered_mark=rendered_mark,
+            persist=persist if response.store else None,
+            on_end=self.turns.append,
+        )
 
 
 async def _send_plain(stream: trio.abc.Stream, status: int, text: str) -> None:
-    body = text.encode()
+    body = orjson.dumps({"error": {"type": "invalid_request_error", "code": "bad_request",
+                                   "message": text, "param": None}})  # fmt: skip
     await stream.send_all(
-        b"HTTP/1.1 %d Bad Request\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+        b"HTTP/1.1 %d Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n%s" % (status, len(body), body)
     )

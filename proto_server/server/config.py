@@ -23,3 +23,9 @@ class ServerConfig:
     max_request_head_bytes: int = 64 * 1024
     #: The model name reported when a request names none.
     default_model: str = "proto-sim"
+    #: A WebSocket lives this long; then `websocket_connection_limit_reached` and a clean close.
+    max_connection_lifetime_s: float = 3600.0
+    #: Launched dialect: `response.create` frames that may wait behind the one in flight.
+    max_queued_requests: int = 8
+    #: Bearer keys accepted on the WebSocket handshake and on HTTP; empty means no auth.
+    api_keys: tuple[str, ...] = ()

@@ -3,9 +3,11 @@
     connection nursery
      ├─ writer: drains the bounded client channel into the socket, stamping sequence numbers
      ├─ reader (this task): frames -> decode -> the dialect; a bad frame becomes an `error` event
-     └─ rollout nurseries, started by the dialect (see rollout.py)
+     └─ what the dialect starts: rollout nurseries (sampling.py), the launched dialect's turns
 
-When the peer goes away the nursery is cancelled, and every rollout under it with it.
+When the peer goes away the nursery is cancelled, and every rollout under it with it. When the
+connection reaches its lifetime limit, it stops reading, lets what is streaming finish, says
+`websocket_connection_limit_reached`, and closes cleanly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from proto_server.core.sequence import Sequencer
 from proto_server.server.logs import log
 from proto_server.wire.converter import decode_client_event, encode_server_event
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import ClientEvent, ErrorEvent, ServerEvent
 
 _ids = itertools.count(1)
@@ -30,6 +32,10 @@ class Dialect(Protocol):
 
     def handle(self, event: ClientEvent) -> None: ...
 
+    async def drain(self) -> None:
+        """Accept nothing new; return once nothing is streaming."""
+        ...
+
 
 class Connection:
     def __init__(self, ws: WebSocketConnection, *, queue_events: int) -> None:
@@ -37,12 +43,16 @@ class Connection:
         self.ws = ws
         self.sequencer = Sequencer()
         self.events, self._outbox = trio.open_memory_channel[ServerEvent](queue_events)
+        self._written = trio.Event()
 
-    async def run(self, nursery: trio.Nursery, dialect: Dialect) -> None:
-        """Serve until the peer goes away; then cancel everything this connection started."""
+    async def run(self, nursery: trio.Nursery, dialect: Dialect, *, lifetime_s: float) -> None:
+        """Serve until the peer goes away or the lifetime ends; then cancel all it started."""
         nursery.start_soon(self._write)
         try:
-            await self._read(dialect)
+            with trio.move_on_after(lifetime_s):
+                await self._read(dialect)
+                return
+            await self._retire(dialect, lifetime_s)
         finally:
             nursery.cancel_scope.cancel()
 
@@ -72,12 +82,29 @@ class Connection:
                 )
                 await self.events.send(ErrorEvent(status=exc.status, error=exc.detail))
 
+    async def _retire(self, dialect: Dialect, lifetime_s: float) -> None:
+        log.info("connection.lifetime_reached", extra={"connection": self.id})
+        await dialect.drain()
+        message = (
+            f"This connection reached its lifetime limit of {lifetime_s:g} s. Open a new "
+            "connection and continue there (resend the history, or chain with "
+            "previous_response_id from a store: true response)."
+        )
+        detail = ErrorDetail(
+            type="invalid_request_error", code="websocket_connection_limit_reached", message=message
+        )
+        await self.events.send(ErrorEvent(status=400, error=detail))
+        self.events.close()
+        await self._written.wait()
+        await self.ws.aclose(code=1000, reason="connection lifetime limit reached")
+
     async def _write(self) -> None:
         try:
             async with self._outbox:
                 async for event in self._outbox:
                     await self.ws.send_message(encode_server_event(event, self.sequencer.next()))
         except ConnectionClosed:
-            pass
-        # Nothing more can reach this client: end the connection and all it started.
-        await self.ws.aclose()
+            # Nothing more can reach this client: end the connection and all it started.
+            await self.ws.aclose()
+        finally:
+            self._written.set()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from proto_server.server.rollout import Rollout
+from proto_server.server.sampling import SamplingLoop
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
 
@@ -24,7 +24,7 @@ class PrototypeDialect:
         self._server = server
         self._connection = connection
         self._nursery = nursery
-        self.rollout: Rollout | None = None
+        self.current: SamplingLoop | None = None
 
     def handle(self, event: ClientEvent) -> None:
         match event:
@@ -35,8 +35,8 @@ class PrototypeDialect:
             case ResponseCancel():
                 self._open_rollout("cancel").cancel()
 
-    def _open_rollout(self, verb: str) -> Rollout:
-        rollout = self.rollout
+    def _open_rollout(self, verb: str) -> SamplingLoop:
+        rollout = self.current
         if rollout is None:
             raise ProtocolError(
                 "no_open_response",
@@ -53,7 +53,7 @@ class PrototypeDialect:
         return rollout
 
     def _create(self, create: ResponseCreate) -> None:
-        current = self.rollout
+        current = self.current
         if current is not None and not current.machine.status.terminal:
             raise ProtocolError(
                 "concurrent_request",
@@ -69,8 +69,22 @@ class PrototypeDialect:
             raise _unsupported("generate", "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
-        self.rollout = self._server.open_rollout(create, self._connection)
-        self._nursery.start_soon(self.rollout.run)
+        loop = self._server.begin_response(
+            create, self._connection.events, source="fresh", suspend_on_tool_calls=True
+        )
+        self.current = loop
+        self._nursery.start_soon(self._run, loop)
+
+    async def _run(self, loop: SamplingLoop) -> None:
+        """The rollout lives exactly as long as its one Response."""
+        try:
+            await loop.run()
+        finally:
+            await loop.rollout.aclose()
+
+    async def drain(self) -> None:
+        if self.current is not None:
+            await self.current.wait_settled()
 
 
 def _unsupported(field: str, why: str) -> ProtocolError:

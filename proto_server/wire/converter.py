@@ -205,6 +205,22 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
     return _structure_or_refuse(obj, cls)
 
 
+def decode_request_body(body: bytes, cls: type[T]) -> T:
+    """An HTTP request body (a create without `type`) as `cls`; errors as for frames."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(
+            "invalid_json", f"The request body is not valid JSON ({exc}); send a JSON object."
+        ) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(
+            "invalid_json", f"The request body is JSON {_json_kind(obj)}; send a JSON object."
+        )
+    obj.pop("type", None)
+    return _structure_or_refuse(obj, cls)
+
+
 def encode_server_event(event: ServerEvent, sequence_number: int) -> str:
     """One server event as the text of one WebSocket frame (or one SSE `data:` line)."""
     obj = converter.unstructure(event)

@@ -37,6 +37,18 @@ class ResponseCreate:
     generate: bool | None = None
     max_output_tokens: int | None = None
     metadata: Mapping[str, Any] | None = None
+    # carried through to the Response object, not interpreted
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: Any = None
+    text: Any = None
+    truncation: str | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -33,19 +33,34 @@ class Usage:
 
 @attrs.frozen(kw_only=True)
 class Response:
+    """Every field the published Responses API schema requires; nullable ones as null."""
+
     id: str
     object: str = "response"
     created_at: int
     status: str
-    model: str
-    output: tuple[Item, ...] = ()
-    previous_response_id: str | None = None
-    instructions: str | None = None
-    tools: tuple[Tool, ...] = ()
-    tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
-    store: bool = False
+    background: bool = False
     error: ErrorDetail | None = None
     incomplete_details: Mapping[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    model: str
+    output: tuple[Item, ...] = ()
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning: Any = None
+    safety_identifier: str | None = None
+    service_tier: str = "default"
+    store: bool = True
+    temperature: float = 1.0
+    text: Any = attrs.field(factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Any = "auto"
+    tools: tuple[Tool, ...] = ()
+    top_logprobs: int = 0
+    top_p: float = 1.0
+    truncation: str = "disabled"
     usage: Usage | None = None
+    user: str | None = None
     metadata: Mapping[str, Any] = attrs.field(factory=dict)

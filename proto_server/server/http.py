@@ -1,0 +1,280 @@
+"""Plain HTTP on the same port, with h11: the stateless Responses API and its SSE stream.
+
+    POST /v1/responses            stream: true -> Server-Sent Events; else one JSON Response
+    GET  /v1/responses/{id}       a stored Response
+    POST /v1/responses/compact    a compacted history to start a new chain from
+    GET  /healthz                 liveness
+
+Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
+again; `previous_response_id` is served from the persisted store. Connections are kept alive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import h11
+import orjson
+import trio
+
+from proto_server.core.compaction import compact
+from proto_server.core.conversation import Conversation
+from proto_server.core.ids import new_id
+from proto_server.core.request import input_items
+from proto_server.server.logs import log
+from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
+from proto_server.server.store import chain_items
+from proto_server.wire.converter import converter, decode_request_body, encode_server_event
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ResponseCreate, ServerEvent
+from proto_server.wire.items import Item
+
+if TYPE_CHECKING:
+    from proto_server.server.app import ProtoServer
+    from proto_server.server.handshake import RequestHead
+
+JSON = ("content-type", "application/json")
+
+
+def unauthorized() -> ProtocolError:
+    return ProtocolError(
+        "invalid_api_key",
+        "Missing or wrong API key. Send `Authorization: Bearer <key>` with one of the keys the "
+        "server was started with (--api-key or PROTO_SERVER_API_KEYS).",
+        status=401,
+    )
+
+
+def error_body(error: ProtocolError) -> bytes:
+    return orjson.dumps({"error": converter.unstructure(error.detail)})
+
+
+async def send_json(
+    stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
+) -> None:
+    headers = [JSON, ("content-length", str(len(body)))]
+    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+    await stream.send_all(conn.send(h11.Data(data=body)) or b"")
+    await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+
+async def _read_body(stream: trio.abc.Stream, conn: h11.Connection, limit: int) -> bytes:
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some()))
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > limit:
+                raise ProtocolError(
+                    "message_too_large",
+                    f"The request body is over the limit of {limit} bytes (--max-message-bytes); "
+                    "send less, or continue a stored chain with previous_response_id.",
+                    status=413,
+                )
+        elif isinstance(event, h11.EndOfMessage):
+            return bytes(body)
+        else:
+            raise ProtocolError("bad_request", "The request ended before its body did.")
+
+
+async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some()
+            if not data:
+                return None
+            conn.receive_data(bytes(data))
+        elif isinstance(event, h11.Request):
+            return event
+        else:
+            return None
+
+
+async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: RequestHead) -> None:
+    """Serve requests on one keep-alive connection until the client is done."""
+    conn = head.connection
+    request: h11.Request | None = head.request
+    while request is not None:
+        exchange = _Exchange(server, stream, conn, request)
+        try:
+            await exchange.serve()
+        except ProtocolError as exc:
+            if conn.our_state is not h11.SEND_RESPONSE:
+                return  # the answer had begun; nothing sensible can be said now
+            await send_json(stream, conn, exc.status, error_body(exc))
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state is h11.SEND_RESPONSE:
+                refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
+                await send_json(stream, conn, 400, error_body(refusal))
+            return
+        if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+            return
+        # drain what is left of the request so the next one can be read
+        while conn.their_state is h11.SEND_BODY:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some()))
+        try:
+            conn.start_next_cycle()
+        except h11.LocalProtocolError:
+            return
+        request = await _next_request(stream, conn)
+
+
+class _Exchange:
+    def __init__(
+        self,
+        server: ProtoServer,
+        stream: trio.abc.Stream,
+        conn: h11.Connection,
+        request: h11.Request,
+    ) -> None:
+        self.server = server
+        self.stream = stream
+        self.conn = conn
+        self.method = request.method.decode()
+        self.path = request.target.decode("latin-1").split("?", 1)[0].rstrip("/")
+        self.authorization = next(
+            (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
+        )
+
+    async def serve(self) -> None:
+        route = (self.method, self.path)
+        if route == ("GET", "/healthz"):
+            await self._json(200, {"status": "ok"})
+            return
+        if self.path.startswith("/v1/") and not self.server.authorized(self.authorization):
+            raise unauthorized()
+        if route == ("POST", "/v1/responses"):
+            await self._create()
+        elif route == ("POST", "/v1/responses/compact"):
+            await self._compact()
+        elif self.method == "GET" and self.path.startswith("/v1/responses/"):
+            await self._retrieve(self.path.removeprefix("/v1/responses/"))
+        else:
+            raise ProtocolError(
+                "not_found",
+                f"Nothing is served at {self.method} {self.path}. Try POST /v1/responses, or a "
+                "WebSocket at /v1/responses.",
+                status=404,
+            )
+
+    async def _json(self, status: int, body: Any) -> None:
+        await send_json(self.stream, self.conn, status, orjson.dumps(body))
+
+    async def _body(self) -> bytes:
+        return await _read_body(self.stream, self.conn, self.server.config.max_message_bytes)
+
+    async def _history(self, previous: str | None) -> list[Item]:
+        if previous is None:
+            return []
+        chain = await self.server.store.chain(previous)
+        if chain is None:
+            raise ProtocolError(
+                "previous_response_not_found",
+                f"Previous response {previous!r} is not in the store (never stored with "
+                "store: true, or expired). Resend the full history without "
+                "previous_response_id.",
+                param="previous_response_id",
+            )
+        return chain_items(chain)
+
+    async def _create(self) -> None:
+        create = decode_request_body(await self._body(), ResponseCreate)
+        if create.background:
+            raise ProtocolError(
+                "invalid_field",
+                "`background: true` is not supported by this server; remove it and read the "
+                "result from the stream or the response body.",
+                param="background",
+            )
+        history = await self._history(create.previous_response_id)
+        send, receive = trio.open_memory_channel[ServerEvent](
+            self.server.config.client_queue_events
+        )
+        loop = self.server.begin_response(
+            create, send, history=history, source="store" if history else "fresh"
+        )
+        log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_run_and_release, loop, create.generate is False)
+            async with receive:
+                if create.stream:
+                    await self._stream_events(receive)
+                else:
+                    await self._final_response(receive)
+
+    async def _stream_events(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
+        headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+        await self.stream.send_all(
+            self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+        )
+        sequence = 0
+        async for event in receive:
+            data = encode_server_event(event, sequence)
+            sequence += 1
+            frame = f"event: {event.type}\ndata: {data}\n\n".encode()
+            await self.stream.send_all(self.conn.send(h11.Data(data=frame)) or b"")
+            if isinstance(event, TERMINAL_EVENTS):
+                break
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
+
+    async def _final_response(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
+        async for event in receive:
+            if isinstance(event, TERMINAL_EVENTS):
+                await self._json(200, converter.unstructure(event.response))
+                return
+
+    async def _retrieve(self, response_id: str) -> None:
+        stored = await self.server.store.get(response_id)
+        if stored is None:
+            raise ProtocolError(
+                "response_not_found",
+                f"No stored response {response_id!r}: only store: true responses are kept, "
+                "until the retention limit.",
+                status=404,
+            )
+        await self._json(200, converter.unstructure(stored.response))
+
+    async def _compact(self) -> None:
+        create = decode_request_body(await self._body(), ResponseCreate)
+        if not create.model:
+            raise ProtocolError(
+                "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
+            )
+        items = [*await self._history(create.previous_response_id), *input_items(create)]
+        output, summary = compact(items)
+        renderer = self.server.renderer
+        conversation = Conversation(renderer, instructions=create.instructions)
+        conversation.extend(items)
+        input_tokens = conversation.token_count
+        output_tokens = Conversation(renderer).extend(output)
+        await self._json(
+            200,
+            {
+                "id": new_id("cmp"),
+                "object": "response.compaction",
+                "created_at": int(time.time()),
+                "model": create.model,
+                "output": converter.unstructure(output),
+                "usage": {
+                    "input_tokens": input_tokens,
+                    "input_tokens_details": {"cached_tokens": 0},
+                    "output_tokens": output_tokens,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": input_tokens + output_tokens,
+                },
+            },
+        )
+        log.debug("http.compact", extra={"items": len(items), "summary": summary})
+
+
+async def _run_and_release(loop: SamplingLoop, warmup: bool) -> None:
+    try:
+        await (loop.run_warmup() if warmup else loop.run())
+    finally:
+        await loop.rollout.aclose()

@@ -1,0 +1,159 @@
+"""The launched dialect: every turn is a `response.create`, chained by `previous_response_id`.
+
+The connection keeps its most recent Response's rollout warm (conversation, rendered tokens,
+generator session). A follow-up that names it and sends only the new items extends that state:
+the same warm rollout as the prototype dialect, with a new Response id per turn. A miss is served
+from the persisted store when the request has `store: true` (cold: re-rendered, re-prefilled),
+else refused with `previous_response_not_found`. A failed turn evicts what it chained from.
+
+Turns run one at a time, in order; further creates wait in a bounded queue.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from proto_server.core.response import Status
+from proto_server.server.logs import log
+from proto_server.server.rollout import Rollout
+from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import chain_items
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import (
+    ClientEvent,
+    ErrorEvent,
+    ResponseAppend,
+    ResponseCancel,
+    ResponseCreate,
+)
+
+if TYPE_CHECKING:
+    from proto_server.server.app import ProtoServer
+    from proto_server.server.connection import Connection
+
+
+def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
+    hint = (
+        "it is neither this connection's most recent response nor in the store"
+        if store
+        else "with store: false only this connection's most recent response can be continued"
+    )
+    return ProtocolError(
+        "previous_response_not_found",
+        f"Previous response {response_id!r} not found: {hint}. Resend the full history without "
+        "previous_response_id.",
+        param="previous_response_id",
+    )
+
+
+class LaunchedDialect:
+    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+        self._server = server
+        self._connection = connection
+        queued = server.config.max_queued_requests
+        self._queue, self._queued = trio.open_memory_channel[ResponseCreate](queued or math.inf)
+        self.cached: tuple[str, Rollout] | None = None
+        self.current: SamplingLoop | None = None
+        self._finished = trio.Event()
+        nursery.start_soon(self._serve_turns)
+
+    def handle(self, event: ClientEvent) -> None:
+        match event:
+            case ResponseCreate():
+                if event.background:
+                    raise ProtocolError(
+                        "invalid_field",
+                        "`background: true` is not supported over a WebSocket; remove it, or "
+                        "POST /v1/responses over HTTP.",
+                        param="background",
+                    )
+                try:
+                    self._queue.send_nowait(event)
+                except trio.WouldBlock:
+                    raise ProtocolError(
+                        "concurrent_request",
+                        f"{self._server.config.max_queued_requests} response.create frames are "
+                        "already waiting behind the one in flight; wait for a response.completed "
+                        "before sending more.",
+                    ) from None
+            case ResponseAppend():
+                raise ProtocolError(
+                    "unknown_event_type",
+                    "response.append belongs to the prototype dialect; on this connection send "
+                    "response.create with previous_response_id and only the new items, or "
+                    "reconnect with the prototype opt-in.",
+                    param="type",
+                )
+            case ResponseCancel():
+                current = self.current
+                if current is None or current.machine.status.terminal:
+                    raise ProtocolError(
+                        "no_open_response", "No response is in flight on this connection."
+                    )
+                current.cancel()
+
+    async def drain(self) -> None:
+        """Serve what is already queued, accept nothing more."""
+        self._queue.close()
+        await self._finished.wait()
+
+    async def _serve_turns(self) -> None:
+        try:
+            async for create in self._queued:
+                try:
+                    loop = await self._begin(create)
+                except ProtocolError as exc:
+                    await self._connection.events.send(
+                        ErrorEvent(status=exc.status, error=exc.detail)
+                    )
+                    continue
+                self.current = loop
+                completed = False
+                try:
+                    if create.generate is False:
+                        await loop.run_warmup()
+                    else:
+                        await loop.run()
+                    completed = loop.machine.status is Status.COMPLETED
+                finally:
+                    self.current = None
+                    if completed:
+                        self.cached = (loop.machine.id, loop.rollout)
+                    else:
+                        log.info("cache.evicted", extra={"response": loop.machine.id})
+                        await loop.rollout.aclose()
+        finally:
+            await self.close()
+            self._finished.set()
+
+    async def _begin(self, create: ResponseCreate) -> SamplingLoop:
+        server = self._server
+        events = self._connection.events
+        previous = create.previous_response_id
+        cached, self.cached = self.cached, None  # whatever happens, this turn takes it
+        if previous is None:
+            if cached is not None:
+                await cached[1].aclose()
+            return server.begin_response(create, events, source="fresh")
+        if cached is not None and cached[0] == previous:
+            rollout = cached[1]
+            if rollout.serves(create.instructions, create.tools):
+                return server.begin_response(create, events, rollout=rollout, source="cache")
+            # new instructions or tools: the rendered prefix changed, so re-render everything
+            history = list(rollout.conversation.items)
+            await rollout.aclose()
+            return server.begin_response(create, events, history=history, source="rebuilt")
+        self.cached = cached  # a miss leaves the cache as it was
+        store = True if create.store is None else create.store
+        chain = await server.store.chain(previous) if store else None
+        if chain is None:
+            raise previous_response_not_found(previous, store)
+        return server.begin_response(create, events, history=chain_items(chain), source="store")
+
+    async def close(self) -> None:
+        cached, self.cached = self.cached, None
+        if cached is not None:
+            await cached[1].aclose()

@@ -1,0 +1,224 @@
+"""The open Response's nursery: a generator task (the GPU) and the sampling loop.
+
+The sampling loop turns the generator's chunks into state-machine calls and sends the events they
+return to the client channel. On a tool call (prototype dialect) it suspends by awaiting an event
+that `response.append` sets, with the rollout's generator session, the model's warm state, kept
+open. Only the sampling loop sends this Response's events, so their order is the machine's order.
+
+Whose fault: a generator or script failure ends the Response with `response.failed` here, and
+the connection lives on; a client's mistake never reaches this far (see `check_append`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import trio
+
+from proto_server.core.response import IllegalTransition, ResponseMachine, Status
+from proto_server.engine.chunks import (
+    Chunk,
+    Prefilled,
+    SegmentEnd,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+    ToolCallEnd,
+)
+from proto_server.engine.script import ScriptError
+from proto_server.server.logs import log
+from proto_server.server.rollout import Rollout
+from proto_server.wire.errors import ProtocolError, ServerFault
+from proto_server.wire.events import (
+    ResponseCancelled,
+    ResponseCompleted,
+    ResponseFailed,
+    ResponseIncomplete,
+    ServerEvent,
+)
+from proto_server.wire.items import Item
+
+TERMINAL_EVENTS = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseCancelled)
+
+
+@attrs.frozen(kw_only=True)
+class TurnRecord:
+    """What one Response cost the server: how much it rendered, and what the model re-read."""
+
+    response_id: str
+    source: str  # "fresh", "cache", "store", "rebuilt", "append"
+    rendered_input_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    status: str
+
+
+class SamplingLoop:
+    def __init__(
+        self,
+        machine: ResponseMachine,
+        rollout: Rollout,
+        events: trio.MemorySendChannel[ServerEvent],
+        *,
+        chunk_queue: int,
+        source: str,
+        rendered_mark: int,
+        persist: Callable[[ResponseMachine], Awaitable[None]] | None = None,
+        on_end: Callable[[TurnRecord], None] | None = None,
+    ) -> None:
+        self.machine = machine
+        self.rollout = rollout
+        self._events = events
+        self._chunk_queue = chunk_queue
+        self._source = source
+        self._rendered_mark = rendered_mark
+        self._rendered_input = 0
+        self._persist = persist
+        self._on_end = on_end
+        self._wake = trio.Event()
+        self._settled = trio.Event()
+        self._resume_events: list[ServerEvent] = []
+        self._generator_scope: trio.CancelScope | None = None
+        self._fault: ServerFault | None = None
+        self._cancel_requested = False
+
+    # -- called by the connection's reader (synchronously validated, then handed over) --------
+
+    def append(self, items: Sequence[Item]) -> None:
+        """Record tool outputs; if that answers every call, wake the sampling loop."""
+        self._resume_events = self.machine.append(items)
+        if self.machine.status is Status.IN_PROGRESS:
+            self._wake.set()
+
+    def cancel(self) -> None:
+        if self.machine.status.terminal or self._cancel_requested:
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.machine.id} is already ending; nothing to cancel.",
+            )
+        self._cancel_requested = True
+        if self._generator_scope is not None:
+            self._generator_scope.cancel()
+        self._wake.set()
+
+    async def wait_settled(self) -> None:
+        """Return once nothing is streaming: the Response is suspended or has ended."""
+        await self._settled.wait()
+
+    # -- the sampling loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Drive the Response to its terminal event; the rollout stays open for its owner."""
+        machine = self.machine
+        await self._emit(machine.start())
+        while not machine.status.terminal:
+            if machine.status is Status.SUSPENDED:
+                log.debug("response.suspended", extra={"response": machine.id})
+                self._wake = trio.Event()
+                self._settled.set()
+                await self._wake.wait()
+                self._settled = trio.Event()
+                resumed, self._resume_events = self._resume_events, []
+                await self._emit(resumed)
+            else:
+                await self._run_segment()
+            if self._cancel_requested and not machine.status.terminal:
+                await self._emit(machine.cancel())
+        self._settled.set()
+        usage = machine.usage()
+        record = TurnRecord(
+            response_id=machine.id,
+            source=self._source,
+            rendered_input_tokens=self._rendered_input,
+            prompt_tokens=usage.input_tokens,
+            cached_tokens=usage.input_tokens_details.cached_tokens,
+            status=machine.status.value,
+        )
+        log.debug("response.ended", extra=attrs.asdict(record))
+        if self._on_end is not None:
+            self._on_end(record)
+
+    async def run_warmup(self) -> None:
+        """`generate: false`: build the state, say nothing, complete with empty output."""
+        machine = self.machine
+        await self._emit(machine.start())
+        self._count_rendered()
+        prefilled = await self.rollout.session.prefill()
+        machine.begin_segment(
+            prompt_tokens=prefilled.prompt_tokens, cached_tokens=prefilled.cached_tokens
+        )
+        await self._emit(machine.end_segment())
+        self._settled.set()
+
+    async def _run_segment(self) -> None:
+        send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._generate, send)
+            async with receive:
+                async for chunk in receive:
+                    try:
+                        events = self._apply(chunk)
+                    except IllegalTransition as exc:
+                        self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                        break
+                    await self._emit(events)
+                    if self.machine.status is not Status.IN_PROGRESS:
+                        break
+        self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
+        if self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
+            return
+        fault = self._fault or ServerFault(
+            "generator_error", "the token generator stopped in the middle of a segment"
+        )
+        self._fault = None
+        log.warning("response.failed", extra={"response": self.machine.id, "reason": str(fault)})
+        await self._emit(self.machine.fail(fault.detail))
+
+    async def _generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+        """The GPU: runs one segment of the session into the chunk channel."""
+        async with send:
+            with trio.CancelScope() as self._generator_scope:
+                try:
+                    await self.rollout.session.generate(send)
+                except trio.BrokenResourceError:
+                    pass  # the sampling loop stopped listening; it knows why
+                except ScriptError as exc:
+                    self._fault = ServerFault("script_error", str(exc))
+                except Exception as exc:
+                    log.exception("generator.crashed", extra={"response": self.machine.id})
+                    self._fault = ServerFault(
+                        "generator_error", f"the token generator failed: {exc!r}"
+                    )
+            self._generator_scope = None
+
+    def _count_rendered(self) -> None:
+        rendered = self.rollout.conversation.rendered_tokens
+        self._rendered_input += rendered - self._rendered_mark
+        self._rendered_mark = rendered
+
+    def _apply(self, chunk: Chunk) -> list[ServerEvent]:
+        machine = self.machine
+        match chunk:
+            case Prefilled(prompt_tokens=prompt, cached_tokens=cached):
+                self._count_rendered()
+                machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached)
+                return []
+            case TextDelta(text=text, tokens=tokens):
+                return machine.text_delta(text, tokens=tokens)
+            case ToolCallBegin(name=name, tokens=tokens):
+                return machine.begin_function_call(name, tokens=tokens)
+            case ToolCallArgumentsDelta(delta=delta, tokens=tokens):
+                return machine.function_call_arguments_delta(delta, tokens=tokens)
+            case ToolCallEnd():
+                return machine.end_function_call()
+            case SegmentEnd():
+                return machine.end_segment()
+        raise IllegalTransition(f"unknown chunk {chunk!r}")
+
+    async def _emit(self, events: list[ServerEvent]) -> None:
+        for event in events:
+            if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
+                # a stored response is durable before the client hears that it is done
+                await self._persist(self.machine)
+            await self._events.send(event)

@@ -1,0 +1,256 @@
+"""Plain HTTP on the same port: SSE, JSON, stored responses, compaction, auth, restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h11
+import httpx
+import orjson
+import pytest
+import trio
+
+from proto_server.engine.script import parse_script
+from proto_server.engine.simulated import SimulatedGenerator
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.server.store import SQLiteStore
+
+from .conftest import FAST, THREE_SEGMENTS, StartServer
+from .test_launched import create, turn
+from .test_prototype_rollout import USER, answers
+from .wsclient import connect
+
+IDS = {"id", "item_id", "call_id", "previous_response_id", "created_at", "sequence_number"}
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    frame = create(**fields)
+    del frame["type"]
+    return frame
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and data.startswith("data: ")
+        event = orjson.loads(data.removeprefix("data: "))
+        assert event["type"] == kind.removeprefix("event: ")
+        events.append(event)
+    return events
+
+
+def without_ids(value: Any) -> Any:
+    """The stream as a client compares it: ids and clocks differ between runs."""
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in IDS}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+async def sse(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    async with client.stream("POST", url, json={**payload, "stream": True}) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"] == "text/event-stream"
+        text = "".join([chunk async for chunk in answer.aiter_text()])
+    assert "\r" not in text
+    return parse_sse(text)
+
+
+async def test_sse_carries_the_same_events_as_the_websocket(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    url = f"{running.address.http_url}/responses"
+    ws_turns, http_turns = [], []
+    async with connect(running.address.ws_url) as client:
+        previous, new = None, [USER]
+        for _ in range(3):
+            events = await turn(client, create(previous_response_id=previous, input=new))
+            ws_turns.append(events)
+            previous, new = events[-1]["response"]["id"], answers(events)
+    async with httpx.AsyncClient() as http:
+        previous, new = None, [USER]
+        for _ in range(3):
+            events = await sse(
+                http, url, body(previous_response_id=previous, input=new, store=True)
+            )
+            http_turns.append(events)
+            previous, new = events[-1]["response"]["id"], answers(events)
+    for ws_events, http_events in zip(ws_turns, http_turns, strict=True):
+        assert [e["sequence_number"] for e in http_events] == list(range(len(http_events)))
+        # same events; only store (true over HTTP here) and usage's cache accounting differ
+        for event in ws_events + http_events:
+            if "response" in event:
+                event["response"].pop("store")
+                event["response"].pop("usage")
+        assert without_ids(http_events) == without_ids(ws_events)
+    # the HTTP path is cold every time: everything is rendered and re-read
+    assert [t.source for t in running.server.turns][3:] == ["fresh", "store", "store"]
+    assert all(t.cached_tokens == 0 for t in list(running.server.turns)[3:])
+
+
+async def test_json_mode_get_and_errors(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    url = f"{running.address.http_url}/responses"
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(url, json=body(store=True))
+        assert answer.status_code == 200
+        response = answer.json()
+        assert response["object"] == "response" and response["status"] == "completed"
+        for field in (
+            "temperature",
+            "top_p",
+            "tool_choice",
+            "incomplete_details",
+            "error",
+            "metadata",
+            "instructions",
+            "parallel_tool_calls",
+            "text",
+            "truncation",
+        ):
+            assert field in response, field  # fmt: skip
+        (tool,) = response["tools"]
+        assert tool["strict"] is False and tool["description"] and tool["parameters"]
+
+        stored = await http.get(f"{url}/{response['id']}")
+        assert stored.status_code == 200 and stored.json() == response
+        missing = await http.get(f"{url}/resp_nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "response_not_found"
+
+        refused = await http.post(url, json=body(background=True))
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "background"
+        broken = await http.post(url, content=b"{nope")
+        assert (broken.status_code, broken.json()["error"]["code"]) == (400, "invalid_json")
+        unknown = await http.post(url, json=body(previous_response_id="resp_x"))
+        assert unknown.json()["error"]["code"] == "previous_response_not_found"
+        nowhere = await http.get(f"{running.address.http_url}/models")
+        assert nowhere.status_code == 404
+        # one keep-alive connection served all of that
+        assert running.server.open_connections == 1
+
+
+async def test_function_tools_are_echoed_complete(start_server: StartServer) -> None:
+    running = await start_server()
+    bare = {"type": "function", "name": "f"}
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(f"{running.address.http_url}/responses", json=body(tools=[bare]))
+    (tool,) = answer.json()["tools"]
+    assert tool == {
+        "type": "function", "name": "f", "description": None,
+        "parameters": {"type": "object"}, "strict": True,
+    }  # fmt: skip
+
+
+async def test_each_sse_event_is_one_chunk(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    payload = orjson.dumps({**body(), "stream": True})
+    stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="POST",
+        target="/v1/responses",
+        headers=[
+            ("host", "x"),
+            ("content-length", str(len(payload))),
+            ("content-type", "application/json"),
+        ],
+    )
+    await stream.send_all(
+        conn.send(request) + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+    )
+    chunks: list[bytes] = []
+    current = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some())
+        elif isinstance(event, h11.Data):
+            current += event.data
+            if event.chunk_end:
+                chunks.append(current)
+                current = b""
+        elif isinstance(event, h11.EndOfMessage):
+            break
+    await stream.aclose()
+    assert len(chunks) > 5
+    assert all(c.count(b"event: ") == 1 and c.endswith(b"\n\n") for c in chunks)
+
+
+async def test_a_store_true_chain_survives_a_restart(nursery: trio.Nursery, tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+
+    async def run_server() -> tuple[trio.CancelScope, str, str]:
+        server = ProtoServer(
+            SimulatedGenerator(parse_script(THREE_SEGMENTS), FAST),
+            ServerConfig(port=0),
+            store=SQLiteStore(path),
+        )
+        scope = trio.CancelScope()
+
+        async def serve(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await server.serve(task_status=task_status)
+
+        address = await nursery.start(serve)
+        return scope, address.http_url, address.ws_url
+
+    scope, http_url, _ = await run_server()
+    async with httpx.AsyncClient() as http:
+        first = (await http.post(f"{http_url}/responses", json=body(store=True))).json()
+    scope.cancel()
+    _, _, ws_url = await run_server()  # a new process would see the same file
+    new = answers([{"type": "response.output_item.done", "item": i} for i in first["output"]])
+    async with connect(ws_url) as client:
+        second = await turn(client, create(store=True, previous_response_id=first["id"], input=new))
+    assert second[-1]["type"] == "response.completed"
+    assert [i["type"] for i in second[-1]["response"]["output"]] == ["function_call"] * 2
+
+
+async def test_compaction_starts_a_new_chain(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    url = f"{running.address.http_url}/responses"
+    async with httpx.AsyncClient() as http:
+        first = (await http.post(url, json=body(store=True))).json()
+        calls = [{"type": "response.output_item.done", "item": i} for i in first["output"]]
+        compacted = await http.post(
+            f"{url}/compact",
+            json={"model": "m", "previous_response_id": first["id"], "input": answers(calls)},
+        )
+        assert compacted.status_code == 200
+        result = compacted.json()
+        assert result["object"] == "response.compaction"
+        kinds = [i["type"] for i in result["output"]]
+        assert kinds[-1] == "compaction" and result["output"][-1]["encrypted_content"]
+        assert result["usage"]["output_tokens"] < result["usage"]["input_tokens"]
+        # a new chain: no previous_response_id, the compacted output plus new input
+        fresh = await http.post(
+            url,
+            json=body(input=[*result["output"], {"role": "user", "content": "go on"}]),
+        )
+        assert fresh.status_code == 200 and fresh.json()["status"] == "completed"
+        no_model = await http.post(f"{url}/compact", json={"input": "x"})
+        assert (no_model.status_code, no_model.json()["error"]["param"]) == (400, "model")
+
+
+@pytest.mark.parametrize(("key", "status"), [(None, 401), ("wrong", 401), ("k1", 200)])
+async def test_http_needs_a_key_when_keys_are_set(
+    start_server: StartServer, key: str | None, status: int
+) -> None:
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(
+            f"{running.address.http_url}/responses", json=body(), headers=headers
+        )
+        health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
+    assert answer.status_code == status
+    assert health.status_code == 200
+    if status == 401:
+        assert answer.json()["error"]["code"] == "invalid_api_key"
