@@ -125,7 +125,23 @@ class SamplingLoop:
                 await self._run_segment()
             if self._cancel_requested and not machine.status.terminal:
                 await self._emit(machine.cancel())
+        self._finish()
+
+    async def run_warmup(self) -> None:
+        """`generate: false`: build the state, say nothing, complete with empty output."""
+        machine = self.machine
+        await self._emit(machine.start())
+        self._count_rendered()
+        prefilled = await self.rollout.session.prefill()
+        machine.begin_segment(
+            prompt_tokens=prefilled.prompt_tokens, cached_tokens=prefilled.cached_tokens
+        )
+        await self._emit(machine.end_segment())
+        self._finish()
+
+    def _finish(self) -> None:
         self._settled.set()
+        machine = self.machine
         usage = machine.usage()
         record = TurnRecord(
             response_id=machine.id,
@@ -138,18 +154,6 @@ class SamplingLoop:
         log.debug("response.ended", extra=attrs.asdict(record))
         if self._on_end is not None:
             self._on_end(record)
-
-    async def run_warmup(self) -> None:
-        """`generate: false`: build the state, say nothing, complete with empty output."""
-        machine = self.machine
-        await self._emit(machine.start())
-        self._count_rendered()
-        prefilled = await self.rollout.session.prefill()
-        machine.begin_segment(
-            prompt_tokens=prefilled.prompt_tokens, cached_tokens=prefilled.cached_tokens
-        )
-        await self._emit(machine.end_segment())
-        self._settled.set()
 
     async def _run_segment(self) -> None:
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,8 +65,10 @@ class SQLiteStore:
         *,
         max_responses: int = 100_000,
         max_age_s: float = 30 * 24 * 3600,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = str(path)
+        self._clock = clock
         self.max_responses = max_responses
         self.max_age_s = max_age_s
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -86,7 +88,7 @@ class SQLiteStore:
             response.id,
             response.previous_response_id,
             response.created_at,
-            time.time(),
+            self._clock(),
             orjson.dumps(converter.unstructure(response)),
             orjson.dumps(converter.unstructure(stored.items)),
         )
@@ -94,7 +96,7 @@ class SQLiteStore:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
             self._db.execute(
-                "DELETE FROM responses WHERE stored_at < ?", (time.time() - self.max_age_s,)
+                "DELETE FROM responses WHERE stored_at < ?", (self._clock() - self.max_age_s,)
             )
             self._db.execute(
                 "DELETE FROM responses WHERE id IN (SELECT id FROM responses "
