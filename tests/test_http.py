@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from proto_server.engine.script import parse_script
-from proto_server.engine.simulated import SimulatedGenerator
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
@@ -254,3 +254,24 @@ async def test_http_needs_a_key_when_keys_are_set(
     assert health.status_code == 200
     if status == 401:
         assert answer.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_a_client_that_leaves_mid_stream_takes_nothing_down(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(
+        {"segments": [{"text": "word " * 400}]},
+        timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50),
+    )
+    url = f"{running.address.http_url}/responses"
+    async with httpx.AsyncClient() as http:
+        async with http.stream("POST", url, json={**body(tools=[]), "stream": True}) as answer:
+            async for chunk in answer.aiter_text():
+                if "output_text.delta" in chunk:
+                    break  # leave in the middle of the stream
+    await running.server.wait_idle()
+    assert running.server.open_rollouts == 0
+    # the server is still serving
+    async with httpx.AsyncClient() as http:
+        health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
+    assert health.status_code == 200

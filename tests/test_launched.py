@@ -135,7 +135,9 @@ async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: St
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
         first = await turn(client, create(store=True))
-    r1 = first[-1]["response"]
+        r1 = first[-1]["response"]
+        # written before response.completed was sent, not some time after
+        assert await running.server.store.get(r1["id"]) is not None
     new = answers(first)
     # a new connection has an empty cache: the chain comes back from the store, cold
     async with connect(running.address.ws_url) as client:

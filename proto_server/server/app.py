@@ -20,7 +20,7 @@ from typing import Literal
 import attrs
 import orjson
 import trio
-from trio_websocket import wrap_server_stream
+from trio_websocket import ConnectionClosed, wrap_server_stream
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
@@ -152,8 +152,11 @@ class ProtoServer:
                 await self._serve_websocket(stream, head)
             else:
                 await serve_http(self, stream, head)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionClosed):
             pass  # the peer went away; everything it started is already cancelled
+        except* Exception:
+            # a bug in serving one connection must not take the others down with it
+            log.exception("connection.crashed")
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
