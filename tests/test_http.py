@@ -264,11 +264,11 @@ async def test_a_client_that_leaves_mid_stream_takes_nothing_down(
         timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50),
     )
     url = f"{running.address.http_url}/responses"
-    async with httpx.AsyncClient() as http:
-        async with http.stream("POST", url, json={**body(tools=[]), "stream": True}) as answer:
-            async for chunk in answer.aiter_text():
-                if "output_text.delta" in chunk:
-                    break  # leave in the middle of the stream
+    payload = {**body(tools=[]), "stream": True}
+    async with httpx.AsyncClient() as http, http.stream("POST", url, json=payload) as answer:
+        async for chunk in answer.aiter_text():
+            if "output_text.delta" in chunk:
+                break  # leave in the middle of the stream
     await running.server.wait_idle()
     assert running.server.open_rollouts == 0
     # the server is still serving
