@@ -18,6 +18,7 @@ from proto_server.wire.tools import Tool
 
 from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
 from .test_prototype_rollout import USER, answers
+from .test_prototype_rollout import create as prototype_create
 from .wsclient import Client, connect
 
 END = ("response.completed", "response.failed", "response.incomplete", "error")
@@ -25,15 +26,8 @@ SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=20)
 
 
 def create(**fields: Any) -> dict[str, Any]:
-    return {
-        "type": "response.create",
-        "model": "test-model",
-        "instructions": "You fix bugs.",
-        "input": [USER],
-        "tools": [EXEC_COMMAND],
-        "store": False,
-        **fields,
-    }
+    """A launched-dialect turn: the prototype tests' create, with store off unless asked."""
+    return prototype_create(**{"store": False, **fields})
 
 
 async def turn(client: Client, frame: dict[str, Any]) -> list[dict[str, Any]]:
