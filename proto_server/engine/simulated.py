@@ -55,6 +55,11 @@ class TimingModel:
             return 1.0 / burst
         return 1.0 / self.decode_tokens_per_s
 
+    def segment_seconds(self, *, uncached_tokens: int, output_tokens: int) -> float:
+        """The modelled GPU time of one segment: prefill what is not cached, then decode."""
+        decode = sum(self.decode_seconds(index) for index in range(output_tokens))
+        return self.prefill_seconds(uncached_tokens) + decode
+
 
 class _Pacer:
     """Releases tokens on the decode schedule; never drifts, never sleeps when behind."""

@@ -1,0 +1,217 @@
+"""A rollout handle: iterate its events until the next suspension or the end, append, cancel.
+
+    rollout = await connection.create(...)
+    async for received in rollout.events():   # this segment's events, as they arrive
+        ...
+    rollout.state           # streaming | suspended (rollout.pending_calls) | completed | ...
+    await rollout.append({call_id: "output", ...})
+
+What `append` puts on the wire depends on the dialect: `response.append` with the outputs
+(prototype); a `response.create` with `previous_response_id` and only the outputs (launched);
+a POST with the whole history and the outputs (http). The bookkeeping is `RolloutTracker`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from proto_server.client.state import (
+    Received,
+    RolloutState,
+    RolloutTracker,
+    Segment,
+)
+from proto_server.wire.converter import unstructure
+from proto_server.wire.items import Item, ToolCall, ToolOutput
+from proto_server.wire.response import Response
+
+if TYPE_CHECKING:
+    from proto_server.client.connection import Connection
+
+
+class Rollout:
+    def __init__(
+        self,
+        connection: Connection,
+        settings: Mapping[str, Any],
+        input: str | list[Any],
+        previous_response_id: str | None,
+    ) -> None:
+        self.connection = connection
+        self.dialect = connection.dialect
+        self._settings = settings
+        self._input = input
+        self._previous_response_id = previous_response_id
+        self.tracker = RolloutTracker(connection.dialect)
+        #: HTTP: every item of the conversation so far, resent each turn.
+        self._history: list[Any] = (
+            [{"type": "message", "role": "user", "content": input}]
+            if isinstance(input, str)
+            else list(input)
+        )
+        self._history_outputs = 0
+        #: launched and HTTP: outputs given while other calls are still pending.
+        self._waiting: list[Any] = []
+
+    # -- what the client knows -----------------------------------------------------------------
+
+    @property
+    def state(self) -> RolloutState:
+        return self.tracker.state
+
+    @property
+    def pending_calls(self) -> list[ToolCall]:
+        return list(self.tracker.pending_calls.values())
+
+    @property
+    def response(self) -> Response | None:
+        """The latest Response object the server sent (its output and usage so far)."""
+        return self.tracker.response
+
+    @property
+    def response_id(self) -> str | None:
+        return self.tracker.response_ids[-1] if self.tracker.response_ids else None
+
+    @property
+    def output(self) -> list[Item]:
+        """Every item the model finished in this rollout, across segments and turns."""
+        return list(self.tracker.output)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return list(self.tracker.segments)
+
+    @property
+    def received(self) -> list[Received]:
+        """Every event received in this rollout so far."""
+        return [received for segment in self.tracker.segments for received in segment.events]
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        body: dict[str, Any] = {**self._settings, "input": self._input}
+        if self._previous_response_id is not None:
+            body["previous_response_id"] = self._previous_response_id
+        if self.dialect == "http":
+            body["stream"] = True
+        else:
+            body = {"type": "response.create", **body}
+        await self._send(body)
+
+    def events(self) -> _SegmentEvents:
+        """This segment's events as they arrive; the iteration ends at a suspension or the end."""
+        return _SegmentEvents(self)
+
+    async def step(self) -> Segment:
+        """Read events until the next suspension or the end; the segment they make up."""
+        if self.state is not RolloutState.STREAMING:
+            raise RuntimeError(self._not_streaming())
+        async for _ in self.events():
+            pass
+        segment = self.tracker.current
+        assert segment is not None
+        return segment
+
+    async def append(self, outputs: Mapping[str, str] | Sequence[ToolOutput]) -> None:
+        """Answer pending calls (`{call_id: output}` or output items); resumes once all are.
+
+        Outputs that answer no pending call raise `OutputsRefused` and nothing is sent.
+        """
+        items = self.tracker.outputs(outputs)
+        answered_all = self.tracker.answered(items)
+        new = [wire_json(item) for item in items]
+        if self.dialect == "prototype":
+            body = {"type": "response.append", "input": new}
+            if not answered_all:
+                self.tracker.sent_partial(size=await self.connection.send(body))
+                return
+            await self._send(body)
+            return
+        if not answered_all:
+            self._waiting.extend(new)
+            return
+        new, self._waiting = [*self._waiting, *new], []
+        if self.dialect == "launched":
+            await self._send(
+                {
+                    "type": "response.create",
+                    **self._settings,
+                    "previous_response_id": self.response_id,
+                    "input": new,
+                }
+            )
+            return
+        self._history.extend(wire_json(item) for item in self._unsent_outputs())
+        self._history.extend(new)
+        await self._send({**self._settings, "stream": True, "input": self._history})
+
+    async def cancel(self) -> None:
+        """End the rollout: `response.cancel` where a Response is open on the server."""
+        state = self.state
+        if state.ended:
+            raise RuntimeError(f"the rollout already ended ({state.value}); nothing to cancel.")
+        if self.dialect == "prototype" or (
+            self.dialect == "launched" and state is RolloutState.STREAMING
+        ):
+            await self.connection.send({"type": "response.cancel"})
+            if state is RolloutState.SUSPENDED:
+                self.tracker.sent(at=trio.current_time(), size=0)
+            await self.step()
+            return
+        if state is RolloutState.STREAMING:
+            await self.connection.abort()
+        self.tracker.cancelled_locally()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    async def _send(self, body: Mapping[str, Any]) -> None:
+        at = trio.current_time()
+        size = await self.connection.send(body)
+        self.tracker.sent(at=at, size=size)
+
+    def _unsent_outputs(self) -> list[Item]:
+        outputs = self.tracker.output[self._history_outputs :]
+        self._history_outputs = len(self.tracker.output)
+        return outputs
+
+    async def _receive(self) -> Received:
+        received = await self.connection.receive()
+        self.tracker.received(received)
+        if self.state is not RolloutState.STREAMING and self.response_id is not None:
+            self.connection.last_response_id = self.response_id
+        return received
+
+    def _not_streaming(self) -> str:
+        if self.state is RolloutState.SUSPENDED:
+            calls = ", ".join(f"{c.call_id} ({c.name})" for c in self.pending_calls)
+            return f"the rollout is suspended: append outputs for {calls} to resume it."
+        return f"the rollout ended ({self.state.value}); create a new one."
+
+    def _repr_html_(self) -> str:
+        from proto_server.client.display import rollout_html
+
+        return rollout_html(self)
+
+
+class _SegmentEvents:
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+
+    def __aiter__(self) -> _SegmentEvents:
+        return self
+
+    async def __anext__(self) -> Received:
+        if self._rollout.state is not RolloutState.STREAMING:
+            raise StopAsyncIteration
+        return await self._rollout._receive()
+
+
+def wire_json(value: Any) -> Any:
+    """A wire object (item, tool) as JSON, without the fields left unset (None)."""
+    obj = unstructure(value)
+    if isinstance(obj, dict):
+        return {key: field for key, field in obj.items() if field is not None}
+    return obj

@@ -1,0 +1,165 @@
+"""The trio client against a real server on 127.0.0.1: stepping, appending, cancelling, timing."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proto_server.client import RolloutState, connect
+from proto_server.client.state import OutputsRefused
+from proto_server.engine.simulated import TimingModel
+from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
+
+from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+
+
+async def test_a_prototype_rollout_steps_segment_by_segment_in_one_response(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect="prototype") as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        assert rollout.state is RolloutState.STREAMING
+        seen = [received.event.type async for received in rollout.events()]
+        assert seen[0] == "response.created" and seen[-1] == "response.done"
+        assert rollout.state is RolloutState.SUSPENDED
+        (first_call,) = rollout.pending_calls
+        assert orjson.loads(first_call.arguments) == {"cmd": "ls"}
+
+        await rollout.append({first_call.call_id: "a.py b.py"})
+        second = await rollout.step()
+        assert second.end == "response.done"
+        assert [orjson.loads(c.arguments)["cmd"] for c in rollout.pending_calls] == [
+            "cat a.py",
+            "cat b.py",
+        ]
+        # The warm path: only the tool output was prefilled again.
+        assert 0 < second.reprocessed_tokens < second.cached_tokens
+
+        await rollout.append({call.call_id: "x = 1" for call in rollout.pending_calls})
+        third = await rollout.step()
+        assert third.end == "response.completed"
+        assert rollout.state is RolloutState.COMPLETED
+        assert rollout.response is not None and rollout.response.status == "completed"
+
+    numbers = [received.sequence_number for received in rollout.received]
+    assert numbers == list(range(len(numbers)))
+    assert rollout.tracker.response_ids == [rollout.response.id]
+    text = "".join(r.event.delta for r in rollout.received if isinstance(r.event, OutputTextDelta))
+    assert text == "Let me look.Fixed: the loop was off by one."
+    assert [item.type for item in rollout.output] == [
+        "message",
+        "function_call",
+        "function_call",
+        "function_call",
+        "message",
+    ]
+
+
+async def test_bytes_sent_per_segment_are_the_frames_that_started_it(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.ws_url, dialect="prototype") as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        await rollout.step()
+        await rollout.append({rollout.pending_calls[0].call_id: "a.py"})
+        await rollout.step()
+        a, b = (call.call_id for call in rollout.pending_calls)
+        await rollout.append({a: "1"})  # partial: the server holds it, nothing streams
+        assert rollout.state is RolloutState.SUSPENDED
+        await rollout.append({b: "2"})
+        await rollout.step()
+
+    create = {"type": "response.create", "input": "fix it", "tools": [EXEC_COMMAND]}
+
+    def append(call_id: str, output: str) -> dict[str, object]:
+        item = {"type": "function_call_output", "call_id": call_id, "output": output}
+        return {"type": "response.append", "input": [item]}
+
+    sizes = [segment.sent_bytes for segment in rollout.segments]
+    first_call = rollout.output[1].call_id  # type: ignore[union-attr]
+    assert sizes == [
+        len(orjson.dumps(create)),
+        len(orjson.dumps(append(first_call, "a.py"))),
+        len(orjson.dumps(append(a, "1"))) + len(orjson.dumps(append(b, "2"))),
+    ]
+
+
+async def test_outputs_for_unknown_calls_are_refused_before_anything_is_sent(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url) as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        await rollout.step()
+        with pytest.raises(OutputsRefused, match="call_nope"):
+            await rollout.append({"call_nope": "x"})
+        with pytest.raises(RuntimeError, match="suspended"):
+            await rollout.step()
+        with pytest.raises(RuntimeError, match="still suspended"):
+            await connection.create("another")
+        await rollout.append({rollout.pending_calls[0].call_id: "ok"})
+        segment = await rollout.step()
+        assert not any(isinstance(r.event, ErrorEvent) for r in segment.events)
+
+
+async def test_cancel_a_suspended_rollout_then_start_another(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url) as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        await rollout.step()
+        await rollout.cancel()
+        assert rollout.state is RolloutState.CANCELLED
+        assert isinstance(rollout.received[-1].event, ResponseCancelled)
+        with pytest.raises(RuntimeError, match="already ended"):
+            await rollout.cancel()
+        again = await connection.create("fix it", tools=[EXEC_COMMAND])
+        await again.step()
+        assert again.state is RolloutState.SUSPENDED
+        assert again.response_id != rollout.response_id
+
+
+async def test_cancel_while_streaming_ends_with_response_cancelled(
+    start_server: StartServer,
+) -> None:
+    long_text = {"segments": [{"text": " word" * 2000}]}
+    running = await start_server(long_text, timing=TimingModel(decode_tokens_per_s=2_000))
+    async with connect(running.address.http_url) as connection:
+        rollout = await connection.create("talk")
+        async for received in rollout.events():
+            if isinstance(received.event, OutputTextDelta):
+                break
+        await rollout.cancel()
+        assert rollout.state is RolloutState.CANCELLED
+        assert rollout.received[-1].event.type == "response.cancelled"
+
+
+async def test_a_refused_create_fails_the_rollout_and_says_why(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url) as connection:
+        rollout = await connection.create("x", previous_response_id="resp_nope")
+        segment = await rollout.step()
+        assert segment.end == "error"
+        assert rollout.state is RolloutState.FAILED
+        assert rollout.tracker.error is not None
+        assert rollout.tracker.error.param == "previous_response_id"
+
+
+async def test_measured_time_covers_the_modelled_gpu_time(start_server: StartServer) -> None:
+    timing = TimingModel(prefill_tokens_per_s=20_000, decode_tokens_per_s=2_000)
+    running = await start_server(THREE_SEGMENTS, timing=timing)
+    async with connect(running.address.http_url) as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        while True:
+            segment = await rollout.step()
+            modelled = timing.segment_seconds(
+                uncached_tokens=segment.reprocessed_tokens, output_tokens=segment.output_tokens
+            )
+            assert segment.time_to_end is not None and segment.time_to_end >= modelled
+            assert segment.time_to_first_event is not None
+            assert 0 < segment.time_to_first_event <= segment.time_to_end
+            if rollout.state is not RolloutState.SUSPENDED:
+                break
+            await rollout.append({c.call_id: "ok" for c in rollout.pending_calls})
+    assert rollout.state is RolloutState.COMPLETED

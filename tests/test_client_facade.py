@@ -1,0 +1,100 @@
+"""The blocking facade (plain sync tests: it owns its own trio thread) and the rich display."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from proto_server.client.facade import BlockingClient, ClientStopped
+from proto_server.client.state import RolloutState
+
+from .conftest import EXEC_COMMAND, FAST, THREE_SEGMENTS
+
+
+def trio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "proto-client-trio"]
+
+
+def test_a_rollout_lives_across_calls_and_close_stops_everything() -> None:
+    client = BlockingClient.serving(THREE_SEGMENTS, timing=FAST)
+    rollout = client.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
+    first = rollout.step()
+    assert first.end == "response.done"
+    assert rollout.state is RolloutState.SUSPENDED
+    rollout.append({call.call_id: "a.py" for call in rollout.pending_calls})
+    rollout.step()
+    rollout.append({call.call_id: "x" for call in rollout.pending_calls})
+    rollout.step()
+    assert rollout.state is RolloutState.COMPLETED
+    assert [r.sequence_number for r in rollout.events] == list(range(len(rollout.events)))
+
+    client.close()
+    assert not client._thread.is_alive()
+    with pytest.raises(ClientStopped, match="create a new one"):
+        client.connect("prototype")
+    client.close()  # idempotent
+
+
+def test_closing_a_client_closes_its_connections_on_a_server_it_does_not_own() -> None:
+    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as host:
+        assert host.server is not None and host.url is not None
+        guest = BlockingClient(host.url)
+        rollout = guest.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
+        rollout.step()
+        assert host.server.open_rollouts == 1  # suspended, holding its state
+        guest.close()
+
+        async def idle() -> None:
+            with trio.fail_after(5):
+                await host.server.wait_idle()  # type: ignore[union-attr]
+
+        host.call(idle)
+        assert host.server.open_connections == 0
+    assert not trio_threads()
+
+
+def test_a_closed_connection_ends_its_rollout_on_the_server() -> None:
+    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+        connection = client.connect("prototype")
+        connection.create("fix it", tools=[EXEC_COMMAND]).step()
+        connection.close()
+        server = client.server
+        assert server is not None
+
+        async def idle() -> None:
+            with trio.fail_after(5):
+                await server.wait_idle()
+
+        client.call(idle)
+
+
+def test_the_low_level_door_shows_what_the_server_answers() -> None:
+    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+        connection = client.connect("prototype")
+        connection.send({"type": "response.append", "input": []})
+        received = connection.receive()
+        assert received.event.type == "error"
+        assert received.sequence_number == 0
+        with pytest.raises(TimeoutError, match="no server event"):
+            connection.receive(timeout=0.05)
+
+
+def test_a_rollout_shows_its_events_pending_calls_and_timing_chart() -> None:
+    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+        rollout = client.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
+        segment = rollout.step()
+        (call,) = rollout.pending_calls
+        table = segment._repr_html_()
+        assert "output_item.done" in table and "function_call_arguments.delta" in table
+        assert call.call_id in table  # the calls the model made, under the table
+        page = rollout._repr_html_()
+        assert "suspended" in page and call.call_id in page and "Pending calls" in page
+        rollout.append({call.call_id: "a.py"})
+        rollout.step()
+        figure = rollout.timing_chart()
+        bars = figure.axes[0].patches
+        assert len(bars) == 3 * len(rollout.segments)  # client, modelled GPU, server + wire
+        labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        assert "GPU (modelled)" in labels
