@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
 
-from proto_server.client import RolloutState, connect
+from proto_server.client import Dialect, Rollout, RolloutState, connect
 from proto_server.client.state import OutputsRefused
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
@@ -120,19 +122,25 @@ async def test_cancel_a_suspended_rollout_then_start_another(start_server: Start
         assert again.response_id != rollout.response_id
 
 
-async def test_cancel_while_streaming_ends_with_response_cancelled(
-    start_server: StartServer,
-) -> None:
-    long_text = {"segments": [{"text": " word" * 2000}]}
-    running = await start_server(long_text, timing=TimingModel(decode_tokens_per_s=2_000))
-    async with connect(running.address.http_url) as connection:
+@pytest.mark.parametrize("dialect", ["prototype", "launched", "http"])
+async def test_cancel_while_streaming(start_server: StartServer, dialect: Dialect) -> None:
+    """HTTP cancels by dropping the stream: the server must shrug that off, not crash."""
+    script = {"segments": [{"text": " word" * 2000}, {"text": "again"}]}
+    running = await start_server(script, timing=TimingModel(decode_tokens_per_s=2_000))
+    async with connect(running.address.http_url, dialect=dialect) as connection:
         rollout = await connection.create("talk")
         async for received in rollout.events():
             if isinstance(received.event, OutputTextDelta):
                 break
         await rollout.cancel()
         assert rollout.state is RolloutState.CANCELLED
-        assert rollout.received[-1].event.type == "response.cancelled"
+        if dialect != "http":  # a WebSocket Response is cancelled on the server and says so
+            assert rollout.received[-1].event.type == "response.cancelled"
+        again = await connection.create("talk")  # the connection lives on
+        async for received in again.events():
+            if isinstance(received.event, OutputTextDelta):
+                break
+        assert received.event.delta == " word"
 
 
 async def test_a_refused_create_fails_the_rollout_and_says_why(start_server: StartServer) -> None:
@@ -163,3 +171,96 @@ async def test_measured_time_covers_the_modelled_gpu_time(start_server: StartSer
                 break
             await rollout.append({c.call_id: "ok" for c in rollout.pending_calls})
     assert rollout.state is RolloutState.COMPLETED
+
+
+async def run_to_the_end(rollout: Rollout) -> None:
+    """Step and answer every call (with its own arguments) until the rollout ends."""
+    while not rollout.state.ended:
+        if rollout.state is RolloutState.STREAMING:
+            await rollout.step()
+        else:
+            outputs = {call.call_id: f"ran {call.arguments}" for call in rollout.pending_calls}
+            await rollout.append(outputs)
+
+
+async def test_launched_turns_chain_by_previous_response_id_and_send_only_new_items(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect="launched") as connection:
+        rollout = await connection.create("fix it", model="m", tools=[EXEC_COMMAND])
+        await rollout.step()
+        assert rollout.state is RolloutState.SUSPENDED  # the turn completed; calls await output
+        (call,) = rollout.pending_calls
+        first_id = rollout.response_id
+        await rollout.append({call.call_id: "a.py"})
+        second = await rollout.step()
+        assert second.sent_bytes == len(
+            orjson.dumps(
+                {
+                    "type": "response.create",
+                    "model": "m",
+                    "tools": [EXEC_COMMAND],
+                    "previous_response_id": first_id,
+                    "input": [
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "a.py"}
+                    ],
+                }
+            )
+        )
+        assert rollout.response is not None
+        assert rollout.response.previous_response_id == first_id
+        assert second.cached_tokens > 0  # served from the connection's warm cache
+        await run_to_the_end(rollout)
+        assert rollout.state is RolloutState.COMPLETED
+        ids = rollout.tracker.response_ids
+        assert len(ids) == 3 and len(set(ids)) == 3
+        assert connection.last_response_id == ids[-1]
+
+
+async def test_a_launched_warm_up_is_a_completed_rollout_the_next_one_chains_onto(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect="launched") as connection:
+        warm = await connection.create([], model="m", tools=[EXEC_COMMAND], generate=False)
+        segment = await warm.step()
+        assert warm.state is RolloutState.COMPLETED and warm.output == []
+        assert segment.output_tokens == 0
+        rollout = await connection.create(
+            "fix it", model="m", tools=[EXEC_COMMAND], previous_response_id=warm.response_id
+        )
+        first = await rollout.step()
+        assert rollout.state is RolloutState.SUSPENDED
+        assert first.cached_tokens > 0  # the tools and instructions were prefilled by the warm-up
+
+
+async def test_http_turns_resend_the_whole_history_and_reprocess_it(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect="http") as connection:
+        rollout = await connection.create("fix it", model="m", tools=[EXEC_COMMAND])
+        await run_to_the_end(rollout)
+    assert rollout.state is RolloutState.COMPLETED
+    segments = rollout.segments
+    assert len(segments) == 3
+    assert all(segment.cached_tokens == 0 for segment in segments)  # stateless: all cold
+    for before, after in itertools.pairwise(segments):
+        assert after.sent_bytes > before.sent_bytes
+        assert after.reprocessed_tokens > before.input_tokens + before.output_tokens
+    text = "".join(r.event.delta for r in rollout.received if isinstance(r.event, OutputTextDelta))
+    assert text == "Let me look.Fixed: the loop was off by one."
+
+
+async def test_an_http_refusal_is_an_error_event(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect="http") as connection:
+        rollout = await connection.create("x", background=True)
+        segment = await rollout.step()
+        assert segment.end == "error"
+        assert rollout.state is RolloutState.FAILED
+        assert rollout.tracker.error is not None and rollout.tracker.error.param == "background"
+        again = await connection.create("fix it", tools=[EXEC_COMMAND])  # the connection lives on
+        await again.step()
+        assert again.state is RolloutState.SUSPENDED
