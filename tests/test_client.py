@@ -7,7 +7,7 @@ import itertools
 import orjson
 import pytest
 
-from proto_server.client import Dialect, Rollout, RolloutState, connect
+from proto_server.client import Dialect, Rollout, RolloutState, Sent, connect
 from proto_server.client.state import OutputsRefused
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
@@ -80,6 +80,10 @@ async def test_bytes_sent_per_segment_are_the_frames_that_started_it(
         return {"type": "response.append", "input": [item]}
 
     sizes = [segment.sent_bytes for segment in rollout.segments]
+    sent = [entry for entry in connection.transcript if isinstance(entry, Sent)]
+    assert [entry.body["type"] for entry in sent] == ["response.create", *["response.append"] * 3]
+    assert sum(entry.size for entry in sent) == sum(sizes)
+    assert len(connection.transcript) == len(sent) + len(rollout.received)
     first_call = rollout.output[1].call_id  # type: ignore[union-attr]
     assert sizes == [
         len(orjson.dumps(create)),

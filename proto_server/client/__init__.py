@@ -2,6 +2,15 @@
 
 from proto_server.client.connection import Connection, connect
 from proto_server.client.rollout import Rollout
-from proto_server.client.state import Dialect, Received, RolloutState, Segment
+from proto_server.client.state import Dialect, Received, RolloutState, Segment, Sent
 
-__all__ = ["Connection", "Dialect", "Received", "Rollout", "RolloutState", "Segment", "connect"]
+__all__ = [
+    "Connection",
+    "Dialect",
+    "Received",
+    "Rollout",
+    "RolloutState",
+    "Segment",
+    "Sent",
+    "connect",
+]

@@ -26,7 +26,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from proto_server.client.http import HttpWire
 from proto_server.client.rollout import Rollout, wire_json
-from proto_server.client.state import DIALECTS, Dialect, Received
+from proto_server.client.state import DIALECTS, Dialect, Received, Sent
 from proto_server.wire.converter import decode_server_event
 from proto_server.wire.events import ServerEvent
 from proto_server.wire.items import Item
@@ -90,6 +90,8 @@ class Connection:
         self.rollouts: list[Rollout] = []
         #: The last Response this connection saw end: a launched follow-up chains onto it.
         self.last_response_id: str | None = None
+        #: Everything sent and received, in order: a recorded stream, e.g. for a checker.
+        self.transcript: list[Sent | Received] = []
 
     async def create(
         self,
@@ -127,12 +129,17 @@ class Connection:
         The low-level door, for experiments and deliberately broken clients: a rollout's own
         bookkeeping does not see what goes through here.
         """
-        return await self._wire.send(body)
+        at = trio.current_time()
+        size = await self._wire.send(body)
+        self.transcript.append(Sent(body, at, size))
+        return size
 
     async def receive(self) -> Received:
         """The next server event, stamped with the trio clock and its size on the wire."""
         sequence_number, event, size = await self._wire.receive()
-        return Received(sequence_number, event, trio.current_time(), size)
+        received = Received(sequence_number, event, trio.current_time(), size)
+        self.transcript.append(received)
+        return received
 
     async def abort(self) -> None:
         """HTTP: drop the response being streamed (the only way to cancel a stateless turn)."""

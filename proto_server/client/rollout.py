@@ -168,9 +168,8 @@ class Rollout:
     # -- internals ------------------------------------------------------------------------------
 
     async def _send(self, body: Mapping[str, Any]) -> None:
-        at = trio.current_time()
         size = await self.connection.send(body)
-        self.tracker.sent(at=at, size=size)
+        self.tracker.sent(at=self.connection.transcript[-1].at, size=size)
 
     def _unsent_outputs(self) -> list[Item]:
         outputs = self.tracker.output[self._history_outputs :]

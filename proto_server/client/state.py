@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -64,6 +64,15 @@ _ENDINGS: Mapping[type[ServerEvent], RolloutState] = {
     ResponseIncomplete: RolloutState.INCOMPLETE,
     ResponseCancelled: RolloutState.CANCELLED,
 }
+
+
+@attrs.frozen
+class Sent:
+    """One client event (WebSocket) or request body (HTTP) as sent: when, and how many bytes."""
+
+    body: Mapping[str, Any]
+    at: float
+    size: int
 
 
 @attrs.frozen
