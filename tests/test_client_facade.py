@@ -93,7 +93,9 @@ def test_a_rollout_shows_its_events_pending_calls_and_timing_chart() -> None:
         assert "suspended" in page and call.call_id in page and "Pending calls" in page
         rollout.append({call.call_id: "a.py"})
         rollout.step()
-        figure = rollout.timing_chart()
+        chart = rollout.timing_chart()
+        assert chart._repr_png_().startswith(b"\x89PNG")
+        figure = chart.figure
         bars = figure.axes[0].patches
         assert len(bars) == 3 * len(rollout.segments)  # client, modelled GPU, server + wire
         labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]

@@ -6,6 +6,7 @@ Times are the client's (trio clock), in milliseconds from the segment's send. GP
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
@@ -224,14 +225,26 @@ def time_split(segments: Sequence[Segment], timing: TimingModel | None) -> list[
     return split
 
 
+@attrs.frozen
+class Chart:
+    """A matplotlib figure that shows itself in a notebook, with or without pyplot."""
+
+    figure: Figure
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+
+
 def timing_chart(
     segments: Sequence[Segment], timing: TimingModel | None = None, *, title: str = ""
-) -> Figure:
+) -> Chart:
     """A horizontal bar per segment: client time, modelled GPU time, server and wire time."""
     from matplotlib.figure import Figure
 
     split = time_split(segments, timing)
-    figure = Figure(figsize=(8, 0.5 + 0.45 * max(len(split), 1)), layout="constrained")
+    figure = Figure(figsize=(8, 1.2 + 0.4 * max(len(split), 1)), layout="constrained")
     axes = figure.add_subplot()
     labels = [f"segment {segment.index}" for segment in segments]
     left = [0.0] * len(split)
@@ -249,5 +262,5 @@ def timing_chart(
     axes.invert_yaxis()
     axes.set_xlabel("milliseconds")
     axes.set_title(title or "Where each segment's time went")
-    axes.legend(loc="lower right", fontsize="small")
-    return figure
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncols=3, fontsize="small")
+    return Chart(figure)

@@ -27,13 +27,13 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import trio
 from trio_websocket import ConnectionClosed
 
 from proto_server.client.connection import Connection, connect
-from proto_server.client.display import rollout_html, timing_chart
+from proto_server.client.display import Chart, rollout_html, timing_chart
 from proto_server.client.rollout import Rollout
 from proto_server.client.state import Dialect, Received, RolloutState, Segment
 from proto_server.engine.default_model import DefaultModel
@@ -44,9 +44,6 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.items import Item, ToolCall, ToolOutput
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 T = TypeVar("T")
 
@@ -333,7 +330,7 @@ class BlockingRollout:
     def cancel(self) -> None:
         self.client.call(self.rollout.cancel)
 
-    def timing_chart(self, title: str = "") -> Figure:
+    def timing_chart(self, title: str = "") -> Chart:
         """Per segment: client time, modelled GPU time (hosted server only), server + wire."""
         return timing_chart(self.rollout.segments, self.client.timing, title=title)
 
