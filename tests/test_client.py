@@ -247,6 +247,10 @@ async def test_http_turns_resend_the_whole_history_and_reprocess_it(
         rollout = await connection.create("fix it", model="m", tools=[EXEC_COMMAND])
         await run_to_the_end(rollout)
     assert rollout.state is RolloutState.COMPLETED
+    bodies = [entry.body for entry in connection.transcript if isinstance(entry, Sent)]
+    # Each turn's body is the history as it was then: the message, what the model said, outputs.
+    assert bodies[0]["input"] == "fix it"
+    assert [len(body["input"]) for body in bodies[1:]] == [1 + 2 + 1, 4 + 2 + 2]
     segments = rollout.segments
     assert len(segments) == 3
     assert all(segment.cached_tokens == 0 for segment in segments)  # stateless: all cold

@@ -35,7 +35,7 @@ from trio_websocket import ConnectionClosed
 from proto_server.client.connection import Connection, connect
 from proto_server.client.display import Chart, rollout_html, timing_chart
 from proto_server.client.rollout import Rollout
-from proto_server.client.state import Dialect, Received, RolloutState, Segment
+from proto_server.client.state import Dialect, Received, RolloutState, Segment, Sent
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
@@ -240,6 +240,11 @@ class BlockingConnection:
     @property
     def last_response_id(self) -> str | None:
         return self.connection.last_response_id
+
+    @property
+    def transcript(self) -> list[Sent | Received]:
+        """Everything sent and received on this connection, in order."""
+        return list(self.connection.transcript)
 
     def create(
         self,

@@ -146,7 +146,7 @@ class Rollout:
             return
         self._history.extend(wire_json(item) for item in self._unsent_outputs())
         self._history.extend(new)
-        await self._send({**self._settings, "stream": True, "input": self._history})
+        await self._send({**self._settings, "stream": True, "input": list(self._history)})
 
     async def cancel(self) -> None:
         """End the rollout: `response.cancel` where a Response is open on the server."""
