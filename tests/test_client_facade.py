@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
+import orjson
 import pytest
 import trio
 
 from proto_server.client.facade import BlockingClient, ClientStopped
 from proto_server.client.state import RolloutState
+from proto_server.engine.simulated import TimingModel
 
 from .conftest import EXEC_COMMAND, FAST, THREE_SEGMENTS
 
@@ -100,3 +108,68 @@ def test_a_rollout_shows_its_events_pending_calls_and_timing_chart() -> None:
         assert len(bars) == 3 * len(rollout.segments)  # client, modelled GPU, server + wire
         labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
         assert "GPU (modelled)" in labels
+
+
+def python_blocks() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)\n```", readme, re.S)
+
+
+def test_the_readme_client_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    trio_example, blocking_example = (
+        block for block in python_blocks() if "proto_server.client" in block
+    )
+    with BlockingClient.serving() as host:  # the default model, as `proto-server serve` has
+        assert host.url is not None
+        namespace: dict[str, object] = {}
+        exec(trio_example.replace("http://127.0.0.1:8000/v1", host.url), namespace)
+        exec(blocking_example, namespace)
+    printed = capsys.readouterr().out
+    assert printed.count("RolloutState.COMPLETED") == 2  # prototype and launched
+    assert "0 response.created" in printed
+    http_sizes = orjson.loads(printed.strip().splitlines()[-1])
+    assert len(http_sizes) == 2 and http_sizes[1] > http_sizes[0]
+    assert not trio_threads()
+
+
+def test_an_interrupt_cancels_the_call_in_the_clients_thread_too() -> None:
+    long_text = {"segments": [{"text": " word" * 5000}]}  # 5 s at 1,000 tokens/s
+    with BlockingClient.serving(long_text, timing=TimingModel()) as client:
+        rollout = client.connect("prototype").create("talk")
+        main = threading.main_thread().ident
+        assert main is not None
+        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            rollout.step()
+        assert time.monotonic() - started < 3
+        assert rollout.state is RolloutState.STREAMING  # stopped reading mid-segment
+        read = len(rollout.events)
+        assert read > 0
+        rollout.cancel()  # runs at once: the interrupted step no longer holds the thread
+        assert rollout.state is RolloutState.CANCELLED
+        assert len(rollout.events) > read
+
+
+def test_interpreter_exit_closes_a_client_left_open() -> None:
+    """What a kernel shutdown does: the atexit hook closes the client, silently and promptly."""
+    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as host:
+        assert host.url is not None and host.server is not None
+        program = (
+            "from proto_server.client.facade import BlockingClient\n"
+            f"client = BlockingClient({host.url!r})\n"
+            f"rollout = client.connect().create('fix it', tools=[{EXEC_COMMAND!r}])\n"
+            "rollout.step()\n"
+            "print(rollout.state.value)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", program], capture_output=True, text=True, timeout=30
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (0, "suspended\n", "")
+
+        async def idle() -> None:
+            with trio.fail_after(5):
+                await host.server.wait_idle()  # type: ignore[union-attr]
+
+        host.call(idle)
