@@ -118,6 +118,7 @@ async def test_cancel_a_suspended_rollout_then_start_another(start_server: Start
         await rollout.cancel()
         assert rollout.state is RolloutState.CANCELLED
         assert isinstance(rollout.received[-1].event, ResponseCancelled)
+        assert rollout.segments[-1].sent_bytes == len(orjson.dumps({"type": "response.cancel"}))
         with pytest.raises(RuntimeError, match="already ended"):
             await rollout.cancel()
         again = await connection.create("fix it", tools=[EXEC_COMMAND])

@@ -144,7 +144,7 @@ class BlockingClient:
         """
         token = self._token
         if token is None or not self._thread.is_alive():
-            raise ClientStopped("this client is closed; create a new one.")
+            raise self._stopped()
         scope = trio.CancelScope()
 
         async def guarded() -> T:
@@ -156,20 +156,27 @@ class BlockingClient:
         try:
             return trio.from_thread.run(guarded, trio_token=token)
         except trio.RunFinishedError:
-            raise ClientStopped("this client is closed; create a new one.") from None
+            raise self._stopped() from None
         except KeyboardInterrupt:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(scope.cancel, trio_token=token)
             raise
 
+    def _stopped(self) -> ClientStopped:
+        if self._failure is not None:
+            return ClientStopped(
+                f"this client's trio thread failed ({self._failure!r}); create a new client."
+            )
+        return ClientStopped("this client is closed; create a new one.")
+
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         token = self._token
         if token is None or not self._thread.is_alive():
-            raise ClientStopped("this client is closed; create a new one.")
+            raise self._stopped()
         try:
             return trio.from_thread.run_sync(partial(fn, *args), trio_token=token)
         except trio.RunFinishedError:
-            raise ClientStopped("this client is closed; create a new one.") from None
+            raise self._stopped() from None
 
     # -- what a notebook uses ------------------------------------------------------------------
 

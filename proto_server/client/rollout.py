@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import trio
-
+from proto_server.client.display import rollout_html
 from proto_server.client.state import (
     Received,
     RolloutState,
@@ -156,9 +155,11 @@ class Rollout:
         if self.dialect == "prototype" or (
             self.dialect == "launched" and state is RolloutState.STREAMING
         ):
-            await self.connection.send({"type": "response.cancel"})
+            cancel = {"type": "response.cancel"}
             if state is RolloutState.SUSPENDED:
-                self.tracker.sent(at=trio.current_time(), size=0)
+                await self._send(cancel)  # what streams back (the cancellation) is a segment
+            else:
+                await self.connection.send(cancel)
             await self.step()
             return
         if state is RolloutState.STREAMING:
@@ -190,8 +191,6 @@ class Rollout:
         return f"the rollout ended ({self.state.value}); create a new one."
 
     def _repr_html_(self) -> str:
-        from proto_server.client.display import rollout_html
-
         return rollout_html(self)
 
 

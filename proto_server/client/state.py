@@ -139,7 +139,7 @@ class Segment:
         return self.input_tokens - self.cached_tokens
 
     def _repr_html_(self) -> str:
-        from proto_server.client.display import segment_html
+        from proto_server.client.display import segment_html  # display imports this module
 
         return segment_html(self)
 
