@@ -13,6 +13,7 @@ from pathlib import Path
 
 import trio
 
+from proto_server.bench import cli as bench_cli
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
@@ -133,11 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="structured logs on stderr",
     )
+    bench_cli.add_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_cli.run(args)
     configure(args.log_level)
     try:
         timing = TimingModel(

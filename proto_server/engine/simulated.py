@@ -3,13 +3,19 @@
 Prefill costs the *uncached* prompt tokens at `prefill_tokens_per_s`; then each token is decoded
 at `decode_tokens_per_s`, or at `burst_tokens_per_s` for the burst share of each 100 tokens. A
 session keeps its "KV cache" warm across suspensions: a resumed segment prefills only what the
-conversation gained since the model last spoke.
+conversation gained since the model last spoke. With a `PrefixCache`, a cold session is also
+spared the prefill of any prefix some session of the same generator has already seen.
+
+A `GpuMeter`, when given, is told every modelled second, so reports can keep modelled GPU time
+apart from measured server time.
 """
 
 from __future__ import annotations
 
 import codecs
+import time
 from collections.abc import Iterator
+from typing import Protocol
 
 import attrs
 import trio
@@ -25,6 +31,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
+from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner
 
 BURST_WINDOW = 100
@@ -61,19 +68,37 @@ class TimingModel:
         return self.prefill_seconds(uncached_tokens) + decode
 
 
+class GpuMeter(Protocol):
+    """Told what the simulated GPU modelled (and what its bookkeeping cost), as it happens."""
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """`tokens` uncached prompt tokens were prefilled, modelled to take `seconds`."""
+
+    def decoded(self, tokens: int, seconds: float, due: float) -> None:
+        """`tokens` were released at trio time `due`, modelled to take `seconds` to decode."""
+
+    def bookkeeping(self, seconds: float) -> None:
+        """Measured seconds of CPU the simulation spent on its prefix cache: not server work."""
+
+
 class _Pacer:
     """Releases tokens on the decode schedule; never drifts, never sleeps when behind."""
 
     def __init__(self, timing: TimingModel) -> None:
         self._timing = timing
-        self._deadline = trio.current_time()
+        self.deadline = trio.current_time()
         self._index = 0
 
-    async def tokens(self, count: int) -> None:
+    async def tokens(self, count: int) -> float:
+        """Wait until `count` more tokens are decoded; return their modelled seconds."""
+        seconds = 0.0
         for _ in range(count):
-            self._deadline += self._timing.decode_seconds(self._index)
+            seconds += self._timing.decode_seconds(self._index)
             self._index += 1
-        await trio.sleep_until(self._deadline)
+        self.deadline += seconds
+        if self.deadline > trio.current_time():  # behind schedule: no need to wait at all
+            await trio.sleep_until(self.deadline)
+        return seconds
 
 
 def _pieces(text: str) -> Iterator[tuple[str, int]]:
@@ -90,10 +115,22 @@ def _pieces(text: str) -> Iterator[tuple[str, int]]:
 
 
 class SimulatedSession:
-    def __init__(self, conversation: Conversation, planner: Planner, timing: TimingModel) -> None:
+    def __init__(
+        self,
+        conversation: Conversation,
+        planner: Planner,
+        timing: TimingModel,
+        *,
+        prefix_cache: PrefixCache | None = None,
+        meter: GpuMeter | None = None,
+    ) -> None:
         self._conversation = conversation
         self._planner = planner
         self._timing = timing
+        self._prefix_cache = prefix_cache
+        self._hashes = prefix_cache.hashes() if prefix_cache is not None else None
+        self._shared = 0  # blocks of this session already in the prefix cache
+        self._meter = meter
         self._prefilled_upto = 0
         self._has_spoken = False
         self.closed = False
@@ -104,12 +141,38 @@ class SimulatedSession:
         spoken = conversation.model_output_end if self._has_spoken else 0
         return min(max(self._prefilled_upto, spoken), conversation.token_count)
 
+    def _consult_cache(self, warm: int) -> int:
+        """Tokens of the prompt's prefix already held, by this session (`warm`) or by the prefix
+        cache; then this session's new full blocks go into the cache."""
+        cache, hashes = self._prefix_cache, self._hashes
+        if cache is None or hashes is None:
+            return warm
+        started = time.perf_counter()
+        names = hashes.update(self._conversation.tokens)
+        found = cache.cached_blocks(names, min(warm // cache.block_tokens, len(names)))
+        self._offer(cache, names, started)
+        return max(warm, found * cache.block_tokens)
+
+    def _offer(self, cache: PrefixCache, names: list[int], started: float) -> None:
+        cache.insert(names, self._shared)
+        self._shared = len(names)
+        if self._meter is not None:
+            self._meter.bookkeeping(time.perf_counter() - started)
+
     async def prefill(self) -> Prefilled:
         prompt = self._conversation.token_count
-        cached = self._cached()
-        await trio.sleep(self._timing.prefill_seconds(prompt - cached))
+        cached = min(self._consult_cache(self._cached()), prompt)
+        seconds = self._timing.prefill_seconds(prompt - cached)
+        if self._meter is not None:
+            self._meter.prefilled(prompt - cached, seconds)
+        await trio.sleep(seconds)
         self._prefilled_upto = prompt
         return Prefilled(prompt_tokens=prompt, cached_tokens=cached)
+
+    async def _decode(self, pacer: _Pacer, tokens: int) -> None:
+        seconds = await pacer.tokens(tokens)
+        if self._meter is not None:
+            self._meter.decoded(tokens, seconds, pacer.deadline)
 
     async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
         segment = self._planner.plan(self._conversation)
@@ -117,19 +180,24 @@ class SimulatedSession:
         self._has_spoken = True
         pacer = _Pacer(self._timing)
         for piece, tokens in _pieces(segment.text):
-            await pacer.tokens(tokens)
+            await self._decode(pacer, tokens)
             await send.send(TextDelta(piece, tokens))
         for call in segment.tool_calls:
             name_tokens = len(o200k_base().encode_ordinary(call.name))
-            await pacer.tokens(name_tokens)
+            await self._decode(pacer, name_tokens)
             await send.send(ToolCallBegin(call.name, name_tokens))
             for piece, tokens in _pieces(call.arguments):
-                await pacer.tokens(tokens)
+                await self._decode(pacer, tokens)
                 await send.send(ToolCallArgumentsDelta(piece, tokens))
             await send.send(ToolCallEnd())
         await send.send(SegmentEnd())
 
     async def aclose(self) -> None:
+        cache, hashes = self._prefix_cache, self._hashes
+        if not self.closed and cache is not None and hashes is not None:
+            # what the model said is cached too, for whoever continues this conversation
+            started = time.perf_counter()
+            self._offer(cache, hashes.update(self._conversation.tokens), started)
         self.closed = True
 
 
@@ -137,6 +205,15 @@ class SimulatedSession:
 class SimulatedGenerator:
     planner: Planner
     timing: TimingModel = TimingModel()
+    #: Shared by every session of this generator, like one GPU's KV cache; None: no sharing.
+    prefix_cache: PrefixCache | None = None
+    meter: GpuMeter | None = None
 
     def open_session(self, conversation: Conversation) -> SimulatedSession:
-        return SimulatedSession(conversation, self.planner, self.timing)
+        return SimulatedSession(
+            conversation,
+            self.planner,
+            self.timing,
+            prefix_cache=self.prefix_cache,
+            meter=self.meter,
+        )

@@ -39,6 +39,7 @@ from proto_server.server.handshake import (
 from proto_server.server.http import error_body, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
+from proto_server.server.observe import ServerObserver
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
@@ -96,6 +97,8 @@ class ProtoServer:
         self.open_rollouts = 0
         #: The most recent Responses' costs, newest last (tests and the benchmark read them).
         self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
+        #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
+        self.observer: ServerObserver | None = None
         self._changed = trio.Event()
 
     def _count(self, *, connections: int = 0, rollouts: int = 0) -> None:
@@ -183,7 +186,12 @@ class ProtoServer:
                 return
             dialect_name = select_dialect(head)
             ws = await request.accept()
-            connection = Connection(ws, queue_events=self.config.client_queue_events)
+            connection = Connection(
+                ws,
+                queue_events=self.config.client_queue_events,
+                merge_deltas=self.config.merge_deltas,
+                observer=self.observer,
+            )
             log.info(
                 "connection.opened",
                 extra={"connection": connection.id, "dialect": dialect_name, "path": head.target},
@@ -238,6 +246,8 @@ class ProtoServer:
         conversation = rollout.conversation
         first_item = len(conversation.items)
         conversation.extend(input_items(create))
+        if self.observer is not None:
+            self.observer.rendered()
         response = response_template(
             create,
             response_id=new_id("resp"),
@@ -263,6 +273,7 @@ class ProtoServer:
             rendered_mark=rendered_mark,
             persist=persist if response.store else None,
             on_end=self.turns.append,
+            observer=self.observer,
         )
 
 

@@ -15,6 +15,8 @@ class ServerConfig:
     max_message_bytes: int = 16 * MiB
     #: Server events buffered for a slow client before the stream itself slows down.
     client_queue_events: int = 256
+    #: When a writer falls behind its client, send the deltas that piled up as one frame.
+    merge_deltas: bool = True
     #: Chunks the generator may run ahead of the sampling loop.
     chunk_queue: int = 64
     #: Time a new connection has to send its request head.

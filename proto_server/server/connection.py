@@ -20,6 +20,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from proto_server.core.sequence import Sequencer
 from proto_server.server.logs import log
+from proto_server.server.observe import ServerObserver
+from proto_server.server.outbox import Outbox
 from proto_server.wire.converter import decode_client_event, encode_server_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import ClientEvent, ErrorEvent, ServerEvent
@@ -38,9 +40,18 @@ class Dialect(Protocol):
 
 
 class Connection:
-    def __init__(self, ws: WebSocketConnection, *, queue_events: int) -> None:
+    def __init__(
+        self,
+        ws: WebSocketConnection,
+        *,
+        queue_events: int,
+        merge_deltas: bool = True,
+        observer: ServerObserver | None = None,
+    ) -> None:
         self.id = next(_ids)
         self.ws = ws
+        self._merge_deltas = merge_deltas
+        self._observer = observer
         self.sequencer = Sequencer()
         self.events, self._outbox = trio.open_memory_channel[ServerEvent](queue_events)
         self._written = trio.Event()
@@ -62,6 +73,8 @@ class Connection:
                 message = await self.ws.get_message()
             except ConnectionClosed:
                 return
+            if self._observer is not None:
+                self._observer.received()
             try:
                 if isinstance(message, bytes):
                     raise ProtocolError(
@@ -69,6 +82,8 @@ class Connection:
                         "Binary frames are not accepted; send each event as JSON in a text frame.",
                     )
                 event = decode_client_event(message)
+                if self._observer is not None:
+                    self._observer.decoded()
                 log.debug("client.event", extra={"connection": self.id, "type": event.type})
                 dialect.handle(event)
             except ProtocolError as exc:
@@ -101,8 +116,10 @@ class Connection:
     async def _write(self) -> None:
         try:
             async with self._outbox:
-                async for event in self._outbox:
+                async for event, merged in Outbox(self._outbox, merge=self._merge_deltas):
                     await self.ws.send_message(encode_server_event(event, self.sequencer.next()))
+                    if self._observer is not None:
+                        self._observer.sent(event, merged)
         except ConnectionClosed:
             # Nothing more can reach this client: end the connection and all it started.
             await self.ws.aclose()

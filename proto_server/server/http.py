@@ -23,6 +23,7 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.request import input_items
 from proto_server.server.logs import log
+from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
 from proto_server.server.store import chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
@@ -184,7 +185,13 @@ class _Exchange:
         return chain_items(chain)
 
     async def _create(self) -> None:
-        create = decode_request_body(await self._body(), ResponseCreate)
+        body = await self._body()
+        observer = self.server.observer
+        if observer is not None:
+            observer.received()
+        create = decode_request_body(body, ResponseCreate)
+        if observer is not None:
+            observer.decoded()
         if create.background:
             raise ProtocolError(
                 "invalid_field",
@@ -214,11 +221,14 @@ class _Exchange:
             self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
         )
         sequence = 0
-        async for event in receive:
+        observer = self.server.observer
+        async for event, merged in Outbox(receive, merge=self.server.config.merge_deltas):
             data = encode_server_event(event, sequence)
             sequence += 1
             frame = f"event: {event.type}\ndata: {data}\n\n".encode()
             await self.stream.send_all(self.conn.send(h11.Data(data=frame)) or b"")
+            if observer is not None:
+                observer.sent(event, merged)
             if isinstance(event, TERMINAL_EVENTS):
                 break
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
@@ -227,6 +237,8 @@ class _Exchange:
         async for event in receive:
             if isinstance(event, TERMINAL_EVENTS):
                 await self._json(200, converter.unstructure(event.response))
+                if self.server.observer is not None:
+                    self.server.observer.sent(event, 1)
                 return
 
     async def _retrieve(self, response_id: str) -> None:

@@ -28,6 +28,7 @@ from proto_server.engine.chunks import (
 )
 from proto_server.engine.script import ScriptError
 from proto_server.server.logs import log
+from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
 from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import (
@@ -66,6 +67,7 @@ class SamplingLoop:
         rendered_mark: int,
         persist: Callable[[ResponseMachine], Awaitable[None]] | None = None,
         on_end: Callable[[TurnRecord], None] | None = None,
+        observer: ServerObserver | None = None,
     ) -> None:
         self.machine = machine
         self.rollout = rollout
@@ -76,6 +78,7 @@ class SamplingLoop:
         self._rendered_input = 0
         self._persist = persist
         self._on_end = on_end
+        self._observer = observer
         self._wake = trio.Event()
         self._settled = trio.Event()
         self._resume_events: list[ServerEvent] = []
@@ -88,6 +91,8 @@ class SamplingLoop:
     def append(self, items: Sequence[Item]) -> None:
         """Record tool outputs; if that answers every call, wake the sampling loop."""
         self._resume_events = self.machine.append(items)
+        if self._observer is not None:
+            self._observer.rendered()
         if self.machine.status is Status.IN_PROGRESS:
             self._wake.set()
 
@@ -184,6 +189,8 @@ class SamplingLoop:
         async with send:
             with trio.CancelScope() as self._generator_scope:
                 try:
+                    if self._observer is not None:
+                        self._observer.generating()
                     await self.rollout.session.generate(send)
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
@@ -196,16 +203,21 @@ class SamplingLoop:
                     )
             self._generator_scope = None
 
-    def _count_rendered(self) -> None:
+    def _count_rendered(self) -> int:
+        """Add the tokens rendered since the last segment to this Response's count; return them."""
         rendered = self.rollout.conversation.rendered_tokens
-        self._rendered_input += rendered - self._rendered_mark
+        new = rendered - self._rendered_mark
+        self._rendered_input += new
         self._rendered_mark = rendered
+        return new
 
     def _apply(self, chunk: Chunk) -> list[ServerEvent]:
         machine = self.machine
         match chunk:
             case Prefilled(prompt_tokens=prompt, cached_tokens=cached):
-                self._count_rendered()
+                rendered = self._count_rendered()
+                if self._observer is not None:
+                    self._observer.prefilled(rendered=rendered, prompt=prompt, cached=cached)
                 machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached)
                 return []
             case TextDelta(text=text, tokens=tokens):

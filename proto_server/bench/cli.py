@@ -1,0 +1,183 @@
+"""`proto-server bench`: the four transports side by side, from a fresh install, no arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from proto_server.bench.report import render, write_all
+from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, run_bench
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 1000,4000, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive, got {text!r}")
+    return rates
+
+
+def _transports(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in TRANSPORT_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown transport(s) {unknown or text!r}; choose from {','.join(TRANSPORT_NAMES)}"
+        )
+    return names
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    defaults = BenchSettings()
+    bench = commands.add_parser(
+        "bench",
+        help="measure the four transports side by side on a Codex-sized rollout",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run the server in a process of its own and drive the same rollout through "
+        "HTTP (stateless and with previous_response_id) and both WebSocket dialects; print a "
+        "table, and save JSON and PNG plots.",
+    )
+    bench.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="requests per rollout (tool rounds + 1 final answer); default: 31 to 51, by the seed",
+    )
+    bench.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
+    bench.add_argument(
+        "--output-kb",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=defaults.output_kb,
+        help="size range of ordinary tool outputs",
+    )
+    bench.add_argument(
+        "--large-share",
+        type=float,
+        default=defaults.large_share,
+        help="share of tool outputs that are large test logs",
+    )
+    bench.add_argument(
+        "--large-kb",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=defaults.large_kb,
+        help="size range of the large tool outputs",
+    )
+    bench.add_argument(
+        "--decode-rates",
+        type=_rates,
+        default=defaults.decode_rates,
+        metavar="R1,R2",
+        help="modelled decode tokens/s to run at (the write-up's regimes: 65, 1000, 4000)",
+    )
+    bench.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=defaults.prefill_rate,
+        metavar="TOKENS_PER_S",
+        help="modelled prefill tokens/s for tokens not in any cache",
+    )
+    bench.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="model no prefix cache across requests (cold paths then prefill their history)",
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=defaults.repeats, help="rollouts per transport and rate"
+    )
+    bench.add_argument(
+        "--transports",
+        type=_transports,
+        default=defaults.transports,
+        metavar="NAMES",
+        help=f"comma-separated subset of {','.join(TRANSPORT_NAMES)}",
+    )
+    bench.add_argument(
+        "--no-streaming",
+        dest="streaming",
+        action="store_false",
+        help="skip the streaming measurements",
+    )
+    bench.add_argument(
+        "--stream-rate",
+        type=float,
+        default=defaults.stream_rate,
+        help="modelled decode tokens/s of the streaming measurements",
+    )
+    bench.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=defaults.stream_tokens,
+        help="tokens of the single stream (a concurrent one gets an eighth, the slow client half)",
+    )
+    bench.add_argument("--streams", type=int, default=defaults.streams, help="concurrent streams")
+    bench.add_argument(
+        "--client-fps",
+        type=float,
+        default=defaults.client_fps,
+        help="frames/s the slow client reads",
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=defaults.out_dir,
+        metavar="DIR",
+        help="where bench.json and the plots go",
+    )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.turns is not None and args.turns < 2:
+        print("proto-server bench: --turns must be at least 2 (a tool round and the answer)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.repeats < 1 or args.streams < 1 or args.stream_tokens < 8:
+        print("proto-server bench: --repeats and --streams must be at least 1, --stream-tokens "
+              "at least 8", file=sys.stderr)  # fmt: skip
+        return 2
+    settings = BenchSettings(
+        rounds=None if args.turns is None else args.turns - 1,
+        seed=args.seed,
+        output_kb=tuple(args.output_kb),
+        large_share=args.large_share,
+        large_kb=tuple(args.large_kb),
+        decode_rates=args.decode_rates,
+        prefill_rate=args.prefill_rate,
+        prefix_cache=args.prefix_cache,
+        repeats=args.repeats,
+        transports=args.transports,
+        streaming=args.streaming,
+        stream_rate=args.stream_rate,
+        stream_tokens=args.stream_tokens,
+        streams=args.streams,
+        client_fps=args.client_fps,
+        out_dir=args.out,
+        profile=args.profile,
+    )
+    progress = partial(print, file=sys.stderr, flush=True)
+    run = trio.run(run_bench, settings, progress)
+    summary, path, plots = write_all(run)
+    print(render(summary))
+    print(f"\nSaved {path}")
+    if isinstance(plots, str):
+        print(plots)
+    else:
+        print("Plots: " + ", ".join(str(p) for p in plots))
+    if settings.profile:
+        print(f"Server profile: {settings.out_dir / 'server-profile.txt'} (and .pstats)")
+    return 0

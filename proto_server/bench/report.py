@@ -1,0 +1,457 @@
+"""What a run says: summaries, the targets of issue 6, a terminal table, JSON, PNG plots.
+
+Medians everywhere (the machine is shared and noisy); ratios are taken against HTTP stateless
+within the same repeat and decode rate, then the median of those ratios is reported, so a slow
+moment hurts both sides of a ratio alike. Server-side per-turn costs do not depend on the decode
+rate, so per-turn medians pool every rollout of a transport.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+
+from proto_server.bench.runner import BenchRun, Rollout
+from proto_server.bench.transports import BASELINE, TRANSPORTS
+
+WARM = ("ws-launched", "ws-prototype")
+LABELS = {t.name: t.label for t in TRANSPORTS}
+PLOTS = (
+    "server-cpu-per-turn.png",
+    "pre-inference-per-turn.png",
+    "bytes-per-turn.png",
+    "end-to-end.png",
+)
+
+
+def median(values: Iterable[float]) -> float:
+    data = list(values)
+    return statistics.median(data) if data else float("nan")
+
+
+# -- summaries -----------------------------------------------------------------------------------
+
+
+def _totals(rollout: Rollout) -> dict[str, float]:
+    client, server = rollout.client, rollout.server
+    return {
+        "end_to_end_s": rollout.seconds,
+        "server_cpu_s": sum(t.server_cpu_ms for t in server) / 1e3,
+        "modelled_gpu_s": sum(t.modelled_prefill_ms + t.modelled_decode_ms for t in server) / 1e3,
+        "modelled_decode_s": sum(t.modelled_decode_ms for t in server) / 1e3,
+        "client_cpu_s": sum(t.cpu_s for t in client),
+        "bytes_up": sum(t.bytes_up for t in client),
+        "bytes_down": sum(t.bytes_down for t in client),
+        "rendered_tokens": sum(t.rendered_tokens for t in server),
+        "prefilled_tokens": sum(t.prefilled_tokens for t in server),
+    }
+
+
+def rollout_summary(run: BenchRun) -> list[dict[str, Any]]:
+    """Per decode rate and transport: medians over repeats, and the ratio to HTTP stateless."""
+    rows = []
+    for rate in run.settings.decode_rates:
+        at_rate = [r for r in run.rollouts if r.decode_rate == rate]
+        baseline = {r.repeat: r.seconds for r in at_rate if r.transport == BASELINE}
+        for name in _transports(run):
+            mine = [r for r in at_rate if r.transport == name]
+            if not mine:
+                continue
+            totals = [_totals(r) for r in mine]
+            row: dict[str, Any] = {"decode_rate": rate, "transport": name}
+            for key in totals[0]:
+                row[key] = median(t[key] for t in totals)
+            ratios = [r.seconds / baseline[r.repeat] for r in mine if r.repeat in baseline]
+            row["ratio_to_baseline"] = median(ratios) if ratios else None
+            rows.append(row)
+    return rows
+
+
+def _transports(run: BenchRun) -> list[str]:
+    return [t.name for t in TRANSPORTS if t.name in run.settings.transports]
+
+
+def per_turn(run: BenchRun, name: str, field: Callable[[Rollout, int], float]) -> list[float]:
+    """The median over every rollout of `name` of `field(rollout, turn)`, turn by turn."""
+    mine = [r for r in run.rollouts if r.transport == name]
+    if not mine:
+        return []
+    turns = min(len(r.client) for r in mine)
+    return [median(field(r, i) for r in mine) for i in range(turns)]
+
+
+def _server(attribute: str) -> Callable[[Rollout, int], float]:
+    def field(rollout: Rollout, turn: int) -> float:
+        value: float = getattr(rollout.server[turn], attribute)
+        return value
+
+    return field
+
+
+def _history(rollout: Rollout, turn: int) -> float:
+    return float(rollout.server[turn].prompt_tokens)
+
+
+def turn_summary(run: BenchRun) -> list[dict[str, Any]]:
+    """Per transport: turn 1 against the last tool turn (the most history; the final turn
+    streams a long message and is not like the others)."""
+    rows = []
+    for name in _transports(run):
+        cpu = per_turn(run, name, _server("server_cpu_ms"))
+        pre = per_turn(run, name, _server("pre_inference_ms"))
+        decode = per_turn(run, name, _server("decode_ms"))
+        prepare = per_turn(run, name, _server("prepare_ms"))
+        up = per_turn(run, name, lambda r, i: float(r.client[i].bytes_up))
+        rendered = per_turn(run, name, _server("rendered_tokens"))
+        history = per_turn(run, name, _history)
+        if not cpu:
+            continue
+        last = max(0, len(cpu) - 2)
+        rows.append(
+            {
+                "transport": name,
+                "last_tool_turn": last + 1,
+                "history_tokens": history[last],
+                "server_cpu_ms_first": cpu[0],
+                "server_cpu_ms_last": cpu[last],
+                "server_cpu_growth": cpu[last] / cpu[0],
+                "pre_inference_ms_first": pre[0],
+                "pre_inference_ms_last": pre[last],
+                "decode_ms_last": decode[last],
+                "prepare_ms_last": prepare[last],
+                "start_ms_last": pre[last] - decode[last] - prepare[last],
+                "bytes_up_last": up[last],
+                "rendered_tokens_last": rendered[last],
+            }
+        )
+    return rows
+
+
+# -- targets -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Target:
+    name: str
+    holds: bool | None  # None: not measured in this run
+    detail: str
+
+
+def targets(
+    run: BenchRun, rollouts: list[dict[str, Any]], turns: list[dict[str, Any]]
+) -> list[Target]:
+    by_turn = {row["transport"]: row for row in turns}
+    found: list[Target] = []
+    cold = by_turn.get(BASELINE)
+    for name in WARM:
+        row = by_turn.get(name)
+        if row is None:
+            continue
+        big = row["history_tokens"] >= 100_000
+        found.append(
+            Target(
+                f"{name}: server time flat (last tool turn within 1.5x of turn 1, 100k+ history)",
+                row["server_cpu_growth"] <= 1.5 and big,
+                f"{row['server_cpu_ms_first']:.1f} ms -> {row['server_cpu_ms_last']:.1f} ms "
+                f"({row['server_cpu_growth']:.2f}x) at {row['history_tokens']:,.0f} tokens",
+            )
+        )
+    if cold is not None:
+        found.append(
+            Target(
+                "http-stateless: server time grows with history",
+                cold["server_cpu_growth"] > 1.5,
+                f"{cold['server_cpu_ms_first']:.1f} ms -> {cold['server_cpu_ms_last']:.1f} ms "
+                f"({cold['server_cpu_growth']:.2f}x) at {cold['history_tokens']:,.0f} tokens",
+            )
+        )
+        for name in WARM:
+            row = by_turn.get(name)
+            if row is None:
+                continue
+            warm, base = row["pre_inference_ms_last"], cold["pre_inference_ms_last"]
+            found.append(
+                Target(
+                    f"{name}: pre-inference < 2 ms median at {row['history_tokens']:,.0f} tokens",
+                    warm < 2.0 and row["history_tokens"] >= 100_000,
+                    f"{warm:.2f} ms (decode {row['decode_ms_last']:.2f}, rebuild/render "
+                    f"{row['rendered_tokens_last']:,.0f} new tokens {row['prepare_ms_last']:.2f}, "
+                    f"start {row['start_ms_last']:.2f}) vs http-stateless {base:.2f} ms at the "
+                    f"same turn ({base / warm:.0f}x less)",
+                )
+            )
+    reductions = {}
+    for row in rollouts:
+        if row["transport"] == "ws-prototype" and row["ratio_to_baseline"] is not None:
+            reductions[row["decode_rate"]] = 1 - row["ratio_to_baseline"]
+    if 1000.0 in reductions:
+        cut = reductions[1000.0]
+        found.append(
+            Target(
+                "1,000 tok/s: ws-prototype end to end >= 40% lower than http-stateless",
+                cut >= 0.40,
+                f"{cut:.0%} lower",
+            )
+        )
+    if 4000.0 in reductions:
+        cut = reductions[4000.0]
+        more = cut > reductions.get(1000.0, -1.0)
+        found.append(
+            Target(
+                "4,000 tok/s: ws-prototype end to end lower still (>= 40%, more than at 1,000)",
+                cut >= 0.40 and more,
+                f"{cut:.0%} lower",
+            )
+        )
+    streams = {(s.name, s.merge_deltas): s for s in run.streaming}
+    one = streams.get(("one stream", True))
+    if one is not None and one.latency_ms_median is not None:
+        found.append(
+            Target(
+                f"one stream sustains {one.decode_rate:,.0f} tok/s, server adds < 1 ms per event",
+                one.tokens_per_s >= 0.95 * one.decode_rate and one.latency_ms_median < 1.0,
+                f"{one.tokens_per_s:,.0f} tok/s received, server adds {one.latency_ms_median:.2f} "
+                f"ms median per token (p90 {one.latency_ms_p90:.2f} ms), server CPU "
+                f"{one.server_cpu_share:.0%} of a core",
+            )
+        )
+    slow, merged = streams.get(("slow client", False)), streams.get(("slow client", True))
+    if slow is not None and merged is not None:
+        found.append(
+            Target(
+                f"a client taking {slow.client_frames_per_s:,.0f} frames/s: merged deltas keep "
+                "tokens/s up",
+                merged.tokens_per_s > 1.2 * slow.tokens_per_s,
+                f"{merged.tokens_per_s:,.0f} tok/s merged vs {slow.tokens_per_s:,.0f} tok/s not",
+            )
+        )
+    return found
+
+
+def projected_65(run: BenchRun) -> dict[str, float] | None:
+    """End to end at 65 tok/s, projected from the 1,000 tok/s rollouts: the measured time with
+    the modelled decode time rescaled. Not a measurement; None when 65 was run or 1,000 was not."""
+    rates = run.settings.decode_rates
+    if 65.0 in rates or 1000.0 not in rates:
+        return None
+    projected = {}
+    for name in _transports(run):
+        mine = [r for r in run.rollouts if r.transport == name and r.decode_rate == 1000.0]
+        times = [r.seconds + _totals(r)["modelled_decode_s"] * (1000.0 / 65.0 - 1.0) for r in mine]
+        if times:
+            projected[name] = median(times)
+    return projected
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def render(summary: dict[str, Any]) -> str:
+    settings = summary["settings"]
+    workload = summary["workload"]
+    lines = [
+        f"proto-server bench: {workload['turns']} turns ({workload['tool_rounds']} tool rounds), "
+        f"seed {workload['seed']}, {settings['repeats']} repeat(s), prefix cache "
+        f"{'on' if settings['prefix_cache'] else 'off'}, modelled prefill "
+        f"{settings['prefill_rate']:,.0f} tok/s; {summary['machine']['cpus']} CPUs; "
+        f"took {summary['seconds']:.0f} s",
+        "Measured: end to end (client), server CPU, client CPU, bytes. Modelled (simulated GPU): "
+        "GPU time.",
+        "",
+        "Per rollout (median of repeats; ratio = end to end / http-stateless's, same repeat):",
+    ]
+    header = ["tok/s", "transport", "end to end s", "ratio", "server CPU s", "modelled GPU s",
+              "client CPU s", "MB up", "MB down", "tokens rendered",
+              "tokens prefilled"]  # fmt: skip
+    rows = [
+        [
+            f"{r['decode_rate']:g}",
+            r["transport"],
+            f"{r['end_to_end_s']:.2f}",
+            f"{r['ratio_to_baseline']:.2f}" if r["ratio_to_baseline"] is not None else "-",
+            f"{r['server_cpu_s']:.2f}",
+            f"{r['modelled_gpu_s']:.2f}",
+            f"{r['client_cpu_s']:.2f}",
+            f"{r['bytes_up'] / 1e6:.2f}",
+            f"{r['bytes_down'] / 1e6:.2f}",
+            f"{r['rendered_tokens']:,.0f}",
+            f"{r['prefilled_tokens']:,.0f}",
+        ]
+        for r in summary["rollouts"]
+    ]
+    lines += _table(header, rows)
+    if summary["projected_65"]:
+        projected = summary["projected_65"]
+        base = projected.get(BASELINE)
+        parts = [
+            f"{name} {seconds:.1f} s" + (f" ({seconds / base:.2f})" if base else "")
+            for name, seconds in projected.items()
+        ]
+        lines += ["", "At 65 tok/s, projected (not run): " + ", ".join(parts)]
+    lines += ["", "Per turn, server side (median of all rollouts): turn 1 -> the last tool turn:"]
+    header = ["transport", "history tokens", "server CPU ms", "growth", "pre-inference ms",
+              "decode/prepare/start, last", "KB up, last", "tokens rendered, last"]  # fmt: skip
+    rows = [
+        [
+            t["transport"],
+            f"{t['history_tokens']:,.0f}",
+            f"{t['server_cpu_ms_first']:.1f} -> {t['server_cpu_ms_last']:.1f}",
+            f"{t['server_cpu_growth']:.2f}x",
+            f"{t['pre_inference_ms_first']:.2f} -> {t['pre_inference_ms_last']:.2f}",
+            f"{t['decode_ms_last']:.2f}/{t['prepare_ms_last']:.2f}/{t['start_ms_last']:.2f}",
+            f"{t['bytes_up_last'] / 1e3:.1f}",
+            f"{t['rendered_tokens_last']:,.0f}",
+        ]
+        for t in summary["turns"]
+    ]
+    lines += _table(header, rows)
+    if summary["streaming"]:
+        lines += ["", "Streaming (prototype dialect; measured):"]
+        header = ["what", "streams", "merged", "tokens/s", "frames/s", "server CPU",
+                  "server adds / token"]  # fmt: skip
+        rows = [
+            [
+                s["name"] + (f" ({fps:,.0f} fps)" if (fps := s["client_frames_per_s"]) else ""),
+                str(s["streams"]),
+                "yes" if s["merge_deltas"] else "no",
+                f"{s['tokens_per_s']:,.0f}",
+                f"{s['frames_per_s']:,.0f}",
+                f"{s['server_cpu_share']:.0%}",
+                f"{s['latency_ms_median']:.2f} ms" if s["latency_ms_median"] is not None else "-",
+            ]
+            for s in summary["streaming"]
+        ]
+        lines += _table(header, rows)
+    lines += ["", "Targets:"]
+    for target in summary["targets"]:
+        verdict = {True: "HOLDS", False: "FAILS", None: "n/a"}[target["holds"]]
+        lines.append(f"  [{verdict}] {target['name']}: {target['detail']}")
+    return "\n".join(lines)
+
+
+# -- JSON and plots ------------------------------------------------------------------------------
+
+
+def summarize(run: BenchRun) -> dict[str, Any]:
+    rollouts = rollout_summary(run)
+    turns = turn_summary(run)
+    return {
+        "settings": {
+            **attrs.asdict(run.settings, filter=lambda a, _: a.name != "out_dir"),
+            "out_dir": str(run.settings.out_dir),
+        },
+        "machine": run.machine,
+        "workload": run.workload,
+        "seconds": run.seconds,
+        "rollouts": rollouts,
+        "turns": turns,
+        "projected_65": projected_65(run),
+        "streaming": [attrs.asdict(s) for s in run.streaming],
+        "targets": [attrs.asdict(t) for t in targets(run, rollouts, turns)],
+    }
+
+
+def write_json(run: BenchRun, summary: dict[str, Any], path: Path) -> None:
+    data = {
+        **summary,
+        "raw": [
+            {
+                "transport": r.transport,
+                "decode_rate": r.decode_rate,
+                "repeat": r.repeat,
+                "end_to_end_s": r.seconds,
+                "turns": [
+                    {"client": attrs.asdict(c), "server": attrs.asdict(s)}
+                    for c, s in zip(r.client, r.server, strict=True)
+                ],
+            }
+            for r in run.rollouts
+        ],
+    }
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+
+
+def write_plots(run: BenchRun, summary: dict[str, Any], directory: Path) -> list[Path] | str:
+    """The PNGs, or why there are none (matplotlib is the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    names = _transports(run)
+    written = []
+
+    def per_turn_plot(filename: str, title: str, ylabel: str, field: Any) -> None:
+        figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
+        for name in names:
+            values = per_turn(run, name, field)
+            axes.plot(range(1, len(values) + 1), values, marker=".", label=LABELS[name])
+        axes.set_yscale("log")
+        axes.set(title=title, xlabel="turn", ylabel=ylabel)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(directory / filename)
+        plt.close(figure)
+        written.append(directory / filename)
+
+    per_turn_plot(PLOTS[0], "Server CPU per turn (measured)", "ms", _server("server_cpu_ms"))
+    per_turn_plot(
+        PLOTS[1],
+        "Pre-inference: request in -> generator starts (measured)",
+        "ms",
+        _server("pre_inference_ms"),
+    )
+    per_turn_plot(
+        PLOTS[2],
+        "Client -> server bytes per turn (measured)",
+        "bytes",
+        lambda r, i: float(r.client[i].bytes_up),
+    )
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
+    rates = run.settings.decode_rates
+    width = 0.8 / max(1, len(names))
+    for index, name in enumerate(names):
+        rows = {r["decode_rate"]: r for r in summary["rollouts"] if r["transport"] == name}
+        heights = [rows[rate]["end_to_end_s"] if rate in rows else 0.0 for rate in rates]
+        gpu = [rows[rate]["modelled_gpu_s"] if rate in rows else 0.0 for rate in rates]
+        xs = [i + index * width for i in range(len(rates))]
+        axes.bar(xs, heights, width, label=LABELS[name])
+        axes.bar(xs, gpu, width, color="black", alpha=0.25)
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))])
+    axes.set_xticklabels([f"{rate:g} tok/s" for rate in rates])
+    axes.set(title="End to end per rollout (shaded: modelled GPU time)", ylabel="seconds")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(directory / PLOTS[3])
+    plt.close(figure)
+    written.append(directory / PLOTS[3])
+    return written
+
+
+def write_all(run: BenchRun) -> tuple[dict[str, Any], Path, list[Path] | str]:
+    directory = run.settings.out_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    summary = summarize(run)
+    path = directory / "bench.json"
+    write_json(run, summary, path)
+    return summary, path, write_plots(run, summary, directory)

@@ -1,0 +1,61 @@
+"""`proto-server bench`, reduced: it runs end to end, and its table and JSON are well formed.
+
+Timings are not asserted: this machine is shared and noisy; the README shows a real run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proto_server.bench.report import PLOTS
+from proto_server.bench.runner import TRANSPORT_NAMES
+from proto_server.cli import main
+
+
+def test_a_reduced_bench_runs_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "--turns", "3", "--repeats", "1", "--decode-rates", "4000",
+            "--prefill-rate", "1e7", "--stream-tokens", "64", "--streams", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "starting the server process" in out.err  # progress
+    table = out.out
+    for heading in ("Per rollout", "Per turn, server side", "Streaming", "Targets:"):
+        assert heading in table
+    for name in TRANSPORT_NAMES:
+        assert table.count(name) >= 2  # in the rollout table and the per-turn table
+    assert f"Saved {tmp_path / 'bench.json'}" in table
+
+    data = orjson.loads((tmp_path / "bench.json").read_bytes())
+    assert {r["transport"] for r in data["rollouts"]} == set(TRANSPORT_NAMES)
+    assert len(data["raw"]) == len(TRANSPORT_NAMES)
+    for rollout in data["raw"]:
+        assert len(rollout["turns"]) == 3
+        for turn in rollout["turns"]:
+            assert turn["client"]["bytes_up"] > 0 and turn["client"]["bytes_down"] > 0
+            assert turn["server"]["server_cpu_ms"] > 0
+            assert turn["server"]["prompt_tokens"] >= turn["server"]["cached_tokens"]
+    prototype = next(r for r in data["raw"] if r["transport"] == "ws-prototype")
+    stateless = next(r for r in data["raw"] if r["transport"] == "http-stateless")
+    # the warm path renders only what is new, the stateless one everything again
+    last = -1
+    assert (
+        prototype["turns"][last]["server"]["rendered_tokens"]
+        < stateless["turns"][last]["server"]["rendered_tokens"]
+    )
+    assert {s["name"] for s in data["streaming"]} == {
+        "one stream", "concurrent streams", "slow client"
+    }  # fmt: skip
+    assert all(t["holds"] in (True, False) for t in data["targets"])
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_bench_refuses_a_rollout_without_a_tool_round(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--turns", "1"]) == 2
+    assert "--turns must be at least 2" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""Merged deltas: a writer that falls behind sends the deltas that piled up as one frame."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import orjson
+import trio
+import trio.testing
+
+from proto_server.core.merge import merge_deltas
+from proto_server.server.connection import Connection
+from proto_server.server.outbox import Outbox
+from proto_server.wire.events import (
+    ClientEvent,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
+    OutputTextDone,
+    ServerEvent,
+)
+
+
+def text(delta: str, item: str = "msg_1", index: int = 0) -> OutputTextDelta:
+    return OutputTextDelta(item_id=item, output_index=index, content_index=0, delta=delta)
+
+
+def done(item: str = "msg_1") -> OutputTextDone:
+    return OutputTextDone(item_id=item, output_index=0, content_index=0, text="")
+
+
+def arguments(delta: str, item: str = "fc_1") -> FunctionCallArgumentsDelta:
+    return FunctionCallArgumentsDelta(item_id=item, output_index=1, delta=delta)
+
+
+def test_deltas_of_one_item_merge_and_nothing_else_does() -> None:
+    assert merge_deltas(text("Hel"), text("lo")) == text("Hello")
+    assert merge_deltas(arguments('{"a"'), arguments(":1}")) == arguments('{"a":1}')
+    assert merge_deltas(text("a"), text("b", item="msg_2")) is None
+    assert merge_deltas(text("a"), text("b", index=1)) is None
+    assert merge_deltas(text("a"), arguments("b")) is None
+    assert merge_deltas(text("a"), done()) is None
+    with_logprobs = OutputTextDelta(
+        item_id="msg_1", output_index=0, content_index=0, delta="b", logprobs=({"p": 0.5},)
+    )
+    assert merge_deltas(text("a"), with_logprobs) is None
+
+
+async def drain(events: list[ServerEvent], merge: bool) -> list[tuple[ServerEvent, int]]:
+    send, receive = trio.open_memory_channel[ServerEvent](len(events))
+    for event in events:
+        send.send_nowait(event)
+    send.close()
+    return [pair async for pair in Outbox(receive, merge=merge)]
+
+
+async def test_an_outbox_merges_runs_of_pending_deltas_and_keeps_order() -> None:
+    pending = [text("a"), text("b"), text("c"), done(), text("x", "msg_2"), arguments("{")]
+    assert await drain(pending, merge=True) == [
+        (text("abc"), 3), (done(), 1), (text("x", "msg_2"), 1), (arguments("{"), 1)
+    ]  # fmt: skip
+    assert await drain(pending, merge=False) == [(event, 1) for event in pending]
+
+
+class GatedWebSocket:
+    """Stands in for a client socket that takes nothing until `gate` opens."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+        self.frames: list[dict[str, Any]] = []
+
+    async def send_message(self, message: str) -> None:
+        await self.gate.wait()
+        self.frames.append(orjson.loads(message))
+
+    async def get_message(self) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self, code: int = 1000, reason: str | None = None) -> None:
+        pass
+
+
+class NoDialect:
+    def handle(self, event: ClientEvent) -> None:
+        raise AssertionError("no client events in this test")
+
+    async def drain(self) -> None:
+        pass
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.merged: list[int] = []
+
+    def sent(self, event: ServerEvent, merged: int) -> None:
+        self.merged.append(merged)
+
+
+async def test_a_connection_writer_that_fell_behind_sends_one_frame_for_what_piled_up() -> None:
+    ws = GatedWebSocket()
+    observer = Sent()
+    connection = Connection(ws, queue_events=64, observer=observer)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(connection.run, nursery, NoDialect(), lifetime_s=1e9))
+        connection.events.send_nowait(text("The "))
+        await trio.testing.wait_all_tasks_blocked()  # the writer holds it, the socket is shut
+        for word in ("quick ", "brown ", "fox"):
+            connection.events.send_nowait(text(word))
+        connection.events.send_nowait(done())
+        ws.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert [(f["type"], f.get("delta")) for f in ws.frames] == [
+        ("response.output_text.delta", "The "),
+        ("response.output_text.delta", "quick brown fox"),
+        ("response.output_text.done", None),
+    ]
+    assert [f["sequence_number"] for f in ws.frames] == [0, 1, 2]
+    assert observer.merged == [1, 3, 1]
