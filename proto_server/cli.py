@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="launched dialect: response.create frames that may wait behind the one in flight",
     )
     serve.add_argument(
+        "--no-merge-deltas",
+        dest="merge_deltas",
+        action="store_false",
+        help="send every delta in a frame of its own, even to a client that reads too slowly",
+    )
+    serve.add_argument(
         "--store",
         default=str(default_store_path()),
         metavar="PATH",
@@ -161,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_message_bytes=args.max_message_bytes,
         max_connection_lifetime_s=args.max_connection_lifetime,
         max_queued_requests=args.max_queued_requests,
+        merge_deltas=args.merge_deltas,
         api_keys=tuple(k.strip() for k in keys),
     )
     try:

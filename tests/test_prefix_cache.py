@@ -72,7 +72,7 @@ class Recorder:
     def prefilled(self, tokens: int, seconds: float) -> None:
         self.prefills.append((tokens, seconds))
 
-    def decoded(self, tokens: int, seconds: float, due: float) -> None:
+    def decoded(self, tokens: int, seconds: float, at: float) -> None:
         self.decode_s += seconds
 
     def bookkeeping(self, seconds: float) -> None:

@@ -12,8 +12,8 @@ The server runs in a spawned child process, so what it spends is its own: the cl
   tokenizing, encoding events, socket writes, minus the CPU the simulated GPU spent on its
   prefix-cache bookkeeping (GPU-side work);
 - the GPU's modelled prefill and decode seconds (modelled, never measured);
-- with latency tracking on, for each token, the time from its modelled release to the write of
-  the frame that carried it (what the server adds per event).
+- with latency tracking on, for each token, the time from its release by the simulated GPU to
+  the write of the frame that carried it (what the server adds per event).
 """
 
 from __future__ import annotations
@@ -47,22 +47,22 @@ TURN_ENDS = (*TERMINAL_EVENTS, ResponseDone, ErrorEvent)
 
 @attrs.define
 class ModelledGpu:
-    """The simulated GPU's `meter`: modelled seconds, and the release time of each token."""
+    """The simulated GPU's `meter`: modelled seconds, and when each token was released."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
     prefilled_tokens: int = 0
     bookkeeping_s: float = 0.0
-    due: collections.deque[float] | None = None
+    released: collections.deque[float] | None = None
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         self.prefilled_tokens += tokens
         self.prefill_s += seconds
 
-    def decoded(self, tokens: int, seconds: float, due: float) -> None:
+    def decoded(self, tokens: int, seconds: float, at: float) -> None:
         self.decode_s += seconds
-        if self.due is not None:
-            self.due.append(due)
+        if self.released is not None:
+            self.released.append(at)
 
     def bookkeeping(self, seconds: float) -> None:
         self.bookkeeping_s += seconds
@@ -122,7 +122,7 @@ class Probe:
         self.turns, self.latencies, self._open = [], [], None
         self._end_cpu = time.process_time()
         self._gpu_mark = self.gpu.totals()
-        self.gpu.due = collections.deque() if track_latency else None
+        self.gpu.released = collections.deque() if track_latency else None
 
     # -- ServerObserver ------------------------------------------------------------------------
 
@@ -150,11 +150,11 @@ class Probe:
             self._open.prompt, self._open.cached = prompt, cached
 
     def sent(self, event: ServerEvent, merged: int) -> None:
-        due = self.gpu.due
-        if due is not None and isinstance(event, MERGEABLE):
+        released = self.gpu.released
+        if released is not None and isinstance(event, MERGEABLE):
             now = trio.current_time()
-            for _ in range(min(merged, len(due))):
-                self.latencies.append(now - due.popleft())
+            for _ in range(min(merged, len(released))):
+                self.latencies.append(now - released.popleft())
         turn = self._open
         if turn is None:
             return
@@ -277,7 +277,7 @@ async def _serve(conn: Connection, settings: ServerSettings) -> None:
 class ServerProcess:
     """The parent's handle on the child: `async with ServerProcess(settings) as server:`.
 
-    The child is a fresh interpreter (`python -m proto_server.bench.measure FD`) talking over a
+    The child is a fresh interpreter (`python -m proto_server.bench.child FD`) talking over a
     socket pair, so nothing of the parent (its main module, its threads) is carried over.
     """
 
@@ -292,7 +292,7 @@ class ServerProcess:
     async def __aenter__(self) -> ServerProcess:
         fd = self._theirs.fileno()
         self._process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "proto_server.bench.measure", str(fd)], pass_fds=(fd,)
+            [sys.executable, "-m", "proto_server.bench.child", str(fd)], pass_fds=(fd,)
         )
         self._theirs.close()
         self._conn.send(self._settings)
@@ -343,14 +343,8 @@ class ServerProcess:
             self._conn.close()
 
 
-def _child_main(fd: int) -> None:
+def child_main(fd: int) -> None:
+    """The child's entry (`python -m proto_server.bench.child FD`): settings first, then serve."""
     conn = Connection(fd)
     settings: ServerSettings = conn.recv()
     serve_child(conn, settings)
-
-
-if __name__ == "__main__":
-    # run the package's module, not this `__main__` copy, so what it pickles unpickles as such
-    from proto_server.bench import measure
-
-    measure._child_main(int(sys.argv[1]))

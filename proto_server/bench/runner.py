@@ -29,7 +29,8 @@ TRANSPORT_NAMES = tuple(t.name for t in TRANSPORTS)
 @attrs.frozen(kw_only=True)
 class BenchSettings:
     rounds: int | None = None  # tool rounds; None: 30 to 50, by the seed
-    seed: int = 0
+    #: 2 draws 31 tool rounds and 131k tokens of history: a default run takes about a minute
+    seed: int = 2
     output_kb: tuple[float, float] = (1.0, 8.0)
     large_share: float = 0.15
     large_kb: tuple[float, float] = (16.0, 48.0)

@@ -74,8 +74,8 @@ class GpuMeter(Protocol):
     def prefilled(self, tokens: int, seconds: float) -> None:
         """`tokens` uncached prompt tokens were prefilled, modelled to take `seconds`."""
 
-    def decoded(self, tokens: int, seconds: float, due: float) -> None:
-        """`tokens` were released at trio time `due`, modelled to take `seconds` to decode."""
+    def decoded(self, tokens: int, seconds: float, at: float) -> None:
+        """`tokens`, modelled to take `seconds` to decode, were released at trio time `at`."""
 
     def bookkeeping(self, seconds: float) -> None:
         """Measured seconds of CPU the simulation spent on its prefix cache: not server work."""
@@ -172,7 +172,7 @@ class SimulatedSession:
     async def _decode(self, pacer: _Pacer, tokens: int) -> None:
         seconds = await pacer.tokens(tokens)
         if self._meter is not None:
-            self._meter.decoded(tokens, seconds, pacer.deadline)
+            self._meter.decoded(tokens, seconds, trio.current_time())
 
     async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
         segment = self._planner.plan(self._conversation)
