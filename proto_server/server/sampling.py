@@ -116,7 +116,7 @@ class SamplingLoop:
     async def run(self) -> None:
         """Drive the Response to its terminal event; the rollout stays open for its owner."""
         machine = self.machine
-        await self._emit(machine.start())
+        announce = machine.start()  # sent once the segment's generator has started
         while not machine.status.terminal:
             if machine.status is Status.SUSPENDED:
                 log.debug("response.suspended", extra={"response": machine.id})
@@ -124,12 +124,13 @@ class SamplingLoop:
                 self._settled.set()
                 await self._wake.wait()
                 self._settled = trio.Event()
-                resumed, self._resume_events = self._resume_events, []
-                await self._emit(resumed)
+                announce, self._resume_events = self._resume_events, []
             else:
-                await self._run_segment()
+                await self._run_segment(announce)
+                announce = []
             if self._cancel_requested and not machine.status.terminal:
-                await self._emit(machine.cancel())
+                await self._emit([*announce, *machine.cancel()])
+                announce = []
         self._finish()
 
     async def run_warmup(self) -> None:
@@ -160,10 +161,13 @@ class SamplingLoop:
         if self._on_end is not None:
             self._on_end(record)
 
-    async def _run_segment(self) -> None:
+    async def _run_segment(self, announce: list[ServerEvent]) -> None:
+        """One segment: the generator starts first, so its prefill overlaps with writing the
+        `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._generate, send)
+            await nursery.start(self._generate, send)
+            await self._emit(announce)
             async with receive:
                 async for chunk in receive:
                     try:
@@ -184,13 +188,19 @@ class SamplingLoop:
         log.warning("response.failed", extra={"response": self.machine.id, "reason": str(fault)})
         await self._emit(self.machine.fail(fault.detail))
 
-    async def _generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+    async def _generate(
+        self,
+        send: trio.MemorySendChannel[Chunk],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """The GPU: runs one segment of the session into the chunk channel."""
         async with send:
             with trio.CancelScope() as self._generator_scope:
                 try:
                     if self._observer is not None:
                         self._observer.generating()
+                    task_status.started()
                     await self.rollout.session.generate(send)
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
