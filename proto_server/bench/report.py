@@ -427,9 +427,9 @@ def write_plots(run: BenchRun, summary: dict[str, Any], directory: Path) -> list
 
     def per_turn_plot(filename: str, title: str, ylabel: str, field: Any) -> None:
         figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
-        for name in names:
+        for name, style in zip(names, ("-", "--", "-.", ":"), strict=False):
             values = per_turn(run, name, field)
-            axes.plot(range(1, len(values) + 1), values, marker=".", label=LABELS[name])
+            axes.plot(range(1, len(values) + 1), values, style, marker=".", label=LABELS[name])
         axes.set_yscale("log")
         axes.set(title=title, xlabel="turn", ylabel=ylabel)
         axes.grid(True, which="both", alpha=0.3)
