@@ -145,7 +145,8 @@ async def test_cancel_while_streaming(start_server: StartServer, dialect: Dialec
         async for received in again.events():
             if isinstance(received.event, OutputTextDelta):
                 break
-        assert received.event.delta == " word"
+        # the new Response streams from its start (deltas that piled up may come merged)
+        assert received.event.delta.startswith(" word")
 
 
 async def test_a_refused_create_fails_the_rollout_and_says_why(start_server: StartServer) -> None:
