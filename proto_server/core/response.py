@@ -169,8 +169,9 @@ class ResponseMachine:
         self._input_tokens += prompt_tokens
         self._cached_tokens += cached_tokens
 
-    def end_segment(self) -> list[ServerEvent]:
-        """The model stopped: suspend if it called tools (prototype), otherwise complete.
+    def end_segment(self, *, tokens: int = 0) -> list[ServerEvent]:
+        """The model stopped (its last `tokens` carried no output): suspend if it called tools
+        (prototype), otherwise complete.
 
         In the launched dialect (`suspend_on_tool_calls=False`) a Response always completes;
         its tool calls are answered by the next `response.create`.
@@ -178,6 +179,7 @@ class ResponseMachine:
         self._require_streaming("end a segment")
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("a segment ended inside a tool call")
+        self._output_tokens += tokens
         events = self._close_message()
         if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
@@ -191,8 +193,9 @@ class ResponseMachine:
         self.error = error
         return [*events, ResponseFailed(response=self.snapshot())]
 
-    def make_incomplete(self, reason: str) -> list[ServerEvent]:
+    def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
         events = self._abandon_open_item()
+        self._output_tokens += tokens
         self._move(Status.INCOMPLETE)
         self.incomplete_reason = reason
         return [*events, ResponseIncomplete(response=self.snapshot())]

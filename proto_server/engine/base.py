@@ -7,6 +7,7 @@ from typing import Protocol
 import trio
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.render import Renderer
 from proto_server.engine.chunks import Chunk, Prefilled
 
 
@@ -27,4 +28,8 @@ class GeneratorSession(Protocol):
 
 
 class TokenGenerator(Protocol):
+    @property
+    def renderer(self) -> Renderer | None:
+        """How prompts become this model's tokens; None: the server's default (o200k_base)."""
+
     def open_session(self, conversation: Conversation) -> GeneratorSession: ...

@@ -42,7 +42,11 @@ class ToolCallEnd:
 
 @attrs.frozen
 class SegmentEnd:
-    pass
+    """The model stopped. `tokens` it decoded that no other chunk carried (its stop token);
+    `incomplete` names why the Response cannot go on (e.g. `max_output_tokens`)."""
+
+    tokens: int = 0
+    incomplete: str | None = None
 
 
 Chunk = Prefilled | TextDelta | ToolCallBegin | ToolCallArgumentsDelta | ToolCallEnd | SegmentEnd

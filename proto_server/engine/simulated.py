@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.render import Renderer
 from proto_server.core.tokenizer import o200k_base
 from proto_server.engine.chunks import (
     Chunk,
@@ -208,6 +209,7 @@ class SimulatedGenerator:
     #: Shared by every session of this generator, like one GPU's KV cache; None: no sharing.
     prefix_cache: PrefixCache | None = None
     meter: GpuMeter | None = None
+    renderer: Renderer | None = None
 
     def open_session(self, conversation: Conversation) -> SimulatedSession:
         return SimulatedSession(

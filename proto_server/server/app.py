@@ -91,7 +91,7 @@ class ProtoServer:
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
-        self.renderer = renderer or O200kRenderer()
+        self.renderer = renderer or generator.renderer or O200kRenderer()
         self.store: ResponseStore = store or SQLiteStore(":memory:")
         self.open_connections = 0
         self.open_rollouts = 0

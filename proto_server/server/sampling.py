@@ -238,8 +238,10 @@ class SamplingLoop:
                 return machine.function_call_arguments_delta(delta, tokens=tokens)
             case ToolCallEnd():
                 return machine.end_function_call()
-            case SegmentEnd():
-                return machine.end_segment()
+            case SegmentEnd(tokens=tokens, incomplete=None):
+                return machine.end_segment(tokens=tokens)
+            case SegmentEnd(tokens=tokens, incomplete=str(reason)):
+                return machine.make_incomplete(reason, tokens=tokens)
         raise IllegalTransition(f"unknown chunk {chunk!r}")
 
     async def _emit(self, events: list[ServerEvent]) -> None:

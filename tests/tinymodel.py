@@ -1,0 +1,69 @@
+"""A tiny random-weight Llama and a byte-level ChatML tokenizer, built in memory (no download).
+
+The weights are random, so what it says is noise; `Scripted` forces the tokens of a script while
+the model still runs every prefill and decode step on its real KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer() -> Any:
+    """One token per byte, plus ChatML's special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        bos_token_id=257,
+        eos_token_id=258,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+class Scripted:
+    """Teacher forcing: segment after segment, the script's tokens instead of the model's."""
+
+    def __init__(self, tokenizer: Any, segments: Sequence[str]) -> None:
+        end = tokenizer.eos_token_id
+        self.segments = [[*tokenizer.encode(s, add_special_tokens=False), end] for s in segments]
+        self._segment = -1
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> int:
+        if not generated:
+            self._segment += 1
+        self.logits.append(logits.clone())
+        return self.segments[self._segment][len(generated)]
