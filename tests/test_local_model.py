@@ -374,7 +374,7 @@ async def test_serve_local_runs_a_model_directory(
         assert process.stdout is not None
         line = await read_line(process.stdout)
         assert f"local model {tmp_path.name} on cpu" in line
-        ws_url = line.split("WebSocket ")[1].split(",")[0]
+        ws_url = line.split("WebSocket ")[1].split(";")[0]
         async with connect(ws_url + "?dialect=prototype") as client:
             await client.send(create(tools=False))
             events = await client.segment()
@@ -383,3 +383,61 @@ async def test_serve_local_runs_a_model_directory(
         assert 1 <= final["usage"]["output_tokens"] <= 6
         process.send_signal(signal.SIGTERM)
         assert await process.wait() == 0
+
+
+LAUNCHED_END = ("response.completed", "response.failed", "response.incomplete", "error")
+
+
+async def test_the_launched_dialect_chains_turns_on_the_same_warm_cache(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    """A `response.create` with `previous_response_id` extends the cached rollout's KV cache."""
+    script = Scripted(tokenizer, [CALL, "Fixed."])
+    generator = make(tokenizer, script)
+    running = await serve(nursery, generator)
+    async with connect(running.address.ws_url) as client:
+        await client.send({**create(), "store": False})
+        first = await client.until(*LAUNCHED_END)
+        r1 = first[-1]["response"]
+        assert r1["status"] == "completed"
+        assert generator.live_caches == 1  # the connection keeps the rollout warm
+        outputs = answer(first)["input"]
+        chained = {**create(), "store": False, "previous_response_id": r1["id"], "input": outputs}
+        await client.send(chained)
+        second = await client.until(*LAUNCHED_END)
+    await running.server.wait_idle()
+    assert generator.live_caches == 0
+
+    r2 = second[-1]["response"]
+    assert r2["output"][0]["content"][0]["text"] == "Fixed."
+    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=TOOLS)
+    conversation.extend([USER])
+    prompt_1 = conversation.token_count + len(generator.renderer.generation_prompt)
+    assert r1["usage"]["input_tokens"] == prompt_1
+    call_tokens = len(tokenizer.encode(CALL))
+    assert r2["usage"]["input_tokens_details"]["cached_tokens"] == prompt_1 + call_tokens - 1
+
+
+async def test_a_launched_warm_up_prefills_and_the_next_turn_reads_nothing_again(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    generator = make(tokenizer, Scripted(tokenizer, ["Fixed."]))
+    running = await serve(nursery, generator)
+    async with connect(running.address.ws_url) as client:
+        await client.send({**create(), "store": False, "generate": False})
+        warm = (await client.until(*LAUNCHED_END))[-1]["response"]
+        assert (warm["output"], warm["usage"]["output_tokens"]) == ([], 0)
+        chained = {**create(), "store": False, "previous_response_id": warm["id"], "input": []}
+        await client.send(chained)
+        usage = (await client.until(*LAUNCHED_END))[-1]["response"]["usage"]
+    await running.server.wait_idle()
+    assert generator.live_caches == 0
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=TOOLS)
+    conversation.extend([USER])
+    assert warm["usage"]["input_tokens"] == conversation.token_count
+    assert warm["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    # the warm-up filled the cache: only the opening of the model's turn is prefilled
+    opening = len(generator.renderer.generation_prompt)
+    assert usage["input_tokens"] == conversation.token_count + opening
+    assert usage["input_tokens_details"]["cached_tokens"] == conversation.token_count
