@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
+LOCAL_BENCH_TURNS = 8
 
 
 def default_store_path() -> Path:
@@ -164,39 +165,55 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="structured logs on stderr",
     )
-    bench_cli.add_parser(commands)
-    bench = commands.add_parser(
+    bench = bench_cli.add_parser(commands)
+    bench.add_argument(
+        "--generator",
+        choices=["simulated", "local"],
+        default="simulated",
+        help="local: measure warm (append) against cold (re-prefill) prefill on the local "
+        "model instead, as bench-local does (its flags below apply)",
+    )
+    _local_bench_arguments(bench, turns=False)
+    bench_local = commands.add_parser(
         "bench-local",
         help="measure warm (append) against cold (re-prefill) prefill on the local model",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Simulate an agent loop on the local model and print, per turn, the "
         "prefill tokens and time of the warm path (the kept KV cache) and of a cold full "
-        "re-prefill of the history, as a Markdown table.",
+        "re-prefill of the history, as a Markdown table. Same as bench --generator local.",
     )
-    _local_model_arguments(bench)
-    bench.add_argument("--turns", type=int, default=8, help="turns of the agent loop")
-    bench.add_argument(
+    _local_bench_arguments(bench_local, turns=True)
+    return parser
+
+
+def _local_bench_arguments(parser: argparse.ArgumentParser, *, turns: bool) -> None:
+    """The local-model benchmark's flags (bench shares --turns with its own meaning)."""
+    _local_model_arguments(parser)
+    if turns:
+        parser.add_argument(
+            "--turns", type=int, default=LOCAL_BENCH_TURNS, help="turns of the agent loop"
+        )
+    parser.add_argument(
         "--tool-output-tokens",
         type=int,
         default=500,
         metavar="N",
-        help="size of the tool output appended each turn, in the model's tokens",
+        help="local: size of the tool output appended each turn, in the model's tokens",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--answer-tokens",
         type=int,
         default=8,
         metavar="N",
-        help="tokens the model decodes each turn (warm and cold must say the same)",
+        help="local: tokens the model decodes each turn (warm and cold must say the same)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--repeat",
         type=int,
         default=1,
         metavar="N",
-        help="run the loop N times and keep each turn's fastest times (for a busy machine)",
+        help="local: run the loop N times and keep each turn's fastest times (busy machines)",
     )
-    return parser
 
 
 def _local_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,10 +234,12 @@ def _local_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench-local" or (args.command == "bench" and args.generator == "local"):
+        if args.turns is None:
+            args.turns = LOCAL_BENCH_TURNS
+        return _bench_local(args)
     if args.command == "bench":
         return bench_cli.run(args)
-    if args.command == "bench-local":
-        return _bench_local(args)
     configure(args.log_level)
     if args.generator == "local" and args.script:
         print(

@@ -70,3 +70,14 @@ def test_a_bad_script_is_reported_before_listening(tmp_path: object) -> None:
     )
     assert done.returncode == 2
     assert "segments[0].text must be a string" in done.stderr
+
+
+def test_bench_with_the_local_generator_runs_the_local_benchmark(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`bench --generator local` is the local model's warm-against-cold benchmark, not the
+    transport one: with a model path that does not exist it stops at loading the model."""
+    from proto_server.cli import main
+
+    assert main(["bench", "--generator", "local", "--model", "/nonexistent/model.gguf"]) == 2
+    assert "local model" in capsys.readouterr().err

@@ -33,7 +33,9 @@ def _transports(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     defaults = BenchSettings()
     bench = commands.add_parser(
         "bench",
@@ -139,6 +141,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
     )
+    return bench
 
 
 def run(args: argparse.Namespace) -> int:
