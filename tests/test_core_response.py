@@ -135,6 +135,20 @@ def test_the_generator_cannot_drive_an_illegal_move_and_nothing_changes() -> Non
         m2.end_segment()
 
 
+def test_a_segment_ends_on_its_tool_calls() -> None:
+    """Found by the stateful test: text after a call would suspend on a message."""
+    m = machine()
+    m.start()
+    m.begin_segment(prompt_tokens=1, cached_tokens=0)
+    m.begin_function_call("f", tokens=1)
+    m.end_function_call()
+    before = (len(m.output), m.usage())
+    with pytest.raises(IllegalTransition, match="calls come last"):
+        m.text_delta("and another thing", tokens=4)
+    assert (len(m.output), m.usage()) == before
+    assert [e.type for e in m.end_segment()] == ["response.done"]
+
+
 def test_failing_mid_call_closes_the_item_and_leaves_no_call_pending() -> None:
     m = machine()
     m.start()

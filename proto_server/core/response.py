@@ -217,6 +217,9 @@ class ResponseMachine:
         self._require_streaming("stream text")
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("text arrived inside a tool call")
+        if self.pending_calls:
+            # a suspension must follow the calls it waits for (`response.done` ends on them)
+            raise IllegalTransition("text arrived after a tool call; a segment's calls come last")
         events: list[ServerEvent] = []
         if self._open is None:
             item_id = new_id("msg")

@@ -1,0 +1,24 @@
+"""Test what a Responses event stream promises, against this server or any other.
+
+`StreamChecker` follows one connection: feed it every frame the client sent (`sent`) and every
+event the server sent (`received`), in the order the client saw them, and it raises
+`InvariantViolation` at the first event that breaks the protocol's ordering promises.
+`CheckedClient` is a small WebSocket client that does the feeding for you.
+"""
+
+from proto_server.testing.checker import (
+    INVARIANTS,
+    InvariantViolation,
+    StreamChecker,
+    o200k_count,
+)
+from proto_server.testing.client import CheckedClient, connect_checked
+
+__all__ = [
+    "INVARIANTS",
+    "CheckedClient",
+    "InvariantViolation",
+    "StreamChecker",
+    "connect_checked",
+    "o200k_count",
+]

@@ -1,0 +1,751 @@
+"""The event-ordering invariants of a Responses connection, checked as the events arrive.
+
+    checker = StreamChecker(dialect="prototype", count_tokens=o200k_count)
+    checker.sent(frame)        # every frame the client sent, in order
+    checker.received(event)    # every event it received (a decoded JSON object or frame text)
+    checker.finish()           # the client is done: every frame must have been answered
+
+The checker keeps a model of what the server must have done, built only from the frames and
+events themselves (not from this server's code), and raises `InvariantViolation` at the first
+event that breaks one of `INVARIANTS`, naming the invariant, the event and its sequence number.
+
+Frames race the stream: an append sent while a segment streams may reach the server before or
+after the segment suspends. So each frame keeps the set of answers that were legal in every
+state the server went through between its sending and its answer, and an `error` is matched to
+the oldest unanswered frame that may earn that code. A frame sent while the connection is
+settled (nothing streaming, no earlier frame in doubt) has exactly one legal answer.
+
+Two dialects: `prototype` (one Response per rollout, `response.done` suspends it and an append
+resumes it) and `launched` (many Responses, one at a time, each a plain create-to-terminal run;
+a create sent while one runs is served after it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, NoReturn
+
+import attrs
+import orjson
+
+from proto_server.wire.converter import decode_client_event, unstructure
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
+from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message
+
+Dialect = Literal["prototype", "launched"]
+
+INVARIANTS: Mapping[int, str] = {
+    1: "sequence_number starts at 0 and rises by exactly 1",
+    2: "each Response begins with response.created; nothing of it follows its terminal event",
+    3: "items open and close in order, deltas fall inside them, and done texts equal the deltas",
+    4: "response.done follows tool calls; the Response waits for an accepted append to resume",
+    5: "every answered call_id belonged to a call that was emitted and not yet answered",
+    6: "usage adds up",
+    7: "every client frame gets its effect or exactly one error; a refused frame changes nothing",
+}
+
+TERMINAL_EVENTS: Mapping[str, str] = {
+    "response.completed": "completed",
+    "response.failed": "failed",
+    "response.incomplete": "incomplete",
+    "response.cancelled": "cancelled",
+}
+CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
+#: The codes a prototype server answers with that depend on its state, not on the frame alone.
+STATE_CODES = frozenset(
+    {
+        "no_open_response",
+        "response_in_progress",
+        "unknown_call_id",
+        "duplicate_call_id",
+        "missing_tool_output",
+        "concurrent_request",
+        "invalid_field",
+        "previous_response_not_found",
+    }
+)
+
+
+class InvariantViolation(AssertionError):
+    """The stream broke a promise; `invariant` is its number in `INVARIANTS`."""
+
+    def __init__(
+        self, invariant: int, detail: str, *, sequence_number: int | None, event: Any
+    ) -> None:
+        where = "at the end of the stream" if event is None else f"at event #{sequence_number}"
+        shown = "" if event is None else f": {_short(event)}"
+        super().__init__(
+            f"invariant {invariant} ({INVARIANTS[invariant]}): {detail}; {where}{shown}"
+        )
+        self.invariant = invariant
+        self.detail = detail
+        self.sequence_number = sequence_number
+        self.event = event
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = orjson.dumps(value, default=repr).decode() if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@functools.cache
+def _encoding() -> Any:
+    from proto_server.core.tokenizer import o200k_base
+
+    return o200k_base()
+
+
+def o200k_count(text: str) -> int:
+    """Tokens in `text` by OpenAI's o200k_base: what this server counts `output_tokens` with."""
+    return len(_encoding().encode_ordinary(text))
+
+
+# -- the model of one Response ----------------------------------------------------------------
+
+
+@attrs.define
+class _Item:
+    index: int
+    id: str
+    type: str
+    call_id: str | None
+    name: str | None
+    parts: list[list[str]] = attrs.field(factory=list)  # message: deltas per content part
+    parts_open: set[int] = attrs.field(factory=set)
+    texts_done: set[int] = attrs.field(factory=set)
+    arguments: list[str] = attrs.field(factory=list)  # tool call: argument (or input) deltas
+    arguments_done: bool = False
+    done: bool = False
+
+
+@attrs.define
+class _Response:
+    id: str
+    phase: str = "streaming"  # streaming | suspended | resuming | a terminal status
+    items: list[_Item] = attrs.field(factory=list)
+    segment_start: int = 0
+    pending: dict[str, int] = attrs.field(factory=dict)  # call_id -> output_index
+    answered: set[str] = attrs.field(factory=set)
+    cancel_frame: int | None = None  # the accepted response.cancel, until it takes effect
+    usage: tuple[int, int, int] = (0, 0, 0)  # input, cached, output
+    segment_base: tuple[int, int] = (0, 0)
+    last_prompt: int | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_EVENTS.values()
+
+    @property
+    def open_item(self) -> _Item | None:
+        return next((item for item in self.items if not item.done), None)
+
+
+# -- the ledger of client frames --------------------------------------------------------------
+
+
+@attrs.frozen
+class _View:
+    """What the server's state looked like to a frame: enough to know how it must answer."""
+
+    phase: str  # none | streaming | suspended | ending
+    pending: frozenset[str] = frozenset()
+    answered: frozenset[str] = frozenset()
+
+
+@attrs.define
+class _Frame:
+    number: int
+    kind: str  # the event type, or "undecodable"
+    event: ClientEvent | None
+    codes: set[str] = attrs.field(factory=set)  # refusals it may earn
+    can_accept: bool = False
+    wild: bool = False  # sent while an earlier frame's effect was unknown: any answer goes
+    outcome: str | None = None  # accepted | refused
+    unconfirmed_in: str | None = None  # accepted by prediction; the Response it touched
+
+    def describe(self) -> str:
+        return f"frame #{self.number} ({self.kind})"
+
+
+class StreamChecker:
+    """Checks one connection's events, and how they answer the frames the client sent."""
+
+    def __init__(
+        self,
+        *,
+        dialect: Dialect = "prototype",
+        count_tokens: Callable[[str], int] | None = None,
+        unsolicited_errors: Iterable[str] = (),
+    ) -> None:
+        """`count_tokens` (e.g. `o200k_count`) makes `output_tokens` checked exactly;
+        `unsolicited_errors` are error codes the server may send without a frame asking."""
+        self.dialect = dialect
+        self.count_tokens = count_tokens
+        self.unsolicited_errors = frozenset(unsolicited_errors)
+        self.next_sequence = 0
+        self.responses: dict[str, _Response] = {}
+        self.current: _Response | None = None
+        self.frames: list[_Frame] = []
+        self.errors = 0
+        self._expected_creates = 0
+        self._event: Any = None
+        self.violation: InvariantViolation | None = None
+
+    # -- what the client sent ------------------------------------------------------------------
+
+    def sent(self, frame: Mapping[str, Any] | ClientEvent | str | bytes) -> None:
+        """A frame the client sent: a JSON object, a typed event, or the raw text or bytes."""
+        record = _Frame(len(self.frames), "undecodable", None)
+        try:
+            if isinstance(frame, bytes):
+                raise ProtocolError("invalid_frame", "binary frame")
+            if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel):
+                frame = unstructure(frame)
+            text = frame if isinstance(frame, str) else orjson.dumps(frame).decode()
+            record.event = decode_client_event(text)
+            record.kind = record.event.type
+        except ProtocolError as exc:
+            record.codes = {exc.detail.code}
+        self.frames.append(record)
+        if record.event is None:
+            return
+        if any(f.outcome is None and (f.can_accept or f.wild) for f in self.frames[:-1]):
+            record.wild = True
+            record.can_accept = True
+            record.codes = set(STATE_CODES)
+            return
+        view = self._view()
+        code = self._judge(record.event, view)
+        if code is not None:
+            record.codes = {code}
+        elif view.phase in ("none", "suspended"):
+            self._accept(record)
+        else:
+            record.can_accept = True
+
+    # -- what the server sent ------------------------------------------------------------------
+
+    def received(self, event: Mapping[str, Any] | str | bytes) -> None:
+        """An event the server sent, as its frame text or decoded into a JSON object."""
+        obj: Mapping[str, Any] = orjson.loads(event) if isinstance(event, str | bytes) else event
+        self._event = obj
+        number = obj.get("sequence_number")
+        if number != self.next_sequence:
+            self._fail(1, f"expected sequence_number {self.next_sequence}, got {number!r}")
+        self.next_sequence += 1
+        kind = obj.get("type")
+        handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            if isinstance(kind, str) and kind.startswith("response."):
+                self._item_event(obj)  # an item event of a kind this checker does not know
+                return
+            self._fail(2, f"an event of unknown type {kind!r}")
+        handler(self, obj)
+
+    def received_typed(self, event: Any, sequence_number: int | None = None) -> None:
+        """A typed server event (as the state machine returns it, before a writer numbers it)."""
+        obj = unstructure(event)
+        obj["sequence_number"] = self.next_sequence if sequence_number is None else sequence_number
+        self.received(obj)
+
+    def finish(self, *, closed: bool = False) -> None:
+        """The stream is over. `closed`: the connection ended, so unanswered frames may never
+        have been read; otherwise every frame must have had its effect or its error. After a
+        violation there is nothing more to say: the first one stands."""
+        self._event = None
+        if closed or self.violation is not None:
+            return
+        current = self.current
+        if current is not None and not current.terminal:
+            if current.phase == "streaming":
+                self._fail(2, f"Response {current.id} is still streaming")
+            for frame in self._unanswered():
+                if self._append_fits(frame):
+                    self._accept(frame)  # a partial answer: accepted without a word
+            if current.phase == "resuming":
+                self._fail(4, f"every call of Response {current.id} was answered; it never resumed")
+        if self._expected_creates:
+            self._fail(7, f"{self._expected_creates} accepted response.create got no Response")
+        if current is not None and current.cancel_frame is not None:
+            self._fail(7, f"response.cancel was accepted but Response {current.id} never ended")
+        for frame in self._unanswered():
+            if frame.kind == "response.append" and frame.can_accept:
+                continue  # accepted before the Response ended: its effect was silent
+            wanted = " or ".join(sorted(frame.codes)) or "an error"
+            self._fail(7, f"{frame.describe()} got neither its effect nor an error ({wanted})")
+
+    # -- events of a Response ------------------------------------------------------------------
+
+    def _created(self, obj: Mapping[str, Any]) -> None:
+        response = self._response_object(obj)
+        rid = response.get("id")
+        if not isinstance(rid, str) or rid in self.responses:
+            self._fail(2, f"response.created for an id that is missing or not new: {rid!r}")
+        current = self.current
+        if current is not None and not current.terminal:
+            self._fail(2, f"response.created while Response {current.id} is still {current.phase}")
+        if response.get("status") not in ("in_progress", "queued"):
+            self._fail(2, f"a new Response has status {response.get('status')!r}")
+        if response.get("output"):
+            self._fail(3, "a new Response already has output")
+        r = _Response(rid)
+        self.responses[rid] = r
+        self.current = r
+        if self._expected_creates:
+            self._expected_creates -= 1
+        else:
+            frame = self._first(lambda f: f.kind == "response.create" and f.can_accept)
+            if frame is None:
+                self._fail(7, "a Response was created that no response.create asked for")
+            frame.outcome = "accepted"
+        self._check_usage(r, response)
+        self._state_changed()
+
+    def _in_progress(self, obj: Mapping[str, Any]) -> None:
+        r = self._own(obj)
+        if r.phase in ("suspended", "resuming"):
+            self._resume(r)
+        elif r.phase != "streaming":
+            self._fail(2, f"response.in_progress while Response {r.id} is {r.phase}")
+        self._check_snapshot(r, obj, "in_progress")
+
+    def _resume(self, r: _Response) -> None:
+        if r.phase == "suspended":
+            # the appends that answered the calls were sent while the outcome was in doubt
+            for frame in self._unanswered():
+                if not r.pending:
+                    break
+                if self._append_fits(frame):
+                    self._accept(frame)
+        if r.pending:
+            waiting = ", ".join(r.pending)
+            self._fail(4, f"Response {r.id} resumed while calls still await output: {waiting}")
+        self._confirm(len(self.frames))
+        r.phase = "streaming"
+        r.segment_start = len(r.items)
+        r.segment_base = r.usage[:2]
+        self._state_changed()
+
+    def _done(self, obj: Mapping[str, Any]) -> None:
+        if self.dialect != "prototype":
+            self._fail(4, "response.done belongs to the prototype dialect only")
+        r = self._own(obj)
+        if r.phase != "streaming":
+            self._fail(4, f"response.done while Response {r.id} is {r.phase}")
+        self._close_segment(r, obj)
+        segment = r.items[r.segment_start :]
+        if not segment or segment[-1].type not in CALL_TYPES:
+            self._fail(4, "response.done after a segment whose last item is not a tool call")
+        if not r.pending:
+            self._fail(4, "response.done with no call awaiting output")
+        self._check_snapshot(r, obj, "in_progress")
+        r.phase = "suspended"
+        self._state_changed()
+
+    def _terminal(self, obj: Mapping[str, Any]) -> None:
+        r = self._own(obj)
+        status = TERMINAL_EVENTS[obj["type"]]
+        if r.terminal:
+            self._fail(2, f"Response {r.id} already ended ({r.phase})")
+        if status == "completed":
+            if r.phase != "streaming":
+                self._fail(4, f"response.completed while Response {r.id} is {r.phase}")
+            self._close_segment(r, obj)
+            if self.dialect == "prototype" and r.pending:
+                self._fail(4, f"Response {r.id} completed with calls awaiting output")
+        elif r.open_item is not None:
+            self._fail(3, f"Response {r.id} ended with item {r.open_item.id} still open")
+        if status == "cancelled":
+            if r.cancel_frame is not None:
+                asked = self.frames[r.cancel_frame]
+            else:
+                found = self._first(lambda f: f.kind == "response.cancel" and f.can_accept)
+                if found is None:
+                    self._fail(7, "a Response was cancelled that no response.cancel asked for")
+                asked = found
+                asked.outcome = "accepted"
+            self._confirm(asked.number + 1)
+        response = self._response_object(obj)
+        if status == "failed" and not _error_detail_ok(response.get("error")):
+            self._fail(2, "response.failed without an error {type, code, message}")
+        if status == "incomplete":
+            details = response.get("incomplete_details")
+            if not isinstance(details, Mapping) or not details.get("reason"):
+                self._fail(2, "response.incomplete without incomplete_details.reason")
+        self._check_snapshot(r, obj, status)
+        r.phase = status
+        r.cancel_frame = None
+        for frame in self.frames:
+            if frame.unconfirmed_in == r.id:
+                # predicted accepted, but the Response ended before any event confirmed it:
+                # the server may have refused it as arriving too late
+                frame.unconfirmed_in = None
+                frame.outcome = None
+                frame.can_accept = True
+                frame.codes.add("no_open_response")
+        self._state_changed()
+
+    def _close_segment(self, r: _Response, obj: Mapping[str, Any]) -> None:
+        if r.open_item is not None:
+            self._fail(3, f"the segment ended with item {r.open_item.id} still open")
+        response = self._response_object(obj)
+        self._check_usage(r, response)
+        prompt = r.usage[0] - r.segment_base[0]
+        cached = r.usage[1] - r.segment_base[1]
+        if response.get("usage") is None:
+            return
+        if cached > prompt:
+            self._fail(6, f"this segment reports {cached} cached of {prompt} input tokens")
+        if self.dialect == "prototype" and r.last_prompt is not None and prompt <= r.last_prompt:
+            self._fail(
+                6,
+                f"a resumed segment read a prompt of {prompt} tokens, no more than the "
+                f"previous segment's {r.last_prompt}: the conversation only grows",
+            )
+        r.last_prompt = prompt
+        r.segment_base = r.usage[:2]
+
+    # -- events of an item -----------------------------------------------------------------------
+
+    def _item_event(self, obj: Mapping[str, Any]) -> None:
+        r = self._streaming()
+        kind = obj["type"]
+        index = obj.get("output_index")
+        if kind == "response.output_item.added":
+            self._item_added(r, obj, index)
+            return
+        if not isinstance(index, int) or not 0 <= index < len(r.items):
+            self._fail(3, f"{kind} for output_index {index!r}, which was never added")
+        item = r.items[index]
+        if item.done:
+            self._fail(3, f"{kind} after output_item.done of item {item.id}")
+        if kind == "response.output_item.done":
+            self._item_done(r, item, obj)
+            return
+        if obj.get("item_id") != item.id:
+            self._fail(3, f"{kind} names item {obj.get('item_id')!r}, but {index} is {item.id}")
+        if kind in ("response.content_part.added", "response.content_part.done"):
+            self._content_part(item, obj)
+        elif kind in ("response.output_text.delta", "response.output_text.done"):
+            part = self._open_part(item, obj)
+            text = "".join(item.parts[part])
+            if kind.endswith(".delta"):
+                if part in item.texts_done:
+                    self._fail(3, "an output_text.delta after its output_text.done")
+                item.parts[part].append(_text(obj, "delta", self))
+            else:
+                if obj.get("text") != text:
+                    self._fail(3, "output_text.done's text is not the concatenated deltas")
+                item.texts_done.add(part)
+        elif kind in (
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.custom_tool_call_input.delta",
+            "response.custom_tool_call_input.done",
+        ):
+            expected = "function_call" if "function_call" in kind else "custom_tool_call"
+            if item.type != expected:
+                self._fail(3, f"{kind} inside a {item.type} item")
+            if item.arguments_done:
+                self._fail(3, f"{kind} after the arguments were done")
+            if kind.endswith(".delta"):
+                item.arguments.append(_text(obj, "delta", self))
+            else:
+                field = "arguments" if expected == "function_call" else "input"
+                if obj.get(field) != "".join(item.arguments):
+                    self._fail(3, f"{kind}'s {field} is not the concatenated deltas")
+                if expected == "function_call" and obj.get("name") != item.name:
+                    self._fail(3, f"{kind} names {obj.get('name')!r}, the item {item.name!r}")
+                item.arguments_done = True
+
+    def _item_added(self, r: _Response, obj: Mapping[str, Any], index: Any) -> None:
+        if r.open_item is not None:
+            self._fail(3, f"an item was added while item {r.open_item.id} is still open")
+        if index != len(r.items):
+            self._fail(4, f"output_index {index!r} does not continue the output at {len(r.items)}")
+        raw = obj.get("item")
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str):
+            self._fail(3, "output_item.added without an item id")
+        if any(item.id == raw["id"] for r2 in self.responses.values() for item in r2.items):
+            self._fail(3, f"item id {raw['id']} was used before")
+        item_type = str(raw.get("type"))
+        call_id = raw.get("call_id")
+        if item_type in CALL_TYPES:
+            if not isinstance(call_id, str) or not call_id:
+                self._fail(5, f"a {item_type} without a call_id")
+            if any(i.call_id == call_id for r2 in self.responses.values() for i in r2.items):
+                self._fail(5, f"call_id {call_id} was emitted before")
+        name = raw.get("name")
+        r.items.append(
+            _Item(index, raw["id"], item_type, call_id, name if isinstance(name, str) else None)
+        )
+
+    def _content_part(self, item: _Item, obj: Mapping[str, Any]) -> None:
+        if item.type != "message":
+            self._fail(3, f"a content part inside a {item.type} item")
+        part = obj.get("content_index")
+        if obj["type"].endswith(".added"):
+            if part != len(item.parts) or item.parts_open:
+                self._fail(3, f"content_part.added at content_index {part!r} out of order")
+            item.parts.append([])
+            item.parts_open.add(part)
+            return
+        part = self._open_part(item, obj)
+        text = "".join(item.parts[part])
+        if part not in item.texts_done:
+            self._fail(3, "content_part.done before its output_text.done")
+        shown = obj.get("part")
+        if not isinstance(shown, Mapping) or shown.get("text") != text:
+            self._fail(3, "content_part.done's text is not the concatenated deltas")
+        item.parts_open.discard(part)
+
+    def _open_part(self, item: _Item, obj: Mapping[str, Any]) -> int:
+        part = obj.get("content_index")
+        if not isinstance(part, int) or part not in item.parts_open:
+            self._fail(3, f"{obj['type']} outside an open content part ({part!r})")
+        return part
+
+    def _item_done(self, r: _Response, item: _Item, obj: Mapping[str, Any]) -> None:
+        raw = obj.get("item")
+        if not isinstance(raw, Mapping) or raw.get("id") != item.id:
+            self._fail(3, f"output_item.done does not close item {item.id}")
+        if raw.get("type") != item.type:
+            self._fail(3, f"item {item.id} was added as {item.type}, done as {raw.get('type')}")
+        if item.parts_open:
+            self._fail(3, f"output_item.done while content part(s) {item.parts_open} are open")
+        if item.type == "message":
+            content = raw.get("content")
+            texts = [p.get("text") for p in content if isinstance(p, Mapping)] if content else []
+            if texts != ["".join(deltas) for deltas in item.parts]:
+                self._fail(3, "the done message's text is not the concatenated deltas")
+        elif item.type in CALL_TYPES:
+            field = "arguments" if item.type == "function_call" else "input"
+            if raw.get(field) != "".join(item.arguments):
+                self._fail(3, f"the done call's {field} is not the concatenated deltas")
+            if raw.get("call_id") != item.call_id or raw.get("name") != item.name:
+                self._fail(5, f"item {item.id} changed its call_id or name between added and done")
+            if raw.get("status") == "completed":
+                assert item.call_id is not None
+                r.pending[item.call_id] = item.index
+        item.done = True
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def _error(self, obj: Mapping[str, Any]) -> None:
+        detail = obj.get("error")
+        if not isinstance(detail, Mapping) or not _error_detail_ok(detail):
+            self._fail(7, "an error event without error {type, code, message}")
+        self.errors += 1
+        code = detail["code"]
+        if code in self.unsolicited_errors:
+            return
+        frame = self._first(lambda f: f.wild or code in f.codes)
+        if frame is None:
+            waiting = "; ".join(
+                f"{f.describe()} may earn {sorted(f.codes) or 'no error'}"
+                for f in self._unanswered()
+            )
+            self._fail(7, f"error {code!r} answers no frame ({waiting or 'none is unanswered'})")
+        frame.outcome = "refused"
+        self._confirm(frame.number)
+
+    # -- the model's helpers -------------------------------------------------------------------
+
+    def _view(self) -> _View:
+        r = self.current
+        if r is None or r.terminal:
+            return _View("streaming" if self._expected_creates else "none")
+        if r.cancel_frame is not None:
+            phase = "ending"
+        elif r.phase == "suspended":
+            phase = "suspended"
+        else:
+            phase = "streaming"
+        return _View(phase, frozenset(r.pending), frozenset(r.answered))
+
+    def _judge(self, event: ClientEvent, view: _View) -> str | None:
+        """The error code `event` earns in `view`, or None if it is accepted."""
+        if self.dialect == "launched":
+            if isinstance(event, ResponseCreate):
+                return None
+            return "no_open_response"
+        if isinstance(event, ResponseCreate):
+            if view.phase != "none":
+                return "concurrent_request"
+            if event.previous_response_id is not None or event.generate is False:
+                return "invalid_field"
+            return "invalid_field" if event.background else None
+        if view.phase in ("none", "ending"):
+            return "no_open_response"
+        if isinstance(event, ResponseCancel):
+            return None
+        if view.phase != "suspended":
+            return "response_in_progress"
+        assert isinstance(event, ResponseAppend)
+        if not event.input:
+            return "invalid_field"
+        answering: set[str] = set()
+        message = False
+        for item in event.input:
+            if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+                if item.call_id in answering or item.call_id in view.answered:
+                    return "duplicate_call_id"
+                if item.call_id not in view.pending:
+                    return "unknown_call_id"
+                answering.add(item.call_id)
+            elif isinstance(item, Message) and item.role != "assistant":
+                message = True
+            else:
+                return "invalid_field"
+        if message and view.pending - answering:
+            return "missing_tool_output"
+        return None
+
+    def _append_fits(self, frame: _Frame) -> bool:
+        """An append in doubt that the server, as it is now, would accept."""
+        return (
+            isinstance(frame.event, ResponseAppend)
+            and frame.can_accept
+            and self._judge(frame.event, self._view()) is None
+        )
+
+    def _accept(self, frame: _Frame) -> None:
+        """Apply an accepted frame's effect to the model."""
+        frame.outcome = "accepted"
+        event = frame.event
+        r = self.current
+        if isinstance(event, ResponseCreate):
+            self._expected_creates += 1
+        elif isinstance(event, ResponseCancel) and r is not None:
+            r.cancel_frame = frame.number
+            frame.unconfirmed_in = r.id
+        elif isinstance(event, ResponseAppend) and r is not None:
+            frame.unconfirmed_in = r.id
+            for item in event.input:
+                if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+                    del r.pending[item.call_id]
+                    r.answered.add(item.call_id)
+            if not r.pending:
+                r.phase = "resuming"
+        self._state_changed()
+
+    def _state_changed(self) -> None:
+        """Widen every unanswered frame's legal answers by what the new state allows."""
+        view = self._view()
+        for frame in self._unanswered():
+            if frame.wild or frame.event is None:
+                continue
+            code = self._judge(frame.event, view)
+            if code is None:
+                frame.can_accept = True
+            else:
+                frame.codes.add(code)
+
+    def _confirm(self, before: int) -> None:
+        """Frames are served in order: an answer to frame N settles every prediction before it."""
+        for frame in self.frames[:before]:
+            frame.unconfirmed_in = None
+
+    def _unanswered(self) -> list[_Frame]:
+        return [f for f in self.frames if f.outcome is None]
+
+    def _first(self, wanted: Callable[[_Frame], bool]) -> _Frame | None:
+        return next((f for f in self._unanswered() if wanted(f)), None)
+
+    def _own(self, obj: Mapping[str, Any]) -> _Response:
+        """The Response a response-level event is about: the connection's current one."""
+        rid = self._response_object(obj).get("id")
+        current = self.current
+        if current is None or rid != current.id:
+            known = rid in self.responses
+            self._fail(2, f"{obj['type']} for {'an ended' if known else 'an unknown'} Response")
+        return current
+
+    def _streaming(self) -> _Response:
+        r = self.current
+        if r is None:
+            self._fail(2, "an item event before any response.created")
+        if r.terminal:
+            self._fail(2, f"an item event after Response {r.id} ended ({r.phase})")
+        if r.phase != "streaming":
+            self._fail(4, f"an item event while Response {r.id} is {r.phase}")
+        return r
+
+    def _response_object(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
+        response = obj.get("response")
+        if not isinstance(response, Mapping):
+            self._fail(2, f"{obj.get('type')} without a response object")
+        return response
+
+    def _check_snapshot(self, r: _Response, obj: Mapping[str, Any], status: str) -> None:
+        response = self._response_object(obj)
+        if response.get("status") != status:
+            self._fail(2, f"{obj['type']} carries status {response.get('status')!r}")
+        output = response.get("output")
+        ids = [i.get("id") for i in output if isinstance(i, Mapping)] if output else []
+        if ids != [item.id for item in r.items]:
+            self._fail(3, f"the Response's output {ids} is not the items streamed")
+        self._check_usage(r, response)
+
+    def _check_usage(self, r: _Response, response: Mapping[str, Any]) -> None:
+        usage = response.get("usage")
+        if usage is None:
+            return
+        try:
+            input_tokens = usage["input_tokens"]
+            cached = usage["input_tokens_details"]["cached_tokens"]
+            output = usage["output_tokens"]
+            total = usage["total_tokens"]
+        except (KeyError, TypeError):
+            self._fail(6, "usage lacks input, cached, output or total tokens")
+        if total != input_tokens + output:
+            self._fail(6, f"total_tokens {total} is not input {input_tokens} + output {output}")
+        if cached > input_tokens:
+            self._fail(6, f"cached_tokens {cached} exceed input_tokens {input_tokens}")
+        now = (input_tokens, cached, output)
+        if any(a < b for a, b in zip(now, r.usage, strict=True)):
+            self._fail(6, f"usage went down from {r.usage} to {now} (input, cached, output)")
+        r.usage = now
+        if self.count_tokens is not None:
+            streamed = sum(self._tokens(item) for item in r.items)
+            if output != streamed:
+                self._fail(6, f"output_tokens is {output}, but what streamed counts {streamed}")
+
+    def _tokens(self, item: _Item) -> int:
+        count = self.count_tokens
+        assert count is not None
+        if item.type == "message":
+            return sum(count("".join(deltas)) for deltas in item.parts)
+        if item.type in CALL_TYPES:
+            return count(item.name or "") + count("".join(item.arguments))
+        return 0
+
+    def _fail(self, invariant: int, detail: str) -> NoReturn:
+        event = self._event
+        number = event.get("sequence_number") if isinstance(event, Mapping) else None
+        self.violation = InvariantViolation(invariant, detail, sequence_number=number, event=event)
+        raise self.violation
+
+
+def _error_detail_ok(detail: Any) -> bool:
+    return isinstance(detail, Mapping) and all(
+        isinstance(detail.get(key), str) and detail.get(key) for key in ("type", "code", "message")
+    )
+
+
+def _text(obj: Mapping[str, Any], field: str, checker: StreamChecker) -> str:
+    value = obj.get(field)
+    if not isinstance(value, str):
+        checker._fail(3, f"{obj['type']} without a string {field}")
+    return value
+
+
+_HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
+    "response.created": StreamChecker._created,
+    "response.in_progress": StreamChecker._in_progress,
+    "response.done": StreamChecker._done,
+    **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
+    "error": StreamChecker._error,
+}

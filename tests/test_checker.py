@@ -1,0 +1,372 @@
+"""The checker itself: it passes a correct stream, and names the invariant each fault breaks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.render import O200kRenderer
+from proto_server.core.response import ResponseMachine, ResponseSettings
+from proto_server.core.sequence import Sequencer
+from proto_server.testing import InvariantViolation, StreamChecker, o200k_count
+from proto_server.wire.converter import unstructure
+from proto_server.wire.events import ServerEvent
+from proto_server.wire.items import Message
+
+Step = tuple[str, Any]  # ("sent", frame) or ("received", event)
+CREATE = {"type": "response.create", "input": "fix it", "tools": []}
+
+
+class Recorder:
+    """Drives a real ResponseMachine and records what a client would have sent and seen."""
+
+    def __init__(self) -> None:
+        conversation = Conversation(O200kRenderer())
+        conversation.extend([Message(role="user", content="fix it")])
+        self.m = ResponseMachine(
+            response_id="resp_1",
+            created_at=0,
+            settings=ResponseSettings(model="m"),
+            conversation=conversation,
+        )
+        self.sequencer = Sequencer()
+        self.steps: list[Step] = []
+
+    def sent(self, frame: Any) -> None:
+        self.steps.append(("sent", frame))
+
+    def emit(self, events: list[ServerEvent]) -> None:
+        for event in events:
+            obj = unstructure(event)
+            obj["sequence_number"] = self.sequencer.next()
+            self.steps.append(("received", obj))
+
+    def segment(self, text: str = "", calls: tuple[str, ...] = ()) -> list[str]:
+        conversation = self.m.conversation
+        cached = conversation.model_output_end if self.m.segments else 0
+        self.m.begin_segment(prompt_tokens=conversation.token_count, cached_tokens=cached)
+        if text:
+            self.emit(self.m.text_delta(text[:3], tokens=o200k_count(text)))
+            self.emit(self.m.text_delta(text[3:], tokens=0))
+        call_ids = []
+        for arguments in calls:
+            name_tokens = o200k_count("exec_command")
+            self.emit(self.m.begin_function_call("exec_command", tokens=name_tokens))
+            self.emit(
+                self.m.function_call_arguments_delta(arguments, tokens=o200k_count(arguments))
+            )
+            (_, done) = self.m.end_function_call()
+            self.emit([_])
+            self.emit([done])
+            call_ids.append(done.item.call_id)  # type: ignore[union-attr]
+        self.emit(self.m.end_segment())
+        return call_ids
+
+
+def answer(*call_ids: str) -> dict[str, Any]:
+    items = [{"type": "function_call_output", "call_id": c, "output": "ok"} for c in call_ids]
+    return {"type": "response.append", "input": items}
+
+
+def rollout() -> list[Step]:
+    """create; text and two calls; done; append both; text; completed."""
+    r = Recorder()
+    r.sent(CREATE)
+    r.emit(r.m.start())
+    calls = r.segment("Let me look.", ("", ""))
+    r.sent(answer(*calls))
+    r.emit(r.m.append([_output(c) for c in calls]))
+    r.segment("Fixed.")
+    return r.steps
+
+
+def _output(call_id: str) -> Any:
+    from proto_server.wire.items import FunctionCallOutput
+
+    return FunctionCallOutput(call_id=call_id, output="ok")
+
+
+def replay(steps: list[Step], *, finish: bool = True) -> StreamChecker:
+    checker = StreamChecker(count_tokens=o200k_count)
+    for kind, value in steps:
+        if kind == "sent":
+            checker.sent(value)
+        else:
+            checker.received(value)
+    if finish:
+        checker.finish()
+    return checker
+
+
+def received(steps: list[Step]) -> list[dict[str, Any]]:
+    return [value for kind, value in steps if kind == "received"]
+
+
+def find(steps: list[Step], type_: str, nth: int = 0) -> int:
+    hits = [i for i, (k, v) in enumerate(steps) if k == "received" and v["type"] == type_]
+    return hits[nth]
+
+
+def renumber(steps: list[Step]) -> list[Step]:
+    number = 0
+    out: list[Step] = []
+    for kind, value in steps:
+        if kind == "received":
+            value = {**value, "sequence_number": number}
+            number += 1
+        out.append((kind, value))
+    return out
+
+
+def test_a_correct_rollout_passes() -> None:
+    checker = replay(rollout())
+    assert checker.next_sequence == len(received(rollout()))
+    assert [f.outcome for f in checker.frames] == ["accepted", "accepted"]
+
+
+def drop(type_: str, nth: int = 0) -> Callable[[list[Step]], list[Step]]:
+    def mutate(steps: list[Step]) -> list[Step]:
+        del steps[find(steps, type_, nth)]
+        return renumber(steps)
+
+    return mutate
+
+
+def edit(type_: str, change: Callable[[dict[str, Any]], None], nth: int = 0) -> Any:
+    def mutate(steps: list[Step]) -> list[Step]:
+        i = find(steps, type_, nth)
+        event = copy.deepcopy(steps[i][1])
+        change(event)
+        steps[i] = ("received", event)
+        return steps
+
+    return mutate
+
+
+def gap(steps: list[Step]) -> list[Step]:
+    del steps[find(steps, "response.output_text.delta")]
+    return steps
+
+
+def after_end(steps: list[Step]) -> list[Step]:
+    return renumber([*steps, steps[find(steps, "response.output_text.delta", 2)]])
+
+
+def move_done_to_end_of_output(steps: list[Step]) -> list[Step]:
+    """The first call's output_item.done after the second call was added."""
+    i = find(steps, "response.output_item.done", 1)
+    moved = steps.pop(i)
+    steps.insert(find(steps, "response.output_item.added", 2) + 1, moved)
+    return renumber(steps)
+
+
+def resume_without_append(steps: list[Step]) -> list[Step]:
+    del steps[[k for k, _ in steps].index("sent", 1)]
+    return steps
+
+
+def answered_twice(steps: list[Step]) -> list[Step]:
+    """The server resumes on an append that answers one call twice (it must refuse that)."""
+    i = [k for k, _ in steps].index("sent", 1)
+    frame = steps[i][1]
+    call = frame["input"][0]["call_id"]
+    steps[i] = ("sent", answer(call, call))
+    return steps
+
+
+def reuse_call_id(steps: list[Step]) -> list[Step]:
+    first = steps[find(steps, "response.output_item.added", 1)][1]["item"]["call_id"]
+    for type_ in ("response.output_item.added", "response.output_item.done"):
+        i = find(steps, type_, 2)
+        event = copy.deepcopy(steps[i][1])
+        event["item"]["call_id"] = first
+        steps[i] = ("received", event)
+    return steps
+
+
+def bump(path: str, by: int) -> Callable[[dict[str, Any]], None]:
+    def change(event: dict[str, Any]) -> None:
+        usage = event["response"]["usage"]
+        usage[path] += by
+
+    return change
+
+
+def wrong_status(event: dict[str, Any]) -> None:
+    event["response"]["status"] = "completed"
+
+
+def wrong_text(event: dict[str, Any]) -> None:
+    event["text"] = event["text"] + "!"
+
+
+def wrong_arguments(event: dict[str, Any]) -> None:
+    event["item"]["arguments"] = "{}"
+
+
+def wrong_index(event: dict[str, Any]) -> None:
+    event["output_index"] = 0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "invariant"),
+    [
+        (gap, 1),
+        (edit("response.created", lambda e: e.update(sequence_number=1)), 1),
+        (after_end, 2),
+        (drop("response.created"), 2),
+        (edit("response.done", wrong_status), 2),
+        (drop("response.output_item.done"), 3),
+        (drop("response.content_part.added"), 3),
+        (drop("response.output_text.done"), 3),
+        (edit("response.output_text.done", wrong_text), 3),
+        (edit("response.output_item.done", wrong_arguments, 1), 3),
+        (move_done_to_end_of_output, 3),
+        (drop("response.output_item.added", 1), 3),
+        (edit("response.output_item.added", wrong_index, 3), 4),
+        (drop("response.in_progress", 1), 4),
+        (resume_without_append, 4),
+        (answered_twice, 4),
+        (reuse_call_id, 5),
+        (edit("response.done", bump("output_tokens", 1)), 6),
+        (edit("response.completed", bump("total_tokens", -1)), 6),
+        (edit("response.completed", bump("input_tokens", -10_000)), 6),
+    ],
+)
+def test_each_fault_is_named_by_its_invariant(
+    mutate: Callable[[list[Step]], list[Step]], invariant: int
+) -> None:
+    with pytest.raises(InvariantViolation) as caught:
+        replay(mutate(rollout()))
+    assert caught.value.invariant == invariant, caught.value
+    assert f"invariant {invariant} (" in str(caught.value)
+
+
+def test_a_violation_names_the_event_and_its_sequence_number() -> None:
+    steps = edit("response.output_text.done", wrong_text)(rollout())
+    with pytest.raises(InvariantViolation) as caught:
+        replay(steps)
+    number = steps[find(steps, "response.output_text.done")][1]["sequence_number"]
+    assert caught.value.sequence_number == number
+    assert f"at event #{number}: " in str(caught.value)
+    assert "output_text.done" in str(caught.value)
+
+
+# -- invariant 7: frames and their answers ----------------------------------------------------
+
+
+def error(code: str, sequence_number: int) -> dict[str, Any]:
+    detail = {"type": "invalid_request_error", "code": code, "message": "m", "param": None}
+    return {"type": "error", "status": 400, "error": detail, "sequence_number": sequence_number}
+
+
+def test_a_frame_without_an_answer_is_reported_at_the_end() -> None:
+    checker = StreamChecker()
+    checker.sent({"type": "response.cancel"})
+    with pytest.raises(InvariantViolation, match=r"frame #0 \(response.cancel\) got neither"):
+        checker.finish()
+    closed = StreamChecker()
+    closed.sent({"type": "response.cancel"})
+    closed.finish(closed=True)  # the connection died: the frame may never have been read
+
+
+def test_an_error_must_answer_a_frame_that_could_earn_it() -> None:
+    checker = StreamChecker()
+    with pytest.raises(InvariantViolation, match="answers no frame") as caught:
+        checker.received(error("invalid_json", 0))
+    assert caught.value.invariant == 7
+    checker = StreamChecker()
+    checker.sent("{not json")
+    checker.received(error("invalid_json", 0))
+    checker.sent({"type": "response.cancel"})
+    with pytest.raises(InvariantViolation, match="no_open_response"):
+        checker.received(error("unknown_call_id", 1))
+
+
+def test_an_error_must_not_be_missing_or_doubled() -> None:
+    checker = StreamChecker()
+    checker.sent(b"\x00")
+    checker.received(error("invalid_frame", 0))
+    with pytest.raises(InvariantViolation, match="answers no frame"):
+        checker.received(error("invalid_frame", 1))
+
+
+def suspended_steps() -> tuple[list[Step], list[str]]:
+    r = Recorder()
+    r.sent(CREATE)
+    r.emit(r.m.start())
+    calls = r.segment("", ("{}", "{}"))
+    return r.steps, calls
+
+
+def test_a_refused_frame_changes_nothing() -> None:
+    """A server that resumes on an append it refused breaks invariant 7 (then 4)."""
+    steps, (a, b) = suspended_steps()
+    checker = replay(steps, finish=False)
+    checker.sent(answer(a, "call_nope"))
+    checker.received(error("unknown_call_id", checker.next_sequence))
+    checker.sent(answer(b))  # partial: accepted, silently
+    with pytest.raises(InvariantViolation) as caught:
+        checker.received(
+            {
+                "type": "response.in_progress",
+                "response": {"id": "resp_1", "status": "in_progress", "output": []},
+                "sequence_number": checker.next_sequence,
+            }
+        )
+    assert caught.value.invariant == 4
+    assert a in str(caught.value)
+
+
+def test_appends_racing_the_stream_are_judged_by_every_state_they_might_have_met() -> None:
+    """An append sent while the segment streams may meet it streaming, or already suspended."""
+    steps, calls = suspended_steps()
+    done = find(steps, "response.done")
+    # refused: the server read it while the segment still streamed
+    early = [*steps[:done], ("sent", answer(*calls)), *steps[done:]]
+    checker = replay(early, finish=False)
+    checker.received(error("response_in_progress", checker.next_sequence))
+    checker.finish()  # suspended, and every frame answered
+    # accepted: the server read it after the suspension, and resumed
+    checker = replay(early, finish=False)
+    checker.received(
+        {
+            "type": "response.in_progress",
+            "response": {"id": "resp_1", "status": "in_progress", "output": _ids(steps)},
+            "sequence_number": checker.next_sequence,
+        }
+    )
+    assert [f.outcome for f in checker.frames] == ["accepted", "accepted"]
+    # but it cannot be refused for a reason no state it met would give
+    checker = replay(early, finish=False)
+    with pytest.raises(InvariantViolation, match="answers no frame"):
+        checker.received(error("unknown_call_id", checker.next_sequence))
+
+
+def _ids(steps: list[Step]) -> list[dict[str, Any]]:
+    done = steps[find(steps, "response.done")][1]
+    return [{"id": item["id"]} for item in done["response"]["output"]]
+
+
+def test_a_suspension_that_expires_reopens_the_appends_it_had_not_confirmed() -> None:
+    """An append accepted by prediction may have met the Response already expired."""
+    steps, (a, _) = suspended_steps()
+    checker = replay(steps, finish=False)
+    checker.sent(answer(a))
+    incomplete = {
+        "type": "response.incomplete",
+        "response": {
+            "id": "resp_1",
+            "status": "incomplete",
+            "output": _ids(steps),
+            "incomplete_details": {"reason": "suspend_timeout"},
+        },
+        "sequence_number": checker.next_sequence,
+    }
+    checker.received(incomplete)
+    checker.received(error("no_open_response", checker.next_sequence))
+    checker.finish()

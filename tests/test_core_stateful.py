@@ -1,0 +1,345 @@
+"""The Response state machine under any sequence of generator chunks and client frames.
+
+A hypothesis `RuleBasedStateMachine` plays both sides of a connection, synchronously: the
+generator (text, tool calls, parallel calls, stops, faults, illegal chunks) and the client
+(create, valid, partial, unknown, duplicate and late appends, cancel, disconnect). Client frames
+go through the real decoder and the machine's own checks, as the dialect does; every event the
+machine returns is numbered as the writer would and fed to `StreamChecker`, so invariants 1-7
+are checked after every step, and the machine's own bookkeeping after every rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.render import O200kRenderer
+from proto_server.core.request import input_items, response_settings
+from proto_server.core.response import IllegalTransition, ResponseMachine, Status
+from proto_server.core.sequence import Sequencer
+from proto_server.testing import StreamChecker
+from proto_server.wire.converter import decode_client_event
+from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.events import (
+    ErrorEvent,
+    ResponseAppend,
+    ResponseCancel,
+    ResponseCreate,
+    ServerEvent,
+)
+from proto_server.wire.items import FunctionCall
+
+RENDERER = O200kRenderer()
+TOOL = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
+texts = st.text(min_size=1, max_size=12)
+names = st.sampled_from(["exec_command", "read_file", "apply_patch"])
+
+
+def output(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": "ok"}
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": text}
+
+
+class Connection(RuleBasedStateMachine):
+    """One connection: the dialect's dispatch, the rollout's loop, the writer's numbering."""
+
+    @initialize()
+    def connect(self) -> None:
+        self.checker = StreamChecker(count_tokens=len)  # the chunks below count 1 token a char
+        self.sequencer = Sequencer()
+        self.machine: ResponseMachine | None = None
+        self.segment_begun = False
+        self.warm = False
+
+    # -- the two sides' plumbing ---------------------------------------------------------------
+
+    def emit(self, events: list[ServerEvent]) -> None:
+        for event in events:
+            self.checker.received_typed(event, self.sequencer.next())
+
+    def send(self, frame: dict[str, Any]) -> None:
+        """A client frame, handled as the prototype dialect does; a refusal changes nothing."""
+        self.checker.sent(frame)
+        before = self.state()
+        try:
+            event = decode_client_event(orjson.dumps(frame))
+            self.handle(event)
+        except ProtocolError as exc:
+            assert self.state() == before, "a refused frame changed the machine"
+            self.emit([ErrorEvent(status=exc.status, error=exc.detail)])
+
+    def handle(self, event: Any) -> None:
+        m = self.machine
+        if isinstance(event, ResponseCreate):
+            if m is not None and not m.status.terminal:
+                raise ProtocolError("concurrent_request", "a Response is open")
+            conversation = Conversation(RENDERER, tools=event.tools)
+            conversation.extend(input_items(event))
+            self.machine = ResponseMachine(
+                response_id=f"resp_{self.sequencer.sent}",
+                created_at=0,
+                settings=response_settings(event, default_model="m"),
+                conversation=conversation,
+            )
+            self.segment_begun = self.warm = False
+            self.emit(self.machine.start())
+            return
+        if m is None or m.status.terminal:
+            raise ProtocolError("no_open_response", "nothing is open")
+        if isinstance(event, ResponseCancel):
+            self.emit(m.cancel())
+        elif isinstance(event, ResponseAppend):
+            self.emit(m.append(event.input))
+            if m.status is Status.IN_PROGRESS:
+                self.segment_begun = False
+
+    def state(self) -> tuple[Any, ...]:
+        m = self.machine
+        if m is None:
+            return ()
+        return (
+            m.status,
+            dict(m.pending_calls),
+            set(m.answered_calls),
+            len(m.output),
+            m.usage(),
+            m.conversation.token_count,
+            len(m.conversation.items),
+        )
+
+    def streaming(self) -> bool:
+        return self.machine is not None and self.machine.status is Status.IN_PROGRESS
+
+    def suspended(self) -> bool:
+        return self.machine is not None and self.machine.status is Status.SUSPENDED
+
+    def call_open(self) -> bool:
+        return self.streaming() and self.machine._open is not None and hasattr(
+            self.machine._open, "call_id"
+        )  # fmt: skip
+
+    @property
+    def m(self) -> ResponseMachine:
+        assert self.machine is not None
+        return self.machine
+
+    def prefill(self) -> None:
+        """A segment starts with the prompt in the model's state, as the simulated GPU reports."""
+        if not self.segment_begun:
+            conversation = self.m.conversation
+            cached = conversation.model_output_end if self.warm else 0
+            self.m.begin_segment(prompt_tokens=conversation.token_count, cached_tokens=cached)
+            self.segment_begun = self.warm = True
+
+    def end_of_segment(self) -> None:
+        if self.m.status is not Status.IN_PROGRESS:
+            self.segment_begun = False
+
+    # -- the client ----------------------------------------------------------------------------
+
+    @rule(text=texts, tools=st.booleans())
+    def create(self, text: str, tools: bool) -> None:
+        self.send(
+            {"type": "response.create", "input": [user(text)], "tools": [TOOL] if tools else []}
+        )
+
+    @precondition(lambda self: self.suspended())
+    @rule(message=st.none() | texts)
+    def append_all(self, message: str | None) -> None:
+        items = [output(call_id) for call_id in self.m.pending_calls]
+        self.send(
+            {"type": "response.append", "input": items + ([user(message)] if message else [])}
+        )
+
+    @precondition(lambda self: self.suspended() and len(self.m.pending_calls) > 1)
+    @rule(data=st.data())
+    def append_some(self, data: st.DataObject) -> None:
+        pending = list(self.m.pending_calls)
+        some = data.draw(st.lists(st.sampled_from(pending), min_size=1, unique=True))
+        if len(some) == len(pending):
+            some.pop()
+        self.send({"type": "response.append", "input": [output(c) for c in some]})
+
+    @rule(call_id=st.from_regex(r"call_[a-z0-9]{1,8}", fullmatch=True))
+    def append_unknown(self, call_id: str) -> None:
+        self.send({"type": "response.append", "input": [output(call_id)]})
+
+    @precondition(lambda self: self.machine is not None and self.machine.answered_calls)
+    @rule(data=st.data())
+    def append_answered_again(self, data: st.DataObject) -> None:
+        call_id = data.draw(st.sampled_from(sorted(self.m.answered_calls)))
+        self.send({"type": "response.append", "input": [output(call_id)]})
+
+    @precondition(lambda self: self.suspended())
+    @rule()
+    def append_twice_in_one_frame(self) -> None:
+        call_id = next(iter(self.m.pending_calls))
+        self.send({"type": "response.append", "input": [output(call_id), output(call_id)]})
+
+    @precondition(lambda self: self.suspended())
+    @rule(text=texts)
+    def append_message_before_the_outputs(self, text: str) -> None:
+        self.send({"type": "response.append", "input": [user(text)]})
+
+    @rule(
+        item=st.sampled_from(
+            [
+                {"type": "function_call", "call_id": "c", "name": "n", "arguments": "{}"},
+                {"type": "message", "role": "assistant", "content": "replayed"},
+                {"type": "reasoning", "summary": []},
+            ]
+        )
+        | st.none()
+    )
+    def append_what_append_does_not_take(self, item: dict[str, Any] | None) -> None:
+        self.send({"type": "response.append", "input": [item] if item else []})
+
+    @rule()
+    def cancel(self) -> None:
+        self.send({"type": "response.cancel"})
+
+    @rule()
+    def disconnect(self) -> None:
+        """The peer goes away: whatever was open is dropped, and the next connection is fresh."""
+        self.checker.finish(closed=True)
+        self.connect()
+
+    # -- the generator -------------------------------------------------------------------------
+
+    @precondition(
+        lambda self: self.streaming() and not self.call_open() and not self.m.pending_calls
+    )
+    @rule(text=texts)
+    def text(self, text: str) -> None:
+        self.prefill()
+        self.emit(self.m.text_delta(text, tokens=len(text)))
+
+    @precondition(lambda self: self.streaming() and not self.call_open())
+    @rule(name=names, deltas=st.lists(texts, max_size=3))
+    def tool_call(self, name: str, deltas: list[str]) -> None:
+        self.prefill()
+        self.emit(self.m.begin_function_call(name, tokens=len(name)))
+        for delta in deltas:
+            self.emit(self.m.function_call_arguments_delta(delta, tokens=len(delta)))
+
+    @precondition(lambda self: self.call_open())
+    @rule(delta=texts)
+    def tool_call_arguments(self, delta: str) -> None:
+        self.emit(self.m.function_call_arguments_delta(delta, tokens=len(delta)))
+
+    @precondition(lambda self: self.call_open())
+    @rule()
+    def tool_call_end(self) -> None:
+        self.emit(self.m.end_function_call())
+
+    @precondition(lambda self: self.streaming() and not self.call_open())
+    @rule(calls=st.lists(st.tuples(names, texts), min_size=2, max_size=4))
+    def parallel_tool_calls(self, calls: list[tuple[str, str]]) -> None:
+        self.prefill()
+        for name, arguments in calls:
+            self.emit(self.m.begin_function_call(name, tokens=len(name)))
+            self.emit(self.m.function_call_arguments_delta(arguments, tokens=len(arguments)))
+            self.emit(self.m.end_function_call())
+
+    @precondition(lambda self: self.streaming() and not self.call_open())
+    @rule()
+    def stop(self) -> None:
+        self.prefill()
+        self.emit(self.m.end_segment())
+        self.end_of_segment()
+
+    @precondition(lambda self: self.streaming())
+    @rule(code=st.sampled_from(["generator_error", "script_error"]))
+    def generator_error(self, code: str) -> None:
+        self.emit(self.m.fail(ErrorDetail(type="server_error", code=code, message="boom")))
+        self.end_of_segment()
+
+    @precondition(lambda self: self.machine is not None)
+    @rule(chunk=st.sampled_from(["text", "call", "arguments", "end_call", "stop"]))
+    def generator_misbehaves(self, chunk: str) -> None:
+        """A chunk that is illegal now raises and changes nothing; the rollout then fails."""
+        m = self.m
+        if m.status is Status.IN_PROGRESS:
+            self.prefill()
+        before = self.state()
+        try:
+            events = {
+                "text": lambda: m.text_delta("x", tokens=1),
+                "call": lambda: m.begin_function_call("f", tokens=1),
+                "arguments": lambda: m.function_call_arguments_delta("x", tokens=1),
+                "end_call": m.end_function_call,
+                "stop": m.end_segment,
+            }[chunk]()
+        except IllegalTransition:
+            assert self.state() == before, "an illegal chunk changed the machine"
+            if not m.status.terminal:
+                fault = ErrorDetail(type="server_error", code="generator_error", message="bad")
+                self.emit(m.fail(fault))
+            return
+        self.emit(events)  # it was legal after all
+        self.end_of_segment()
+
+    @precondition(lambda self: self.suspended())
+    @rule(reason=st.sampled_from(["suspend_timeout", "suspended_rollout_limit"]))
+    def suspension_expires(self, reason: str) -> None:
+        self.emit(self.m.make_incomplete(reason))
+
+    # -- the machine's own books -----------------------------------------------------------------
+
+    @invariant()
+    def books_balance(self) -> None:
+        m = self.machine
+        if m is None:
+            return
+        assert not (m.pending_calls.keys() & m.answered_calls)
+        calls = {
+            item.call_id: item
+            for item in m.output
+            if isinstance(item, FunctionCall) and item.status == "completed"
+        }
+        assert m.pending_calls.keys() <= calls.keys()
+        assert m.answered_calls <= calls.keys()
+        if m.status is Status.SUSPENDED:
+            assert m.pending_calls
+        usage = m.usage()
+        assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+        assert usage.input_tokens_details.cached_tokens <= usage.input_tokens
+
+    @invariant()
+    def conversation_renders_incrementally(self) -> None:
+        """The incrementally extended tokens equal a fresh render of the whole conversation."""
+        m = self.machine
+        if m is None:
+            return
+        conversation = m.conversation
+        fresh = RENDERER.render_prefix(conversation.instructions, conversation.tools)
+        for item in conversation.items:
+            fresh += RENDERER.render_item(item)
+        assert list(conversation.tokens) == fresh
+
+    def teardown(self) -> None:
+        m = self.machine
+        self.checker.finish(closed=m is not None and m.status is Status.IN_PROGRESS)
+
+
+Connection.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestConnection = Connection.TestCase
