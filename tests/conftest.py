@@ -13,6 +13,7 @@ from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.server.store import StoredResponse
 
 #: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
 FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)
@@ -44,6 +45,29 @@ EXEC_COMMAND = {
     },
     "strict": False,
 }
+
+
+class CheckpointStore:
+    """A store in a dict that yields once per call, as a real one would, without a thread
+    (a worker thread would look idle to `wait_all_tasks_blocked` and end `quiet()` early)."""
+
+    def __init__(self) -> None:
+        self.responses: dict[str, StoredResponse] = {}
+
+    async def put(self, stored: StoredResponse) -> None:
+        await trio.lowlevel.checkpoint()
+        self.responses[stored.response.id] = stored
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        await trio.lowlevel.checkpoint()
+        return self.responses.get(response_id)
+
+    async def chain(self, response_id: str) -> list[StoredResponse] | None:
+        stored = await self.get(response_id)
+        return None if stored is None else [stored]
+
+    async def aclose(self) -> None:
+        pass
 
 
 class Running:

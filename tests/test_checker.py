@@ -10,12 +10,13 @@ import pytest
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
-from proto_server.core.response import ResponseMachine, ResponseSettings
+from proto_server.core.response import ResponseMachine
 from proto_server.core.sequence import Sequencer
 from proto_server.testing import InvariantViolation, StreamChecker, o200k_count
 from proto_server.wire.converter import unstructure
 from proto_server.wire.events import ServerEvent
 from proto_server.wire.items import Message
+from proto_server.wire.response import Response
 
 Step = tuple[str, Any]  # ("sent", frame) or ("received", event)
 CREATE = {"type": "response.create", "input": "fix it", "tools": []}
@@ -28,9 +29,7 @@ class Recorder:
         conversation = Conversation(O200kRenderer())
         conversation.extend([Message(role="user", content="fix it")])
         self.m = ResponseMachine(
-            response_id="resp_1",
-            created_at=0,
-            settings=ResponseSettings(model="m"),
+            response=Response(id="resp_1", created_at=0, status="in_progress", model="m"),
             conversation=conversation,
         )
         self.sequencer = Sequencer()

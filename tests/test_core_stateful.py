@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
-from proto_server.core.request import input_items, response_settings
+from proto_server.core.request import input_items, response_template
 from proto_server.core.response import IllegalTransition, ResponseMachine, Status
 from proto_server.core.sequence import Sequencer
 from proto_server.testing import StreamChecker
@@ -89,12 +89,10 @@ class Connection(RuleBasedStateMachine):
                 raise ProtocolError("concurrent_request", "a Response is open")
             conversation = Conversation(RENDERER, tools=event.tools)
             conversation.extend(input_items(event))
-            self.machine = ResponseMachine(
-                response_id=f"resp_{self.sequencer.sent}",
-                created_at=0,
-                settings=response_settings(event, default_model="m"),
-                conversation=conversation,
+            template = response_template(
+                event, response_id=f"resp_{self.sequencer.sent}", created_at=0, default_model="m"
             )
+            self.machine = ResponseMachine(response=template, conversation=conversation)
             self.segment_begun = self.warm = False
             self.emit(self.machine.start())
             return

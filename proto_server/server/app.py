@@ -15,10 +15,10 @@ import hmac
 import time
 from collections.abc import Sequence
 from functools import partial
+from http import HTTPStatus
 from typing import Literal
 
 import attrs
-import orjson
 import trio
 from trio_websocket import ConnectionClosed, wrap_server_stream
 
@@ -35,6 +35,7 @@ from proto_server.server.handshake import (
     ReplayStream,
     RequestHead,
     read_request_head,
+    upgrade_refusal,
 )
 from proto_server.server.http import error_body, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
@@ -95,6 +96,8 @@ class ProtoServer:
         self.store: ResponseStore = store or SQLiteStore(":memory:")
         self.open_connections = 0
         self.open_rollouts = 0
+        #: Connections ended by an unexpected exception (logged as `connection.crashed`).
+        self.crashed_connections = 0
         #: The most recent Responses' costs, newest last (tests and the benchmark read them).
         self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
         #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
@@ -141,37 +144,56 @@ class ProtoServer:
         self._count(connections=1)
         try:
             head = None
-            with trio.move_on_after(self.config.handshake_timeout_s):
+            # one deadline for the whole handshake: the request head, and the upgrade after it
+            deadline = trio.current_time() + self.config.handshake_timeout_s
+            with trio.move_on_at(deadline) as waiting:
                 try:
                     head = await read_request_head(
                         stream, max_bytes=self.config.max_request_head_bytes
                     )
                 except BadRequestHead as exc:
-                    await _send_plain(stream, 400, f"Malformed HTTP request: {exc}.")
+                    await _refuse(
+                        stream, ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
+                    )
                     return
+            if waiting.cancelled_caught:
+                timeout = self.config.handshake_timeout_s
+                message = f"The request head did not arrive within {timeout:g} s; send it at once."
+                with trio.move_on_after(1):  # a client that sends this slowly may not read either
+                    await _refuse(stream, ProtocolError("request_timeout", message, status=408))
+                return
             if head is None:
                 return
-            if head.is_websocket:
-                await self._serve_websocket(stream, head)
-            else:
+            if not head.is_websocket:
                 await serve_http(self, stream, head)
+            elif (refusal := upgrade_refusal(head)) is not None:
+                await _refuse(stream, refusal)
+            else:
+                await self._serve_websocket(stream, head, deadline)
         except* (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionClosed):
             pass  # the peer went away; everything it started is already cancelled
         except* Exception:
             # a bug in serving one connection must not take the others down with it
+            self.crashed_connections += 1
             log.exception("connection.crashed")
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             self._count(connections=-1)
 
-    async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead) -> None:
+    async def _serve_websocket(
+        self, stream: trio.SocketStream, head: RequestHead, deadline: float
+    ) -> None:
         async with trio.open_nursery() as nursery:
-            request = await wrap_server_stream(
-                nursery,
-                ReplayStream(stream, head.raw),
-                max_message_size=self.config.max_message_bytes,
-            )
+            with trio.move_on_at(deadline):
+                request = await wrap_server_stream(
+                    nursery,
+                    ReplayStream(stream, head.raw),
+                    max_message_size=self.config.max_message_bytes,
+                )
+            if trio.current_time() >= deadline:  # the handshake never completed
+                nursery.cancel_scope.cancel()
+                return
             json = [(b"content-type", b"application/json")]
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 refusal = ProtocolError(
@@ -277,10 +299,12 @@ class ProtoServer:
         )
 
 
-async def _send_plain(stream: trio.abc.Stream, status: int, text: str) -> None:
-    body = orjson.dumps({"error": {"type": "invalid_request_error", "code": "bad_request",
-                                   "message": text, "param": None}})  # fmt: skip
+async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
+    """Answer a request that cannot be served with a JSON error, and close the connection."""
+    body = error_body(error)
+    reason = HTTPStatus(error.status).phrase.encode()
+    extra = b"sec-websocket-version: 13\r\n" if error.status == 426 else b""
     await stream.send_all(
-        b"HTTP/1.1 %d Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%s" % (status, len(body), body)
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"%sconnection: close\r\n\r\n%s" % (error.status, reason, len(body), extra, body)
     )

@@ -10,6 +10,8 @@ import attrs
 import h11
 import trio
 
+from proto_server.wire.errors import ProtocolError
+
 
 class ReplayStream(trio.abc.Stream):
     """A stream that yields `already_read` before reading on from `stream`."""
@@ -85,3 +87,27 @@ async def read_request_head(stream: trio.abc.Stream, *, max_bytes: int) -> Reque
             connection.receive_data(data)
             continue
         raise BadRequestHead(f"unexpected {type(event).__name__} before a request")
+
+
+def upgrade_refusal(head: RequestHead) -> ProtocolError | None:
+    """What is wrong with a WebSocket upgrade request (RFC 6455, 4.2.1), or None if nothing.
+
+    Checked before trio-websocket sees the request, so a bad upgrade gets a refusal that says
+    what to fix, and its connection is closed rather than left waiting.
+    """
+    request = head.request
+
+    def refuse(what: str, status: int = 400) -> ProtocolError:
+        return ProtocolError("bad_request", f"Bad WebSocket upgrade: {what}.", status=status)
+
+    if request.method != b"GET" or request.http_version != b"1.1":
+        method, version = request.method.decode(), request.http_version.decode()
+        return refuse(f"it must be GET over HTTP/1.1, not {method} over HTTP/{version}")
+    tokens = {t.strip().lower() for t in (head.header(b"connection") or "").split(",")}
+    if "upgrade" not in tokens:
+        return refuse("send the header `Connection: Upgrade`")
+    if not (head.header(b"sec-websocket-key") or "").strip():
+        return refuse("send a `Sec-WebSocket-Key` header (16 random bytes, base64)")
+    if (head.header(b"sec-websocket-version") or "").strip() != "13":
+        return refuse("this server speaks `Sec-WebSocket-Version: 13` only", status=426)
+    return None

@@ -60,12 +60,26 @@ async def send_json(
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
 
 
-async def _read_body(stream: trio.abc.Stream, conn: h11.Connection, limit: int) -> bytes:
+async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: float) -> None:
+    """Feed h11 the next bytes; a client that stalls longer than `timeout_s` is refused."""
+    with trio.move_on_after(timeout_s):
+        conn.receive_data(bytes(await stream.receive_some()))
+        return
+    raise ProtocolError(
+        "request_timeout",
+        f"The request stalled for {timeout_s:g} s; send it without pausing.",
+        status=408,
+    )
+
+
+async def _read_body(
+    stream: trio.abc.Stream, conn: h11.Connection, limit: int, timeout_s: float
+) -> bytes:
     body = bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some()))
+            await _receive(stream, conn, timeout_s)
         elif isinstance(event, h11.Data):
             body += event.data
             if len(body) > limit:
@@ -82,6 +96,14 @@ async def _read_body(stream: trio.abc.Stream, conn: h11.Connection, limit: int) 
 
 
 async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
+    """The next request on a kept-alive connection, or None when the client is done."""
+    while conn.their_state is h11.SEND_BODY:  # what the last answer did not read
+        if conn.next_event() is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some()))
+    try:
+        conn.start_next_cycle()
+    except h11.LocalProtocolError:
+        return None
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
@@ -96,34 +118,31 @@ async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Re
 
 
 async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: RequestHead) -> None:
-    """Serve requests on one keep-alive connection until the client is done."""
+    """Serve requests on one keep-alive connection until the client is done, or idle for
+    `handshake_timeout_s`; a malformed request is answered 400 and its connection closed."""
     conn = head.connection
     request: h11.Request | None = head.request
     while request is not None:
         exchange = _Exchange(server, stream, conn, request)
         try:
-            await exchange.serve()
-        except ProtocolError as exc:
-            if conn.our_state is not h11.SEND_RESPONSE:
-                return  # the answer had begun; nothing sensible can be said now
-            await send_json(stream, conn, exc.status, error_body(exc))
+            try:
+                await exchange.serve()
+            except ProtocolError as exc:
+                if conn.our_state is not h11.SEND_RESPONSE:
+                    return  # the answer had begun; nothing sensible can be said now
+                await send_json(stream, conn, exc.status, error_body(exc))
+                if exc.status == 408:
+                    return  # it stalled; it will not send the rest
+            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                return
+            request = None
+            with trio.move_on_after(server.config.handshake_timeout_s):
+                request = await _next_request(stream, conn)
         except h11.RemoteProtocolError as exc:
             if conn.our_state is h11.SEND_RESPONSE:
                 refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
                 await send_json(stream, conn, 400, error_body(refusal))
             return
-        if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-            return
-        # drain what is left of the request so the next one can be read
-        while conn.their_state is h11.SEND_BODY:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(bytes(await stream.receive_some()))
-        try:
-            conn.start_next_cycle()
-        except h11.LocalProtocolError:
-            return
-        request = await _next_request(stream, conn)
 
 
 class _Exchange:
@@ -168,7 +187,10 @@ class _Exchange:
         await send_json(self.stream, self.conn, status, orjson.dumps(body))
 
     async def _body(self) -> bytes:
-        return await _read_body(self.stream, self.conn, self.server.config.max_message_bytes)
+        config = self.server.config
+        return await _read_body(
+            self.stream, self.conn, config.max_message_bytes, config.handshake_timeout_s
+        )
 
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:

@@ -54,10 +54,17 @@ class PrototypeDialect:
 
     def _create(self, create: ResponseCreate) -> None:
         current = self.current
-        if current is not None and not current.machine.status.terminal:
+        if current is not None and not current.ended:
+            machine = current.machine
+            if machine.status.terminal:  # decided, but its terminal event is not out yet
+                raise ProtocolError(
+                    "concurrent_request",
+                    f"Response {machine.id} is ending ({machine.status.value}); wait for its "
+                    f"response.{machine.status.value} event, then create another.",
+                )
             raise ProtocolError(
                 "concurrent_request",
-                f"Response {current.machine.id} is still open ({current.machine.status.value}); "
+                f"Response {machine.id} is still open ({machine.status.value}); "
                 "answer it with response.append, or end it with response.cancel, before "
                 "creating another.",
             )

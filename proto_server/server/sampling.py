@@ -81,6 +81,8 @@ class SamplingLoop:
         self._observer = observer
         self._wake = trio.Event()
         self._settled = trio.Event()
+        #: The terminal event has been sent: only now may another Response follow on the wire.
+        self.ended = False
         self._resume_events: list[ServerEvent] = []
         self._generator_scope: trio.CancelScope | None = None
         self._fault: ServerFault | None = None
@@ -90,6 +92,12 @@ class SamplingLoop:
 
     def append(self, items: Sequence[Item]) -> None:
         """Record tool outputs; if that answers every call, wake the sampling loop."""
+        if self._cancel_requested:
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.machine.id} is being cancelled; nothing can be appended to it. "
+                "Start a new one with response.create.",
+            )
         self._resume_events = self.machine.append(items)
         if self._observer is not None:
             self._observer.rendered()
@@ -146,6 +154,7 @@ class SamplingLoop:
         self._finish()
 
     def _finish(self) -> None:
+        self.ended = True
         self._settled.set()
         machine = self.machine
         usage = machine.usage()
@@ -164,12 +173,17 @@ class SamplingLoop:
     async def _run_segment(self, announce: list[ServerEvent]) -> None:
         """One segment: the generator starts first, so its prefill overlaps with writing the
         `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
+        if self._cancel_requested:
+            await self._emit(announce)
+            return  # cancelled before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
             async with receive:
                 async for chunk in receive:
+                    if self._cancel_requested:
+                        break  # chunks already generated are not streamed after a cancel
                     try:
                         events = self._apply(chunk)
                     except IllegalTransition as exc:

@@ -53,19 +53,30 @@ TERMINAL_EVENTS: Mapping[str, str] = {
     "response.cancelled": "cancelled",
 }
 CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
-#: The codes a prototype server answers with that depend on its state, not on the frame alone.
-STATE_CODES = frozenset(
-    {
-        "no_open_response",
-        "response_in_progress",
-        "unknown_call_id",
-        "duplicate_call_id",
-        "missing_tool_output",
-        "concurrent_request",
-        "invalid_field",
-        "previous_response_not_found",
-    }
-)
+#: Every code each kind of frame can earn from the connection's state (not from its own form).
+STATE_CODES: Mapping[str, Mapping[str, frozenset[str]]] = {
+    "prototype": {
+        "response.create": frozenset({"concurrent_request", "invalid_field"}),
+        "response.append": frozenset(
+            {
+                "no_open_response",
+                "response_in_progress",
+                "unknown_call_id",
+                "duplicate_call_id",
+                "missing_tool_output",
+                "invalid_field",
+            }
+        ),
+        "response.cancel": frozenset({"no_open_response"}),
+    },
+    "launched": {
+        "response.create": frozenset(
+            {"concurrent_request", "invalid_field", "previous_response_not_found"}
+        ),
+        "response.append": frozenset({"unknown_event_type"}),
+        "response.cancel": frozenset({"no_open_response"}),
+    },
+}
 
 
 class InvariantViolation(AssertionError):
@@ -132,6 +143,7 @@ class _Response:
     usage: tuple[int, int, int] = (0, 0, 0)  # input, cached, output
     segment_base: tuple[int, int] = (0, 0)
     last_prompt: int | None = None
+    told_ended: int | None = None  # a frame refused as too late while it still streamed
 
     @property
     def terminal(self) -> bool:
@@ -161,7 +173,7 @@ class _Frame:
     event: ClientEvent | None
     codes: set[str] = attrs.field(factory=set)  # refusals it may earn
     can_accept: bool = False
-    wild: bool = False  # sent while an earlier frame's effect was unknown: any answer goes
+    wild: bool = False  # sent while an earlier frame's effect was unknown: any answer of its kind
     outcome: str | None = None  # accepted | refused
     unconfirmed_in: str | None = None  # accepted by prediction; the Response it touched
 
@@ -177,7 +189,7 @@ class StreamChecker:
         *,
         dialect: Dialect = "prototype",
         count_tokens: Callable[[str], int] | None = None,
-        unsolicited_errors: Iterable[str] = (),
+        unsolicited_errors: Iterable[str] = ("websocket_connection_limit_reached",),
     ) -> None:
         """`count_tokens` (e.g. `o200k_count`) makes `output_tokens` checked exactly;
         `unsolicited_errors` are error codes the server may send without a frame asking."""
@@ -192,6 +204,7 @@ class StreamChecker:
         self._expected_creates = 0
         self._event: Any = None
         self.violation: InvariantViolation | None = None
+        self.finished = False
 
     # -- what the client sent ------------------------------------------------------------------
 
@@ -214,16 +227,14 @@ class StreamChecker:
         if any(f.outcome is None and (f.can_accept or f.wild) for f in self.frames[:-1]):
             record.wild = True
             record.can_accept = True
-            record.codes = set(STATE_CODES)
+            record.codes = set(STATE_CODES[self.dialect][record.kind])
             return
         view = self._view()
-        code = self._judge(record.event, view)
-        if code is not None:
-            record.codes = {code}
-        elif view.phase in ("none", "suspended"):
+        accept, codes = self._answers(record.event, view)
+        record.can_accept = accept
+        record.codes = set(codes)
+        if accept and not codes and view.phase in ("none", "suspended"):
             self._accept(record)
-        else:
-            record.can_accept = True
 
     # -- what the server sent ------------------------------------------------------------------
 
@@ -255,8 +266,9 @@ class StreamChecker:
         have been read; otherwise every frame must have had its effect or its error. After a
         violation there is nothing more to say: the first one stands."""
         self._event = None
-        if closed or self.violation is not None:
+        if closed or self.finished or self.violation is not None:
             return
+        self.finished = True
         current = self.current
         if current is not None and not current.terminal:
             if current.phase == "streaming":
@@ -334,6 +346,8 @@ class StreamChecker:
         r = self._own(obj)
         if r.phase != "streaming":
             self._fail(4, f"response.done while Response {r.id} is {r.phase}")
+        if r.told_ended is not None:
+            self._fail(7, f"frame #{r.told_ended} was told Response {r.id} had ended; it suspended")
         self._close_segment(r, obj)
         segment = r.items[r.segment_start :]
         if not segment or segment[-1].type not in CALL_TYPES:
@@ -541,7 +555,7 @@ class StreamChecker:
         code = detail["code"]
         if code in self.unsolicited_errors:
             return
-        frame = self._first(lambda f: f.wild or code in f.codes)
+        frame = self._first(lambda f: code in f.codes)
         if frame is None:
             waiting = "; ".join(
                 f"{f.describe()} may earn {sorted(f.codes) or 'no error'}"
@@ -550,6 +564,9 @@ class StreamChecker:
             self._fail(7, f"error {code!r} answers no frame ({waiting or 'none is unanswered'})")
         frame.outcome = "refused"
         self._confirm(frame.number)
+        current = self.current
+        if code == "no_open_response" and current is not None and not current.terminal:
+            current.told_ended = frame.number  # then its terminal event must come next
 
     # -- the model's helpers -------------------------------------------------------------------
 
@@ -565,12 +582,28 @@ class StreamChecker:
             phase = "streaming"
         return _View(phase, frozenset(r.pending), frozenset(r.answered))
 
+    def _answers(self, event: ClientEvent, view: _View) -> tuple[bool, frozenset[str]]:
+        """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
+        if self.dialect == "prototype":
+            code = self._judge(event, view)
+            codes = {code} if code else set()
+            if view.phase == "streaming" and not isinstance(event, ResponseCreate):
+                codes.add("no_open_response")  # it may have ended, its terminal event not out yet
+            return code is None, frozenset(codes)
+        if isinstance(event, ResponseCreate):
+            if event.background:
+                return False, frozenset({"invalid_field"})
+            # served when its turn comes: its chain may be gone, the queue may be full
+            codes = {"concurrent_request"}
+            if event.previous_response_id is not None:
+                codes.add("previous_response_not_found")
+            return True, frozenset(codes)
+        if isinstance(event, ResponseAppend):
+            return False, frozenset({"unknown_event_type"})
+        return view.phase != "none", frozenset({"no_open_response"})
+
     def _judge(self, event: ClientEvent, view: _View) -> str | None:
-        """The error code `event` earns in `view`, or None if it is accepted."""
-        if self.dialect == "launched":
-            if isinstance(event, ResponseCreate):
-                return None
-            return "no_open_response"
+        """The prototype dialect: the one error code `event` earns in `view`, or None."""
         if isinstance(event, ResponseCreate):
             if view.phase != "none":
                 return "concurrent_request"
@@ -608,7 +641,7 @@ class StreamChecker:
         return (
             isinstance(frame.event, ResponseAppend)
             and frame.can_accept
-            and self._judge(frame.event, self._view()) is None
+            and self._answers(frame.event, self._view()) == (True, frozenset())
         )
 
     def _accept(self, frame: _Frame) -> None:
@@ -637,11 +670,9 @@ class StreamChecker:
         for frame in self._unanswered():
             if frame.wild or frame.event is None:
                 continue
-            code = self._judge(frame.event, view)
-            if code is None:
-                frame.can_accept = True
-            else:
-                frame.codes.add(code)
+            accept, codes = self._answers(frame.event, view)
+            frame.can_accept |= accept
+            frame.codes |= codes
 
     def _confirm(self, before: int) -> None:
         """Frames are served in order: an answer to frame N settles every prediction before it."""

@@ -7,7 +7,7 @@ whose `param` is the path of the offending field, e.g. `input[2].call_id`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_origin
 
 import orjson
 from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
@@ -109,6 +109,21 @@ def _structure_items(value: Any, _: Any) -> tuple[Item, ...]:
     return tuple(converter.structure(value, list[Item]))  # type: ignore[arg-type,unused-ignore]
 
 
+def _is_array_type(kind: Any) -> bool:
+    """`tuple[X, ...]`: what the wire types use for a JSON array."""
+    args = get_args(kind)
+    return get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _structure_array(value: Any, kind: Any) -> tuple[Any, ...]:
+    # a string is iterable, but `"tools": "abc"` is not three tools
+    if not isinstance(value, list):
+        raise InvalidValue(f"expected an array, got {_json_kind(value)}")
+    element: Any = get_args(kind)[0]
+    items: list[Any] = converter.structure(value, list[element])
+    return tuple(items)
+
+
 def _structure_input(value: Any, _: Any) -> str | tuple[Item, ...]:
     if isinstance(value, str):
         return value
@@ -132,6 +147,7 @@ converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda 
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_structure_hook_func(lambda t: t == Item, _structure_item)
+converter.register_structure_hook_func(_is_array_type, _structure_array)
 converter.register_structure_hook_func(lambda t: t == tuple[Item, ...], _structure_items)
 converter.register_structure_hook_func(lambda t: t == str | tuple[Item, ...], _structure_input)
 converter.register_structure_hook_func(lambda t: t == Tool, _structure_tool)
@@ -173,6 +189,33 @@ def _structure_or_refuse(obj: Mapping[str, Any], cls: type[T]) -> T:
         ) from None
 
 
+#: Client JSON nested deeper than this is refused: the server echoes client values (tools,
+#: metadata, items) inside its own events and store, and orjson encodes at most 254 levels.
+MAX_JSON_DEPTH = 128
+_ENCODABLE_DEPTH = 254
+
+
+def _refuse_deep(text: str | bytes, obj: Any, what: str) -> None:
+    """Raise if `obj` (parsed from `text`) nests deeper than `MAX_JSON_DEPTH`."""
+    opened = (
+        text.count("[") + text.count("{")
+        if isinstance(text, str)
+        else (text.count(b"[") + text.count(b"{"))
+    )
+    if opened <= MAX_JSON_DEPTH:
+        return  # too few brackets to nest that deep: no need to look
+    for _ in range(_ENCODABLE_DEPTH - MAX_JSON_DEPTH):
+        obj = [obj]
+    try:
+        orjson.dumps(obj)  # in C, and it fails exactly when obj is deeper than the limit
+    except orjson.JSONEncodeError:
+        raise ProtocolError(
+            "invalid_json",
+            f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
+            "flatten it (e.g. send deep data as a JSON string).",
+        ) from None
+
+
 def decode_client_event(frame: str | bytes) -> ClientEvent:
     """A text frame from a client, as a typed event; a `ProtocolError` says what is wrong."""
     try:
@@ -182,6 +225,7 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
             "invalid_json",
             f"The frame is not valid JSON ({exc}); send one JSON object per text frame.",
         ) from None
+    _refuse_deep(frame, obj, "The frame")
     if not isinstance(obj, dict):
         raise ProtocolError(
             "invalid_json",
@@ -213,6 +257,7 @@ def decode_request_body(body: bytes, cls: type[T]) -> T:
         raise ProtocolError(
             "invalid_json", f"The request body is not valid JSON ({exc}); send a JSON object."
         ) from None
+    _refuse_deep(body, obj, "The request body")
     if not isinstance(obj, dict):
         raise ProtocolError(
             "invalid_json", f"The request body is JSON {_json_kind(obj)}; send a JSON object."
