@@ -7,7 +7,6 @@ notebooks import this checkout whatever other Python kernels the machine has.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,8 +18,6 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 KERNEL = "proto-server"
 INSTALL = f"python -m ipykernel install --sys-prefix --name {KERNEL}"
-#: Notebooks that need a module another issue brings (issue 4: the invariant checker).
-NEEDS = {"03-property-testing-event-order": "proto_server.testing"}
 
 
 def test_there_are_notebooks() -> None:
@@ -47,9 +44,6 @@ def test_the_notebook_is_committed_without_outputs(path: Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_the_notebook_runs_top_to_bottom(path: Path) -> None:
-    needed = NEEDS.get(path.stem)
-    if needed is not None and importlib.util.find_spec(needed) is None:
-        pytest.skip(f"{path.name} needs {needed}, which this checkout does not have yet")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,
