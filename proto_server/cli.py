@@ -8,7 +8,7 @@ import os
 import signal
 import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,17 @@ LOCAL_BENCH_TURNS = 8
 def default_store_path() -> Path:
     data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(data) / "proto-server" / "responses.sqlite3"
+
+
+def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +130,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_connection_lifetime_s,
         metavar="SECONDS",
         help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
+    )
+    serve.add_argument(
+        "--handshake-timeout",
+        type=_positive(float),
+        default=defaults.handshake_timeout_s,
+        metavar="SECONDS",
+        help="time to send a request head (or the next one on a kept-alive HTTP connection, "
+        "or the rest of a body); then 408 and the connection is closed",
+    )
+    serve.add_argument(
+        "--suspend-timeout",
+        type=_positive(float),
+        default=defaults.suspend_timeout_s,
+        metavar="SECONDS",
+        help="prototype dialect: a suspended Response whose client sends nothing for this long "
+        "ends with response.incomplete (reason suspend_timeout)",
+    )
+    serve.add_argument(
+        "--max-suspended-rollouts",
+        type=_positive(int),
+        default=defaults.max_suspended_rollouts,
+        metavar="N",
+        help="suspended Responses per process; past it the one idle longest ends with "
+        "response.incomplete (reason suspended_rollout_limit)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_positive(float),
+        default=defaults.shutdown_grace_s,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: how long streaming segments may take to finish; then "
+        "every open Response ends (response.incomplete, reason server_shutdown), close 1001",
     )
     serve.add_argument(
         "--max-queued-requests",
@@ -268,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_queued_requests": args.max_queued_requests,
         "merge_deltas": args.merge_deltas,
         "api_keys": tuple(k.strip() for k in keys),
+        "handshake_timeout_s": args.handshake_timeout,
+        "suspend_timeout_s": args.suspend_timeout,
+        "max_suspended_rollouts": args.max_suspended_rollouts,
+        "shutdown_grace_s": args.shutdown_grace,
     }
     try:
         if args.store != ":memory:":
@@ -369,6 +416,21 @@ async def _serve(server: ProtoServer, what: str) -> None:
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                print(f"proto-server: {signal.Signals(signum).name}, stopping", file=sys.stderr)
-                nursery.cancel_scope.cancel()
-                break
+                name = signal.Signals(signum).name
+                if server.stopping is not None:
+                    print(f"proto-server: {name} again, stopping now", file=sys.stderr)
+                    nursery.cancel_scope.cancel()
+                    break
+                grace = server.config.shutdown_grace_s
+                print(
+                    f"proto-server: {name}, stopping: no new connections; streaming segments "
+                    f"have {grace:g} s to finish (send it again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                nursery.start_soon(_stop, server, nursery.cancel_scope)
+
+
+async def _stop(server: ProtoServer, everything: trio.CancelScope) -> None:
+    await server.shutdown()
+    everything.cancel()  # the signal listener; serve() has returned already

@@ -13,7 +13,7 @@ from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.server.store import StoredResponse
+from proto_server.server.store import ResponseStore, StoredResponse
 
 #: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
 FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)
@@ -85,18 +85,24 @@ StartServer = Callable[..., Any]
 
 @pytest.fixture
 async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
-    """`await start_server(script=..., **config)` -> a running server in this test's nursery."""
+    """`await start_server(script=..., **config)` -> a running server in this test's nursery.
+
+    On the autojump clock pass `store=CheckpointStore()`: SQLite's worker thread looks idle to
+    trio, which would jump the clock past every deadline while a Response is being stored."""
 
     async def start(
         script: dict[str, Any] | None = None,
         *,
         planner: Planner | None = None,
         timing: TimingModel = FAST,
+        store: ResponseStore | None = None,
         **config: Any,
     ) -> Running:
         if planner is None:
             planner = parse_script(script) if script is not None else DefaultModel()
-        server = ProtoServer(SimulatedGenerator(planner, timing), ServerConfig(port=0, **config))
+        server = ProtoServer(
+            SimulatedGenerator(planner, timing), ServerConfig(port=0, **config), store=store
+        )
         address = await nursery.start(server.serve)
         return Running(server, address)
 

@@ -14,7 +14,6 @@ import collections
 import hmac
 import time
 from collections.abc import Sequence
-from functools import partial
 from http import HTTPStatus
 from typing import Literal
 
@@ -29,7 +28,7 @@ from proto_server.core.request import input_items, response_template
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
-from proto_server.server.connection import Connection, Dialect
+from proto_server.server.connection import CLOSE_WAIT_S, Connection, Dialect
 from proto_server.server.handshake import (
     BadRequestHead,
     ReplayStream,
@@ -45,6 +44,7 @@ from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
 from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
@@ -98,6 +98,14 @@ class ProtoServer:
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
         self.crashed_connections = 0
+        self.suspensions = Suspensions(self.config.max_suspended_rollouts)
+        #: Set by `shutdown()`: when streaming segments must have finished.
+        self.stopping: float | None = None
+        #: Kept-alive HTTP connections waiting for their next request (shutdown ends them).
+        self.idle_http: set[trio.CancelScope] = set()
+        self._websockets: set[Connection] = set()
+        self._listening = trio.CancelScope()
+        self._handlers: trio.Nursery | None = None
         #: The most recent Responses' costs, newest last (tests and the benchmark read them).
         self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
         #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
@@ -129,16 +137,56 @@ class ProtoServer:
     async def serve(
         self, *, task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Listen until cancelled; `nursery.start(server.serve)` returns the bound address."""
+        """Listen until cancelled or `shutdown()`; `nursery.start(server.serve)` returns the
+        bound address."""
         config = self.config
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(
-                partial(trio.serve_tcp, self._handle, config.port, host=config.host)
-            )
+        async with trio.open_nursery() as handlers:
+            self._handlers = handlers
+            listeners = await handlers.start(self._listen, handlers)
             port = listeners[0].socket.getsockname()[1]
             address = BoundAddress(config.host, port)
             log.info("server.listening", extra={"url": address.ws_url})
             task_status.started(address)
+
+    async def _listen(
+        self,
+        handlers: trio.Nursery,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        config = self.config
+        with self._listening:  # cancelled: the listening sockets close, connections go on
+            await trio.serve_tcp(
+                self._handle,
+                config.port,
+                host=config.host,
+                handler_nursery=handlers,
+                task_status=task_status,
+            )
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop gracefully: accept no more connections; let streaming segments finish within
+        `grace_s` (default `shutdown_grace_s`); end every open Response with
+        `response.incomplete` (reason `server_shutdown`) and close its WebSocket with 1001;
+        return once every connection is closed, and `serve()` returns too."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        log.info(
+            "server.stopping",
+            extra={"grace_s": grace, "connections": self.open_connections},
+        )
+        self._listening.cancel()
+        deadline = trio.current_time() + grace
+        self.stopping = deadline
+        for connection in list(self._websockets):
+            connection.shut_down(deadline)
+        for idle in list(self.idle_http):
+            idle.cancel()
+        with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
+            while self.open_connections:
+                await self._changed.wait()
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()  # whatever would not finish in time
+        log.info("server.stopped", extra={"forced": self.open_connections})
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         self._count(connections=1)
@@ -185,13 +233,13 @@ class ProtoServer:
         self, stream: trio.SocketStream, head: RequestHead, deadline: float
     ) -> None:
         async with trio.open_nursery() as nursery:
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as handshake:
                 request = await wrap_server_stream(
                     nursery,
                     ReplayStream(stream, head.raw),
                     max_message_size=self.config.max_message_bytes,
                 )
-            if trio.current_time() >= deadline:  # the handshake never completed
+            if handshake.cancelled_caught:  # the upgrade never completed
                 nursery.cancel_scope.cancel()
                 return
             json = [(b"content-type", b"application/json")]
@@ -223,11 +271,15 @@ class ProtoServer:
                 dialect = PrototypeDialect(self, connection, nursery)
             else:
                 dialect = LaunchedDialect(self, connection, nursery)
+            self._websockets.add(connection)
+            if self.stopping is not None:  # accepted just as the server began to stop
+                connection.shut_down(self.stopping)
             try:
                 await connection.run(
                     nursery, dialect, lifetime_s=self.config.max_connection_lifetime_s
                 )
             finally:
+                self._websockets.discard(connection)
                 log.info("connection.closed", extra={"connection": connection.id})
 
     # -- Responses -------------------------------------------------------------------------------
@@ -296,6 +348,8 @@ class ProtoServer:
             persist=persist if response.store else None,
             on_end=self.turns.append,
             observer=self.observer,
+            suspensions=self.suspensions,
+            suspend_timeout_s=self.config.suspend_timeout_s,
         )
 
 

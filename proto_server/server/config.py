@@ -27,6 +27,14 @@ class ServerConfig:
     default_model: str = "proto-sim"
     #: A WebSocket lives this long; then `websocket_connection_limit_reached` and a clean close.
     max_connection_lifetime_s: float = 3600.0
+    #: Prototype dialect: a suspended Response whose client sends nothing for this long ends
+    #: with `response.incomplete` (reason `suspend_timeout`); a partial answer restarts it.
+    suspend_timeout_s: float = 600.0
+    #: Suspended Responses per process; past it the one idle longest ends with
+    #: `response.incomplete` (reason `suspended_rollout_limit`), and a warning is logged.
+    max_suspended_rollouts: int = 10_000
+    #: On SIGTERM/SIGINT: how long streaming segments may take to finish before they are cut.
+    shutdown_grace_s: float = 10.0
     #: Launched dialect: `response.create` frames that may wait behind the one in flight.
     max_queued_requests: int = 8
     #: Bearer keys accepted on the WebSocket handshake and on HTTP; empty means no auth.

@@ -28,6 +28,12 @@ from proto_server.wire.events import ClientEvent, ErrorEvent, ServerEvent
 
 _ids = itertools.count(1)
 
+#: `incomplete_details.reason` of the Responses a stopping server ends.
+SERVER_SHUTDOWN = "server_shutdown"
+SHUTDOWN_CLOSE_REASON = "server shutting down; reconnect and resend the conversation"
+#: How long a stopping server waits for a client to take its last events and the close frame.
+CLOSE_WAIT_S = 2.0
+
 
 class Dialect(Protocol):
     """Turns client events into effects; raises `ProtocolError` and changes nothing if it can't."""
@@ -36,6 +42,11 @@ class Dialect(Protocol):
 
     async def drain(self) -> None:
         """Accept nothing new; return once nothing is streaming."""
+        ...
+
+    async def expire(self, reason: str) -> None:
+        """End every open Response with `response.incomplete` (`reason`), cutting what still
+        streams; return once their terminal events are handed to the connection."""
         ...
 
 
@@ -55,17 +66,39 @@ class Connection:
         self.sequencer = Sequencer()
         self.events, self._outbox = trio.open_memory_channel[ServerEvent](queue_events)
         self._written = trio.Event()
+        self._reading = trio.CancelScope()
+        self._shutdown_deadline: float | None = None
 
     async def run(self, nursery: trio.Nursery, dialect: Dialect, *, lifetime_s: float) -> None:
         """Serve until the peer goes away or the lifetime ends; then cancel all it started."""
         nursery.start_soon(self._write)
         try:
-            with trio.move_on_after(lifetime_s):
+            with trio.move_on_after(lifetime_s), self._reading:
                 await self._read(dialect)
-                return
-            await self._retire(dialect, lifetime_s)
+                return  # the peer went away
+            if self._shutdown_deadline is not None:
+                await self._shut_down(dialect, self._shutdown_deadline)
+            else:
+                await self._retire(dialect, lifetime_s)
         finally:
             nursery.cancel_scope.cancel()
+
+    def shut_down(self, deadline: float) -> None:
+        """The server is stopping: read no more frames, let what streams finish until
+        `deadline`, end the rest with `response.incomplete`, then close with 1001."""
+        self._shutdown_deadline = deadline
+        self._reading.cancel()
+
+    async def _shut_down(self, dialect: Dialect, deadline: float) -> None:
+        log.info("connection.shutting_down", extra={"connection": self.id})
+        with trio.move_on_at(deadline):
+            await dialect.drain()
+        await dialect.expire(SERVER_SHUTDOWN)
+        self.events.close()
+        # a client that stopped reading cannot hold the server's exit hostage
+        with trio.move_on_after(CLOSE_WAIT_S):
+            await self._written.wait()
+            await self.ws.aclose(code=1001, reason=SHUTDOWN_CLOSE_REASON)
 
     async def _read(self, dialect: Dialect) -> None:
         while True:

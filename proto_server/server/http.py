@@ -135,9 +135,15 @@ async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: Request
                     return  # it stalled; it will not send the rest
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
+            if server.stopping is not None:
+                return
             request = None
-            with trio.move_on_after(server.config.handshake_timeout_s):
-                request = await _next_request(stream, conn)
+            with trio.move_on_after(server.config.handshake_timeout_s) as idle:
+                server.idle_http.add(idle)  # a stopping server does not wait for idle clients
+                try:
+                    request = await _next_request(stream, conn)
+                finally:
+                    server.idle_http.discard(idle)
         except h11.RemoteProtocolError as exc:
             if conn.our_state is h11.SEND_RESPONSE:
                 refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")

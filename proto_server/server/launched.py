@@ -58,6 +58,7 @@ class LaunchedDialect:
         self.cached: tuple[str, Rollout] | None = None
         self.current: SamplingLoop | None = None
         self._finished = trio.Event()
+        self._expired: str | None = None
         nursery.start_soon(self._serve_turns)
 
     def handle(self, event: ClientEvent) -> None:
@@ -100,15 +101,28 @@ class LaunchedDialect:
         self._queue.close()
         await self._finished.wait()
 
+    async def expire(self, reason: str) -> None:
+        """Start no queued turn; end the one in flight with `response.incomplete`."""
+        self._expired = reason
+        self._queue.close()
+        if self.current is not None:
+            self.current.expire(reason)
+        await self._finished.wait()
+
     async def _serve_turns(self) -> None:
         try:
             async for create in self._queued:
+                if self._expired is not None:
+                    continue  # the connection is closing (1001): queued turns never start
                 try:
                     loop = await self._begin(create)
                 except ProtocolError as exc:
                     await self._connection.events.send(
                         ErrorEvent(status=exc.status, error=exc.detail)
                     )
+                    continue
+                if self._expired is not None:  # the server began stopping while it prepared
+                    await loop.rollout.aclose()
                     continue
                 self.current = loop
                 completed = False

@@ -93,6 +93,12 @@ class PrototypeDialect:
         if self.current is not None:
             await self.current.wait_settled()
 
+    async def expire(self, reason: str) -> None:
+        current = self.current
+        if current is not None and not current.ended:
+            current.expire(reason)
+            await current.wait_ended()
+
 
 def _unsupported(field: str, why: str) -> ProtocolError:
     return ProtocolError(

@@ -11,6 +11,7 @@ the connection lives on; a client's mistake never reaches this far (see `check_a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
@@ -30,6 +31,7 @@ from proto_server.engine.script import ScriptError
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
+from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import (
     ResponseCancelled,
@@ -39,6 +41,9 @@ from proto_server.wire.events import (
     ServerEvent,
 )
 from proto_server.wire.items import Item
+
+#: `incomplete_details.reason` of a suspension whose client stayed idle too long.
+SUSPEND_TIMEOUT = "suspend_timeout"
 
 TERMINAL_EVENTS = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseCancelled)
 
@@ -68,6 +73,8 @@ class SamplingLoop:
         persist: Callable[[ResponseMachine], Awaitable[None]] | None = None,
         on_end: Callable[[TurnRecord], None] | None = None,
         observer: ServerObserver | None = None,
+        suspensions: Suspensions | None = None,
+        suspend_timeout_s: float = math.inf,
     ) -> None:
         self.machine = machine
         self.rollout = rollout
@@ -87,30 +94,50 @@ class SamplingLoop:
         self._generator_scope: trio.CancelScope | None = None
         self._fault: ServerFault | None = None
         self._cancel_requested = False
+        self._suspensions = suspensions
+        self._suspend_timeout_s = suspend_timeout_s
+        self._idle: trio.CancelScope | None = None  # the suspension's idle timer
+        #: Why the server is ending this Response (response.incomplete), once it decided to.
+        self.expired: str | None = None
+        self._ended = trio.Event()
 
     # -- called by the connection's reader (synchronously validated, then handed over) --------
 
+    @property
+    def response_id(self) -> str:
+        return self.machine.id
+
     def append(self, items: Sequence[Item]) -> None:
         """Record tool outputs; if that answers every call, wake the sampling loop."""
-        if self._cancel_requested:
-            raise ProtocolError(
-                "no_open_response",
-                f"Response {self.machine.id} is being cancelled; nothing can be appended to it. "
-                "Start a new one with response.create.",
-            )
+        self._refuse_if_ending("appended to it")
         self._resume_events = self.machine.append(items)
         if self._observer is not None:
             self._observer.rendered()
         if self.machine.status is Status.IN_PROGRESS:
             self._wake.set()
+        elif self._idle is not None:  # a partial answer: the client is alive, the clock restarts
+            self._idle.deadline = trio.current_time() + self._suspend_timeout_s
+            if self._suspensions is not None:
+                self._suspensions.touch(self)
 
     def cancel(self) -> None:
-        if self.machine.status.terminal or self._cancel_requested:
+        if self.machine.status.terminal:
             raise ProtocolError(
                 "no_open_response",
                 f"Response {self.machine.id} is already ending; nothing to cancel.",
             )
+        self._refuse_if_ending("cancelled")
         self._cancel_requested = True
+        if self._generator_scope is not None:
+            self._generator_scope.cancel()
+        self._wake.set()
+
+    def expire(self, reason: str) -> None:
+        """The server ends this Response with `response.incomplete` (`reason`): at once if it
+        is suspended, cutting the segment short (open items closed as incomplete) if not."""
+        if self.machine.status.terminal or self._cancel_requested or self.expired is not None:
+            return
+        self.expired = reason
         if self._generator_scope is not None:
             self._generator_scope.cancel()
         self._wake.set()
@@ -118,6 +145,19 @@ class SamplingLoop:
     async def wait_settled(self) -> None:
         """Return once nothing is streaming: the Response is suspended or has ended."""
         await self._settled.wait()
+
+    async def wait_ended(self) -> None:
+        """Return once the terminal event has been handed to the connection."""
+        await self._ended.wait()
+
+    def _refuse_if_ending(self, what: str) -> None:
+        if self._cancel_requested or self.expired is not None:
+            why = "cancelled" if self._cancel_requested else f"ended ({self.expired})"
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.machine.id} is being {why}; it cannot be {what}. Start a new "
+                "one with response.create.",
+            )
 
     # -- the sampling loop -------------------------------------------------------------------------
 
@@ -127,19 +167,43 @@ class SamplingLoop:
         announce = machine.start()  # sent once the segment's generator has started
         while not machine.status.terminal:
             if machine.status is Status.SUSPENDED:
-                log.debug("response.suspended", extra={"response": machine.id})
-                self._wake = trio.Event()
-                self._settled.set()
-                await self._wake.wait()
+                await self._suspend()
                 self._settled = trio.Event()
                 announce, self._resume_events = self._resume_events, []
             else:
                 await self._run_segment(announce)
                 announce = []
-            if self._cancel_requested and not machine.status.terminal:
+            if machine.status.terminal:
+                break
+            if self.expired is not None:
+                await self._emit([*announce, *machine.make_incomplete(self.expired)])
+            elif self._cancel_requested:
                 await self._emit([*announce, *machine.cancel()])
-                announce = []
         self._finish()
+
+    async def _suspend(self) -> None:
+        """Wait for the append that answers every call, for as long as the client stays idle."""
+        machine = self.machine
+        log.debug("response.suspended", extra={"response": machine.id})
+        if self.expired is not None:
+            return  # told to end while its last segment streamed
+        self._wake = trio.Event()
+        self._settled.set()
+        if self._suspensions is not None:
+            self._suspensions.add(self)
+        try:
+            with trio.move_on_after(self._suspend_timeout_s) as self._idle:
+                await self._wake.wait()
+        finally:
+            self._idle = None
+            if self._suspensions is not None:
+                self._suspensions.discard(self)
+        if not self._wake.is_set():
+            log.info(
+                "response.suspend_timeout",
+                extra={"response": machine.id, "timeout_s": self._suspend_timeout_s},
+            )
+            self.expired = SUSPEND_TIMEOUT
 
     async def run_warmup(self) -> None:
         """`generate: false`: build the state, say nothing, complete with empty output."""
@@ -155,6 +219,7 @@ class SamplingLoop:
 
     def _finish(self) -> None:
         self.ended = True
+        self._ended.set()
         self._settled.set()
         machine = self.machine
         usage = machine.usage()
@@ -173,17 +238,17 @@ class SamplingLoop:
     async def _run_segment(self, announce: list[ServerEvent]) -> None:
         """One segment: the generator starts first, so its prefill overlaps with writing the
         `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
-        if self._cancel_requested:
+        if self._cancel_requested or self.expired is not None:
             await self._emit(announce)
-            return  # cancelled before the segment began: nothing to generate
+            return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
             async with receive:
                 async for chunk in receive:
-                    if self._cancel_requested:
-                        break  # chunks already generated are not streamed after a cancel
+                    if self._cancel_requested or self.expired is not None:
+                        break  # chunks already generated are not streamed after an end
                     try:
                         events = self._apply(chunk)
                     except IllegalTransition as exc:
@@ -194,6 +259,8 @@ class SamplingLoop:
                         break
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         if self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
+            return
+        if self.expired is not None:
             return
         fault = self._fault or ServerFault(
             "generator_error", "the token generator stopped in the middle of a segment"

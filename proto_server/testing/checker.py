@@ -266,9 +266,11 @@ class StreamChecker:
         have been read; otherwise every frame must have had its effect or its error. After a
         violation there is nothing more to say: the first one stands."""
         self._event = None
-        if closed or self.finished or self.violation is not None:
+        if self.finished or self.violation is not None:
             return
         self.finished = True
+        if closed:
+            return
         current = self.current
         if current is not None and not current.terminal:
             if current.phase == "streaming":
@@ -444,13 +446,12 @@ class StreamChecker:
             self._content_part(item, obj)
         elif kind in ("response.output_text.delta", "response.output_text.done"):
             part = self._open_part(item, obj)
-            text = "".join(item.parts[part])
             if kind.endswith(".delta"):
                 if part in item.texts_done:
                     self._fail(3, "an output_text.delta after its output_text.done")
                 item.parts[part].append(_text(obj, "delta", self))
             else:
-                if obj.get("text") != text:
+                if obj.get("text") != "".join(item.parts[part]):
                     self._fail(3, "output_text.done's text is not the concatenated deltas")
                 item.texts_done.add(part)
         elif kind in (

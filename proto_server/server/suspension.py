@@ -1,0 +1,66 @@
+"""The process-wide register of suspended rollouts, and the cap on how many there may be.
+
+A suspended rollout holds memory (its conversation, the model's warm state) until its client
+appends. Two bounds keep that finite: each suspension has an idle timeout (the sampling loop's
+own), and at most `limit` may be suspended at once. Past the cap the one idle longest is ended
+with `response.incomplete` (reason `suspended_rollout_limit`), and a warning says which: nothing
+is evicted silently.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol
+
+import trio
+
+from proto_server.server.logs import log
+
+EVICTED = "suspended_rollout_limit"
+
+
+class Suspended(Protocol):
+    """A suspended Response that can be told to end."""
+
+    @property
+    def response_id(self) -> str: ...
+
+    def expire(self, reason: str) -> None: ...
+
+
+class Suspensions:
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the cap on suspended rollouts must be at least 1, got {limit}")
+        self.limit = limit
+        self.evicted = 0
+        self._idle_since: collections.OrderedDict[Suspended, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._idle_since)
+
+    def add(self, rollout: Suspended) -> None:
+        """`rollout` just suspended; if that makes one too many, end the one idle longest."""
+        self._idle_since[rollout] = trio.current_time()
+        while len(self._idle_since) > self.limit:
+            oldest, since = self._idle_since.popitem(last=False)
+            self.evicted += 1
+            log.warning(
+                "rollout.evicted",
+                extra={
+                    "response": oldest.response_id,
+                    "reason": EVICTED,
+                    "idle_s": round(trio.current_time() - since, 3),
+                    "limit": self.limit,
+                },
+            )
+            oldest.expire(EVICTED)
+
+    def touch(self, rollout: Suspended) -> None:
+        """The client answered some of its calls: it is no longer the idlest."""
+        if rollout in self._idle_since:
+            self._idle_since.move_to_end(rollout)
+            self._idle_since[rollout] = trio.current_time()
+
+    def discard(self, rollout: Suspended) -> None:
+        self._idle_since.pop(rollout, None)
