@@ -413,6 +413,14 @@ async def test_a_bad_upgrade_is_refused_with_a_reason_and_closed(
         await server.wait_idle()
 
 
+async def test_a_request_head_over_the_limit_is_refused() -> None:
+    async with serving() as (server, address):
+        huge = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-padding: " + b"a" * 70_000 + b"\r\n\r\n"
+        response = await exchange_raw(address, huge)
+        assert status_of(response) == 400 and b"Malformed HTTP request" in response
+        await server.wait_idle()
+
+
 async def test_a_slow_loris_is_cut_off_at_the_handshake_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

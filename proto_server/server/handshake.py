@@ -78,6 +78,13 @@ async def read_request_head(stream: trio.abc.Stream, *, max_bytes: int) -> Reque
         except h11.RemoteProtocolError as exc:
             raise BadRequestHead(str(exc)) from None
         if isinstance(event, h11.Request):
+            # h11 bounds a head only while it is incomplete: one that arrives whole is measured
+            head_bytes = len(raw) - len(connection.trailing_data[0])
+            if head_bytes > max_bytes:
+                raise BadRequestHead(
+                    f"the request head is {head_bytes} bytes, over the limit of {max_bytes}; "
+                    "send fewer or shorter headers"
+                )
             return RequestHead(event, bytes(raw), connection)
         if event is h11.NEED_DATA:
             data = bytes(await stream.receive_some())

@@ -53,30 +53,6 @@ TERMINAL_EVENTS: Mapping[str, str] = {
     "response.cancelled": "cancelled",
 }
 CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
-#: Every code each kind of frame can earn from the connection's state (not from its own form).
-STATE_CODES: Mapping[str, Mapping[str, frozenset[str]]] = {
-    "prototype": {
-        "response.create": frozenset({"concurrent_request", "invalid_field"}),
-        "response.append": frozenset(
-            {
-                "no_open_response",
-                "response_in_progress",
-                "unknown_call_id",
-                "duplicate_call_id",
-                "missing_tool_output",
-                "invalid_field",
-            }
-        ),
-        "response.cancel": frozenset({"no_open_response"}),
-    },
-    "launched": {
-        "response.create": frozenset(
-            {"concurrent_request", "invalid_field", "previous_response_not_found"}
-        ),
-        "response.append": frozenset({"unknown_event_type"}),
-        "response.cancel": frozenset({"no_open_response"}),
-    },
-}
 
 
 class InvariantViolation(AssertionError):
@@ -173,7 +149,7 @@ class _Frame:
     event: ClientEvent | None
     codes: set[str] = attrs.field(factory=set)  # refusals it may earn
     can_accept: bool = False
-    wild: bool = False  # sent while an earlier frame's effect was unknown: any answer of its kind
+    wild: bool = False  # sent while an earlier frame's effect was unknown: any state will do
     outcome: str | None = None  # accepted | refused
     unconfirmed_in: str | None = None  # accepted by prediction; the Response it touched
 
@@ -226,8 +202,8 @@ class StreamChecker:
             return
         if any(f.outcome is None and (f.can_accept or f.wild) for f in self.frames[:-1]):
             record.wild = True
-            record.can_accept = True
-            record.codes = set(STATE_CODES[self.dialect][record.kind])
+            record.can_accept, codes = self._possible(record.event)
+            record.codes = set(codes)
             return
         view = self._view()
         accept, codes = self._answers(record.event, view)
@@ -582,6 +558,28 @@ class StreamChecker:
         else:
             phase = "streaming"
         return _View(phase, frozenset(r.pending), frozenset(r.answered))
+
+    def _possible(self, event: ClientEvent) -> tuple[bool, frozenset[str]]:
+        """Every answer `event` could earn in some state of the connection."""
+        mentioned = frozenset(
+            item.call_id
+            for item in (event.input if isinstance(event, ResponseAppend) else ())
+            if isinstance(item, FunctionCallOutput | CustomToolCallOutput)
+        )
+        views = [
+            _View("none"),
+            _View("streaming"),
+            _View("ending"),
+            _View("suspended", pending=mentioned),
+            _View("suspended", pending=mentioned | {"call_elsewhere"}),
+            _View("suspended", answered=mentioned),
+            _View("suspended"),
+        ]
+        accept, codes = False, frozenset[str]()
+        for view in views:
+            may_accept, may_earn = self._answers(event, view)
+            accept, codes = accept or may_accept, codes | may_earn
+        return accept, codes
 
     def _answers(self, event: ClientEvent, view: _View) -> tuple[bool, frozenset[str]]:
         """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
