@@ -189,16 +189,18 @@ async def test_a_client_that_vanishes_at_any_moment_leaves_nothing_behind(
     running.server.generator = generator  # type: ignore[assignment]
     whole = await whole_rollout(running)
     for point in range(len(whole) + 1):  # before the first event, after each one
-        async with connect_checked(running.prototype_url) as client:
-            await client.send(create())
-            segment = []
-            for _ in range(point):
-                segment.append(await client.receive())
-                if segment[-1]["type"] == "response.done":  # answered at once: it goes on
-                    await client.send({"type": "response.append", "input": answers(segment)})
-                    segment = []
-            await client.ws._stream.aclose()  # the TCP drops: no close frame
-            client.checker.finish(closed=True)
+        with trio.CancelScope() as gone:
+            async with connect_checked(running.prototype_url) as client:
+                await client.send(create())
+                segment = []
+                for _ in range(point):
+                    segment.append(await client.receive())
+                    if segment[-1]["type"] == "response.done":  # answered at once: it goes on
+                        await client.send({"type": "response.append", "input": answers(segment)})
+                        segment = []
+                await client.ws._stream.aclose()  # the TCP drops: no close frame
+                client.checker.finish(closed=True)
+                gone.cancel()  # nor does the client wait to close what is gone (wsclient.py)
         with trio.fail_after(5):
             await running.server.wait_idle()
         await trio.testing.wait_all_tasks_blocked()

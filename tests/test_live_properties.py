@@ -139,23 +139,25 @@ async def drive(url: str, script_actions: list[Action]) -> int:
     seen = 0
     remaining = list(script_actions)
     while True:
-        async with connect_checked(url) as client, trio.open_nursery() as nursery:
-            nursery.start_soon(read_all, client)
-            dropped = False
-            while remaining:
-                action = remaining.pop(0)
-                if action.kind == "disconnect":
-                    await quiet() if action.wait else None
-                    await client.ws._stream.aclose()  # no close frame: the TCP just drops
-                    dropped = True
-                    break
-                await perform(client, action)
-                if action.wait:
-                    await quiet()
-            await quiet()
-            if dropped:
-                client.checker.finish(closed=True)
-            nursery.cancel_scope.cancel()
+        dropped = False
+        with trio.CancelScope() as gone:
+            async with connect_checked(url) as client, trio.open_nursery() as nursery:
+                nursery.start_soon(read_all, client)
+                while remaining:
+                    action = remaining.pop(0)
+                    if action.kind == "disconnect":
+                        await quiet() if action.wait else None
+                        await client.ws._stream.aclose()  # no close frame: the TCP just drops
+                        dropped = True
+                        break
+                    await perform(client, action)
+                    if action.wait:
+                        await quiet()
+                await quiet()
+                if dropped:
+                    client.checker.finish(closed=True)
+                    gone.cancel()  # nor does the client wait to close what is gone
+                nursery.cancel_scope.cancel()
         seen += client.checker.next_sequence
         if not dropped:
             return seen

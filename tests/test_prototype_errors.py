@@ -304,13 +304,17 @@ async def test_a_vanished_client_leaves_nothing_behind(
         running = await start_server(ONE_CALL)
     generator = RecordingGenerator(running.server.generator)
     running.server.generator = generator
-    async with connect(running.prototype_url) as client:
-        await client.send(create())
-        await client.until("response.output_text.delta" if when == "streaming" else "response.done")
-        assert running.server.open_rollouts == 1
-        assert server_tasks()
-        # no close handshake: the TCP connection just drops, as Codex does at exit
-        await client.ws._stream.aclose()
+    with trio.CancelScope() as gone:
+        async with connect(running.prototype_url) as client:
+            await client.send(create())
+            await client.until(
+                "response.output_text.delta" if when == "streaming" else "response.done"
+            )
+            assert running.server.open_rollouts == 1
+            assert server_tasks()
+            # no close handshake: the TCP connection just drops, as Codex does at exit
+            await client.ws._stream.aclose()
+            gone.cancel()  # nor does the client wait to close what is gone (see wsclient.py)
     await running.server.wait_idle()
     await trio.testing.wait_all_tasks_blocked()  # let the handler task itself return
     assert running.server.open_rollouts == 0

@@ -1,4 +1,10 @@
-"""A bare WebSocket test client: JSON in, JSON out, nothing hidden."""
+"""A bare WebSocket test client: JSON in, JSON out, nothing hidden.
+
+To play a client that vanishes, tests close its TCP stream (`client.ws._stream.aclose()`) and
+then cancel the `async with` around the connection: trio-websocket's reader may be parked on
+its full message queue (size 1 by default) and never see the stream go, so a normal exit would
+wait `disconnect_timeout` (60 s) for a close handshake that cannot happen.
+"""
 
 from __future__ import annotations
 
