@@ -10,6 +10,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -81,3 +82,24 @@ def test_bench_with_the_local_generator_runs_the_local_benchmark(
 
     assert main(["bench", "--generator", "local", "--model", "/nonexistent/model.gguf"]) == 2
     assert "local model" in capsys.readouterr().err
+
+
+async def test_keys_from_the_environment_turn_auth_on(nursery: trio.Nursery) -> None:
+    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:"]
+    env = {**os.environ, "PROTO_SERVER_API_KEYS": "k1, k2"}
+    with trio.fail_after(30):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, env=env)
+        )
+        assert process.stdout is not None
+        http_url = (await read_line(process.stdout)).split("listening on ")[1].split(" ")[0]
+        async with httpx.AsyncClient() as http:
+            body = {"model": "m", "input": "hi"}
+            refused = await http.post(f"{http_url}/responses", json=body)
+            served = await http.post(
+                f"{http_url}/responses", json=body, headers={"Authorization": "Bearer k2"}
+            )
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+    assert refused.status_code == 401
+    assert served.status_code == 200

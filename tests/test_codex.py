@@ -77,9 +77,21 @@ def three_files(out: Path) -> dict[str, Any]:
     }
 
 
-async def run_codex(
-    command: list[str], running: Running, tmp_path: Path, *, features: str, websockets: bool
-) -> str:
+async def codex_rollout(
+    start_server: StartServer,
+    version: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    *,
+    features: str = "",
+    websockets: bool = True,
+) -> Running:
+    """Serve `three_files`, run `codex exec` against it, and check Codex really ran the calls."""
+    command = codex(version)
+    out = tmp_path / "out"
+    out.mkdir()
+    running = await start_server(three_files(out))
+    caplog.set_level(logging.DEBUG, logger="proto_server")
     home = tmp_path / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text(
@@ -101,13 +113,10 @@ async def run_codex(
             check=False,
         )
     assert done.returncode == 0, done.stderr.decode()
-    return str(done.stdout.decode())
-
-
-def assert_ran_everything(out: Path, stdout: str) -> None:
     assert (out / "a").exists() and (out / "b").exists()
     assert (out / "c").read_text() == "ran\n"
-    assert "All three files are in place." in stdout
+    assert "All three files are in place." in done.stdout.decode()
+    return running
 
 
 def log_lines(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
@@ -117,14 +126,9 @@ def log_lines(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
 async def test_codex_0107_runs_a_whole_rollout_as_one_response(
     start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    running = await start_server(three_files(out))
-    caplog.set_level(logging.DEBUG, logger="proto_server")
-    stdout = await run_codex(
-        codex("0.107"), running, tmp_path, features=PROTOTYPE_FEATURES, websockets=True
+    running = await codex_rollout(
+        start_server, "0.107", tmp_path, caplog, features=PROTOTYPE_FEATURES
     )
-    assert_ran_everything(out, stdout)
     # ...over one connection: one response.create, then only appends
     opened = log_lines(caplog, "connection.opened")
     assert [(r.dialect, r.path) for r in opened] == [("prototype", "/v1/responses")]
@@ -139,12 +143,7 @@ async def test_codex_0107_runs_a_whole_rollout_as_one_response(
 async def test_codex_0171_chains_turns_on_one_websocket(
     start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    running = await start_server(three_files(out))
-    caplog.set_level(logging.DEBUG, logger="proto_server")
-    stdout = await run_codex(codex("0.171"), running, tmp_path, features="", websockets=True)
-    assert_ran_everything(out, stdout)
+    running = await codex_rollout(start_server, "0.171", tmp_path, caplog)
     opened = log_lines(caplog, "connection.opened")
     assert [r.dialect for r in opened] == ["launched"]
     assert [r.type for r in log_lines(caplog, "client.event")] == ["response.create"] * 4
@@ -161,12 +160,7 @@ async def test_codex_0171_chains_turns_on_one_websocket(
 async def test_codex_0171_falls_back_to_http_when_websockets_are_off(
     start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    running = await start_server(three_files(out))
-    caplog.set_level(logging.DEBUG, logger="proto_server")
-    stdout = await run_codex(codex("0.171"), running, tmp_path, features="", websockets=False)
-    assert_ran_everything(out, stdout)
+    running = await codex_rollout(start_server, "0.171", tmp_path, caplog, websockets=False)
     assert not log_lines(caplog, "connection.opened")
     assert [r.stream for r in log_lines(caplog, "http.create")] == [True, True, True]
     # stateless: every turn re-renders the whole history
