@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
+from proto_server.core.conversation import (
+    TOKEN_BYTES,
+    RenderedItems,
+    item_bytes,
+    prefix_bytes,
+    render_items,
+)
+from proto_server.core.render import Renderer
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
@@ -15,6 +25,37 @@ def input_items(create: ResponseCreate) -> tuple[Item, ...]:
     if isinstance(create.input, str):
         return (Message(role="user", content=create.input),)
     return create.input
+
+
+@attrs.frozen
+class PreparedInput:
+    """A turn's new input, rendered: the prefix and history too when the rollout is cold."""
+
+    prefix: list[int] | None
+    history: RenderedItems
+    input: RenderedItems
+
+    @property
+    def nbytes(self) -> int:
+        """About how much memory it adds to a conversation (items and tokens)."""
+        tokens = len(self.prefix or ()) + len(self.history.tokens) + len(self.input.tokens)
+        return self.history.nbytes + self.input.nbytes + TOKEN_BYTES * tokens
+
+
+def request_bytes(create: ResponseCreate) -> int:
+    """About how much memory a decoded create holds while it waits to be served."""
+    items = sum(item_bytes(item) for item in input_items(create))
+    return prefix_bytes(create.instructions, create.tools) + items
+
+
+def prepare_input(
+    renderer: Renderer, create: ResponseCreate, history: Sequence[Item], *, cold: bool
+) -> PreparedInput:
+    """Render what a turn adds; pure, so it may run on a worker thread."""
+    prefix = renderer.render_prefix(create.instructions, create.tools) if cold else None
+    return PreparedInput(
+        prefix, render_items(renderer, history), render_items(renderer, input_items(create))
+    )
 
 
 def echoed_tool(tool: Tool) -> Tool:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from proto_server.core.conversation import Conversation
+from proto_server.core.conversation import Conversation, RenderedItems
 from proto_server.core.ids import new_id
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
@@ -351,17 +351,24 @@ class ResponseMachine:
                 param="input",
             )
 
-    def append(self, items: Sequence[Item]) -> list[ServerEvent]:
+    def append(
+        self, items: Sequence[Item], rendered: RenderedItems | None = None
+    ) -> list[ServerEvent]:
         """Record tool outputs (and messages); resume once no call awaits output.
 
-        Returns the events that announce the resumption, or nothing while calls are pending.
+        `rendered`: the items already rendered (`render_items`, off the event loop for large
+        ones). Returns the events that announce the resumption, or nothing while calls are
+        pending.
         """
         self.check_append(items)
         for item in items:
             if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
                 del self.pending_calls[item.call_id]
                 self.answered_calls.add(item.call_id)
-        self.conversation.extend(items)
+        if rendered is None:
+            self.conversation.extend(items)
+        else:
+            self.conversation.extend_rendered(rendered)
         if self.pending_calls:
             return []
         self._move(Status.IN_PROGRESS)
