@@ -14,6 +14,7 @@ import collections
 import hmac
 import time
 from collections.abc import Sequence
+from functools import partial
 from http import HTTPStatus
 from typing import Literal
 
@@ -24,7 +25,7 @@ from trio_websocket import ConnectionClosed, wrap_server_stream
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import input_items, response_template
+from proto_server.core.request import prepare_input, response_template
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
@@ -39,7 +40,9 @@ from proto_server.server.handshake import (
 from proto_server.server.http import error_body, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
 from proto_server.server.observe import ServerObserver
+from proto_server.server.offload import Offload
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
@@ -99,6 +102,12 @@ class ProtoServer:
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
         self.crashed_connections = 0
         self.suspensions = Suspensions(self.config.max_suspended_rollouts)
+        #: Everything the process keeps for its clients, counted (see server/memory.py).
+        self.memory = MemoryBudget(
+            self.config.max_memory_bytes, flag="--max-memory", name="process"
+        )
+        #: Decodes and renders large requests on worker threads (see server/offload.py).
+        self.offload = Offload(self.config.prepare_threads)
         #: Set by `shutdown()`: when streaming segments must have finished.
         self.stopping: float | None = None
         #: Kept-alive HTTP connections waiting for their next request (shutdown ends them).
@@ -258,6 +267,8 @@ class ProtoServer:
             ws = await request.accept()
             connection = Connection(
                 ws,
+                budget=self.connection_budget(),
+                offload=self.offload,
                 queue_events=self.config.client_queue_events,
                 merge_deltas=self.config.merge_deltas,
                 observer=self.observer,
@@ -284,42 +295,67 @@ class ProtoServer:
 
     # -- Responses -------------------------------------------------------------------------------
 
-    def new_rollout(self, create: ResponseCreate) -> Rollout:
+    def connection_budget(self) -> MemoryBudget:
+        """The memory budget of one connection, inside the process's."""
+        return self.memory.child(
+            self.config.max_connection_memory_bytes,
+            flag="--max-connection-memory",
+            name="connection",
+        )
+
+    def new_rollout(
+        self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
+    ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
-            self.renderer, instructions=create.instructions, tools=create.tools
+            self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
         )
         self._count(rollouts=1)
         return Rollout(
             conversation,
             self.generator.open_session(conversation),
+            budget=budget,
             on_close=lambda _: self._count(rollouts=-1),
         )
 
-    def begin_response(
+    async def begin_response(
         self,
         create: ResponseCreate,
         events: trio.MemorySendChannel[ServerEvent],
         *,
+        budget: MemoryBudget,
         source: str,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
+        size: int = 0,
     ) -> SamplingLoop:
         """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
 
         Only what is new is rendered: the create's input on a warm rollout; the prefix, the
-        history and the input on a cold one.
+        history and the input on a cold one. Rendering runs off the event loop when the input
+        is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
+        adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
+        `rollout` stays its caller's to close).
         """
+        prepared = await self.offload.run(
+            partial(prepare_input, cold=rollout is None),
+            self.renderer,
+            create,
+            history,
+            size=size + 1024 * len(history),
+        )
+        budget.check(prepared.nbytes, "This request")
         if rollout is None:
-            rollout = self.new_rollout(create)
+            rollout = self.new_rollout(create, budget, prepared.prefix)
             rendered_mark = 0
-            rollout.conversation.extend(history)
+            rollout.conversation.extend_rendered(prepared.history)
         else:
             rendered_mark = rollout.conversation.rendered_tokens
         conversation = rollout.conversation
         first_item = len(conversation.items)
-        conversation.extend(input_items(create))
+        conversation.extend_rendered(prepared.input)
+        rollout.account()
         if self.observer is not None:
             self.observer.rendered()
         response = response_template(

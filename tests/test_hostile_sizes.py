@@ -1,0 +1,131 @@
+"""Large requests are prepared off the event loop: while one client's multi-megabyte frame is
+decoded and tokenized, every other client is still served.
+
+These tests measure real time (a stall is the defect), so they run on the real clock, with
+generous bounds for a shared 2-core machine: 100 ms where the stall used to be seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from proto_server.engine.script import parse_script
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.server.offload import INLINE_BYTES, Offload
+
+from .conftest import CheckpointStore
+from .wsclient import connect
+
+#: The most any bystander may wait for its next event or its health probe while the big
+#: requests are prepared (before the fix: 1.5-4 s for these sizes).
+STALL_BOUND_S = 0.1
+#: One long text segment, streamed at 1,000 tokens/s while the attack runs.
+BYSTANDER_SCRIPT = {"segments": [{"text": "word " * 5000}]}
+
+BIG_STRING = "a" * (4 * 1024 * 1024)  # tokenizing a run like this costs ~0.4 s per MiB here
+MANY_ITEMS = [{"role": "user", "content": "hi"}] * 200_000  # ~7 MB: ~1 s to decode and render
+
+
+async def probe_health(address: BoundAddress, latencies: list[float]) -> None:
+    """GET /healthz on a fresh connection, again and again, recording each round trip."""
+    while True:
+        started = time.perf_counter()
+        stream = await trio.open_tcp_stream(address.host, address.port)
+        async with stream:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            while await stream.receive_some():
+                pass
+        latencies.append(time.perf_counter() - started)
+        await trio.sleep(0.02)
+
+
+async def stream_beside(address: BoundAddress, gaps: list[float], started: trio.Event) -> None:
+    """A bystander reading a long streamed segment; records the gaps between its events."""
+    async with connect(f"{address.ws_url}?dialect=prototype") as client:
+        await client.send({"type": "response.create", "store": False, "input": "go"})
+        last = time.perf_counter()
+        while True:
+            event = await client.receive()
+            now = time.perf_counter()
+            if event["type"] == "response.output_text.delta":
+                if started.is_set():
+                    gaps.append(now - last)
+                started.set()
+            last = now
+            if event["type"] == "response.completed":
+                return
+
+
+async def send_big(address: BoundAddress, create: dict[str, Any]) -> None:
+    url = f"{address.ws_url}?dialect=prototype"
+    async with connect(url, max_message_size=16 * 1024 * 1024) as client:  # instructions echo
+        await client.send(create)
+        first = await client.receive()
+        assert first["type"] == "response.created", first
+        await client.send({"type": "response.cancel"})
+        await client.until("response.cancelled")
+
+
+@pytest.mark.parametrize(
+    "create",
+    [
+        pytest.param({"input": BIG_STRING}, id="a 4 MiB string"),
+        pytest.param({"input": MANY_ITEMS}, id="200,000 tiny items"),
+        pytest.param({"input": "hi", "instructions": BIG_STRING}, id="4 MiB of instructions"),
+    ],
+)
+async def test_a_big_request_does_not_stall_anyone_else(create: dict[str, Any]) -> None:
+    server = ProtoServer(
+        SimulatedGenerator(
+            parse_script(BYSTANDER_SCRIPT),
+            TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1000),
+        ),
+        ServerConfig(port=0),
+        store=CheckpointStore(),
+    )
+    gaps: list[float] = []
+    latencies: list[float] = []
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(server.serve)
+        started = trio.Event()
+        nursery.start_soon(stream_beside, address, gaps, started)
+        with trio.fail_after(30):
+            await started.wait()
+            nursery.start_soon(probe_health, address, latencies)
+            await trio.sleep(0.2)
+            await send_big(address, {"type": "response.create", "store": False, **create})
+            await trio.sleep(0.2)
+        nursery.cancel_scope.cancel()
+    assert server.crashed_connections == 0
+    assert len(latencies) > 5 and len(gaps) > 100
+    assert max(latencies) < STALL_BOUND_S, sorted(latencies)[-5:]
+    assert max(gaps) < STALL_BOUND_S, sorted(gaps)[-5:]
+
+
+async def test_small_work_stays_inline_and_large_work_goes_to_a_thread() -> None:
+    offload = Offload(threads=1)
+    here = trio.lowlevel.current_trio_token()
+
+    def where() -> bool:
+        try:
+            return trio.lowlevel.current_trio_token() is here
+        except RuntimeError:
+            return False  # not in the trio thread
+
+    assert await offload.run(where, size=INLINE_BYTES) is True
+    assert await offload.run(where, size=INLINE_BYTES + 1) is False
+
+
+async def test_a_cancelled_preparation_returns_at_once() -> None:
+    """A stopping server does not wait for a thread still tokenizing a huge input."""
+    offload = Offload(threads=1)
+    started = time.perf_counter()
+    with trio.move_on_after(0.05):
+        await offload.run(time.sleep, 1.0, size=INLINE_BYTES + 1)
+    assert time.perf_counter() - started < 0.5
