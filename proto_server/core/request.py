@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from proto_server.core.tool_schema import check_tool_schemas
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
@@ -26,6 +27,12 @@ def echoed_tool(tool: Tool) -> Tool:
         parameters=tool.parameters if tool.parameters is not None else {"type": "object"},
         strict=True if tool.strict is None else tool.strict,
     )
+
+
+def check_create(create: ResponseCreate) -> None:
+    """What decoding cannot see: tool schemas within budget. Run when a create is accepted,
+    before anything is built for it."""
+    check_tool_schemas(create.tools)
 
 
 def response_template(

@@ -29,6 +29,7 @@ from typing import Any, Literal, NoReturn
 import attrs
 import orjson
 
+from proto_server.core.request import check_create
 from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
@@ -590,8 +591,9 @@ class StreamChecker:
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
             return code is None, frozenset(codes)
         if isinstance(event, ResponseCreate):
-            if event.background:
-                return False, frozenset({"invalid_field"})
+            refusal = _refusal(event)
+            if event.background or refusal:
+                return False, frozenset({refusal or "invalid_field"})
             # served when its turn comes: its chain may be gone, the queue may be full
             codes = {"concurrent_request"}
             if event.previous_response_id is not None:
@@ -608,7 +610,7 @@ class StreamChecker:
                 return "concurrent_request"
             if event.previous_response_id is not None or event.generate is False:
                 return "invalid_field"
-            return "invalid_field" if event.background else None
+            return "invalid_field" if event.background else _refusal(event)
         if view.phase in ("none", "ending"):
             return "no_open_response"
         if isinstance(event, ResponseCancel):
@@ -779,3 +781,13 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
     **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
     "error": StreamChecker._error,
 }
+
+
+def _refusal(create: ResponseCreate) -> str | None:
+    """The code of the error a create earns beyond its decoding (`check_create`, as the server
+    runs it), or None."""
+    try:
+        check_create(create)
+    except ProtocolError as exc:
+        return exc.detail.code
+    return None
