@@ -25,6 +25,7 @@ from trio_websocket import ConnectionClosed
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.testing import CheckedClient, connect_checked, o200k_count
 
@@ -73,10 +74,10 @@ class FaultySession:
         self.inner = inner
         self.after = after
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
         proxy_send, proxy_receive = trio.open_memory_channel[Chunk](0)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.inner.generate, proxy_send)
+            nursery.start_soon(self.inner.generate, proxy_send, limits)
             count = 0
             async for chunk in proxy_receive:
                 if count == self.after:
@@ -127,13 +128,15 @@ class CountingGenerator:
         session = self.inner.open_session(conversation)
 
         class Counting:
-            async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+            async def generate(
+                self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits
+            ) -> None:
                 class Send:
                     async def send(self, chunk: Chunk) -> None:
                         await send.send(chunk)
                         generator.chunks += 1
 
-                await session.generate(Send())  # type: ignore[arg-type]
+                await session.generate(Send(), limits)  # type: ignore[arg-type]
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(session, name)

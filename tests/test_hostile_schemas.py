@@ -1,9 +1,10 @@
-"""Tool schemas that once stalled or crashed the default model (issue 10).
+"""Tool schemas and request limits that once stalled or crashed the default model (issue 10).
 
 A schema that repeats or recurses is answered in bounded time or refused at the door with
 `invalid_tool_schema`; an unusual but valid schema gets a call or a text answer, never a
-traceback. Wall-clock bounds here are generous: each guards a case that took seconds or hours
-before.
+traceback; `max_output_tokens`, `tool_choice`, `max_tool_calls` and `parallel_tool_calls` are
+honoured by the default model and the rollout script. Wall-clock bounds here are generous: each
+guards a case that took seconds or hours before.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import orjson
 import pytest
 import trio
 
+from proto_server.core.request import ToolChoice, check_create, parse_tool_choice
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, check_tool_schemas
 from proto_server.engine.default_model import EXAMPLE_BUDGET, _choose_tool, example_value
+from proto_server.engine.limits import GenerationLimits
 from proto_server.testing import connect_checked
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ResponseCreate
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND, StartServer
-from .test_prototype_rollout import create
+from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from .test_prototype_rollout import answers, create
 
 DEADLINE_S = 10
 
@@ -249,3 +253,150 @@ def test_choosing_among_2000_tools_in_a_12_mb_text_is_quick() -> None:
     assert time.perf_counter() - started < 1  # 14 s before: every name against all the text
     assert chosen.name == "tool_1999"
     assert _choose_tool(tools, "tool_19999 is not a tool").name == "tool_0"
+
+
+# -- finding 9: request limits are honoured ------------------------------------------------------
+
+
+async def test_max_output_tokens_cuts_the_response_short(start_server: StartServer) -> None:
+    script = {"segments": [{"text": "A long answer that takes many tokens to say."}]}
+    events = await one_segment(start_server, create(max_output_tokens=1), script=script)
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["usage"]["output_tokens"] <= 1
+
+
+async def test_max_output_tokens_counts_every_segment_of_the_response(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    with trio.fail_after(DEADLINE_S):
+        async with connect_checked(running.prototype_url) as client:
+            await client.send(create(max_output_tokens=14))
+            first = await client.segment()
+            used = first[-1]["response"]["usage"]["output_tokens"]
+            assert first[-1]["type"] == "response.done" and used < 14
+            await client.send({"type": "response.append", "input": answers(first)})
+            second = await client.segment()
+    final = second[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["usage"]["output_tokens"] <= 14
+
+
+@pytest.mark.parametrize("value", [0, -1])
+async def test_max_output_tokens_must_be_positive(start_server: StartServer, value: int) -> None:
+    (error,) = await one_segment(start_server, create(max_output_tokens=value))
+    assert error["type"] == "error"
+    assert (error["error"]["code"], error["error"]["param"]) == (
+        "invalid_field",
+        "max_output_tokens",
+    )
+
+
+WEATHER = tool(
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    name="weather",
+)
+
+
+async def test_tool_choice_none_answers_in_text(start_server: StartServer) -> None:
+    events = await one_segment(start_server, create(tool_choice="none"))
+    assert function_call(events) is None
+    assert events[-1]["type"] == "response.completed"
+
+
+async def test_max_tool_calls_zero_answers_in_text(start_server: StartServer) -> None:
+    events = await one_segment(start_server, create(max_tool_calls=0))
+    assert function_call(events) is None
+    assert events[-1]["type"] == "response.completed"
+
+
+async def test_a_named_tool_choice_is_the_tool_called(start_server: StartServer) -> None:
+    choice = {"type": "function", "name": "weather"}
+    events = await one_segment(
+        start_server, create(tools=[EXEC_COMMAND, WEATHER], tool_choice=choice)
+    )
+    call = function_call(events)
+    assert call is not None and call["name"] == "weather"
+
+
+async def test_tool_choice_required_calls_even_after_tool_outputs(
+    start_server: StartServer,
+) -> None:
+    running = await start_server()
+    with trio.fail_after(DEADLINE_S):
+        async with connect_checked(running.prototype_url) as client:
+            await client.send(create(tool_choice="required", max_tool_calls=2))
+            first = await client.segment()
+            await client.send({"type": "response.append", "input": answers(first)})
+            second = await client.segment()
+            assert second[-1]["type"] == "response.done"
+            assert function_call(second) is not None
+            # max_tool_calls is spent: the third segment answers in text
+            await client.send({"type": "response.append", "input": answers(second)})
+            third = await client.segment()
+    assert third[-1]["type"] == "response.completed" and function_call(third) is None
+
+
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "name": "nope"}, "sometimes", 3, {"type": "function"}]
+)
+async def test_a_tool_choice_that_cannot_be_honoured_is_refused(
+    start_server: StartServer, choice: Any
+) -> None:
+    (error,) = await one_segment(start_server, create(tool_choice=choice))
+    assert error["type"] == "error"
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_field", "tool_choice")
+
+
+def test_hosted_and_custom_tool_choices_mean_auto() -> None:
+    """This server runs no hosted or custom tools, so it cannot force one: the model chooses."""
+    check_create(ResponseCreate(tool_choice={"type": "custom", "name": "apply_patch"}))
+    assert parse_tool_choice({"type": "web_search"}) == ToolChoice("auto")
+
+
+def test_limits_combine_into_the_calls_a_segment_may_make() -> None:
+    assert GenerationLimits().max_calls is None
+    assert GenerationLimits(parallel_tool_calls=False, max_tool_calls=3).max_calls == 1
+    assert GenerationLimits(max_tool_calls=0).max_calls == 0
+    required = GenerationLimits(tool_choice=ToolChoice("required"), max_tool_calls=0)
+    assert not required.must_call  # the cap wins: no call is left to make
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"parallel_tool_calls": False}, "parallel_tool_calls is false"),
+        ({"max_tool_calls": 2}, "max_tool_calls leaves 1 more"),
+        ({"tool_choice": "none"}, 'tool_choice is "none"'),
+    ],
+)
+async def test_a_script_segment_over_the_requests_limits_is_a_script_error(
+    start_server: StartServer, fields: dict[str, Any], words: str
+) -> None:
+    """THREE_SEGMENTS calls once, then twice in one segment."""
+    running = await start_server(THREE_SEGMENTS)
+    with trio.fail_after(DEADLINE_S):
+        async with connect_checked(running.prototype_url) as client:
+            await client.send(create(**fields))
+            events = await client.segment()
+            if fields != {"tool_choice": "none"}:
+                assert events[-1]["type"] == "response.done"
+                await client.send({"type": "response.append", "input": answers(events)})
+                events = await client.segment()
+    failed = events[-1]
+    assert failed["type"] == "response.failed"
+    error = failed["response"]["error"]
+    assert error["code"] == "script_error"
+    segment = "segment 1 " if fields == {"tool_choice": "none"} else "segment 2 "
+    assert segment in error["message"] and words in error["message"]
+
+
+async def test_a_script_without_the_required_call_is_a_script_error(
+    start_server: StartServer,
+) -> None:
+    script = {"segments": [{"text": "Nothing to run."}]}
+    events = await one_segment(start_server, create(tool_choice="required"), script=script)
+    error = events[-1]["response"]["error"]
+    assert error["code"] == "script_error" and "requires one" in error["message"]

@@ -5,7 +5,9 @@
   first) with arguments built from the tool's JSON schema, required fields filled plausibly.
 - Tool outputs in the conversation: it answers with a short text that refers to them.
 
-A schema it cannot fill in (not an object) gets a text answer saying so, never a crash.
+It obeys the request's limits: `tool_choice: "none"` (or `max_tool_calls` spent) means text;
+`"required"` means a call even after tool outputs; a named function is the one it calls. A
+schema it cannot fill in (not an object) gets a text answer saying so, never a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import orjson
 
 from proto_server.core.conversation import Conversation
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import ScriptedCall, Segment
 from proto_server.wire.items import (
     CustomToolCallOutput,
@@ -230,18 +233,14 @@ def _choose_tool(tools: list[FunctionTool], user_text: str) -> FunctionTool:
 class DefaultModel:
     """A `Planner` that needs no script."""
 
-    def plan(self, conversation: Conversation) -> Segment:
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment:
         items = conversation.items
-        tools = function_tools(conversation.tools)
+        offered = function_tools(conversation.tools)
+        named = limits.tool_choice.name
+        tools = offered if named is None else [tool for tool in offered if tool.name == named]
         user_text = _last_user_text(items)
-        if not tools:
-            said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
-            return Segment(
-                text="Hello from proto-server's built-in simulated model."
-                + said
-                + " Start the server with --script FILE to script a rollout."
-            )
-        if conversation.tool_outputs == 0:
+        may_call = bool(tools) and limits.max_calls != 0
+        if may_call and (conversation.tool_outputs == 0 or limits.must_call):
             tool = _choose_tool(tools, user_text)
             arguments = example_value(tool.parameters or {"type": "object"}, tool.name)
             if not isinstance(arguments, dict):
@@ -255,6 +254,13 @@ class DefaultModel:
                 )
             )
         outputs = [i for i in items if isinstance(i, FunctionCallOutput | CustomToolCallOutput)]
+        if not offered or not outputs:
+            said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
+            return Segment(
+                text="Hello from proto-server's built-in simulated model."
+                + said
+                + " Start the server with --script FILE to script a rollout."
+            )
         calls = {i.call_id: i.name for i in items if isinstance(i, FunctionCall)}
         last = outputs[-1]
         name = calls.get(last.call_id, "the tool")
