@@ -61,6 +61,8 @@ async def suspended(
 class FaultyGenerator:
     """A simulated generator whose sessions raise after `after` chunks of a segment."""
 
+    forces_tool_calls = True
+
     def __init__(self, inner: SimulatedGenerator, after: int) -> None:
         self.inner = inner
         self.after = after
@@ -118,6 +120,8 @@ async def test_a_generator_raising_mid_segment_fails_the_response_not_the_connec
 
 class CountingGenerator:
     """Counts the chunks its sessions managed to hand to the sampling loop."""
+
+    forces_tool_calls = True
 
     def __init__(self, inner: SimulatedGenerator) -> None:
         self.inner = inner

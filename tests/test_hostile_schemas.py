@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+import attrs
 import httpx
 import orjson
 import pytest
@@ -22,6 +23,7 @@ from proto_server.core.request import ToolChoice, check_create, parse_tool_choic
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, check_tool_schemas
 from proto_server.engine.default_model import EXAMPLE_BUDGET, _choose_tool, example_value
 from proto_server.engine.limits import GenerationLimits
+from proto_server.server.app import ProtoServer
 from proto_server.testing import connect_checked
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError
@@ -400,3 +402,26 @@ async def test_a_script_without_the_required_call_is_a_script_error(
     events = await one_segment(start_server, create(tool_choice="required"), script=script)
     error = events[-1]["response"]["error"]
     assert error["code"] == "script_error" and "requires one" in error["message"]
+
+
+class CannotForce:
+    """A generator like the local one: it cannot make a call the request forces."""
+
+    renderer = None
+    forces_tool_calls = False
+
+    def open_session(self, conversation: Any) -> Any:
+        raise AssertionError("a refused create opens no session")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "exec_command"}])
+def test_a_forced_call_a_generator_cannot_make_is_refused_on_arrival(choice: Any) -> None:
+    server = ProtoServer(CannotForce())  # type: ignore[arg-type]
+    create_event = converter.structure(create(tool_choice=choice), ResponseCreate)
+    with pytest.raises(ProtocolError) as refused:
+        server.check_create(create_event)
+    assert (refused.value.detail.code, refused.value.detail.param) == (
+        "unsupported_tool_choice",
+        "tool_choice",
+    )
+    server.check_create(attrs.evolve(create_event, tool_choice="none"))

@@ -36,4 +36,9 @@ class TokenGenerator(Protocol):
     def renderer(self) -> Renderer | None:
         """How prompts become this model's tokens; None: the server's default (o200k_base)."""
 
+    @property
+    def forces_tool_calls(self) -> bool:
+        """Whether its sessions can make a call when the request demands one (`tool_choice`
+        required or a named function); if not, such a request is refused when it arrives."""
+
     def open_session(self, conversation: Conversation) -> GeneratorSession: ...

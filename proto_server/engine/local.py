@@ -74,6 +74,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class LocalGenerator:
     """A loaded model shared by every rollout; each rollout gets a session with its own cache."""
 
+    #: Forcing a call needs constrained decoding of its arguments, which this generator lacks.
+    forces_tool_calls = False
+
     def __init__(
         self,
         model: Any,

@@ -225,6 +225,11 @@ class SimulatedGenerator:
     meter: GpuMeter | None = None
     renderer: Renderer | None = None
 
+    @property
+    def forces_tool_calls(self) -> bool:
+        """A script or the default model says whatever the request demands (or says why not)."""
+        return True
+
     def open_session(self, conversation: Conversation) -> SimulatedSession:
         return SimulatedSession(
             conversation,

@@ -24,7 +24,12 @@ from trio_websocket import ConnectionClosed, wrap_server_stream
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import input_items, response_template
+from proto_server.core.request import (
+    check_create,
+    input_items,
+    parse_tool_choice,
+    response_template,
+)
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
@@ -283,6 +288,20 @@ class ProtoServer:
                 log.info("connection.closed", extra={"connection": connection.id})
 
     # -- Responses -------------------------------------------------------------------------------
+
+    def check_create(self, create: ResponseCreate) -> None:
+        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
+        refuses, and a forced tool call the generator cannot make."""
+        check_create(create)
+        choice = parse_tool_choice(create.tool_choice)
+        if choice.mode == "required" and not self.generator.forces_tool_calls:
+            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
+            raise ProtocolError(
+                "unsupported_tool_choice",
+                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
+                'cannot make yet; send "auto" (or "none") instead.',
+                param="tool_choice",
+            )
 
     def new_rollout(self, create: ResponseCreate) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""

@@ -21,7 +21,7 @@ import trio
 from proto_server.core.compaction import compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
-from proto_server.core.request import check_create, input_items
+from proto_server.core.request import input_items
 from proto_server.server.logs import log
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
@@ -227,7 +227,7 @@ class _Exchange:
                 "result from the stream or the response body.",
                 param="background",
             )
-        check_create(create)
+        self.server.check_create(create)
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[ServerEvent](
             self.server.config.client_queue_events

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from proto_server.core.request import check_create
 from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
@@ -72,7 +71,7 @@ class LaunchedDialect:
                         "POST /v1/responses over HTTP.",
                         param="background",
                     )
-                check_create(event)
+                self._server.check_create(event)
                 try:
                     self._queue.send_nowait(event)
                 except trio.WouldBlock:

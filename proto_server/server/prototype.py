@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from proto_server.core.request import check_create
 from proto_server.server.sampling import SamplingLoop
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
@@ -77,7 +76,7 @@ class PrototypeDialect:
             raise _unsupported("generate", "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
-        check_create(create)
+        self._server.check_create(create)
         loop = self._server.begin_response(
             create, self._connection.events, source="fresh", suspend_on_tool_calls=True
         )
