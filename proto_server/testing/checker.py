@@ -29,7 +29,7 @@ from typing import Any, Literal, NoReturn
 import attrs
 import orjson
 
-from proto_server.core.request import check_create
+from proto_server.core.request import check_create, parse_tool_choice
 from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
@@ -589,6 +589,8 @@ class StreamChecker:
             codes = {code} if code else set()
             if view.phase == "streaming" and not isinstance(event, ResponseCreate):
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
+            if code is None and _forces_a_call(event):
+                codes.add("unsupported_tool_choice")
             return code is None, frozenset(codes)
         if isinstance(event, ResponseCreate):
             refusal = _refusal(event)
@@ -596,6 +598,8 @@ class StreamChecker:
                 return False, frozenset({refusal or "invalid_field"})
             # served when its turn comes: its chain may be gone, the queue may be full
             codes = {"concurrent_request"}
+            if _forces_a_call(event):
+                codes.add("unsupported_tool_choice")
             if event.previous_response_id is not None:
                 codes.add("previous_response_not_found")
             return True, frozenset(codes)
@@ -781,6 +785,16 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
     **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
     "error": StreamChecker._error,
 }
+
+
+def _forces_a_call(event: ClientEvent) -> bool:
+    """A create whose tool_choice forces a call: a server whose model cannot force one (the
+    local model) refuses it with `unsupported_tool_choice`, another serves it."""
+    return (
+        isinstance(event, ResponseCreate)
+        and _refusal(event) is None
+        and (parse_tool_choice(event.tool_choice).mode == "required")
+    )
 
 
 def _refusal(create: ResponseCreate) -> str | None:
