@@ -182,17 +182,18 @@ def test_refs_that_double_at_every_level_stop_at_the_budget() -> None:
 # -- finding 8: unusual schemas get a call or text, never a traceback ------------------------
 
 UNUSUAL = {
+    # arrays named `command`, `cmd` or `argv` had their items read as a schema object
     "items-as-a-list": {
         "type": "object",
         "properties": {
-            "pair": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}]}
+            "command": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}]}
         },
-        "required": ["pair"],
+        "required": ["command"],
     },
     "items-true": {
         "type": "object",
-        "properties": {"xs": {"type": "array", "items": True}},
-        "required": ["xs"],
+        "properties": {"argv": {"type": "array", "items": True}},
+        "required": ["argv"],
     },
     "items-false": {
         "type": "object",
