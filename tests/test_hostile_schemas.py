@@ -287,14 +287,16 @@ async def test_max_output_tokens_counts_every_segment_of_the_response(
     assert final["response"]["usage"]["output_tokens"] <= 14
 
 
-@pytest.mark.parametrize("value", [0, -1])
-async def test_max_output_tokens_must_be_positive(start_server: StartServer, value: int) -> None:
-    (error,) = await one_segment(start_server, create(max_output_tokens=value))
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_output_tokens", 0), ("max_output_tokens", -1), ("max_tool_calls", -1)],
+)
+async def test_limits_out_of_range_are_refused(
+    start_server: StartServer, field: str, value: int
+) -> None:
+    (error,) = await one_segment(start_server, create(**{field: value}))
     assert error["type"] == "error"
-    assert (error["error"]["code"], error["error"]["param"]) == (
-        "invalid_field",
-        "max_output_tokens",
-    )
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_field", field)
 
 
 WEATHER = tool(

@@ -18,7 +18,7 @@ from proto_server.wire.events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
     ClientEvent,
-    Count,
+    NonNegativeInt,
     PositiveInt,
     ServerEvent,
 )
@@ -158,7 +158,7 @@ converter.register_structure_hook(int, _strict(int, "an integer"))
 converter.register_structure_hook(bool, _strict(bool, "a boolean"))
 converter.register_structure_hook(float, _strict(float, "a number"))
 converter.register_structure_hook(PositiveInt, _at_least(1, "a positive integer"))
-converter.register_structure_hook(Count, _at_least(0, "an integer of 0 or more"))
+converter.register_structure_hook(NonNegativeInt, _at_least(0, "an integer of 0 or more"))
 converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)

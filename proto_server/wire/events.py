@@ -19,7 +19,7 @@ from proto_server.wire.tools import Tool
 #: An integer above zero (`max_output_tokens`); the converter refuses anything else.
 PositiveInt = NewType("PositiveInt", int)
 #: An integer of zero or more (`max_tool_calls`); the converter refuses anything else.
-Count = NewType("Count", int)
+NonNegativeInt = NewType("NonNegativeInt", int)
 
 # -- client events ---------------------------------------------------------------------------
 
@@ -52,7 +52,7 @@ class ResponseCreate:
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    max_tool_calls: Count | None = None
+    max_tool_calls: NonNegativeInt | None = None
     top_logprobs: int | None = None
 
 
