@@ -46,26 +46,12 @@ def check_tool_schemas(tools: Sequence[Tool]) -> None:
             _check(tool.parameters, ("parameters", (index, ("tools", None))))
 
 
-def _check(schema: Any, root: _Trail) -> None:
-    nodes = 0
-    stack: list[tuple[Any, int, _Trail]] = [(schema, 1, root)]
+def _check(schema: Mapping[str, Any], root: _Trail) -> None:
+    """Only containers are visited; their sizes are counted before their children are read."""
+    nodes = 1
+    stack: list[tuple[Mapping[str, Any] | list[Any], int, _Trail]] = [(schema, 1, root)]
     while stack:
         value, depth, trail = stack.pop()
-        nodes += 1
-        if nodes > MAX_SCHEMA_NODES:
-            raise ProtocolError(
-                "invalid_tool_schema",
-                f"`{_path(root)}` holds more than {MAX_SCHEMA_NODES} JSON values; this server "
-                "reads at most that many per tool schema. Simplify the schema.",
-                param=_path(root),
-            )
-        children: list[tuple[str | int, Any]]
-        if isinstance(value, Mapping):
-            children = list(value.items())
-        elif isinstance(value, list):
-            children = list(enumerate(value))
-        else:
-            continue
         if depth > MAX_SCHEMA_DEPTH:
             path = _path(trail)
             raise ProtocolError(
@@ -74,4 +60,15 @@ def _check(schema: Any, root: _Trail) -> None:
                 "parameters; this server reads schemas at most that deep. Flatten the schema.",
                 param=path,
             )
-        stack.extend((child, depth + 1, (key, trail)) for key, child in children)
+        nodes += len(value)
+        if nodes > MAX_SCHEMA_NODES:
+            raise ProtocolError(
+                "invalid_tool_schema",
+                f"`{_path(root)}` holds more than {MAX_SCHEMA_NODES} JSON values; this server "
+                "reads at most that many per tool schema. Simplify the schema.",
+                param=_path(root),
+            )
+        children = value.items() if isinstance(value, Mapping) else enumerate(value)
+        for key, child in children:
+            if isinstance(child, Mapping | list):
+                stack.append((child, depth + 1, (key, trail)))
