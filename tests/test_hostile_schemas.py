@@ -53,9 +53,11 @@ def function_call(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((item for item in done if item["type"] == "function_call"), None)
 
 
-async def one_segment(start_server: StartServer, frame: dict[str, Any], **server: Any) -> Any:
-    """The first segment the default model (or `server["script"]`) answers `frame` with."""
-    running = await start_server(server.pop("script", None), **server)
+async def one_segment(
+    start_server: StartServer, frame: dict[str, Any], script: dict[str, Any] | None = None
+) -> Any:
+    """The first segment the default model (or `script`) answers `frame` with."""
+    running = await start_server(script)
     with trio.fail_after(DEADLINE_S):
         async with connect_checked(running.prototype_url) as client:
             await client.send(frame)
