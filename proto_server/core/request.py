@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import attrs
 
@@ -14,10 +15,53 @@ from proto_server.core.conversation import (
     render_items,
 )
 from proto_server.core.render import Renderer
+from proto_server.core.tool_schema import check_tool_schemas
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
-from proto_server.wire.tools import FunctionTool, Tool
+from proto_server.wire.tools import FunctionTool, Tool, function_tools
+
+
+@attrs.frozen
+class ToolChoice:
+    """`tool_choice` as the model must obey it: `name` set means that function and no other."""
+
+    mode: Literal["auto", "none", "required"] = "auto"
+    name: str | None = None
+
+
+def parse_tool_choice(value: Any) -> ToolChoice:
+    """`auto`, `none`, `required` or `{"type": "function", "name": N}`; other tool types
+    (`custom`, hosted tools) are not run by this server's models, so they mean `auto`."""
+    if value in ("auto", "none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") != "function":
+        return ToolChoice()
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        return ToolChoice("required", value["name"])
+    raise ProtocolError(
+        "invalid_field",
+        '`tool_choice` must be "auto", "none", "required" or {"type": "function", "name": '
+        "NAME}; fix the field and resend the frame.",
+        param="tool_choice",
+    )
+
+
+def check_create(create: ResponseCreate) -> None:
+    """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
+    function. Run when a create is accepted, before anything is built for it."""
+    check_tool_schemas(create.tools)
+    name = parse_tool_choice(create.tool_choice).name
+    offered = [tool.name for tool in function_tools(create.tools)]
+    if name is not None and name not in offered:
+        listed = ", ".join(map(repr, offered[:10])) + (", ..." if len(offered) > 10 else "")
+        raise ProtocolError(
+            "invalid_field",
+            f"`tool_choice` names function {name!r}, but the request offers "
+            f"{listed or 'no function tools'}; name an offered one.",
+            param="tool_choice",
+        )
 
 
 def input_items(create: ResponseCreate) -> tuple[Item, ...]:

@@ -127,6 +127,7 @@ class ResponseMachine:
         self._input_tokens = 0
         self._cached_tokens = 0
         self._output_tokens = 0
+        self._tool_calls = 0
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
 
@@ -135,6 +136,20 @@ class ResponseMachine:
     @property
     def output(self) -> Sequence[Item]:
         return self._output
+
+    @property
+    def template(self) -> Response:
+        """The Response as created: what the client asked for (limits included)."""
+        return self._template
+
+    @property
+    def output_tokens(self) -> int:
+        return self._output_tokens
+
+    @property
+    def tool_calls(self) -> int:
+        """Tool calls this Response has made, every segment counted."""
+        return self._tool_calls
 
     def usage(self) -> Usage:
         return Usage(
@@ -282,6 +297,7 @@ class ResponseMachine:
         self._open = None
         self._finish(item)
         self.pending_calls[call.call_id] = item
+        self._tool_calls += 1
         return [
             FunctionCallArgumentsDone(
                 item_id=call.item_id,

@@ -25,7 +25,13 @@ from trio_websocket import ConnectionClosed, wrap_server_stream
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import prepare_input, response_template
+from proto_server.core.request import (
+    check_create,
+    parse_tool_choice,
+    prepare_input,
+    request_bytes,
+    response_template,
+)
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
@@ -294,6 +300,25 @@ class ProtoServer:
                 log.info("connection.closed", extra={"connection": connection.id})
 
     # -- Responses -------------------------------------------------------------------------------
+
+    def check_create(self, create: ResponseCreate) -> None:
+        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
+        refuses, and a forced tool call the generator cannot make."""
+        check_create(create)
+        choice = parse_tool_choice(create.tool_choice)
+        if choice.mode == "required" and not self.generator.forces_tool_calls:
+            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
+            raise ProtocolError(
+                "unsupported_tool_choice",
+                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
+                'cannot make yet; send "auto" (or "none") instead.',
+                param="tool_choice",
+            )
+
+    def checked_bytes(self, create: ResponseCreate) -> int:
+        """`check_create`, then about how much memory `create` holds while it waits."""
+        self.check_create(create)
+        return request_bytes(create)
 
     def connection_budget(self) -> MemoryBudget:
         """The memory budget of one connection, inside the process's."""

@@ -253,6 +253,7 @@ class _Exchange:
                 "result from the stream or the response body.",
                 param="background",
             )
+        await self.server.offload.run(self.server.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[ServerEvent](
             self.server.config.client_queue_events

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from proto_server.core.request import request_bytes
 from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
@@ -76,8 +75,9 @@ class LaunchedDialect:
                         "POST /v1/responses over HTTP.",
                         param="background",
                     )
-                offload = self._server.offload
-                waiting = await offload.run(request_bytes, event, size=frame_bytes)
+                waiting = await self._server.offload.run(
+                    self._server.checked_bytes, event, size=frame_bytes
+                )
                 self._connection.budget.admit(waiting, "This response.create")
                 try:
                     self._queue.send_nowait((event, waiting, frame_bytes))

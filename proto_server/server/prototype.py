@@ -83,6 +83,7 @@ class PrototypeDialect:
             raise _unsupported("generate", "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
+        await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
         loop = await self._server.begin_response(
             create,
             self._connection.events,

@@ -28,7 +28,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.script import ScriptError
+from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
@@ -298,17 +298,24 @@ class SamplingLoop:
                     if self._observer is not None:
                         self._observer.generating()
                     task_status.started()
-                    await self.rollout.session.generate(send)
+                    await self.rollout.session.generate(send, self._limits())
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
-                except ScriptError as exc:
-                    self._fault = ServerFault("script_error", str(exc))
+                except GenerationRefused as exc:
+                    self._fault = ServerFault(exc.code, str(exc))
                 except Exception as exc:
                     log.exception("generator.crashed", extra={"response": self.machine.id})
                     self._fault = ServerFault(
                         "generator_error", f"the token generator failed: {exc!r}"
                     )
             self._generator_scope = None
+
+    def _limits(self) -> GenerationLimits:
+        """What the client's limits leave to the next segment of this Response."""
+        machine = self.machine
+        return GenerationLimits.for_response(
+            machine.template, output_tokens=machine.output_tokens, tool_calls=machine.tool_calls
+        )
 
     def _count_rendered(self) -> int:
         """Add the tokens rendered since the last segment to this Response's count; return them."""
