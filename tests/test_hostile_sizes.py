@@ -7,7 +7,11 @@ generous bounds for a shared 2-core machine: 100 ms where the stall used to be s
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -20,6 +24,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.offload import INLINE_BYTES, Offload
 
 from .conftest import CheckpointStore
+from .test_cli import read_line
 from .wsclient import connect
 
 #: The most any bystander may wait for its next event or its health probe while the big
@@ -143,3 +148,44 @@ async def test_a_cancelled_preparation_returns_at_once() -> None:
     with trio.move_on_after(0.05):
         await offload.run(time.sleep, 1.0, size=INLINE_BYTES + 1)
     assert time.perf_counter() - started < 0.5
+
+
+def required_tower(levels: int) -> dict[str, Any]:
+    """The 1 KB schema that froze the server: each level requires `a` ten times."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"] * 10}
+    return schema
+
+
+async def test_sigterm_stops_a_real_server_while_it_prepares_huge_requests(
+    nursery: trio.Nursery,
+) -> None:
+    """Before: a 1 KB schema held the event loop for 40 minutes and SIGTERM did nothing."""
+    command = [
+        *(sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:"),
+        *("--shutdown-grace", "1"),
+    ]
+    with trio.fail_after(60):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert process.stdout is not None
+        url = (await read_line(process.stdout)).split("WebSocket ")[1].split(";")[0]
+        host, port = url.removeprefix("ws://").split("/")[0].split(":")
+        address = BoundAddress(host, int(port))
+        tool = {"type": "function", "name": "tower", "parameters": required_tower(12)}
+        async with connect(f"{url}?dialect=prototype") as tower:
+            await tower.send({"type": "response.create", "input": "go", "tools": [tool]})
+            answered = await tower.segment()  # in bounded time, a call with bounded arguments
+            assert answered[-1]["type"] == "response.done", answered[-1]
+        async with connect(f"{url}?dialect=prototype") as big:
+            await big.send({"type": "response.create", "input": "a" * (12 * 1024 * 1024)})
+            latencies: list[float] = []
+            with trio.move_on_after(0.5):
+                await probe_health(address, latencies)  # answered while it tokenizes
+            assert latencies and max(latencies) < 1
+            stopped = trio.current_time()
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+        assert trio.current_time() - stopped < 10
