@@ -448,7 +448,7 @@ class VllmSession:
             max_tokens=most,
             limits=limits,
             stop_token_ids=generator.stop_ids,
-            stop_at_call=limits.max_calls != 0,
+            stop_at_call=bool(names) and limits.max_calls != 0,
             forced=forced,
         )
         generated: list[int] = []
