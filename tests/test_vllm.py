@@ -298,6 +298,51 @@ async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
         await served.server.wait_idle()
 
 
+async def test_a_shutdown_mid_stream_aborts_the_engine_request(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    served = await start_vllm(max_tokens=512)
+    with trio.fail_after(60):
+        async with connect(served.prototype_url) as client:
+            await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
+            await client.until("response.output_text.delta")
+            await wait_running(vllm_engine, 1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(served.server.shutdown, grace_s=0))
+                events = await client.until(*TERMINAL)
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
+        await wait_running(vllm_engine, 0, timeout_s=10)
+
+
+async def test_a_launched_warm_up_fills_the_engine_cache_for_the_turn(
+    start_vllm: StartVllm,
+) -> None:
+    """`generate: false` prefills on the engine (one token decoded and dropped); the chained
+    turn then finds the whole warm-up prompt cached."""
+    served = await start_vllm(max_tokens=8)
+    nonce = uuid.uuid4().hex  # nothing of it is in the engine's cache yet
+    with trio.fail_after(60):
+        async with connect(served.address.ws_url) as client:
+            await client.send(
+                {"type": "response.create", "input": f"{nonce} {LONG_ASK}", "generate": False}
+            )
+            warm = (await client.until(*TERMINAL))[-1]["response"]
+            await client.send(
+                {
+                    "type": "response.create",
+                    "input": "Begin.",
+                    "previous_response_id": warm["id"],
+                    "temperature": 0,
+                }
+            )
+            turn = (await client.until(*TERMINAL))[-1]["response"]
+    assert warm["status"] == "completed" and warm["output"] == []
+    assert warm["usage"]["input_tokens_details"]["cached_tokens"] < BLOCK_SIZE * 2
+    cached = turn["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= warm["usage"]["input_tokens"] - BLOCK_SIZE, (warm["usage"], turn["usage"])
+
+
 async def test_max_output_tokens_is_honoured(start_vllm: StartVllm) -> None:
     served = await start_vllm(max_tokens=256)
     with trio.fail_after(60):
