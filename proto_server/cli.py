@@ -280,6 +280,30 @@ def build_parser() -> argparse.ArgumentParser:
         "re-prefill of the history, as a Markdown table. Same as bench --generator local.",
     )
     _local_bench_arguments(bench_local, turns=True)
+    bench_vllm = commands.add_parser(
+        "bench-vllm",
+        help="measure proto-server in front of vLLM against vLLM's own /v1/responses",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run the same agent loop on a running vLLM twice: through proto-server "
+        "(--generator vllm, chained turns over one WebSocket) and through vLLM's own "
+        "/v1/responses (stateless, the whole history each turn); print per turn the prompt "
+        "and cached tokens each reports and the time to first token and to the end, "
+        "measured wall-clock, as a Markdown table.",
+    )
+    bench_vllm.add_argument(
+        "--engine-url", required=True, metavar="URL", help="the engine's base, ending in /v1"
+    )
+    bench_vllm.add_argument("--model", metavar="NAME", help="the served model, if several")
+    bench_vllm.add_argument("--tokenizer", metavar="PATH", help="as for serve")
+    bench_vllm.add_argument("--turns", type=_positive(int), default=6, help="turns of the loop")
+    bench_vllm.add_argument(
+        "--tool-output-tokens", type=_positive(int), default=200, metavar="N",
+        help="size of each turn's tool output, in the model's tokens",
+    )  # fmt: skip
+    bench_vllm.add_argument(
+        "--answer-tokens", type=_positive(int), default=8, metavar="N",
+        help="tokens the model decodes each turn (max_output_tokens)",
+    )  # fmt: skip
     return parser
 
 
@@ -342,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_local(args)
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "bench-vllm":
+        return _bench_vllm(args)
     configure(args.log_level)
     if args.generator != "simulated" and args.script:
         print(
@@ -464,13 +490,44 @@ def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
             args.engine_url,
             model,
             tokenizer,
-            max_tokens=args.max_tokens,
-            connections=args.engine_connections,
-            timeout_s=args.engine_timeout,
+            max_tokens=getattr(args, "max_tokens", 512),
+            connections=getattr(args, "engine_connections", 64),
+            timeout_s=getattr(args, "engine_timeout", 60.0),
         )
     except (EngineSetupError, ModelError, TemplateError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return None
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    generator = _connect_vllm(args)
+    if generator is None:
+        return 2
+    from proto_server.bench.vllm import measure, table
+
+    print(
+        f"{generator.name} on vLLM at {generator.url}; {args.turns} turns, "
+        f"{args.tool_output_tokens}-token tool outputs, {args.answer_tokens}-token answers; "
+        "wall-clock times measured on this client",
+        flush=True,
+    )
+
+    async def run() -> str:
+        try:
+            return table(
+                await measure(
+                    generator,
+                    turns=args.turns,
+                    tool_output_tokens=args.tool_output_tokens,
+                    answer_tokens=args.answer_tokens,
+                    nonce=f"[{os.getpid()}] ",
+                )
+            )
+        finally:
+            await generator.aclose()
+
+    print(trio.run(run))
+    return 0
 
 
 def _bench_local(args: argparse.Namespace) -> int:

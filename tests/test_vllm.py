@@ -392,6 +392,25 @@ async def test_an_engine_that_stalls_fails_engine_timeout(start_vllm: StartVllm)
     assert events[-1]["response"]["error"]["code"] == "engine_timeout"
 
 
+async def test_the_benchmark_runs_both_paths_on_the_same_engine(start_vllm: StartVllm) -> None:
+    """`proto-server bench-vllm`, small: proto-server's chained turns against vLLM's own
+    stateless /v1/responses, each turn's usage as each reports it."""
+    from proto_server.bench.vllm import measure, table
+
+    served = await start_vllm()
+    with trio.fail_after(180):
+        results = await measure(
+            served.generator, turns=3, tool_output_tokens=60, answer_tokens=48, nonce="[test] "
+        )
+    print(table(results))
+    assert [r.path for r in results] == ["proto-server ws"] * 3 + ["vllm /v1/responses"] * 3
+    for result in results:
+        assert 0 < result.output_tokens <= 48 and 0 < result.ttft_s <= result.total_s
+    ours = [(r.input_tokens, r.cached_tokens, r.output_tokens) for r in results[:3]]
+    assert_warm(ours)
+    assert "median TTFT ratio" in table(results)
+
+
 async def test_serve_finds_the_engine_model_and_its_tokenizer(
     nursery: trio.Nursery, vllm_engine: Engine, tmp_path: Any
 ) -> None:
