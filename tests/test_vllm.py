@@ -426,6 +426,10 @@ async def test_serve_finds_the_engine_model_and_its_tokenizer(
         assert process.stdout is not None
         line = await read_line(process.stdout)
         assert "vLLM model smollm2" in line, line
+        root = line.split("listening on ")[1].split(" ")[0].removesuffix("/v1")
+        async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+            ready = await http.get("/readyz")  # and the signal handlers are installed by now
+        assert ready.status_code == 200, ready.text
         process.terminate()
         assert await process.wait() == 0
 
