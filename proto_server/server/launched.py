@@ -11,7 +11,6 @@ Turns run one at a time, in order; further creates wait in a bounded queue.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -53,8 +52,8 @@ class LaunchedDialect:
     def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
         self._server = server
         self._connection = connection
-        queued = server.config.max_queued_requests
-        self._queue, self._queued = trio.open_memory_channel[ResponseCreate](queued or math.inf)
+        queued = server.config.max_queued_requests  # at least 1 (ServerConfig)
+        self._queue, self._queued = trio.open_memory_channel[ResponseCreate](queued)
         self.cached: tuple[str, Rollout] | None = None
         self.current: SamplingLoop | None = None
         self._finished = trio.Event()
