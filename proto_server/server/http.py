@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from proto_server.server.handshake import RequestHead
 
 JSON = ("content-type", "application/json")
+#: After answering a request whose body it will not read, the server drops at most this much of
+#: what the client still sends, for at most this long, before it closes the connection.
+LINGER_BYTES = 64 * 1024
+LINGER_S = 1.0
 
 
 def unauthorized() -> ProtocolError:
@@ -58,6 +62,20 @@ async def send_json(
     await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
     await stream.send_all(conn.send(h11.Data(data=body)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+
+async def linger(stream: trio.abc.Stream) -> None:
+    """End our side, then drop a bounded amount of what the client still sends: closing a
+    socket with unread bytes resets it, and a reset can destroy the answer on its way."""
+    if isinstance(stream, trio.abc.HalfCloseableStream):
+        await stream.send_eof()
+    dropped = 0
+    with trio.move_on_after(LINGER_S):
+        while dropped < LINGER_BYTES:
+            data = await stream.receive_some(LINGER_BYTES)
+            if not data:
+                return
+            dropped += len(data)
 
 
 async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: float) -> None:
