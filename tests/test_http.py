@@ -10,6 +10,7 @@ import httpx
 import orjson
 import pytest
 import trio
+from trio_websocket import ConnectionRejected
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
@@ -276,3 +277,49 @@ async def test_a_client_that_leaves_mid_stream_takes_nothing_down(
     async with httpx.AsyncClient() as http:
         health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
     assert health.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/compact"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1"),
+        ("GET", "/nowhere"),
+    ],
+)
+async def test_without_a_key_every_path_is_refused_alike(
+    start_server: StartServer, method: str, path: str
+) -> None:
+    """Auth before routing: a client without a key cannot tell a valid path from a wrong one."""
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    root = f"http://127.0.0.1:{running.address.port}"
+    async with httpx.AsyncClient() as http:
+        refused = await http.request(method, f"{root}{path}", json=body())
+        keyed = await http.request(
+            method, f"{root}{path}", json=body(), headers={"Authorization": "Bearer k1"}
+        )
+        health = await http.get(f"{root}/healthz")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert keyed.status_code != 401
+    assert health.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/nowhere", "/v1/responses/resp_1"])
+async def test_a_websocket_without_a_key_is_refused_alike_on_every_path(
+    start_server: StartServer, path: str
+) -> None:
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    url = f"ws://127.0.0.1:{running.address.port}{path}"
+    with pytest.raises(ConnectionRejected) as refused:
+        async with connect(url):
+            pass
+    assert refused.value.status_code == 401
+    assert b"invalid_api_key" in (refused.value.body or b"")
+    if path != "/v1/responses":
+        with pytest.raises(ConnectionRejected) as missing:
+            async with connect(url, Authorization="Bearer k1"):
+                pass
+        assert missing.value.status_code == 404

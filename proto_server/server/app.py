@@ -268,6 +268,10 @@ class ProtoServer:
                 nursery.cancel_scope.cancel()
                 return
             json = [(b"content-type", b"application/json")]
+            # the key first: without one, a client cannot even tell a valid path from a wrong one
+            if not self.authorized(head.header(b"authorization")):
+                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
+                return
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 refusal = ProtocolError(
                     "not_found",
@@ -275,9 +279,6 @@ class ProtoServer:
                     status=404,
                 )
                 await request.reject(404, extra_headers=json, body=error_body(refusal))
-                return
-            if not self.authorized(head.header(b"authorization")):
-                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
             ws = await request.accept()

@@ -191,7 +191,7 @@ class _Exchange:
         if route == ("GET", "/healthz"):
             await self._json(200, {"status": "ok"})
             return
-        if self.path.startswith("/v1/") and not self.server.authorized(self.authorization):
+        if not self.server.authorized(self.authorization):  # before the route: see app.py
             raise unauthorized()
         if route == ("POST", "/v1/responses"):
             await self._create()
