@@ -55,10 +55,22 @@ def error_body(error: ProtocolError) -> bytes:
     return orjson.dumps({"error": converter.unstructure(error.detail)})
 
 
+def _body_is_read(conn: h11.Connection) -> bool:
+    """Skip what of the request's body h11 already holds; whether that was all of it."""
+    while conn.their_state is h11.SEND_BODY:
+        if conn.next_event() is h11.NEED_DATA:
+            return False
+    return conn.their_state is h11.DONE
+
+
 async def send_json(
     stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
 ) -> None:
+    """Answer with `body`; a request whose body is not read (refused before it, or too large)
+    is answered `Connection: close` and its body is never read: that could be 100 GB."""
     headers = [JSON, ("content-length", str(len(body)))]
+    if not _body_is_read(conn):
+        headers.append(("connection", "close"))
     await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
     await stream.send_all(conn.send(h11.Data(data=body)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
@@ -93,6 +105,9 @@ async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: flo
 async def _read_body(
     stream: trio.abc.Stream, conn: h11.Connection, limit: int, timeout_s: float
 ) -> bytes:
+    if conn.they_are_waiting_for_100_continue:  # only now: a refused request gets no 100
+        go_on = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+        await stream.send_all(conn.send(go_on) or b"")
     body = bytearray()
     while True:
         event = conn.next_event()
@@ -115,9 +130,8 @@ async def _read_body(
 
 async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
     """The next request on a kept-alive connection, or None when the client is done."""
-    while conn.their_state is h11.SEND_BODY:  # what the last answer did not read
-        if conn.next_event() is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some()))
+    if not _body_is_read(conn):  # never read on: the answer said `Connection: close`
+        return None
     try:
         conn.start_next_cycle()
     except h11.LocalProtocolError:
@@ -152,6 +166,8 @@ async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: Request
                 if exc.status == 408:
                     return  # it stalled; it will not send the rest
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                if conn.their_state is h11.SEND_BODY:
+                    await linger(stream)  # so it reads the answer, not a reset
                 return
             if server.stopping is not None:
                 return
