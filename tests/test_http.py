@@ -459,3 +459,41 @@ async def test_a_websocket_without_a_key_is_refused_alike_on_every_path(
             async with connect(url, Authorization="Bearer k1"):
                 pass
         assert missing.value.status_code == 404
+
+
+SLOW_TEXT = {"segments": [{"text": "word " * 400}]}  # 8 s at 50 tokens/s
+SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50)
+
+
+async def test_a_json_request_whose_client_leaves_is_cancelled_like_a_stream(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(SLOW_TEXT, timing=SLOW, store=CheckpointStore())
+    payload = orjson.dumps(body(tools=[]))
+    with trio.fail_after(3):  # the Response alone would take 8 s
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        await stream.send_all(post_head(len(payload)) + payload)
+        await trio.sleep(1)
+        assert running.server.open_rollouts == 1  # generating
+        await stream.aclose()  # the client leaves mid-way
+        await running.server.wait_idle()  # the rollout is released, the connection closed
+    assert not running.server.turns  # it never ran to its end
+
+
+async def test_a_pipelined_request_behind_a_json_one_is_kept_and_served(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(SLOW_TEXT, timing=SLOW, store=CheckpointStore())
+    payload = orjson.dumps(body(tools=[]))
+    health = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    with trio.fail_after(20):
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(len(payload)) + payload)
+            await trio.sleep(1)
+            await stream.send_all(health)  # while the first one is generating
+            events = await read_answers(stream)
+    assert statuses(events) == [200, 200]
+    (first,) = [e for e in events if isinstance(e, h11.Data)][:1]
+    assert orjson.loads(first.data)["status"] == "completed"
+    assert events[-2] == h11.Data(data=b'{"status":"ok"}')

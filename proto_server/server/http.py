@@ -275,7 +275,7 @@ class _Exchange:
                 if create.stream:
                     await self._stream_events(receive)
                 else:
-                    await self._final_response(receive)
+                    await self._final_response(receive, nursery.cancel_scope)
 
     async def _stream_events(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
@@ -295,13 +295,41 @@ class _Exchange:
                 break
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
-    async def _final_response(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
-        async for event in receive:
-            if isinstance(event, TERMINAL_EVENTS):
-                await self._json(200, converter.unstructure(event.response))
-                if self.server.observer is not None:
-                    self.server.observer.sent(event, 1)
+    async def _final_response(
+        self, receive: trio.MemoryReceiveChannel[ServerEvent], response: trio.CancelScope
+    ) -> None:
+        """One JSON body at the end. Until then the socket is watched, as a stream's writes
+        watch it: a client that leaves cancels `response` (the model stops, its state is
+        released)."""
+        final: ServerEvent | None = None
+        async with trio.open_nursery() as watching:
+            watching.start_soon(self._watch_client, response)
+            async for final in receive:
+                if isinstance(final, TERMINAL_EVENTS):
+                    break
+            watching.cancel_scope.cancel()
+        if not isinstance(final, TERMINAL_EVENTS):
+            return
+        await self._json(200, converter.unstructure(final.response))
+        if self.server.observer is not None:
+            self.server.observer.sent(final, 1)
+
+    async def _watch_client(self, response: trio.CancelScope) -> None:
+        """Cancel `response` when the client goes away. What it sends meanwhile (a pipelined
+        next request) goes to h11 for later, up to a request head's worth; past that the
+        socket is left unread, so a client that floods it is slowed by TCP, not buffered."""
+        kept = 0
+        while kept < self.server.config.max_request_head_bytes:
+            try:
+                data = await self.stream.receive_some()
+            except trio.BrokenResourceError:
+                data = b""
+            if not data:
+                log.info("http.client_left", extra={"path": self.path})
+                response.cancel()
                 return
+            self.conn.receive_data(bytes(data))
+            kept += len(data)
 
     async def _retrieve(self, response_id: str) -> None:
         stored = await self.server.store.get(response_id)
