@@ -43,7 +43,13 @@ from proto_server.server.observe import ServerObserver
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
-from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.server.store import (
+    ANONYMOUS,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+    owner_id,
+)
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -93,7 +99,9 @@ class ProtoServer:
         self.config = config or ServerConfig()
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
-        self.store: ResponseStore = store or SQLiteStore(":memory:")
+        self.store: ResponseStore = store or SQLiteStore(
+            ":memory:", timeout_s=self.config.store_timeout_s
+        )
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
@@ -123,14 +131,21 @@ class ProtoServer:
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
 
-    def authorized(self, authorization: str | None) -> bool:
+    def owner(self, authorization: str | None) -> str | None:
+        """Who sends a request with this `Authorization` header: the owner id of its key (keys
+        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
         keys = self.config.api_keys
         if not keys:
-            return True
+            return ANONYMOUS
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-        )
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None  # an empty token never matches, whatever the keys
+        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return owner_id(matches[0]) if matches else None
+
+    def authorized(self, authorization: str | None) -> bool:
+        return self.owner(authorization) is not None
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -251,7 +266,8 @@ class ProtoServer:
                 )
                 await request.reject(404, extra_headers=json, body=error_body(refusal))
                 return
-            if not self.authorized(head.header(b"authorization")):
+            owner = self.owner(head.header(b"authorization"))
+            if owner is None:
                 await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
@@ -268,9 +284,9 @@ class ProtoServer:
             )
             dialect: Dialect
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery)
+                dialect = PrototypeDialect(self, connection, nursery, owner=owner)
             else:
-                dialect = LaunchedDialect(self, connection, nursery)
+                dialect = LaunchedDialect(self, connection, nursery, owner=owner)
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -302,6 +318,7 @@ class ProtoServer:
         events: trio.MemorySendChannel[ServerEvent],
         *,
         source: str,
+        owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
@@ -309,7 +326,7 @@ class ProtoServer:
         """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
 
         Only what is new is rendered: the create's input on a warm rollout; the prefix, the
-        history and the input on a cold one.
+        history and the input on a cold one. Stored, it belongs to `owner`.
         """
         if rollout is None:
             rollout = self.new_rollout(create)
@@ -336,7 +353,9 @@ class ProtoServer:
 
         async def persist(machine: ResponseMachine) -> None:
             items = tuple(conversation.items[first_item:])
-            await self.store.put(StoredResponse(response=machine.snapshot(), items=items))
+            await self.store.put(
+                StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            )
 
         return SamplingLoop(
             machine,

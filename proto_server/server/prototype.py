@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
 
@@ -20,10 +21,18 @@ if TYPE_CHECKING:
 
 
 class PrototypeDialect:
-    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: ProtoServer,
+        connection: Connection,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+    ) -> None:
         self._server = server
         self._connection = connection
         self._nursery = nursery
+        self._owner = owner
         self.current: SamplingLoop | None = None
 
     def handle(self, event: ClientEvent) -> None:
@@ -77,7 +86,11 @@ class PrototypeDialect:
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
         loop = self._server.begin_response(
-            create, self._connection.events, source="fresh", suspend_on_tool_calls=True
+            create,
+            self._connection.events,
+            source="fresh",
+            owner=self._owner,
+            suspend_on_tool_calls=True,
         )
         self.current = loop
         self._nursery.start_soon(self._run, loop)
