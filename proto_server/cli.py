@@ -26,6 +26,7 @@ from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import configure
+from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import SQLiteStore
 
 if TYPE_CHECKING:
@@ -243,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
     )
     serve.add_argument(
+        "--compaction-secret-file",
+        metavar="PATH",
+        default=None,
+        help="the secret that seals compaction items, made (mode 0600) on first start; "
+        "default: next to the --store file (STORE.compaction-secret); with :memory:, a new "
+        "secret per process",
+    )
+    serve.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -385,6 +394,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
               file=sys.stderr)  # fmt: skip
         return 2
+    secret_file = args.compaction_secret_file or (
+        None if args.store == ":memory:" else secret_path_for_store(args.store)
+    )
+    try:
+        secret = None if secret_file is None else load_or_create_secret(Path(secret_file))
+    except (OSError, ValueError) as exc:
+        print(f"proto-server: cannot use the compaction secret: {exc}; pass another "
+              "--compaction-secret-file", file=sys.stderr)  # fmt: skip
+        return 2
     generator: TokenGenerator
     if args.generator == "local":
         local = _load_local(args, max_tokens=args.max_tokens)
@@ -400,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    server = ProtoServer(generator, config, store=store)
+    server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     try:
         trio.run(partial(_serve, server, what))
     except OSError as exc:

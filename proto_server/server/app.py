@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import secrets
 import time
 from collections.abc import Sequence
 from http import HTTPStatus
@@ -21,6 +22,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, wrap_server_stream
 
+from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
@@ -95,6 +97,7 @@ class ProtoServer:
         *,
         renderer: Renderer | None = None,
         store: ResponseStore | None = None,
+        compaction_secret: bytes | None = None,
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
@@ -102,6 +105,8 @@ class ProtoServer:
         self.store: ResponseStore = store or SQLiteStore(
             ":memory:", timeout_s=self.config.store_timeout_s
         )
+        #: Seals compaction items; without a kept secret they live as long as this process.
+        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
@@ -328,6 +333,8 @@ class ProtoServer:
         Only what is new is rendered: the create's input on a warm rollout; the prefix, the
         history and the input on a cold one. Stored, it belongs to `owner`.
         """
+        new_items = input_items(create)
+        check_compactions(new_items, self.compaction_key)  # before anything is opened
         if rollout is None:
             rollout = self.new_rollout(create)
             rendered_mark = 0
@@ -336,7 +343,7 @@ class ProtoServer:
             rendered_mark = rollout.conversation.rendered_tokens
         conversation = rollout.conversation
         first_item = len(conversation.items)
-        conversation.extend(input_items(create))
+        conversation.extend(new_items)
         if self.observer is not None:
             self.observer.rendered()
         response = response_template(

@@ -20,7 +20,7 @@ import h11
 import orjson
 import trio
 
-from proto_server.core.compaction import compact
+from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.request import input_items
@@ -296,8 +296,10 @@ class _Exchange:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
-        items = [*await self._history(create.previous_response_id), *input_items(create)]
-        output, summary = compact(items)
+        new_items = input_items(create)
+        check_compactions(new_items, self.server.compaction_key)
+        items = [*await self._history(create.previous_response_id), *new_items]
+        output, summary = compact(items, self.server.compaction_key)
         renderer = self.server.renderer
         conversation = Conversation(renderer, instructions=create.instructions)
         conversation.extend(items)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from proto_server.core.compaction import check_compactions
+from proto_server.core.request import input_items
 from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
@@ -158,6 +160,8 @@ class LaunchedDialect:
         events = self._connection.events
         owner = self._owner
         previous = create.previous_response_id
+        # a refused input leaves the cache as it was
+        check_compactions(input_items(create), server.compaction_key)
         cached, self.cached = self.cached, None  # whatever happens, this turn takes it
         if previous is None:
             if cached is not None:

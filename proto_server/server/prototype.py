@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from proto_server.core.compaction import check_compactions
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
@@ -40,7 +41,9 @@ class PrototypeDialect:
             case ResponseCreate():
                 self._create(event)
             case ResponseAppend(input=items):
-                self._open_rollout("append to").append(items)
+                rollout = self._open_rollout("append to")
+                check_compactions(items, self._server.compaction_key)
+                rollout.append(items)
             case ResponseCancel():
                 self._open_rollout("cancel").cancel()
 
