@@ -214,32 +214,49 @@ def test_limits_that_would_delete_or_hang_are_refused(option: str, value: float)
         SQLiteStore(**{option: value})  # type: ignore[arg-type]
 
 
+LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("ROLLBACK")
+"""
+
+
 class Locker:
-    """Another process's write lock on the store file, held by a connection in a thread."""
+    """Another process holding the store file's write lock until the block ends."""
 
     def __init__(self, path: Path) -> None:
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.path = path
 
     def __enter__(self) -> Locker:
-        self.db.execute("BEGIN IMMEDIATE")
-        self.db.execute("UPDATE responses SET stored_at = stored_at")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", LOCK, str(self.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline() == "locked\n"
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.db.execute("ROLLBACK")
-        self.db.close()
+        assert self.process.stdin is not None
+        self.process.stdin.close()  # it lets go and exits
+        assert self.process.wait(timeout=10) == 0
 
 
 async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_path: Path) -> None:
     path = tmp_path / "store.sqlite3"
-    store = SQLiteStore(path, timeout_s=0.3)
+    store = SQLiteStore(path, timeout_s=0.5)
     await store.put(stored("resp_1"))
-    with trio.fail_after(5):
+    with trio.fail_after(10):
         with Locker(path):
             start = trio.current_time()
-            with pytest.raises(StoreUnavailable, match=r"did not answer within 0\.3 s"):
+            with pytest.raises(StoreUnavailable, match=r"did not answer within 0\.5 s"):
                 await store.put(stored("resp_2"))
-            assert trio.current_time() - start < 1
+            assert trio.current_time() - start < 1.5
 
             async def blocked_write() -> None:
                 with pytest.raises(StoreUnavailable):
@@ -247,11 +264,11 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(blocked_write)
-                await trio.sleep(0.05)  # the write now waits for the lock
+                await trio.sleep(0.05)  # the write now waits for the lock, for 0.5 s
                 start = trio.current_time()
                 assert await store.get("resp_1") is not None
                 assert await store.chain("resp_1") is not None
-                assert trio.current_time() - start < 0.2  # not behind the write
+                assert trio.current_time() - start < 0.25  # not behind the write
         # the lock is gone: the store recovers by itself
         await store.put(stored("resp_4"))
         assert await store.get("resp_4") is not None

@@ -1,7 +1,7 @@
 """A store that cannot answer ends the Response, never the connection (finding 7 of issue 10).
 
-The store file is write-locked by another connection (as another process would), with a store
-timeout of 0.3 s: a `store: true` Response ends with `response.failed` (`store_unavailable`), an
+The store file is write-locked by another process (`BEGIN EXCLUSIVE`), with a store
+timeout of 0.5 s: a `store: true` Response ends with `response.failed` (`store_unavailable`), an
 SSE stream ends with that terminal event, reads do not wait behind the blocked write, `store:
 false` traffic goes on, and once the lock is gone the store works again by itself.
 """
@@ -26,7 +26,7 @@ TEXT = {"segments": [{"text": "Done."}]}
 
 async def locked_store_server(start_server: StartServer, tmp_path: Path) -> tuple[str, str, Path]:
     path = tmp_path / "responses.sqlite3"
-    running = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.3))
+    running = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.5))
     return running.address.ws_url, running.address.http_url, path
 
 
@@ -35,11 +35,18 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
 ) -> None:
     ws_url, http_url, path = await locked_store_server(start_server, tmp_path)
     with trio.fail_after(10):
-        async with connect(ws_url) as client:
+        async with connect(ws_url) as client, httpx.AsyncClient() as http:
             kept = await turn(client, create(store=True, tools=[]))
             assert kept[-1]["type"] == "response.completed"
             with Locker(path):
-                failed = await turn(client, create(store=True, tools=[]))
+                await client.send(create(store=True, tools=[]))
+                await trio.sleep(0.1)  # its write now waits 0.5 s for the lock
+                # a read does not queue behind the blocked write
+                start = trio.current_time()
+                got = await http.get(f"{http_url}/responses/{kept[-1]['response']['id']}")
+                assert got.status_code == 200
+                assert trio.current_time() - start < 0.25
+                failed = await client.until("response.completed", "response.failed")
                 assert failed[-1]["type"] == "response.failed"
                 error = failed[-1]["response"]["error"]
                 assert error["code"] == "store_unavailable"
@@ -48,16 +55,9 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
                 assert failed[-1]["response"]["output"][0]["content"][0]["text"] == "Done."
                 unstored = await turn(client, create(store=False, tools=[]))
                 assert unstored[-1]["type"] == "response.completed"
-                # a read does not queue behind the blocked write
-                async with httpx.AsyncClient() as http:
-                    start = trio.current_time()
-                    got = await http.get(f"{http_url}/responses/{kept[-1]['response']['id']}")
-                    assert got.status_code == 200
-                    assert trio.current_time() - start < 1
             # the lock is gone: the same connection stores again
             again = await turn(client, create(store=True, tools=[]))
             assert again[-1]["type"] == "response.completed"
-        async with httpx.AsyncClient() as http:
             failed_id = failed[-1]["response"]["id"]
             assert (await http.get(f"{http_url}/responses/{failed_id}")).status_code == 404
             again_id = again[-1]["response"]["id"]
