@@ -38,6 +38,10 @@ ANONYMOUS = ""
 #: Reader connections of a file store (a write never waits for them, nor they for it).
 READERS = 4
 
+#: SQLite gives up waiting for a lock this long before the call's deadline, so the call ends
+#: by itself and its thread is not left behind holding the connection.
+_MARGIN_S = 0.05
+
 
 def owner_id(key: str) -> str:
     """The owner id stored for an API key: a digest, so the store never holds the key."""
@@ -161,41 +165,61 @@ class SQLiteStore:
         )
 
     async def _call(
-        self, limiter: trio.CapacityLimiter, what: str, fn: Callable[..., T], *args: Any
+        self,
+        limiter: trio.CapacityLimiter,
+        what: str,
+        db: sqlite3.Connection | None,
+        fn: Callable[..., T],
+        *args: Any,
     ) -> T:
-        """Run `fn` in a worker thread within `timeout_s` (waiting for a turn included); every
-        way it can fail becomes a `StoreUnavailable` here, and only here."""
+        """Run `fn(db, *args)` in a worker thread within `timeout_s`, waiting for a turn
+        included; every way it can fail becomes a `StoreUnavailable` here, and only here."""
+        deadline = time.monotonic() + self.timeout_s
+
+        def bounded() -> T:
+            if db is None:
+                return fn(*args)
+            left = deadline - time.monotonic() - _MARGIN_S  # after waiting for a turn
+            if left <= 0:
+                raise trio.TooSlowError
+            db.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
+            return fn(db, *args)
+
         try:
             with trio.fail_after(self.timeout_s):
-                # abandoned on timeout: the thread keeps its limiter slot until SQLite's own
-                # busy timeout (the same) ends it, so no two threads share a connection
+                # abandoned only if SQLite hangs past its busy timeout (a stuck disk): the
+                # thread keeps its limiter slot until it ends, so no two share a connection
                 return await trio.to_thread.run_sync(
-                    fn, *args, limiter=limiter, abandon_on_cancel=True
+                    bounded, limiter=limiter, abandon_on_cancel=True
                 )
         except trio.TooSlowError:
-            raise StoreUnavailable(
-                f"The response store did not answer within {self.timeout_s:g} s "
-                f"(--store-timeout), so {what}."
-            ) from None
+            why = ""
         except sqlite3.Error as exc:
-            raise StoreUnavailable(f"The response store failed ({exc}), so {what}.") from exc
+            name = getattr(exc, "sqlite_errorname", "")
+            if not name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+                raise StoreUnavailable(f"The response store failed ({exc}), so {what}.") from exc
+            why = ": another writer holds its lock"
+        raise StoreUnavailable(
+            f"The response store did not answer within {self.timeout_s:g} s (--store-timeout)"
+            f"{why}, so {what}."
+        )
 
     async def _read(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         if self._memory:
-            return await self._call(self._read_limiter, what, fn, self._db, *args)
+            return await self._call(self._read_limiter, what, self._db, fn, *args)
         async with self._read_limiter:  # as many idle readers as free slots
             reader = self._readers.pop() if self._readers else None
             if reader is None:
-                reader = await self._call(trio.CapacityLimiter(1), what, self._connect)
+                reader = await self._call(trio.CapacityLimiter(1), what, None, self._connect)
                 self._all_readers.append(reader)
             # a reader whose call failed may still be busy in an abandoned thread: not reused
-            result = await self._call(trio.CapacityLimiter(1), what, fn, reader, *args)
+            result = await self._call(trio.CapacityLimiter(1), what, reader, fn, *args)
             self._readers.append(reader)
             return result
 
     # -- blocking bodies, run in a worker thread -------------------------------------------
 
-    def _put(self, stored: StoredResponse) -> None:
+    def _put(self, db: sqlite3.Connection, stored: StoredResponse) -> None:
         response = stored.response
         row = (
             response.id,
@@ -206,17 +230,17 @@ class SQLiteStore:
             orjson.dumps(converter.unstructure(stored.items)),
             stored.owner,
         )
-        with self._db:  # one transaction: all of it, or none of it
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(
+        with db:  # one transaction: all of it, or none of it
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(
                 "INSERT OR REPLACE INTO responses (id, previous_response_id, created_at, "
                 "stored_at, response, items, owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
-            self._db.execute(
+            db.execute(
                 "DELETE FROM responses WHERE stored_at < ?", (self._clock() - self.max_age_s,)
             )
-            self._db.execute(
+            db.execute(
                 "DELETE FROM responses WHERE id IN (SELECT id FROM responses "
                 "ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
                 (self.max_responses,),
@@ -261,6 +285,7 @@ class SQLiteStore:
         await self._call(
             self._write_limiter,
             "the response could not be stored; retry, or send it with store: false",
+            self._db,
             self._put,
             stored,
         )
