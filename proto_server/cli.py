@@ -24,7 +24,7 @@ from proto_server.engine.model_files import INSTALL_HINT, ModelError
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
 from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import SQLiteStore
@@ -208,6 +208,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="launched dialect: response.create frames that may wait behind the one in flight",
     )
     serve.add_argument(
+        "--max-memory",
+        type=_positive(int),
+        default=defaults.max_memory_bytes // MiB,
+        metavar="MIB",
+        help="memory the process may keep for its clients (rollouts, queued and in-preparation "
+        "requests); past it the idlest cached or suspended rollouts are let go, then requests "
+        "are refused with server_busy (503)",
+    )
+    serve.add_argument(
+        "--max-connection-memory",
+        type=_positive(int),
+        default=defaults.max_connection_memory_bytes // MiB,
+        metavar="MIB",
+        help="memory one connection may make the server keep (its rollouts and queued "
+        "requests); past it its own idle cache is let go, then requests are refused with "
+        "connection_memory_limit",
+    )
+    serve.add_argument(
+        "--prepare-threads",
+        type=_positive(int),
+        default=defaults.prepare_threads,
+        metavar="N",
+        help="worker threads that decode and render large requests off the event loop",
+    )
+    serve.add_argument(
         "--no-merge-deltas",
         dest="merge_deltas",
         action="store_false",
@@ -377,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suspend_timeout_s": args.suspend_timeout,
         "max_suspended_rollouts": args.max_suspended_rollouts,
         "shutdown_grace_s": args.shutdown_grace,
+        "max_memory_bytes": args.max_memory * MiB,
+        "max_connection_memory_bytes": args.max_connection_memory * MiB,
+        "prepare_threads": args.prepare_threads,
     }
     try:
         if args.store != ":memory:":

@@ -26,6 +26,7 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.toolcalls import ToolCallParser
 from proto_server.wire.tools import function_tools
@@ -72,6 +73,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class LocalGenerator:
     """A loaded model shared by every rollout; each rollout gets a session with its own cache."""
+
+    #: Forcing a call needs constrained decoding of its arguments, which this generator lacks.
+    forces_tool_calls = False
 
     def __init__(
         self,
@@ -162,11 +166,20 @@ class LocalSession:
         keep, _ = await self._extend(prompt)
         return Prefilled(prompt_tokens=len(prompt), cached_tokens=keep)
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        """Decode at most `limits.max_output_tokens` (and `--max-tokens`); `tool_choice: none`
+        or no calls left: the parser is offered no tools, so whatever the model writes is text.
+        A call the request forces (`required`, a named function) cannot be forced yet."""
+        if limits.must_call:
+            raise GenerationRefused(
+                "unsupported_tool_choice",
+                f"the local generator ({self._generator.name}) cannot force a tool call yet; "
+                'send tool_choice "auto" or "none".',
+            )
         prompt = [*self._conversation.tokens, *self._generator.renderer.generation_prompt]
         keep, logits = await self._extend(prompt)
         await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
-        await self._decode(logits, send)
+        await self._decode(logits, send, limits)
 
     async def _extend(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
         """Keep the cache's longest prefix of `prompt`, prefill the rest (at least one token,
@@ -185,15 +198,23 @@ class LocalSession:
             )
         return keep, logits
 
-    async def _decode(self, logits: torch.Tensor, send: trio.MemorySendChannel[Chunk]) -> None:
+    async def _decode(
+        self,
+        logits: torch.Tensor,
+        send: trio.MemorySendChannel[Chunk],
+        limits: GenerationLimits,
+    ) -> None:
         generator = self._generator
-        parser = ToolCallParser(self._tool_names)
+        parser = ToolCallParser(self._tool_names, max_calls=limits.max_calls)
         text = _Detokenizer(generator.tokenizer)
         generated: list[int] = []
         stop_tokens = 0
         incomplete = None
+        most = generator.max_tokens
+        if limits.max_output_tokens is not None:
+            most = min(most, limits.max_output_tokens)
         while True:
-            if len(generated) >= generator.max_tokens:
+            if len(generated) >= most:
                 incomplete = "max_output_tokens"
                 break
             token = generator.choose(logits, generated)

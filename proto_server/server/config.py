@@ -52,6 +52,17 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     #: Launched dialect: `response.create` frames that may wait behind the one in flight.
     max_queued_requests: int = 8
+    #: What the whole process keeps for its clients (rollouts, queued and in-preparation
+    #: requests); past it the idlest cached or suspended rollouts are let go, then requests are
+    #: refused with `server_busy` (503).
+    max_memory_bytes: int = attrs.field(default=2048 * MiB, validator=attrs.validators.ge(MiB))
+    #: What one connection may make the server keep (its rollouts and queued requests); past it
+    #: its own idle cache is let go, then requests are refused with `connection_memory_limit`.
+    max_connection_memory_bytes: int = attrs.field(
+        default=256 * MiB, validator=attrs.validators.ge(MiB)
+    )
+    #: Worker threads that decode and render large requests off the event loop.
+    prepare_threads: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     #: Bearer keys accepted on the WebSocket handshake and on HTTP; empty means no auth.
     #: Each key is a tenant: what one stores, another cannot read, continue or compact.
     api_keys: tuple[str, ...] = attrs.field(default=(), validator=_no_blank_keys, repr=False)

@@ -23,8 +23,10 @@ import trio
 from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
+from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
 from proto_server.server.logs import log
+from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
@@ -124,8 +126,22 @@ async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: Request
     `handshake_timeout_s`; a malformed request is answered 400 and its connection closed."""
     conn = head.connection
     request: h11.Request | None = head.request
+    budget = server.connection_budget()
+    try:
+        await _serve_requests(server, stream, conn, request, budget)
+    finally:
+        budget.close()
+
+
+async def _serve_requests(
+    server: ProtoServer,
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    request: h11.Request | None,
+    budget: MemoryBudget,
+) -> None:
     while request is not None:
-        exchange = _Exchange(server, stream, conn, request)
+        exchange = _Exchange(server, stream, conn, request, budget)
         try:
             try:
                 await exchange.serve()
@@ -160,8 +176,10 @@ class _Exchange:
         stream: trio.abc.Stream,
         conn: h11.Connection,
         request: h11.Request,
+        budget: MemoryBudget,
     ) -> None:
         self.server = server
+        self.budget = budget
         self.stream = stream
         self.conn = conn
         self.method = request.method.decode()
@@ -218,12 +236,20 @@ class _Exchange:
             )
         return chain_items(chain)
 
+    async def _decode(self, body: bytes) -> ResponseCreate:
+        """The body as a create, decoded off the event loop when it is large, while the process
+        budget holds the peak memory that may take."""
+        with self.server.memory.reserve(PREPARING_FACTOR * len(body), "This request"):
+            return await self.server.offload.run(
+                decode_request_body, body, ResponseCreate, size=len(body)
+            )
+
     async def _create(self) -> None:
         body = await self._body()
         observer = self.server.observer
         if observer is not None:
             observer.received()
-        create = decode_request_body(body, ResponseCreate)
+        create = await self._decode(body)
         if observer is not None:
             observer.decoded()
         if create.background:
@@ -233,15 +259,18 @@ class _Exchange:
                 "result from the stream or the response body.",
                 param="background",
             )
+        await self.server.offload.run(self.server.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[ServerEvent](
             self.server.config.client_queue_events
         )
-        loop = self.server.begin_response(
+        loop = await self.server.begin_response(
             create,
             send,
+            budget=self.budget,
             history=history,
             source="store" if history else "fresh",
+            size=len(body),
             owner=self.owner,
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
@@ -291,7 +320,8 @@ class _Exchange:
         await self._json(200, converter.unstructure(stored.response))
 
     async def _compact(self) -> None:
-        create = decode_request_body(await self._body(), ResponseCreate)
+        body = await self._body()
+        create = await self._decode(body)
         if not create.model:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
@@ -300,11 +330,14 @@ class _Exchange:
         check_compactions(new_items, self.server.compaction_key)
         items = [*await self._history(create.previous_response_id), *new_items]
         output, summary = compact(items, self.server.compaction_key)
-        renderer = self.server.renderer
-        conversation = Conversation(renderer, instructions=create.instructions)
-        conversation.extend(items)
-        input_tokens = conversation.token_count
-        output_tokens = Conversation(renderer).extend(output)
+        input_tokens, output_tokens = await self.server.offload.run(
+            _count_tokens,
+            self.server.renderer,
+            create.instructions,
+            items,
+            output,
+            size=len(body) + 1024 * len(items),
+        )
         await self._json(
             200,
             {
@@ -323,6 +356,15 @@ class _Exchange:
             },
         )
         log.debug("http.compact", extra={"items": len(items), "summary": summary})
+
+
+def _count_tokens(
+    renderer: Renderer, instructions: str | None, items: list[Item], output: list[Item]
+) -> tuple[int, int]:
+    """The tokens of a compaction's input and of its output (on a worker thread if large)."""
+    conversation = Conversation(renderer, instructions=instructions)
+    conversation.extend(items)
+    return conversation.token_count, Conversation(renderer).extend(output)
 
 
 async def _run_and_release(loop: SamplingLoop, warmup: bool) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Literal, NoReturn
 import attrs
 import orjson
 
+from proto_server.core.request import check_create, parse_tool_choice
 from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
@@ -588,12 +589,17 @@ class StreamChecker:
             codes = {code} if code else set()
             if view.phase == "streaming" and not isinstance(event, ResponseCreate):
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
+            if code is None and _forces_a_call(event):
+                codes.add("unsupported_tool_choice")
             return code is None, frozenset(codes)
         if isinstance(event, ResponseCreate):
-            if event.background:
-                return False, frozenset({"invalid_field"})
+            refusal = _refusal(event)
+            if event.background or refusal:
+                return False, frozenset({refusal or "invalid_field"})
             # served when its turn comes: its chain may be gone, the queue may be full
             codes = {"concurrent_request"}
+            if _forces_a_call(event):
+                codes.add("unsupported_tool_choice")
             if event.previous_response_id is not None:
                 codes.add("previous_response_not_found")
             return True, frozenset(codes)
@@ -608,7 +614,7 @@ class StreamChecker:
                 return "concurrent_request"
             if event.previous_response_id is not None or event.generate is False:
                 return "invalid_field"
-            return "invalid_field" if event.background else None
+            return "invalid_field" if event.background else _refusal(event)
         if view.phase in ("none", "ending"):
             return "no_open_response"
         if isinstance(event, ResponseCancel):
@@ -779,3 +785,23 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
     **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
     "error": StreamChecker._error,
 }
+
+
+def _forces_a_call(event: ClientEvent) -> bool:
+    """A create whose tool_choice forces a call: a server whose model cannot force one (the
+    local model) refuses it with `unsupported_tool_choice`, another serves it."""
+    return (
+        isinstance(event, ResponseCreate)
+        and _refusal(event) is None
+        and (parse_tool_choice(event.tool_choice).mode == "required")
+    )
+
+
+def _refusal(create: ResponseCreate) -> str | None:
+    """The code of the error a create earns beyond its decoding (`check_create`, as the server
+    runs it), or None."""
+    try:
+        check_create(create)
+    except ProtocolError as exc:
+        return exc.detail.code
+    return None

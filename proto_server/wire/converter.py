@@ -18,6 +18,8 @@ from proto_server.wire.events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
     ClientEvent,
+    NonNegativeInt,
+    PositiveInt,
     ServerEvent,
 )
 from proto_server.wire.items import (
@@ -50,6 +52,18 @@ def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
             raise InvalidValue(f"expected {name}, got {_json_kind(value)}")
         checked: Any = value
         return float(checked) if kind is float else checked  # type: ignore[return-value]
+
+    return structure
+
+
+def _at_least(least: int, name: str) -> Callable[[Any, Any], int]:
+    integer = _strict(int, "an integer")
+
+    def structure(value: Any, kind: Any) -> int:
+        number = integer(value, kind)
+        if number < least:
+            raise InvalidValue(f"expected {name}, got {number}")
+        return number
 
     return structure
 
@@ -143,6 +157,8 @@ converter.register_structure_hook(str, _strict(str, "a string"))
 converter.register_structure_hook(int, _strict(int, "an integer"))
 converter.register_structure_hook(bool, _strict(bool, "a boolean"))
 converter.register_structure_hook(float, _strict(float, "a number"))
+converter.register_structure_hook(PositiveInt, _at_least(1, "a positive integer"))
+converter.register_structure_hook(NonNegativeInt, _at_least(0, "an integer of 0 or more"))
 converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
