@@ -9,15 +9,18 @@ false` traffic goes on, and once the lock is gone the store works again by itsel
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
 
 from proto_server.server.store import SQLiteStore, StoredResponse, StoreUnavailable
+from proto_server.testing.checker import StreamChecker, o200k_count
 
 from .conftest import StartServer
+from .test_compaction import forged
 from .test_http import body, sse
-from .test_launched import create, turn
+from .test_launched import END, create, turn
 from .test_store import Locker
 from .wsclient import connect
 
@@ -120,3 +123,50 @@ async def test_a_lookup_the_store_cannot_answer_is_refused_and_the_connection_li
     assert (chained.status_code, chained.json()["error"]["code"]) == (503, "store_unavailable")
     assert health.status_code == 200
     assert running.server.crashed_connections == 0
+
+
+def outcome(event: dict[str, Any]) -> tuple[str, str | None]:
+    if event["type"] == "error":
+        return "error", event["error"]["code"]
+    error = event["response"]["error"]
+    return event["type"], None if error is None else error["code"]
+
+
+async def test_the_stream_checker_accepts_what_a_failing_store_makes_the_server_say(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """`response.failed` after a whole output, `store_unavailable` for a lookup, and a refused
+    forged compaction item keep every invariant of the stream checker."""
+    path = tmp_path / "responses.sqlite3"
+    locked = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.3))
+    unreadable = await start_server(TEXT, store=UnreadableStore())
+    frames = [
+        create(store=True, tools=[]),
+        create(store=True, tools=[], previous_response_id="resp_x"),
+        create(store=False, tools=[], input=[forged()]),
+        create(store=False, tools=[]),
+    ]
+    expected = {
+        "locked": ("previous_response_not_found", "resp_x is simply not there"),
+        "unreadable": ("store_unavailable", "the lookup itself failed"),
+    }
+    with trio.fail_after(10):
+        for name, running in (("locked", locked), ("unreadable", unreadable)):
+            checker = StreamChecker(dialect="launched", count_tokens=o200k_count)
+            outcomes = []
+            async with connect(running.address.ws_url) as client:
+                with Locker(path):
+                    for frame in frames:
+                        checker.sent(frame)
+                        await client.send(frame)
+                        events = await client.until(*END)
+                        for event in events:
+                            checker.received(event)
+                        outcomes.append(outcome(events[-1]))
+            checker.finish()
+            assert outcomes == [
+                ("response.failed", "store_unavailable"),
+                ("error", expected[name][0]),
+                ("error", "invalid_field"),
+                ("response.completed", None),
+            ], expected[name][1]
