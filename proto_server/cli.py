@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sqlite3
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
+from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import SQLiteStore
 
 if TYPE_CHECKING:
@@ -48,6 +50,42 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _store_location(text: str) -> str:
+    """`:memory:` or a file path; a URL is refused before anything is created."""
+    if scheme := re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text):
+        raise argparse.ArgumentTypeError(
+            f"{scheme[1]}:// URLs are not supported by this build; pass a file path or :memory:"
+        )
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty; pass a file path or :memory:")
+    return text
+
+
+_store_location.__name__ = "store"
+
+
+def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys from --api-key, else from PROTO_SERVER_API_KEYS; a blank one, or a list that
+    holds none, is refused (ValueError) rather than turning auth off or letting `Bearer` in."""
+    if flags is not None:
+        if any(not key.strip() for key in flags):
+            raise ValueError("--api-key must not be empty or blank; pass the key itself")
+        return tuple(key.strip() for key in flags)
+    if API_KEYS_ENV not in environ:
+        return ()
+    keys = [key.strip() for key in environ[API_KEYS_ENV].split(",")]
+    if not any(keys):
+        raise ValueError(
+            f"{API_KEYS_ENV} holds no key; set it to k1,k2,... or unset it to run without auth"
+        )
+    if not all(keys):
+        raise ValueError(
+            f"{API_KEYS_ENV} holds an empty key (a stray comma?); set it to k1,k2,... "
+            "with no blank entries"
+        )
+    return tuple(keys)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,22 +240,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--store",
+        type=_store_location,
         default=str(default_store_path()),
         metavar="PATH",
-        help="SQLite file for store: true responses; ':memory:' keeps them in memory",
+        help="SQLite file for store: true responses; ':memory:' keeps them in memory "
+        "(URLs such as postgresql:// are not supported by this build)",
     )
     serve.add_argument(
         "--store-max-responses",
-        type=int,
+        type=_positive(int),
         default=100_000,
-        help="retention: the newest this many stored responses are kept",
+        metavar="N",
+        help="retention: the newest this many stored responses are kept (a positive integer)",
     )
     serve.add_argument(
         "--store-max-age",
-        type=float,
+        type=_positive(float),
         default=30.0,
         metavar="DAYS",
-        help="retention: stored responses older than this are deleted",
+        help="retention: stored responses older than this many days are deleted (positive)",
+    )
+    serve.add_argument(
+        "--store-timeout",
+        type=_positive(float),
+        default=defaults.store_timeout_s,
+        metavar="SECONDS",
+        help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
+        "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
+    )
+    serve.add_argument(
+        "--compaction-secret-file",
+        metavar="PATH",
+        default=None,
+        help="the secret that seals compaction items, made (mode 0600) on first start; "
+        "default: next to the --store file (STORE.compaction-secret); with :memory:, a new "
+        "secret per process",
     )
     serve.add_argument(
         "--api-key",
@@ -327,7 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    keys = args.api_key or [k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    try:
+        keys = api_keys(args.api_key, os.environ)
+    except ValueError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
     settings: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
@@ -335,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_connection_lifetime_s": args.max_connection_lifetime,
         "max_queued_requests": args.max_queued_requests,
         "merge_deltas": args.merge_deltas,
-        "api_keys": tuple(k.strip() for k in keys),
+        "api_keys": keys,
+        "store_timeout_s": args.store_timeout,
         "handshake_timeout_s": args.handshake_timeout,
         "suspend_timeout_s": args.suspend_timeout,
         "max_suspended_rollouts": args.max_suspended_rollouts,
@@ -351,10 +413,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.store,
             max_responses=args.store_max_responses,
             max_age_s=args.store_max_age * 24 * 3600,
+            timeout_s=args.store_timeout,
         )
+    except ValueError as exc:  # what argparse let through (nan, inf)
+        print(f"proto-server: {exc} (--store-max-age, --store-timeout)", file=sys.stderr)
+        return 2
     except (OSError, sqlite3.Error) as exc:
         print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
               file=sys.stderr)  # fmt: skip
+        return 2
+    secret_file = args.compaction_secret_file or (
+        None if args.store == ":memory:" else secret_path_for_store(args.store)
+    )
+    try:
+        secret = None if secret_file is None else load_or_create_secret(Path(secret_file))
+    except (OSError, ValueError) as exc:
+        print(f"proto-server: cannot use the compaction secret: {exc}; pass another "
+              "--compaction-secret-file", file=sys.stderr)  # fmt: skip
         return 2
     generator: TokenGenerator
     if args.generator == "local":
@@ -366,7 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
-    server = ProtoServer(generator, ServerConfig(**settings), store=store)
+    try:
+        config = ServerConfig(**settings)
+    except ValueError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
+    server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     try:
         trio.run(partial(_serve, server, what))
     except OSError as exc:

@@ -208,6 +208,16 @@ class ResponseMachine:
         self.error = error
         return [*events, ResponseFailed(response=self.snapshot())]
 
+    def fail_unstored(self, error: ErrorDetail) -> list[ServerEvent]:
+        """An ended `store: true` Response could not be stored: it fails instead of ending as
+        decided, with its output kept, so no client is told that a lost response is done."""
+        if self.status not in (Status.COMPLETED, Status.INCOMPLETE, Status.CANCELLED):
+            raise IllegalTransition(f"cannot fail an unstored Response while {self.status.value}")
+        self.status = Status.FAILED
+        self.error = error
+        self.incomplete_reason = None
+        return [ResponseFailed(response=self.snapshot())]
+
     def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
         events = self._abandon_open_item()
         self._output_tokens += tokens

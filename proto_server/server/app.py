@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import secrets
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -22,11 +23,13 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, wrap_server_stream
 
+from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
     check_create,
+    input_items,
     parse_tool_choice,
     prepare_input,
     request_bytes,
@@ -52,7 +55,13 @@ from proto_server.server.offload import Offload
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
-from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.server.store import (
+    ANONYMOUS,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+    owner_id,
+)
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -98,11 +107,16 @@ class ProtoServer:
         *,
         renderer: Renderer | None = None,
         store: ResponseStore | None = None,
+        compaction_secret: bytes | None = None,
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
-        self.store: ResponseStore = store or SQLiteStore(":memory:")
+        self.store: ResponseStore = store or SQLiteStore(
+            ":memory:", timeout_s=self.config.store_timeout_s
+        )
+        #: Seals compaction items; without a kept secret they live as long as this process.
+        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
@@ -138,14 +152,21 @@ class ProtoServer:
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
 
-    def authorized(self, authorization: str | None) -> bool:
+    def owner(self, authorization: str | None) -> str | None:
+        """Who sends a request with this `Authorization` header: the owner id of its key (keys
+        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
         keys = self.config.api_keys
         if not keys:
-            return True
+            return ANONYMOUS
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-        )
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None  # an empty token never matches, whatever the keys
+        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return owner_id(matches[0]) if matches else None
+
+    def authorized(self, authorization: str | None) -> bool:
+        return self.owner(authorization) is not None
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -266,7 +287,8 @@ class ProtoServer:
                 )
                 await request.reject(404, extra_headers=json, body=error_body(refusal))
                 return
-            if not self.authorized(head.header(b"authorization")):
+            owner = self.owner(head.header(b"authorization"))
+            if owner is None:
                 await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
@@ -285,9 +307,9 @@ class ProtoServer:
             )
             dialect: Dialect
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery)
+                dialect = PrototypeDialect(self, connection, nursery, owner=owner)
             else:
-                dialect = LaunchedDialect(self, connection, nursery)
+                dialect = LaunchedDialect(self, connection, nursery, owner=owner)
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -303,8 +325,10 @@ class ProtoServer:
 
     def check_create(self, create: ResponseCreate) -> None:
         """Refuse, when it arrives, a create this server cannot serve: what `check_create`
-        refuses, and a forced tool call the generator cannot make."""
+        refuses, a compaction item this server did not seal, and a forced tool call the
+        generator cannot make."""
         check_create(create)
+        check_compactions(input_items(create), self.compaction_key)
         choice = parse_tool_choice(create.tool_choice)
         if choice.mode == "required" and not self.generator.forces_tool_calls:
             demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
@@ -350,6 +374,7 @@ class ProtoServer:
         *,
         budget: MemoryBudget,
         source: str,
+        owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
@@ -361,7 +386,7 @@ class ProtoServer:
         history and the input on a cold one. Rendering runs off the event loop when the input
         is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
         adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
-        `rollout` stays its caller's to close).
+        `rollout` stays its caller's to close). Stored, it belongs to `owner`.
         """
         prepared = await self.offload.run(
             partial(prepare_input, cold=rollout is None),
@@ -397,7 +422,9 @@ class ProtoServer:
 
         async def persist(machine: ResponseMachine) -> None:
             items = tuple(conversation.items[first_item:])
-            await self.store.put(StoredResponse(response=machine.snapshot(), items=items))
+            await self.store.put(
+                StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            )
 
         return SamplingLoop(
             machine,

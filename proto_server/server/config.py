@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import attrs
 
 MiB = 1024 * 1024
+
+
+def _no_blank_keys(instance: Any, attribute: attrs.Attribute[Any], keys: tuple[str, ...]) -> None:
+    """A blank key would let `Authorization: Bearer` with no token in."""
+    for key in keys:
+        if not key.strip():
+            raise ValueError(f"{attribute.name} must not hold an empty or blank key")
+
+
+def _positive_finite(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be positive and finite, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -49,4 +64,7 @@ class ServerConfig:
     #: Worker threads that decode and render large requests off the event loop.
     prepare_threads: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     #: Bearer keys accepted on the WebSocket handshake and on HTTP; empty means no auth.
-    api_keys: tuple[str, ...] = ()
+    #: Each key is a tenant: what one stores, another cannot read, continue or compact.
+    api_keys: tuple[str, ...] = attrs.field(default=(), validator=_no_blank_keys, repr=False)
+    #: Deadline of each call to the default in-memory store (the CLI's store has its own).
+    store_timeout_s: float = attrs.field(default=5.0, validator=_positive_finite)

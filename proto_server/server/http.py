@@ -6,7 +6,9 @@
     GET  /healthz                 liveness
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
-again; `previous_response_id` is served from the persisted store. Connections are kept alive.
+again; `previous_response_id` is served from the persisted store, which answers each API key
+with only its own responses. Connections are kept alive; a store that cannot answer is a 503
+(`store_unavailable`) and the connection stays open.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import h11
 import orjson
 import trio
 
-from proto_server.core.compaction import compact
+from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
@@ -27,9 +29,9 @@ from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
-from proto_server.server.store import chain_items
+from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
 
@@ -49,7 +51,7 @@ def unauthorized() -> ProtocolError:
     )
 
 
-def error_body(error: ProtocolError) -> bytes:
+def error_body(error: ProtocolError | ServerFault) -> bytes:
     return orjson.dumps({"error": converter.unstructure(error.detail)})
 
 
@@ -143,7 +145,7 @@ async def _serve_requests(
         try:
             try:
                 await exchange.serve()
-            except ProtocolError as exc:
+            except (ProtocolError, StoreUnavailable) as exc:
                 if conn.our_state is not h11.SEND_RESPONSE:
                     return  # the answer had begun; nothing sensible can be said now
                 await send_json(stream, conn, exc.status, error_body(exc))
@@ -185,14 +187,18 @@ class _Exchange:
         self.authorization = next(
             (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
         )
+        self.owner = ANONYMOUS  # whose stored responses it may see, once authorized
 
     async def serve(self) -> None:
         route = (self.method, self.path)
         if route == ("GET", "/healthz"):
             await self._json(200, {"status": "ok"})
             return
-        if self.path.startswith("/v1/") and not self.server.authorized(self.authorization):
-            raise unauthorized()
+        if self.path.startswith("/v1/"):
+            owner = self.server.owner(self.authorization)
+            if owner is None:
+                raise unauthorized()
+            self.owner = owner
         if route == ("POST", "/v1/responses"):
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
@@ -219,7 +225,7 @@ class _Exchange:
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:
             return []
-        chain = await self.server.store.chain(previous)
+        chain = await self.server.store.chain(previous, owner=self.owner)
         if chain is None:
             raise ProtocolError(
                 "previous_response_not_found",
@@ -265,6 +271,7 @@ class _Exchange:
             history=history,
             source="store" if history else "fresh",
             size=len(body),
+            owner=self.owner,
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
@@ -302,7 +309,7 @@ class _Exchange:
                 return
 
     async def _retrieve(self, response_id: str) -> None:
-        stored = await self.server.store.get(response_id)
+        stored = await self.server.store.get(response_id, owner=self.owner)
         if stored is None:
             raise ProtocolError(
                 "response_not_found",
@@ -319,8 +326,10 @@ class _Exchange:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
-        items = [*await self._history(create.previous_response_id), *input_items(create)]
-        output, summary = compact(items)
+        new_items = input_items(create)
+        check_compactions(new_items, self.server.compaction_key)
+        items = [*await self._history(create.previous_response_id), *new_items]
+        output, summary = compact(items, self.server.compaction_key)
         input_tokens, output_tokens = await self.server.offload.run(
             _count_tokens,
             self.server.renderer,
