@@ -17,6 +17,7 @@ import pytest
 from .requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
+require("llguidance", MODEL_EXTRA)
 
 import torch
 import trio

@@ -29,7 +29,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -105,6 +104,22 @@ def call_grammar(
     return llguidance.LLMatcher.grammar_from_lark("\n".join([*start, *calls, *rules]))
 
 
+def byte_level_json(backend: Any) -> str:
+    """The tokenizer as llguidance reads it (`tokenizer.json`), its decoder fixed for byte-level
+    vocabularies: transformers' GGUF conversion decodes with [ByteFallback, Fuse, Replace,
+    ByteLevel], and llguidance, seeing ByteFallback, would read `Ġ"` as those two characters'
+    bytes rather than ` "`, so its masks would be wrong wherever a token starts with a space."""
+    spec = json.loads(backend.to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders", ()) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            spec["decoder"] = byte_level[0]
+    return json.dumps(spec)
+
+
 class Guide:
     """The model's vocabulary as llguidance reads it: built once per generator, on the first
     constrained segment (about a second for SmolLM2's 49,152 tokens)."""
@@ -118,15 +133,15 @@ class Guide:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._stop_ids
-                )
-            except ValueError as exc:  # a slow (Python) tokenizer
+            backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
+            if backend is None:
                 raise GenerationRefused(
                     "unsupported_tool_choice",
-                    f"constrained decoding needs a fast tokenizer ({exc})",
-                ) from exc
+                    "constrained decoding needs a fast (Rust) tokenizer; this model has none",
+                )
+            self._tokenizer = llguidance.LLTokenizer(
+                byte_level_json(backend), n_vocab=self._vocab_size, eos_token=self._stop_ids
+            )
         return self._tokenizer
 
     def constrain(
