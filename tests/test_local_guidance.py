@@ -247,6 +247,40 @@ async def test_a_forced_call_over_the_server_suspends_and_resumes(
     assert generator.live_caches == 0
 
 
+class SlowTokenizer:
+    """A tokenizer without a Rust backend, which llguidance cannot read."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._tokenizer, name)
+
+
+async def test_without_a_fast_tokenizer_a_forced_call_is_refused_when_it_arrives(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    """No grammar: `required` gets a typed error, `auto` with a strict tool runs free."""
+    generator = make(SlowTokenizer(tokenizer), greedy, max_tokens=4)
+    assert not generator.forces_tool_calls
+    session = open_session(generator)
+    assert await session._constraint(GenerationLimits()) is None
+    await session.aclose()
+    running = await serve(nursery, generator)
+    create = {"type": "response.create", "model": "tiny", "input": "hi", "tools": [EXEC, PICK]}
+    with trio.fail_after(30):
+        async with connect(running.prototype_url) as client:
+            await client.send({**create, "tool_choice": {"type": "function", "name": "pick"}})
+            (refused,) = await client.segment()
+            assert refused["type"] == "error"
+            assert refused["error"]["code"] == "unsupported_tool_choice"
+            await client.send(create)
+            assert (await client.until(*TERMINAL))[-1]["type"] == "response.incomplete"
+        await running.server.wait_idle()
+
+
 def test_the_mask_costs_little_per_token(tokenizer: Any) -> None:
     """The mask of one step, measured (a loose bound: a shared CI machine)."""
     generator = make(tokenizer, greedy)

@@ -125,22 +125,26 @@ class Guide:
     constrained segment (about a second for SmolLM2's 49,152 tokens)."""
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, stop_ids: Collection[int]) -> None:
-        self._hf_tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
 
     @property
+    def available(self) -> bool:
+        """llguidance reads fast (Rust) tokenizers only; a slow (Python) one has no grammar."""
+        return self._backend is not None
+
+    @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
-            if backend is None:
+            if self._backend is None:
                 raise GenerationRefused(
                     "unsupported_tool_choice",
                     "constrained decoding needs a fast (Rust) tokenizer; this model has none",
                 )
             self._tokenizer = llguidance.LLTokenizer(
-                byte_level_json(backend), n_vocab=self._vocab_size, eos_token=self._stop_ids
+                byte_level_json(self._backend), n_vocab=self._vocab_size, eos_token=self._stop_ids
             )
         return self._tokenizer
 

@@ -80,9 +80,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class LocalGenerator:
     """A loaded model shared by every rollout; each rollout gets a session with its own cache."""
 
-    #: A forced call is decoded under a grammar of the model's call syntax (constraints.py).
-    forces_tool_calls = True
-
     def __init__(
         self,
         model: Any,
@@ -112,6 +109,12 @@ class LocalGenerator:
         self.limiter = trio.CapacityLimiter(1)
         #: Sessions holding a KV cache right now (tests check that every exit path frees it).
         self.live_caches = 0
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """A forced call is decoded under a grammar of the model's call syntax (constraints.py),
+        which needs a fast tokenizer."""
+        return self.guide.available
 
     @property
     def threads(self) -> int:
@@ -190,18 +193,18 @@ class LocalSession:
         one); under `auto` with a `strict` tool, any call the model opens; else none."""
         if limits.max_calls == 0:
             return None
+        guide = self._generator.guide
         tools: Sequence[FunctionTool] = self._tools
         if limits.tool_choice.name is not None:
             tools = [tool for tool in tools if tool.name == limits.tool_choice.name]
-        if limits.must_call and not tools:
+        lazy = not limits.must_call
+        if lazy and not (guide.available and any(tool.strict for tool in tools)):
+            return None
+        if not tools:
             raise GenerationRefused(
                 "unsupported_tool_choice",
                 'tool_choice is "required", but the request offers no function tool to call.',
             )
-        lazy = not limits.must_call
-        if lazy and not any(tool.strict for tool in tools):
-            return None
-        guide = self._generator.guide
         return await self._generator.run(
             partial(guide.constrain, tools, max_calls=limits.max_calls, lazy=lazy)
         )
