@@ -11,12 +11,13 @@ tool's schema is followed exactly (one llguidance cannot compile refuses the seg
 other tool's schema is followed leniently (keywords llguidance does not know are ignored), or,
 if it still does not compile, any JSON object is accepted: a forced call whose arguments fit
 the tool is worth more to the agent than one that merely parses. Arguments are written as
-`json.dumps` writes them (`", "` and `": "`, no other whitespace), which is how models were
-tuned on them and keeps a runaway model from padding forever.
+`json.dumps` writes them (`", "` and `": "`, no other whitespace), as the system prompt's
+example shows them (toolcalls.describe_tools), which keeps a runaway model from padding forever.
 
 A forced call (`required`, a named function) starts at the first token. Under `auto`, when an
-offered tool is `strict`, text is free and the grammar takes over once the model writes the
-open tag (a lazy trigger), so a call it opens is a valid one.
+offered tool is `strict`, text is free (any text; of the special tokens only the end of turn)
+and the grammar takes over once the model writes the open tag (a lazy trigger), so a call it
+opens is a valid one.
 
 Each decode step computes the set of tokens the grammar allows next and masks the others out
 of the logits (`-inf`): the greedy chooser stays deterministic, it only chooses among fewer.
