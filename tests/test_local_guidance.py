@@ -23,7 +23,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
-from proto_server.engine.chunks import TextDelta, ToolCallBegin
+from proto_server.engine.chunks import Chunk, TextDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
@@ -32,7 +32,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from .test_local_model import INSTRUCTIONS, USER, make, outputs, segment, serve
+from .test_local_model import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve
 from .tinymodel import tiny_tokenizer
 from .wsclient import TERMINAL, connect
 
@@ -81,6 +81,12 @@ def open_session(generator: LocalGenerator, tools: Sequence[FunctionTool] = TOOL
     return generator.open_session(conversation)
 
 
+async def bounded(session: LocalSession, limits: GenerationLimits = NO_LIMITS) -> list[Chunk]:
+    """One segment, in a minute at most."""
+    with trio.fail_after(60):
+        return await segment(session, limits)
+
+
 def calls(items: Sequence[Item]) -> list[FunctionCall]:
     """The segment's calls, each checked against its tool's schema."""
     made = [item for item in items if isinstance(item, FunctionCall)]
@@ -106,7 +112,7 @@ class Prefers:
 async def test_required_makes_a_valid_call_to_an_offered_tool(tokenizer: Any) -> None:
     generator = make(tokenizer, greedy, max_tokens=200)
     session = open_session(generator)
-    chunks = await segment(session, REQUIRED)
+    chunks = await bounded(session, REQUIRED)
     (call,) = calls(outputs(chunks))
     assert call.name in SCHEMAS
     assert not [chunk for chunk in chunks if isinstance(chunk, TextDelta)]
@@ -118,7 +124,7 @@ async def test_a_named_function_is_the_one_called(tokenizer: Any, name: str) -> 
     """`pick` is strict: its enum, range and required fields hold."""
     generator = make(tokenizer, greedy, max_tokens=200)
     session = open_session(generator)
-    chunks = await segment(session, GenerationLimits(tool_choice=ToolChoice("required", name)))
+    chunks = await bounded(session, GenerationLimits(tool_choice=ToolChoice("required", name)))
     (call,) = calls(outputs(chunks))
     assert call.name == name
     await session.aclose()
@@ -144,7 +150,7 @@ async def test_a_forced_block_holds_at_most_the_calls_allowed(
     """The model wants two calls; when one is allowed the grammar closes the list after it."""
     generator = make(tokenizer, Prefers(tokenizer, TWO_CALLS), max_tokens=300)
     session = open_session(generator)
-    made = calls(outputs(await segment(session, limits)))
+    made = calls(outputs(await bounded(session, limits)))
     assert [(call.name, json.loads(call.arguments)) for call in made] == [
         ("pick", {"color": "red", "n": 1}),
         ("pick", {"color": "blue", "n": 2}),
@@ -159,7 +165,7 @@ async def test_a_strict_tool_under_auto_constrains_a_call_the_model_opens(
     wants = "Let me pick. " + call_text("pick", '{"color": "green", "n": 12}')
     generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=300)
     session = open_session(generator)
-    items = outputs(await segment(session))
+    items = outputs(await bounded(session))
     assert isinstance(items[0], Message) and items[0].content[0].text == "Let me pick. "
     (call,) = calls(items)
     assert call.name == "pick"
@@ -182,7 +188,7 @@ async def test_no_calls_left_means_no_grammar_and_no_call(
     text = call_text("pick", '{"color": "green"}')
     generator = make(tokenizer, Prefers(tokenizer, text), max_tokens=300)
     session = open_session(generator)
-    chunks = await segment(session, GenerationLimits(tool_choice=choice, max_tool_calls=0))
+    chunks = await bounded(session, GenerationLimits(tool_choice=choice, max_tool_calls=0))
     assert not [chunk for chunk in chunks if isinstance(chunk, ToolCallBegin)]
     assert "".join(c.text for c in chunks if isinstance(c, TextDelta)).startswith(text)
     await session.aclose()
@@ -199,12 +205,12 @@ async def test_a_strict_schema_llguidance_cannot_compile_refuses_the_segment(
     generator = make(tokenizer, greedy)
     session = open_session(generator, [odd])
     with pytest.raises(GenerationRefused, match="cannot constrain decoding") as refused:
-        await segment(session, REQUIRED)
+        await bounded(session, REQUIRED)
     assert refused.value.code == "invalid_tool_schema"
     await session.aclose()
     # not strict: the same schema, its unknown keyword ignored
     session = open_session(generator, [attrs.evolve(odd, strict=False)])
-    (call,) = [i for i in outputs(await segment(session, REQUIRED)) if isinstance(i, FunctionCall)]
+    (call,) = [i for i in outputs(await bounded(session, REQUIRED)) if isinstance(i, FunctionCall)]
     assert call.name == "odd" and isinstance(json.loads(call.arguments), dict)
     await session.aclose()
 
