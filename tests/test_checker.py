@@ -286,6 +286,17 @@ def test_an_error_must_answer_a_frame_that_could_earn_it() -> None:
         checker.received(error("unknown_call_id", 1))
 
 
+def test_a_forced_tool_call_may_be_refused_by_a_model_that_cannot_force_one() -> None:
+    checker = StreamChecker()
+    checker.sent({"type": "response.create", "tool_choice": "required"})
+    checker.received(error("unsupported_tool_choice", 0))
+    checker.finish()
+    checker = StreamChecker()
+    checker.sent({"type": "response.create"})
+    with pytest.raises(InvariantViolation, match="answers no frame"):
+        checker.received(error("unsupported_tool_choice", 0))
+
+
 def test_an_error_must_not_be_missing_or_doubled() -> None:
     checker = StreamChecker()
     checker.sent(b"\x00")

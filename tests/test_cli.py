@@ -105,6 +105,69 @@ async def test_keys_from_the_environment_turn_auth_on(nursery: trio.Nursery) -> 
     assert served.status_code == 200
 
 
+def serve_refusal(capsys: pytest.CaptureFixture[str], *flags: str, store: str = ":memory:") -> str:
+    """`proto-server serve` with `flags` must refuse to start (exit 2); what it said."""
+    from proto_server.cli import main
+
+    try:
+        code = main(["serve", "--port", "0", "--store", store, *flags])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code  # type: ignore[assignment]
+    assert code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "keys", [[""], ["  "], ["k1", ""]], ids=["empty", "blank", "empty-beside-a-real-one"]
+)
+def test_an_empty_api_key_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, keys: list[str]
+) -> None:
+    monkeypatch.delenv("PROTO_SERVER_API_KEYS", raising=False)
+    flags = [part for key in keys for part in ("--api-key", key)]
+    assert "--api-key must not be empty" in serve_refusal(capsys, *flags)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [(" , ", "holds no key"), ("", "holds no key"), ("k1,,k2", "empty key"), ("k1,", "empty key")],
+)
+def test_a_key_list_with_blanks_or_nothing_in_it_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, value: str, said: str
+) -> None:
+    monkeypatch.setenv("PROTO_SERVER_API_KEYS", value)
+    err = serve_refusal(capsys)
+    assert "PROTO_SERVER_API_KEYS" in err and said in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--store-max-responses", "0"), ("--store-max-responses", "-3"),
+     ("--store-max-age", "-1"), ("--store-max-age", "0"), ("--store-timeout", "0")],
+)  # fmt: skip
+def test_store_limits_that_would_delete_everything_refuse_to_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str
+) -> None:
+    err = serve_refusal(capsys, f"{flag}={value}", store=str(tmp_path / "store.sqlite3"))
+    assert f"argument {flag}: must be positive, got {value}" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["postgresql://user@db.example/responses", "sqlite:///x.db"])
+def test_a_store_url_is_refused_and_creates_nothing(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    url: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = serve_refusal(capsys, store=url)
+    scheme = url.split(":")[0]
+    assert f"argument --store: {scheme}:// URLs are not supported by this build" in err
+    assert "pass a file path or :memory:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 BAD_FLAGS = [
     ("--port", "70000", "must be between 0 and 65535, got 70000"),
     ("--port", "-1", "must be between 0 and 65535, got -1"),

@@ -58,20 +58,19 @@ def codex(version: str) -> list[str]:
     return ["node", str(launcher)]
 
 
-def three_files(out: Path) -> dict[str, Any]:
-    """Two tool rounds, the second with two parallel calls, then a final message."""
+def three_files(out: Path, *, parallel: bool) -> dict[str, Any]:
+    """Two tool rounds, the second with two parallel calls, then a final message; for a client
+    that sends `parallel_tool_calls: false` (Codex 0.107) the two calls are two rounds."""
+    b = {"name": "exec_command", "arguments": {"cmd": f"touch {out}/b"}}
+    c = {"name": "exec_command", "arguments": {"cmd": f"echo ran > {out}/c"}}
+    rounds = [{"tool_calls": [b, c]}] if parallel else [{"tool_calls": [b]}, {"tool_calls": [c]}]
     return {
         "segments": [
             {
                 "text": "Creating the first file.",
                 "tool_calls": [{"name": "exec_command", "arguments": {"cmd": f"touch {out}/a"}}],
             },
-            {
-                "tool_calls": [
-                    {"name": "exec_command", "arguments": {"cmd": f"touch {out}/b"}},
-                    {"name": "exec_command", "arguments": {"cmd": f"echo ran > {out}/c"}},
-                ]
-            },
+            *rounds,
             {"text": "All three files are in place."},
         ]
     }
@@ -85,12 +84,13 @@ async def codex_rollout(
     *,
     features: str = "",
     websockets: bool = True,
+    parallel: bool = True,
 ) -> Running:
     """Serve `three_files`, run `codex exec` against it, and check Codex really ran the calls."""
     command = codex(version)
     out = tmp_path / "out"
     out.mkdir()
-    running = await start_server(three_files(out))
+    running = await start_server(three_files(out, parallel=parallel))
     caplog.set_level(logging.DEBUG, logger="proto_server")
     home = tmp_path / "codex-home"
     home.mkdir()
@@ -127,16 +127,16 @@ async def test_codex_0107_runs_a_whole_rollout_as_one_response(
     start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     running = await codex_rollout(
-        start_server, "0.107", tmp_path, caplog, features=PROTOTYPE_FEATURES
+        start_server, "0.107", tmp_path, caplog, features=PROTOTYPE_FEATURES, parallel=False
     )
     # ...over one connection: one response.create, then only appends
     opened = log_lines(caplog, "connection.opened")
     assert [(r.dialect, r.path) for r in opened] == [("prototype", "/v1/responses")]
     frames = log_lines(caplog, "client.event")
     assert {r.connection for r in frames} == {opened[0].connection}
-    assert [r.type for r in frames] == ["response.create", "response.append", "response.append"]
+    assert [r.type for r in frames] == ["response.create"] + ["response.append"] * 3
     assert not log_lines(caplog, "client.refused")
-    (record,) = running.server.turns  # one Response, three segments
+    (record,) = running.server.turns  # one Response, four segments
     assert record.cached_tokens > 0
 
 

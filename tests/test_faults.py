@@ -25,6 +25,7 @@ from trio_websocket import ConnectionClosed
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.testing import CheckedClient, connect_checked, o200k_count
 
@@ -60,6 +61,8 @@ async def suspended(
 class FaultyGenerator:
     """A simulated generator whose sessions raise after `after` chunks of a segment."""
 
+    forces_tool_calls = True
+
     def __init__(self, inner: SimulatedGenerator, after: int) -> None:
         self.inner = inner
         self.after = after
@@ -73,10 +76,10 @@ class FaultySession:
         self.inner = inner
         self.after = after
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
         proxy_send, proxy_receive = trio.open_memory_channel[Chunk](0)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.inner.generate, proxy_send)
+            nursery.start_soon(self.inner.generate, proxy_send, limits)
             count = 0
             async for chunk in proxy_receive:
                 if count == self.after:
@@ -118,6 +121,8 @@ async def test_a_generator_raising_mid_segment_fails_the_response_not_the_connec
 class CountingGenerator:
     """Counts the chunks its sessions managed to hand to the sampling loop."""
 
+    forces_tool_calls = True
+
     def __init__(self, inner: SimulatedGenerator) -> None:
         self.inner = inner
         self.chunks = 0
@@ -127,13 +132,15 @@ class CountingGenerator:
         session = self.inner.open_session(conversation)
 
         class Counting:
-            async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
+            async def generate(
+                self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits
+            ) -> None:
                 class Send:
                     async def send(self, chunk: Chunk) -> None:
                         await send.send(chunk)
                         generator.chunks += 1
 
-                await session.generate(Send())  # type: ignore[arg-type]
+                await session.generate(Send(), limits)  # type: ignore[arg-type]
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(session, name)

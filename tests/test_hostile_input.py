@@ -25,6 +25,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
 from proto_server.core.request import input_items, response_template
+from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import BoundAddress, ProtoServer
@@ -532,7 +533,7 @@ async def test_tools_with_any_schema_are_carried() -> None:
     """Strange but legal tools (deep schemas under the limit, unknown types) are served."""
     async with serving() as (_, address):
         schema: Any = {"type": "object"}
-        for _ in range(40):
+        for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):  # as deep as the tool schema budget allows
             schema = {"type": "object", "properties": {"inner": schema}}
         tools = [{**EXEC_COMMAND, "parameters": schema}, {"type": "web_search"}, "bare_name"]
         async with connect_checked(f"{address.ws_url}?dialect=prototype") as client:

@@ -17,6 +17,7 @@ import pytest
 from .requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
+require("llguidance", MODEL_EXTRA)
 
 import torch
 import trio
@@ -24,16 +25,19 @@ import trio
 from proto_server.bench.local import Turn, measure, table
 from proto_server.cli import main
 from proto_server.core.conversation import Conversation
+from proto_server.core.request import ToolChoice
 from proto_server.engine import model_files
 from proto_server.engine.chat_template import ChatTemplateRenderer, TemplateError
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
+    SegmentEnd,
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallBegin,
     ToolCallEnd,
 )
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.toolcalls import call_text, describe_tools
 from proto_server.server.app import ProtoServer
@@ -72,10 +76,13 @@ def make(tokenizer: Any, choose: Any, **options: Any) -> LocalGenerator:
     return LocalGenerator(tiny_llama(), tokenizer, threads=1, choose=choose, **options)
 
 
-async def segment(session: LocalSession) -> list[Chunk]:
+NO_LIMITS = GenerationLimits()
+
+
+async def segment(session: LocalSession, limits: GenerationLimits = NO_LIMITS) -> list[Chunk]:
     send, receive = trio.open_memory_channel[Chunk](1000)
     async with send:
-        await session.generate(send)
+        await session.generate(send, limits)
     return [chunk async for chunk in receive]
 
 
@@ -441,3 +448,40 @@ async def test_a_launched_warm_up_prefills_and_the_next_turn_reads_nothing_again
     opening = len(generator.renderer.generation_prompt)
     assert usage["input_tokens"] == conversation.token_count + opening
     assert usage["input_tokens_details"]["cached_tokens"] == conversation.token_count
+
+
+# -- the request's limits (issue 10) --------------------------------------------------------------
+
+
+def decoded(chunks: Sequence[Chunk]) -> int:
+    """Output tokens the chunks of one segment carry (what usage counts)."""
+    return sum(
+        chunk.tokens
+        for chunk in chunks
+        if isinstance(chunk, TextDelta | ToolCallBegin | ToolCallArgumentsDelta | SegmentEnd)
+    )
+
+
+async def open_with_user(generator: LocalGenerator) -> LocalSession:
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=TOOLS)
+    conversation.extend([USER])
+    return generator.open_session(conversation)
+
+
+async def test_max_output_tokens_caps_the_local_decode(tokenizer: Any) -> None:
+    generator = make(tokenizer, Scripted(tokenizer, ["A long answer that goes on and on."]))
+    session = await open_with_user(generator)
+    chunks = await segment(session, GenerationLimits(max_output_tokens=3))
+    end = chunks[-1]
+    assert isinstance(end, SegmentEnd) and end.incomplete == "max_output_tokens"
+    assert decoded(chunks) == 3
+    await session.aclose()
+
+
+async def test_tool_choice_none_makes_a_written_call_plain_text(tokenizer: Any) -> None:
+    generator = make(tokenizer, Scripted(tokenizer, [CALL]))
+    session = await open_with_user(generator)
+    chunks = await segment(session, GenerationLimits(tool_choice=ToolChoice("none")))
+    assert not [c for c in chunks if isinstance(c, ToolCallBegin)]
+    assert "".join(c.text for c in chunks if isinstance(c, TextDelta)) == CALL
+    await session.aclose()

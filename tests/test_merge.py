@@ -11,6 +11,8 @@ import trio.testing
 
 from proto_server.core.merge import merge_deltas
 from proto_server.server.connection import Connection
+from proto_server.server.memory import MemoryBudget, MiB
+from proto_server.server.offload import Offload
 from proto_server.server.outbox import Outbox
 from proto_server.wire.events import (
     ClientEvent,
@@ -82,7 +84,7 @@ class GatedWebSocket:
 
 
 class NoDialect:
-    def handle(self, event: ClientEvent) -> None:
+    async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         raise AssertionError("no client events in this test")
 
     async def drain(self) -> None:
@@ -100,7 +102,13 @@ class Sent:
 async def test_a_connection_writer_that_fell_behind_sends_one_frame_for_what_piled_up() -> None:
     ws = GatedWebSocket()
     observer = Sent()
-    connection = Connection(ws, queue_events=64, observer=observer)  # type: ignore[arg-type]
+    connection = Connection(
+        ws,  # type: ignore[arg-type]
+        budget=MemoryBudget(MiB, flag="--max-connection-memory", name="connection"),
+        offload=Offload(threads=1),
+        queue_events=64,
+        observer=observer,
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(connection.run, nursery, NoDialect(), lifetime_s=1e9))
         connection.events.send_nowait(text("The "))

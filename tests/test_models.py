@@ -9,12 +9,15 @@ import pytest
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
 from proto_server.engine.default_model import DefaultModel, example_value
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import ScriptError, load_script, parse_script
 from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.tools import Tool
 
 from .conftest import EXEC_COMMAND, THREE_SEGMENTS
+
+NO_LIMITS = GenerationLimits()
 
 
 def conv(*tools: dict[str, object]) -> Conversation:
@@ -27,10 +30,10 @@ def conv(*tools: dict[str, object]) -> Conversation:
 def test_a_script_follows_the_conversation() -> None:
     script = parse_script(THREE_SEGMENTS)
     c = conv(EXEC_COMMAND)
-    assert script.plan(c).text == "Let me look."
+    assert script.plan(c, NO_LIMITS).text == "Let me look."
     c.extend([FunctionCall(call_id="a", name="exec_command", arguments="{}")])
     c.extend([FunctionCallOutput(call_id="a", output="x")])
-    assert [call.arguments for call in script.plan(c).tool_calls] == [
+    assert [call.arguments for call in script.plan(c, NO_LIMITS).tool_calls] == [
         '{"cmd":"cat a.py"}',
         '{"cmd":"cat b.py"}',
     ]
@@ -40,7 +43,7 @@ def test_a_script_error_about_thousands_of_offered_tools_stays_small() -> None:
     script = parse_script({"segments": [{"tool_calls": [{"name": "missing"}]}]})
     tools = [{"type": "function", "name": f"tool_{i}"} for i in range(3_000)]
     with pytest.raises(ScriptError) as error:
-        script.plan(conv(*tools))
+        script.plan(conv(*tools), NO_LIMITS)
     assert len(str(error.value)) < 500
     assert "offered 3,000, e.g. 'tool_0'" in str(error.value)
 
@@ -50,7 +53,7 @@ def test_an_exhausted_script_says_so() -> None:
     c = conv()
     c.extend([Message(role="assistant", content="only")])
     with pytest.raises(ScriptError, match="1 segment"):
-        script.plan(c)
+        script.plan(c, NO_LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +84,7 @@ def test_load_script_reads_json(tmp_path: pytest.TempPathFactory) -> None:
 
 
 def test_the_default_model_answers_in_text_without_tools() -> None:
-    segment = DefaultModel().plan(conv())
+    segment = DefaultModel().plan(conv(), NO_LIMITS)
     assert segment.tool_calls == ()
     assert "please check the weather" in segment.text
 
@@ -102,7 +105,7 @@ def test_the_default_model_calls_a_tool_with_schema_built_arguments() -> None:
         },
     }
     # the user named "weather", so that tool is chosen over the first one offered
-    segment = DefaultModel().plan(conv(EXEC_COMMAND, weather))
+    segment = DefaultModel().plan(conv(EXEC_COMMAND, weather), NO_LIMITS)
     (call,) = segment.tool_calls
     assert call.name == "weather"
     assert json.loads(call.arguments) == {"city": "Paris", "unit": "c", "days": 1}
@@ -110,11 +113,11 @@ def test_the_default_model_calls_a_tool_with_schema_built_arguments() -> None:
 
 def test_the_default_model_refers_to_tool_outputs() -> None:
     c = conv(EXEC_COMMAND)
-    call = DefaultModel().plan(c).tool_calls[0]
+    call = DefaultModel().plan(c, NO_LIMITS).tool_calls[0]
     assert json.loads(call.arguments) == {"cmd": "echo hello from proto-server"}
     c.extend([FunctionCall(call_id="a", name=call.name, arguments=call.arguments)])
     c.extend([FunctionCallOutput(call_id="a", output="hello from proto-server\n")])
-    segment = DefaultModel().plan(c)
+    segment = DefaultModel().plan(c, NO_LIMITS)
     assert segment.tool_calls == ()
     assert "exec_command" in segment.text and "hello from proto-server" in segment.text
 

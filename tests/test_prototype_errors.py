@@ -284,6 +284,8 @@ def server_tasks() -> list[str]:
 class RecordingGenerator:
     """Wraps a generator and keeps every session it opens, to check they were all closed."""
 
+    forces_tool_calls = True
+
     def __init__(self, inner: SimulatedGenerator) -> None:
         self.inner = inner
         self.sessions: list[SimulatedSession] = []

@@ -11,6 +11,7 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
 from proto_server.core.tokenizer import o200k_base
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, TextDelta, ToolCallEnd
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.wire.converter import converter
@@ -34,7 +35,7 @@ async def run_segment(session: SimulatedSession) -> list[tuple[float, Chunk]]:
     timeline: list[tuple[float, Chunk]] = []
     send, receive = trio.open_memory_channel[Chunk](math.inf)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(session.generate, send)
+        nursery.start_soon(session.generate, send, GenerationLimits())
         async for chunk in receive:
             timeline.append((trio.current_time(), chunk))
             if isinstance(chunk, SegmentEnd):

@@ -32,9 +32,11 @@ class Parsed:
     called: bool
 
 
-def parse(pieces: list[str], names: tuple[str, ...] = NAMES) -> Parsed:
+def parse(
+    pieces: list[str], names: tuple[str, ...] = NAMES, max_calls: int | None = None
+) -> Parsed:
     """Feed each piece as one token; check the chunk grammar and that every token is counted."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, max_calls=max_calls)
     chunks: list[Chunk] = []
     for piece in pieces:
         chunks += parser.feed(piece, 1)
@@ -157,6 +159,17 @@ def test_hermes_style_single_object_and_several_calls_in_a_list() -> None:
             ("read_file", '{"path": "a.py"}'),
             ("exec_command", '{"cmd": "ls"}'),
         ]
+
+
+def test_a_block_with_more_calls_than_allowed_keeps_the_first_and_every_token() -> None:
+    """parallel_tool_calls: false or max_tool_calls: the request's limit, whatever was written."""
+    two = (
+        '<tool_call>[{"name": "read_file", "arguments": {"path": "a.py"}}, '
+        '{"name": "exec_command", "arguments": {"cmd": "ls"}}]</tool_call>'
+    )
+    for pieces in splits(two):
+        assert parse(pieces, max_calls=1).calls == [("read_file", '{"path": "a.py"}')]
+    assert parse(list(two), max_calls=0).text == two  # no call allowed: tags are plain text
 
 
 def test_arguments_given_as_a_json_string_are_unwrapped() -> None:

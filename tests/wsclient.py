@@ -48,8 +48,12 @@ class Client:
 
 
 @asynccontextmanager
-async def connect(url: str, **headers: str) -> AsyncIterator[Client]:
-    async with open_websocket_url(url, extra_headers=list(headers.items())) as ws:
+async def connect(
+    url: str, *, max_message_size: int = 1024 * 1024, **headers: str
+) -> AsyncIterator[Client]:
+    async with open_websocket_url(
+        url, extra_headers=list(headers.items()), max_message_size=max_message_size
+    ) as ws:
         yield Client(ws)
 
 

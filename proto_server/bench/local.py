@@ -25,6 +25,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message, OutputText
 from proto_server.wire.tools import FunctionTool
@@ -85,7 +86,7 @@ async def timed_segment(session: LocalSession) -> Segment:
 
 async def _generate(session: LocalSession, send: trio.MemorySendChannel[Chunk]) -> None:
     async with send:
-        await session.generate(send)
+        await session.generate(send, GenerationLimits())
 
 
 def said(chunks: Sequence[Chunk]) -> list[Item]:

@@ -1,9 +1,17 @@
-"""The Conversation of a rollout: its items and their rendered tokens, extended incrementally."""
+"""The Conversation of a rollout: its items and their rendered tokens, extended incrementally.
+
+Rendering is the one piece of a turn's preparation that grows with what the client sent, so it
+is split from extending: `render_items` is pure and safe to run on a worker thread, and
+`extend_rendered` only appends what it produced. `extend` does both, for small inputs.
+"""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+
+import attrs
+import orjson
 
 from proto_server.core.render import Renderer
 from proto_server.wire.items import (
@@ -14,8 +22,19 @@ from proto_server.wire.items import (
     Item,
     Message,
     UnknownItem,
+    UnknownPart,
 )
 from proto_server.wire.tools import Tool
+
+#: What an item costs in memory beyond its text: the attrs object, its strings' headers, its
+#: place in the lists. Calibrated with tracemalloc (tests/test_memory_budget.py checks it).
+ITEM_OVERHEAD_BYTES = 240
+#: A content part's object and headers.
+PART_OVERHEAD_BYTES = 200
+#: Decoded JSON kept as Python dicts and lists costs about this much per byte of its JSON text.
+RAW_JSON_FACTOR = 14
+#: Tokens are kept in an `array("I")`.
+TOKEN_BYTES = 4
 
 
 def is_model_item(item: Item) -> bool:
@@ -30,12 +49,99 @@ def is_model_item(item: Item) -> bool:
     return False
 
 
+def _content_bytes(content: object) -> int:
+    if isinstance(content, str):
+        return len(content)
+    size = 0
+    for part in content if isinstance(content, tuple) else ():
+        if isinstance(part, UnknownPart):
+            size += RAW_JSON_FACTOR * len(orjson.dumps(part.raw))
+        else:
+            size += PART_OVERHEAD_BYTES + len(getattr(part, "text", ""))
+    return size
+
+
+def item_bytes(item: Item) -> int:
+    """About how much memory `item` holds once decoded (not its tokens): for budgets, so an
+    estimate that errs on the high side, computed in one cheap pass."""
+    match item:
+        case Message(content=content):
+            return ITEM_OVERHEAD_BYTES + _content_bytes(content)
+        case FunctionCall(call_id=call_id, name=name, arguments=arguments):
+            return ITEM_OVERHEAD_BYTES + len(call_id) + len(name) + len(arguments)
+        case CustomToolCall(call_id=call_id, name=name, input=text):
+            return ITEM_OVERHEAD_BYTES + len(call_id) + len(name) + len(text)
+        case (
+            FunctionCallOutput(call_id=call_id, output=output)
+            | CustomToolCallOutput(call_id=call_id, output=output)
+        ):
+            return ITEM_OVERHEAD_BYTES + len(call_id) + _content_bytes(output)
+        case UnknownItem(raw=raw):
+            return ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(orjson.dumps(raw))
+    return ITEM_OVERHEAD_BYTES
+
+
+def prefix_bytes(instructions: str | None, tools: Sequence[Tool]) -> int:
+    """About how much memory the instructions and the tools hold."""
+    return len(instructions or "") + sum(
+        ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(str(tool)) for tool in tools
+    )
+
+
+@attrs.frozen
+class RenderedItems:
+    """Items with their tokens, their memory estimate and what the conversation counts of
+    them, ready to be appended in O(1) Python steps (the array and list copies run in C)."""
+
+    items: tuple[Item, ...]
+    tokens: array[int]
+    nbytes: int
+    tool_outputs: int = 0
+    #: Runs of consecutive model items, and whether the first and the last item are the model's.
+    model_runs: int = 0
+    first_is_model: bool = False
+    last_is_model: bool = False
+    #: Where in `tokens` the last model item ends; -1: no model item.
+    model_end: int = -1
+
+
+def render_items(renderer: Renderer, items: Iterable[Item]) -> RenderedItems:
+    """Render `items` without touching any conversation: pure, so it may run on a worker thread
+    (tiktoken releases the GIL while it encodes)."""
+    kept = tuple(items)
+    tokens = array("I")
+    nbytes = tool_outputs = model_runs = 0
+    model_end = -1
+    previous = False
+    for item in kept:
+        tokens.extend(renderer.render_item(item))
+        nbytes += item_bytes(item)
+        model = is_model_item(item)
+        if model:
+            model_runs += not previous
+            model_end = len(tokens)
+        elif isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+            tool_outputs += 1
+        previous = model
+    return RenderedItems(
+        kept,
+        tokens,
+        nbytes,
+        tool_outputs=tool_outputs,
+        model_runs=model_runs,
+        first_is_model=bool(kept) and is_model_item(kept[0]),
+        last_is_model=previous,
+        model_end=model_end,
+    )
+
+
 class Conversation:
     """Items in order, and the tokens they render to.
 
     `extend` renders only the items it is given, so a turn that appends N items costs O(N)
     whatever the history; `rendered_tokens` counts every token ever rendered, so tests and the
-    benchmark can prove it.
+    benchmark can prove it. `retained_bytes` is what the conversation holds in memory, for the
+    server's budgets.
     """
 
     def __init__(
@@ -44,13 +150,19 @@ class Conversation:
         *,
         instructions: str | None = None,
         tools: Sequence[Tool] = (),
+        prefix: Sequence[int] | None = None,
     ) -> None:
+        """`prefix`: the tokens of `render_prefix(instructions, tools)`, when rendered already
+        (off the event loop); else rendered here."""
         self.renderer = renderer
         self.instructions = instructions
         self.tools: tuple[Tool, ...] = tuple(tools)
         self._items: list[Item] = []
-        self.tokens = array("I", renderer.render_prefix(instructions, self.tools))
+        if prefix is None:
+            prefix = renderer.render_prefix(instructions, self.tools)
+        self.tokens = array("I", prefix)
         self.rendered_tokens = len(self.tokens)
+        self._item_bytes = prefix_bytes(instructions, self.tools)
         self.model_segments = 0
         self.tool_outputs = 0
         self.model_output_end = 0
@@ -64,20 +176,30 @@ class Conversation:
     def token_count(self) -> int:
         return len(self.tokens)
 
+    @property
+    def retained_bytes(self) -> int:
+        """About how much memory the items and tokens hold (see `item_bytes`)."""
+        return self._item_bytes + TOKEN_BYTES * len(self.tokens)
+
     def extend(self, items: Iterable[Item]) -> int:
         """Render and append new items; return how many tokens they added."""
+        return self.extend_rendered(render_items(self.renderer, items))
+
+    def extend_rendered(self, rendered: RenderedItems) -> int:
+        """Append items rendered by `render_items`; return how many tokens they added."""
+        if not rendered.items:
+            return 0
         before = len(self.tokens)
-        for item in items:
-            rendered = self.renderer.render_item(item)
-            self.tokens.extend(rendered)
-            self.rendered_tokens += len(rendered)
-            self._items.append(item)
-            model = is_model_item(item)
-            if model:
-                if not self._last_was_model:
-                    self.model_segments += 1
-                self.model_output_end = len(self.tokens)
-            elif isinstance(item, FunctionCallOutput | CustomToolCallOutput):
-                self.tool_outputs += 1
-            self._last_was_model = model
+        self.tokens.extend(rendered.tokens)
+        self.rendered_tokens += len(rendered.tokens)
+        self._items.extend(rendered.items)
+        self._item_bytes += rendered.nbytes
+        self.tool_outputs += rendered.tool_outputs
+        # a run of model items that continues the last one is not a new segment
+        self.model_segments += rendered.model_runs - (
+            self._last_was_model and rendered.first_is_model
+        )
+        if rendered.model_end >= 0:
+            self.model_output_end = before + rendered.model_end
+        self._last_was_model = rendered.last_is_model
         return len(self.tokens) - before

@@ -16,6 +16,10 @@ import attrs
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 class InvalidSetting(ValueError):
     """A setting outside its range: `field` is the attribute, `why` says what is allowed."""
 
@@ -30,7 +34,7 @@ def at_least(low: float) -> Validator:
 
     def check(_: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
         if value is not None and not value >= low:
-            raise InvalidSetting(attribute.name, f"must be at least {low:g}, got {value}")
+            raise InvalidSetting(attribute.name, f"must be at least {_number(low)}, got {value}")
 
     return check
 
@@ -47,7 +51,7 @@ def between(low: float, high: float) -> Validator:
     def check(_: Any, attribute: attrs.Attribute[Any], value: float) -> None:
         if not low <= value <= high:
             raise InvalidSetting(
-                attribute.name, f"must be between {low:g} and {high:g}, got {value}"
+                attribute.name, f"must be between {_number(low)} and {_number(high)}, got {value}"
             )
 
     return check

@@ -2,12 +2,65 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Literal
+
 import attrs
 
+from proto_server.core.conversation import (
+    TOKEN_BYTES,
+    RenderedItems,
+    item_bytes,
+    prefix_bytes,
+    render_items,
+)
+from proto_server.core.render import Renderer
+from proto_server.core.tool_schema import check_tool_schemas
+from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
-from proto_server.wire.tools import FunctionTool, Tool
+from proto_server.wire.tools import FunctionTool, Tool, function_tools
+
+
+@attrs.frozen
+class ToolChoice:
+    """`tool_choice` as the model must obey it: `name` set means that function and no other."""
+
+    mode: Literal["auto", "none", "required"] = "auto"
+    name: str | None = None
+
+
+def parse_tool_choice(value: Any) -> ToolChoice:
+    """`auto`, `none`, `required` or `{"type": "function", "name": N}`; other tool types
+    (`custom`, hosted tools) are not run by this server's models, so they mean `auto`."""
+    if value in ("auto", "none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") != "function":
+        return ToolChoice()
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        return ToolChoice("required", value["name"])
+    raise ProtocolError(
+        "invalid_field",
+        '`tool_choice` must be "auto", "none", "required" or {"type": "function", "name": '
+        "NAME}; fix the field and resend the frame.",
+        param="tool_choice",
+    )
+
+
+def check_create(create: ResponseCreate) -> None:
+    """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
+    function. Run when a create is accepted, before anything is built for it."""
+    check_tool_schemas(create.tools)
+    name = parse_tool_choice(create.tool_choice).name
+    offered = [tool.name for tool in function_tools(create.tools)]
+    if name is not None and name not in offered:
+        raise ProtocolError(
+            "invalid_field",
+            f"`tool_choice` names function {quoted(name)}, but the request offers "
+            f"{some_of(offered) if offered else 'no function tools'}; name an offered one.",
+            param="tool_choice",
+        )
 
 
 def input_items(create: ResponseCreate) -> tuple[Item, ...]:
@@ -15,6 +68,37 @@ def input_items(create: ResponseCreate) -> tuple[Item, ...]:
     if isinstance(create.input, str):
         return (Message(role="user", content=create.input),)
     return create.input
+
+
+@attrs.frozen
+class PreparedInput:
+    """A turn's new input, rendered: the prefix and history too when the rollout is cold."""
+
+    prefix: list[int] | None
+    history: RenderedItems
+    input: RenderedItems
+
+    @property
+    def nbytes(self) -> int:
+        """About how much memory it adds to a conversation (items and tokens)."""
+        tokens = len(self.prefix or ()) + len(self.history.tokens) + len(self.input.tokens)
+        return self.history.nbytes + self.input.nbytes + TOKEN_BYTES * tokens
+
+
+def request_bytes(create: ResponseCreate) -> int:
+    """About how much memory a decoded create holds while it waits to be served."""
+    items = sum(item_bytes(item) for item in input_items(create))
+    return prefix_bytes(create.instructions, create.tools) + items
+
+
+def prepare_input(
+    renderer: Renderer, create: ResponseCreate, history: Sequence[Item], *, cold: bool
+) -> PreparedInput:
+    """Render what a turn adds; pure, so it may run on a worker thread."""
+    prefix = renderer.render_prefix(create.instructions, create.tools) if cold else None
+    return PreparedInput(
+        prefix, render_items(renderer, history), render_items(renderer, input_items(create))
+    )
 
 
 def echoed_tool(tool: Tool) -> Tool:

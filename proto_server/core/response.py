@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from proto_server.core.conversation import Conversation
+from proto_server.core.conversation import Conversation, RenderedItems
 from proto_server.core.ids import new_id
 from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
 from proto_server.wire.events import (
@@ -127,6 +127,7 @@ class ResponseMachine:
         self._input_tokens = 0
         self._cached_tokens = 0
         self._output_tokens = 0
+        self._tool_calls = 0
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
 
@@ -135,6 +136,20 @@ class ResponseMachine:
     @property
     def output(self) -> Sequence[Item]:
         return self._output
+
+    @property
+    def template(self) -> Response:
+        """The Response as created: what the client asked for (limits included)."""
+        return self._template
+
+    @property
+    def output_tokens(self) -> int:
+        return self._output_tokens
+
+    @property
+    def tool_calls(self) -> int:
+        """Tool calls this Response has made, every segment counted."""
+        return self._tool_calls
 
     def usage(self) -> Usage:
         return Usage(
@@ -192,6 +207,16 @@ class ResponseMachine:
         self._move(Status.FAILED)
         self.error = error
         return [*events, ResponseFailed(response=self.snapshot())]
+
+    def fail_unstored(self, error: ErrorDetail) -> list[ServerEvent]:
+        """An ended `store: true` Response could not be stored: it fails instead of ending as
+        decided, with its output kept, so no client is told that a lost response is done."""
+        if self.status not in (Status.COMPLETED, Status.INCOMPLETE, Status.CANCELLED):
+            raise IllegalTransition(f"cannot fail an unstored Response while {self.status.value}")
+        self.status = Status.FAILED
+        self.error = error
+        self.incomplete_reason = None
+        return [ResponseFailed(response=self.snapshot())]
 
     def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
         events = self._abandon_open_item()
@@ -282,6 +307,7 @@ class ResponseMachine:
         self._open = None
         self._finish(item)
         self.pending_calls[call.call_id] = item
+        self._tool_calls += 1
         return [
             FunctionCallArgumentsDone(
                 item_id=call.item_id,
@@ -350,17 +376,24 @@ class ResponseMachine:
                 param="input",
             )
 
-    def append(self, items: Sequence[Item]) -> list[ServerEvent]:
+    def append(
+        self, items: Sequence[Item], rendered: RenderedItems | None = None
+    ) -> list[ServerEvent]:
         """Record tool outputs (and messages); resume once no call awaits output.
 
-        Returns the events that announce the resumption, or nothing while calls are pending.
+        `rendered`: the items already rendered (`render_items`, off the event loop for large
+        ones). Returns the events that announce the resumption, or nothing while calls are
+        pending.
         """
         self.check_append(items)
         for item in items:
             if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
                 del self.pending_calls[item.call_id]
                 self.answered_calls.add(item.call_id)
-        self.conversation.extend(items)
+        if rendered is None:
+            self.conversation.extend(items)
+        else:
+            self.conversation.extend_rendered(rendered)
         if self.pending_calls:
             return []
         self._move(Status.IN_PROGRESS)

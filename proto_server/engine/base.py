@@ -9,16 +9,20 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import Renderer
 from proto_server.engine.chunks import Chunk, Prefilled
+from proto_server.engine.limits import GenerationLimits
 
 
 class GeneratorSession(Protocol):
     """One rollout's warm model state.
 
     `generate` prefills whatever the conversation gained since the last segment, decodes one
-    segment into `send`, and returns; the state stays warm until `aclose`.
+    segment into `send` within `limits` (what the request allows), and returns; the state stays
+    warm until `aclose`. A request it cannot serve raises `GenerationRefused`.
     """
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None: ...
+    async def generate(
+        self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits
+    ) -> None: ...
 
     async def prefill(self) -> Prefilled:
         """Bring the model state up to the conversation without decoding (a warm-up)."""
@@ -31,5 +35,10 @@ class TokenGenerator(Protocol):
     @property
     def renderer(self) -> Renderer | None:
         """How prompts become this model's tokens; None: the server's default (o200k_base)."""
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """Whether its sessions can make a call when the request demands one (`tool_choice`
+        required or a named function); if not, such a request is refused when it arrives."""
 
     def open_session(self, conversation: Conversation) -> GeneratorSession: ...

@@ -4,16 +4,23 @@
 - Function tools offered and no tool output yet: it calls one (a tool the user named, else the
   first) with arguments built from the tool's JSON schema, required fields filled plausibly.
 - Tool outputs in the conversation: it answers with a short text that refers to them.
+
+It obeys the request's limits: `tool_choice: "none"` (or `max_tool_calls` spent) means text;
+`"required"` means a call even after tool outputs; a named function is the one it calls. A
+schema it cannot fill in (not an object) gets a text answer saying so, never a crash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from proto_server.core.conversation import Conversation
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import ScriptedCall, Segment
 from proto_server.wire.items import (
     CustomToolCallOutput,
@@ -44,47 +51,172 @@ _STRINGS_BY_NAME = {
 }
 
 
+#: What one example may cost: each value built and each `required` entry read costs 1, a
+#: literal (`const`, `default`, `enum`) its encoded length. `$ref` lets a small schema describe an
+#: exponentially large value; past the budget the example stops growing (what is left is omitted).
+EXAMPLE_BUDGET = 20_000
+
+#: How deep an example may nest, `$ref`s followed; deeper parts are left out.
+EXAMPLE_DEPTH = 32
+
+#: Characters of the user's text searched for a tool's name: enough for any instruction, and
+#: a 12 MB message costs no more than this to read.
+NAME_SEARCH_CHARS = 100_000
+
+_IDENTIFIER = re.compile(r"[a-z0-9_-]+")  # what a function name may hold
+_SAFE_NUMBER = 2**53  # beyond it a JSON number is not an exact integer (nor encodable past 2^64)
+
+
 def _clip(text: str, limit: int) -> str:
-    text = " ".join(text.split())
+    text = " ".join(text[: limit * 8].split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+class _Omit:
+    """A value left out: a `$ref` cycle cut, or the budget spent."""
+
+
+_OMIT = _Omit()
+
+
 def example_value(schema: Any, name: str = "") -> Any:
-    """A plausible value for a JSON schema: enums, defaults and names guide the choice."""
-    if not isinstance(schema, Mapping):
-        return "example"
-    for key in ("const", "default"):
-        if key in schema:
-            return schema[key]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(key), list) and schema[key]:
-            return example_value(schema[key][0], name)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind == "object" or (kind is None and "properties" in schema):
-        properties = schema.get("properties") or {}
-        required = [k for k in schema.get("required") or () if isinstance(k, str)]
-        return {key: example_value(properties.get(key, {}), key) for key in required}
-    if kind == "array":
+    """A plausible value for a JSON schema: enums, defaults and names guide the choice.
+
+    Local `$ref`s (`#/$defs/...`, `#/definitions/...`, any `#/` pointer) are followed and a cycle
+    is cut; `required` is read once per name; cost and depth are bounded (`EXAMPLE_BUDGET`,
+    `EXAMPLE_DEPTH`), so any schema gives an answer in bounded time. A part it cannot use
+    (`items: false`, a cycle) is left out; None if nothing at all could be built.
+    """
+    value = _Examples(schema).build(schema, name, 0, frozenset())
+    return None if isinstance(value, _Omit) else value
+
+
+class _Examples:
+    def __init__(self, root: Any) -> None:
+        self._root = root
+        self._budget = EXAMPLE_BUDGET
+        self._resolved: dict[str, Any] = {}  # each pointer walked once, however often used
+
+    def _spend(self, cost: int = 1) -> bool:
+        self._budget -= cost
+        return self._budget >= 0
+
+    def _literal(self, value: Any) -> Any:
+        return value if self._spend(len(orjson.dumps(value))) else _OMIT
+
+    def _resolve(self, ref: str) -> Any:
+        """The schema a local `#/...` JSON pointer names; None if there is none."""
+        if ref not in self._resolved:
+            self._resolved[ref] = self._walk(ref)
+        return self._resolved[ref]
+
+    def _walk(self, ref: str) -> Any:
+        if not ref.startswith("#"):
+            return None
+        node = self._root
+        for part in ref[1:].split("/")[1:]:
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, Mapping) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return None
+        return node
+
+    def build(self, schema: Any, name: str, depth: int, refs: frozenset[str]) -> Any:
+        if depth > EXAMPLE_DEPTH or not self._spend() or schema is False:
+            return _OMIT
+        if not isinstance(schema, Mapping):  # `true`, or not a schema: anything goes
+            return _STRINGS_BY_NAME.get(name.lower(), "example")
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            if ref in refs:
+                return _OMIT
+            target = self._resolve(ref)
+            if target is not None:
+                return self.build(target, name, depth + 1, refs | {ref})
+        for key in ("const", "default"):
+            if key in schema:
+                return self._literal(schema[key])
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum:
+            return self._literal(enum[0])
+        for key in ("anyOf", "oneOf", "allOf"):
+            branches = schema.get(key)
+            if isinstance(branches, list) and branches:
+                return self.build(branches[0], name, depth + 1, refs)
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "null")
+        if kind == "object" or (kind is None and "properties" in schema):
+            return self._object(schema, depth, refs)
+        if kind == "array":
+            return self._array(schema, name, depth, refs)
+        if kind in ("integer", "number"):
+            return _number(schema, integer=kind == "integer")
+        if kind == "boolean":
+            return False
+        if kind == "null":
+            return None
+        return _STRINGS_BY_NAME.get(name.lower(), "example")
+
+    def _object(self, schema: Mapping[str, Any], depth: int, refs: frozenset[str]) -> Any:
+        properties = schema.get("properties")
+        if not isinstance(properties, Mapping):
+            properties = {}
+        required = schema.get("required")
+        value: dict[str, Any] = {}
+        for key in required if isinstance(required, list) else ():
+            if not self._spend():
+                break
+            if isinstance(key, str) and key not in value:
+                field = self.build(properties.get(key, {}), key, depth + 1, refs)
+                if not isinstance(field, _Omit):
+                    value[key] = field
+        return value
+
+    def _array(self, schema: Mapping[str, Any], name: str, depth: int, refs: frozenset[str]) -> Any:
         items = schema.get("items", {})
-        if name.lower() in ("command", "cmd", "argv") and items.get("type") == "string":
+        tuple_items = schema.get("prefixItems", items)
+        if isinstance(tuple_items, list):  # a tuple (draft 4 `items`, 2020-12 `prefixItems`)
+            values = []
+            for item in tuple_items:
+                value = self.build(item, name, depth + 1, refs)
+                if self._budget < 0:
+                    break
+                if not isinstance(value, _Omit):
+                    values.append(value)
+            return values
+        if name.lower() in ("command", "cmd", "argv") and _is_string_schema(items):
             return ["echo", "hello from proto-server"]
-        return [example_value(items, name)]
-    if kind == "integer":
-        return int(schema.get("minimum", 1))
-    if kind == "number":
-        return float(schema.get("minimum", 1.0))
-    if kind == "boolean":
-        return False
-    if kind == "null":
-        return None
-    return _STRINGS_BY_NAME.get(name.lower(), "example")
+        item = self.build(items, name, depth + 1, refs)
+        return [] if isinstance(item, _Omit) else [item]
 
 
-def _last_user_text(items: list[Item]) -> str:
+def _is_string_schema(schema: Any) -> bool:
+    return isinstance(schema, Mapping) and schema.get("type") == "string"
+
+
+def _bound(schema: Mapping[str, Any], key: str) -> float | None:
+    value = schema.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value if abs(value) <= _SAFE_NUMBER else None
+    return None  # a string, null or a huge number: not a usable bound
+
+
+def _number(schema: Mapping[str, Any], *, integer: bool) -> int | float:
+    """1 when the bounds allow it, else the bound nearest to it."""
+    low, high = _bound(schema, "minimum"), _bound(schema, "maximum")
+    value: float = 1
+    if low is not None and value < low:
+        value = math.ceil(low) if integer else low
+    if high is not None and value > high:
+        value = math.floor(high) if integer else high
+    return int(value) if integer else float(value)
+
+
+def _last_user_text(items: Sequence[Item]) -> str:
     for item in reversed(items):
         if isinstance(item, Message) and item.role == "user":
             return content_text(item.content)
@@ -92,33 +224,43 @@ def _last_user_text(items: list[Item]) -> str:
 
 
 def _choose_tool(tools: list[FunctionTool], user_text: str) -> FunctionTool:
-    lowered = user_text.lower()
-    return next((tool for tool in tools if tool.name.lower() in lowered), tools[0])
+    """The first tool whose name the user wrote as a word, else the first tool: one pass over
+    (a bounded prefix of) the text and one over the tools."""
+    said = set(_IDENTIFIER.findall(user_text[:NAME_SEARCH_CHARS].lower()))
+    return next((tool for tool in tools if tool.name.lower() in said), tools[0])
 
 
 class DefaultModel:
     """A `Planner` that needs no script."""
 
-    def plan(self, conversation: Conversation) -> Segment:
-        items = list(conversation.items)
-        tools = function_tools(conversation.tools)
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment:
+        items = conversation.items
+        offered = function_tools(conversation.tools)
+        named = limits.tool_choice.name
+        tools = offered if named is None else [tool for tool in offered if tool.name == named]
         user_text = _last_user_text(items)
-        if not tools:
-            said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
-            return Segment(
-                text="Hello from proto-server's built-in simulated model."
-                + said
-                + " Start the server with --script FILE to script a rollout."
-            )
-        if conversation.tool_outputs == 0:
+        may_call = bool(tools) and limits.max_calls != 0
+        if may_call and (conversation.tool_outputs == 0 or limits.must_call):
             tool = _choose_tool(tools, user_text)
             arguments = example_value(tool.parameters or {"type": "object"}, tool.name)
+            if not isinstance(arguments, dict):
+                return Segment(
+                    text=f"I cannot call {tool.name}: its parameters do not describe a JSON "
+                    "object I can fill in."
+                )
             return Segment(
                 tool_calls=(
                     ScriptedCall(name=tool.name, arguments=orjson.dumps(arguments).decode()),
                 )
             )
         outputs = [i for i in items if isinstance(i, FunctionCallOutput | CustomToolCallOutput)]
+        if not offered or not outputs:
+            said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
+            return Segment(
+                text="Hello from proto-server's built-in simulated model."
+                + said
+                + " Start the server with --script FILE to script a rollout."
+            )
         calls = {i.call_id: i.name for i in items if isinstance(i, FunctionCall)}
         last = outputs[-1]
         name = calls.get(last.call_id, "the tool")

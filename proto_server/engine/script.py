@@ -21,12 +21,16 @@ import attrs
 import orjson
 
 from proto_server.core.conversation import Conversation
+from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.wire.errors import some_of
 from proto_server.wire.tools import offered_tool_names
 
 
-class ScriptError(Exception):
+class ScriptError(GenerationRefused):
     """The script is malformed, exhausted, or does not fit the request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("script_error", message)
 
 
 @attrs.frozen(kw_only=True)
@@ -42,16 +46,20 @@ class Segment:
 
 
 class Planner(Protocol):
-    """Decides what the model says next, given the conversation so far."""
+    """Decides what the model says next, given the conversation so far and what the request
+    allows; cheap and bounded (it runs on the event loop)."""
 
-    def plan(self, conversation: Conversation) -> Segment: ...
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment: ...
 
 
 @attrs.frozen
 class RolloutScript:
     segments: tuple[Segment, ...]
 
-    def plan(self, conversation: Conversation) -> Segment:
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment:
+        """The next segment; one that breaks the request's limits on tool calls is a
+        `ScriptError` naming the segment and the limit (text over `max_output_tokens` is not:
+        the model is cut short, as a real one would be)."""
         position = conversation.model_segments
         if position >= len(self.segments):
             raise ScriptError(
@@ -68,7 +76,34 @@ class RolloutScript:
                     f"the request offered {some_of(offered) if offered else 'no tools'}; offer "
                     "that tool in the request or fix the script."
                 )
+        broken = _broken_limit(segment, limits)
+        if broken is not None:
+            raise ScriptError(
+                f"segment {position + 1} of the rollout script {broken}; fix the script or "
+                "the request."
+            )
         return segment
+
+
+def _broken_limit(segment: Segment, limits: GenerationLimits) -> str | None:
+    """What `segment` does that `limits` forbid, in words; None if it fits."""
+    calls, choice = len(segment.tool_calls), limits.tool_choice
+    allowed = limits.max_calls
+    if allowed is not None and calls > allowed:
+        if choice.mode == "none":
+            why = 'tool_choice is "none"'
+        elif allowed == limits.max_tool_calls:
+            why = f"max_tool_calls leaves {allowed} more in this Response"
+        else:
+            why = "parallel_tool_calls is false: one call per segment"
+        return f"makes {calls} tool call(s), but the request allows {allowed} ({why})"
+    if limits.must_call and not calls:
+        what = f"names {choice.name!r}" if choice.name is not None else "is 'required'"
+        return f"makes no tool call, but the request requires one (tool_choice {what})"
+    named = choice.name
+    if named is not None and any(call.name != named for call in segment.tool_calls):
+        return f"calls a tool other than {named!r}, the one tool_choice names"
+    return None
 
 
 def parse_script(data: Any, *, source: str = "script") -> RolloutScript:

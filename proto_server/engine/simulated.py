@@ -13,6 +13,7 @@ apart from measured server time.
 from __future__ import annotations
 
 import codecs
+import math
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -33,8 +34,9 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.prefix_cache import PrefixCache
-from proto_server.engine.script import Planner
+from proto_server.engine.script import Planner, Segment
 
 BURST_WINDOW = 100
 
@@ -108,6 +110,18 @@ def _pieces(text: str) -> Iterator[tuple[str, int]]:
             waiting = 0
 
 
+def _chunks(segment: Segment) -> Iterator[tuple[Chunk, int]]:
+    """What the model decodes to say `segment`, chunk by chunk, with the tokens each costs."""
+    for piece, tokens in _pieces(segment.text):
+        yield TextDelta(piece, tokens), tokens
+    for call in segment.tool_calls:
+        name_tokens = len(o200k_base().encode_ordinary(call.name))
+        yield ToolCallBegin(call.name, name_tokens), name_tokens
+        for piece, tokens in _pieces(call.arguments):
+            yield ToolCallArgumentsDelta(piece, tokens), tokens
+        yield ToolCallEnd(), 0
+
+
 class SimulatedSession:
     def __init__(
         self,
@@ -168,22 +182,22 @@ class SimulatedSession:
         if self._meter is not None:
             self._meter.decoded(tokens, seconds, trio.current_time())
 
-    async def generate(self, send: trio.MemorySendChannel[Chunk]) -> None:
-        segment = self._planner.plan(self._conversation)
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        """Say the planned segment; cut short, `incomplete`, where it would decode more than
+        `limits.max_output_tokens` (a chunk that would cross the limit is not said)."""
+        segment = self._planner.plan(self._conversation, limits)
         await send.send(await self.prefill())
         self._has_spoken = True
         pacer = _Pacer(self._timing)
-        for piece, tokens in _pieces(segment.text):
-            await self._decode(pacer, tokens)
-            await send.send(TextDelta(piece, tokens))
-        for call in segment.tool_calls:
-            name_tokens = len(o200k_base().encode_ordinary(call.name))
-            await self._decode(pacer, name_tokens)
-            await send.send(ToolCallBegin(call.name, name_tokens))
-            for piece, tokens in _pieces(call.arguments):
+        budget = math.inf if limits.max_output_tokens is None else limits.max_output_tokens
+        for chunk, tokens in _chunks(segment):
+            if tokens > budget:
+                await send.send(SegmentEnd(incomplete="max_output_tokens"))
+                return
+            budget -= tokens
+            if tokens:
                 await self._decode(pacer, tokens)
-                await send.send(ToolCallArgumentsDelta(piece, tokens))
-            await send.send(ToolCallEnd())
+            await send.send(chunk)
         await send.send(SegmentEnd())
 
     async def aclose(self) -> None:
@@ -203,6 +217,11 @@ class SimulatedGenerator:
     prefix_cache: PrefixCache | None = None
     meter: GpuMeter | None = None
     renderer: Renderer | None = None
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """A script or the default model says whatever the request demands (or says why not)."""
+        return True
 
     def open_session(self, conversation: Conversation) -> SimulatedSession:
         return SimulatedSession(

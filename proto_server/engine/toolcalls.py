@@ -182,11 +182,14 @@ class ToolCallParser:
     `feed(text, tokens)` returns the chunks that are certain; `finish()` flushes what was held.
     After a valid block `called` is true and the caller should stop decoding: the call is the
     end of the model's turn. Whitespace before anything was said is held, and dropped if a call
-    follows, so a call does not open an empty message.
+    follows, so a call does not open an empty message. With `max_calls`, a block holding more
+    calls keeps the first ones (what the request allows), their tokens going to the last kept;
+    `max_calls=0` makes tags plain text, as when no tool is offered.
     """
 
-    def __init__(self, tool_names: Collection[str]) -> None:
-        self._names = frozenset(tool_names)
+    def __init__(self, tool_names: Collection[str], *, max_calls: int | None = None) -> None:
+        self._names = frozenset(tool_names) if max_calls != 0 else frozenset()
+        self._max_calls = max_calls
         self._text = ""  # held text: a possible start of the open tag, or leading whitespace
         self._tokens = 0  # tokens fed and not yet carried by a chunk
         self._block: str | None = None  # text after the open tag, while inside a block
@@ -269,6 +272,8 @@ class ToolCallParser:
         calls = parse_calls(payload, self._names)
         if calls is None:
             return self._release_block(OPEN + payload + CLOSE) + self._rescan(rest)
+        if self._max_calls is not None:
+            del calls[self._max_calls :]
         chunks = self._call_chunks(payload, calls)
         self.calls += len(calls)
         self._block = None

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import hmac
+import secrets
 import time
 from collections.abc import Sequence
+from functools import partial
 from http import HTTPStatus
 from typing import Literal
 
@@ -21,10 +23,18 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, wrap_server_stream
 
+from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import input_items, response_template
+from proto_server.core.request import (
+    check_create,
+    input_items,
+    parse_tool_choice,
+    prepare_input,
+    request_bytes,
+    response_template,
+)
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
 from proto_server.server.config import ServerConfig
@@ -39,11 +49,19 @@ from proto_server.server.handshake import (
 from proto_server.server.http import LINGER_S, error_body, linger, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
 from proto_server.server.observe import ServerObserver
+from proto_server.server.offload import Offload
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
-from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.server.store import (
+    ANONYMOUS,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+    owner_id,
+)
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -89,16 +107,27 @@ class ProtoServer:
         *,
         renderer: Renderer | None = None,
         store: ResponseStore | None = None,
+        compaction_secret: bytes | None = None,
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
-        self.store: ResponseStore = store or SQLiteStore(":memory:")
+        self.store: ResponseStore = store or SQLiteStore(
+            ":memory:", timeout_s=self.config.store_timeout_s
+        )
+        #: Seals compaction items; without a kept secret they live as long as this process.
+        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
         self.crashed_connections = 0
         self.suspensions = Suspensions(self.config.max_suspended_rollouts)
+        #: Everything the process keeps for its clients, counted (see server/memory.py).
+        self.memory = MemoryBudget(
+            self.config.max_memory_bytes, flag="--max-memory", name="process"
+        )
+        #: Decodes and renders large requests on worker threads (see server/offload.py).
+        self.offload = Offload(self.config.prepare_threads)
         #: Set by `shutdown()`: when streaming segments must have finished.
         self.stopping: float | None = None
         #: Kept-alive HTTP connections waiting for their next request (shutdown ends them).
@@ -123,14 +152,21 @@ class ProtoServer:
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
 
-    def authorized(self, authorization: str | None) -> bool:
+    def owner(self, authorization: str | None) -> str | None:
+        """Who sends a request with this `Authorization` header: the owner id of its key (keys
+        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
         keys = self.config.api_keys
         if not keys:
-            return True
+            return ANONYMOUS
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-        )
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None  # an empty token never matches, whatever the keys
+        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return owner_id(matches[0]) if matches else None
+
+    def authorized(self, authorization: str | None) -> bool:
+        return self.owner(authorization) is not None
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -269,7 +305,8 @@ class ProtoServer:
                 return
             json = [(b"content-type", b"application/json")]
             # the key first: without one, a client cannot even tell a valid path from a wrong one
-            if not self.authorized(head.header(b"authorization")):
+            owner = self.owner(head.header(b"authorization"))
+            if owner is None:
                 await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
@@ -284,6 +321,8 @@ class ProtoServer:
             ws = await request.accept()
             connection = Connection(
                 ws,
+                budget=self.connection_budget(),
+                offload=self.offload,
                 queue_events=self.config.client_queue_events,
                 merge_deltas=self.config.merge_deltas,
                 observer=self.observer,
@@ -294,9 +333,9 @@ class ProtoServer:
             )
             dialect: Dialect
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery)
+                dialect = PrototypeDialect(self, connection, nursery, owner=owner)
             else:
-                dialect = LaunchedDialect(self, connection, nursery)
+                dialect = LaunchedDialect(self, connection, nursery, owner=owner)
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -310,42 +349,89 @@ class ProtoServer:
 
     # -- Responses -------------------------------------------------------------------------------
 
-    def new_rollout(self, create: ResponseCreate) -> Rollout:
+    def check_create(self, create: ResponseCreate) -> None:
+        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
+        refuses, a compaction item this server did not seal, and a forced tool call the
+        generator cannot make."""
+        check_create(create)
+        check_compactions(input_items(create), self.compaction_key)
+        choice = parse_tool_choice(create.tool_choice)
+        if choice.mode == "required" and not self.generator.forces_tool_calls:
+            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
+            raise ProtocolError(
+                "unsupported_tool_choice",
+                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
+                'cannot make yet; send "auto" (or "none") instead.',
+                param="tool_choice",
+            )
+
+    def checked_bytes(self, create: ResponseCreate) -> int:
+        """`check_create`, then about how much memory `create` holds while it waits."""
+        self.check_create(create)
+        return request_bytes(create)
+
+    def connection_budget(self) -> MemoryBudget:
+        """The memory budget of one connection, inside the process's."""
+        return self.memory.child(
+            self.config.max_connection_memory_bytes,
+            flag="--max-connection-memory",
+            name="connection",
+        )
+
+    def new_rollout(
+        self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
+    ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
-            self.renderer, instructions=create.instructions, tools=create.tools
+            self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
         )
         self._count(rollouts=1)
         return Rollout(
             conversation,
             self.generator.open_session(conversation),
+            budget=budget,
             on_close=lambda _: self._count(rollouts=-1),
         )
 
-    def begin_response(
+    async def begin_response(
         self,
         create: ResponseCreate,
         events: trio.MemorySendChannel[ServerEvent],
         *,
+        budget: MemoryBudget,
         source: str,
+        owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
+        size: int = 0,
     ) -> SamplingLoop:
         """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
 
         Only what is new is rendered: the create's input on a warm rollout; the prefix, the
-        history and the input on a cold one.
+        history and the input on a cold one. Rendering runs off the event loop when the input
+        is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
+        adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
+        `rollout` stays its caller's to close). Stored, it belongs to `owner`.
         """
+        prepared = await self.offload.run(
+            partial(prepare_input, cold=rollout is None),
+            self.renderer,
+            create,
+            history,
+            size=size + 1024 * len(history),
+        )
+        budget.check(prepared.nbytes, "This request")
         if rollout is None:
-            rollout = self.new_rollout(create)
+            rollout = self.new_rollout(create, budget, prepared.prefix)
             rendered_mark = 0
-            rollout.conversation.extend(history)
+            rollout.conversation.extend_rendered(prepared.history)
         else:
             rendered_mark = rollout.conversation.rendered_tokens
         conversation = rollout.conversation
         first_item = len(conversation.items)
-        conversation.extend(input_items(create))
+        conversation.extend_rendered(prepared.input)
+        rollout.account()
         if self.observer is not None:
             self.observer.rendered()
         response = response_template(
@@ -362,7 +448,9 @@ class ProtoServer:
 
         async def persist(machine: ResponseMachine) -> None:
             items = tuple(conversation.items[first_item:])
-            await self.store.put(StoredResponse(response=machine.snapshot(), items=items))
+            await self.store.put(
+                StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            )
 
         return SamplingLoop(
             machine,

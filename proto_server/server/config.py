@@ -3,11 +3,26 @@ each with its allowed range (core/ranges.py)."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import attrs
 
 from proto_server.core.ranges import at_least, between, positive
 
 MiB = 1024 * 1024
+
+
+def _no_blank_keys(instance: Any, attribute: attrs.Attribute[Any], keys: tuple[str, ...]) -> None:
+    """A blank key would let `Authorization: Bearer` with no token in."""
+    for key in keys:
+        if not key.strip():
+            raise ValueError(f"{attribute.name} must not hold an empty or blank key")
+
+
+def _positive_finite(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be positive and finite, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -44,5 +59,17 @@ class ServerConfig:
     shutdown_grace_s: float = attrs.field(default=10.0, validator=positive)
     #: Launched dialect: `response.create` frames that may wait behind the one in flight.
     max_queued_requests: int = attrs.field(default=8, validator=at_least(1))
+    #: What the whole process keeps for its clients (rollouts, queued and in-preparation
+    #: requests); past it the idlest cached or suspended rollouts are let go, then requests are
+    #: refused with `server_busy` (503).
+    max_memory_bytes: int = attrs.field(default=2048 * MiB, validator=at_least(MiB))
+    #: What one connection may make the server keep (its rollouts and queued requests); past it
+    #: its own idle cache is let go, then requests are refused with `connection_memory_limit`.
+    max_connection_memory_bytes: int = attrs.field(default=256 * MiB, validator=at_least(MiB))
+    #: Worker threads that decode and render large requests off the event loop.
+    prepare_threads: int = attrs.field(default=2, validator=at_least(1))
     #: Bearer keys accepted on the WebSocket handshake and on HTTP; empty means no auth.
-    api_keys: tuple[str, ...] = ()
+    #: Each key is a tenant: what one stores, another cannot read, continue or compact.
+    api_keys: tuple[str, ...] = attrs.field(default=(), validator=_no_blank_keys, repr=False)
+    #: Deadline of each call to the default in-memory store (the CLI's store has its own).
+    store_timeout_s: float = attrs.field(default=5.0, validator=_positive_finite)

@@ -20,7 +20,9 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from proto_server.core.sequence import Sequencer
 from proto_server.server.logs import log
+from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
+from proto_server.server.offload import Offload
 from proto_server.server.outbox import Outbox
 from proto_server.wire.converter import decode_client_event, encode_server_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
@@ -36,9 +38,12 @@ CLOSE_WAIT_S = 2.0
 
 
 class Dialect(Protocol):
-    """Turns client events into effects; raises `ProtocolError` and changes nothing if it can't."""
+    """Turns client events into effects; raises `ProtocolError` and changes nothing if it can't.
 
-    def handle(self, event: ClientEvent) -> None: ...
+    `handle` may await the event's preparation (rendering a large input off the event loop):
+    meanwhile this connection reads no further frame, and every other connection goes on."""
+
+    async def handle(self, event: ClientEvent, frame_bytes: int) -> None: ...
 
     async def drain(self) -> None:
         """Accept nothing new; return once nothing is streaming."""
@@ -55,12 +60,17 @@ class Connection:
         self,
         ws: WebSocketConnection,
         *,
+        budget: MemoryBudget,
+        offload: Offload,
         queue_events: int,
         merge_deltas: bool = True,
         observer: ServerObserver | None = None,
     ) -> None:
         self.id = next(_ids)
         self.ws = ws
+        #: What the server keeps for this connection (its rollouts, its queued requests).
+        self.budget = budget
+        self._offload = offload
         self._merge_deltas = merge_deltas
         self._observer = observer
         self.sequencer = Sequencer()
@@ -82,6 +92,7 @@ class Connection:
                 await self._retire(dialect, lifetime_s)
         finally:
             nursery.cancel_scope.cancel()
+            self.budget.close()  # what is still counted goes with the connection
 
     def shut_down(self, deadline: float) -> None:
         """The server is stopping: read no more frames, let what streams finish until
@@ -114,11 +125,7 @@ class Connection:
                         "invalid_frame",
                         "Binary frames are not accepted; send each event as JSON in a text frame.",
                     )
-                event = decode_client_event(message)
-                if self._observer is not None:
-                    self._observer.decoded()
-                log.debug("client.event", extra={"connection": self.id, "type": event.type})
-                dialect.handle(event)
+                await self._dispatch(dialect, message)
             except ProtocolError as exc:
                 log.info(
                     "client.refused",
@@ -129,6 +136,19 @@ class Connection:
                     },
                 )
                 await self.events.send(ErrorEvent(status=exc.status, error=exc.detail))
+
+    async def _dispatch(self, dialect: Dialect, message: str) -> None:
+        """Decode one frame and hand it to the dialect. While it is decoded, the process budget
+        holds the peak memory a frame of this size may take; what it becomes is charged after
+        (its rollout, its place in a queue)."""
+        size = len(message)
+        process = self.budget.parent or self.budget
+        with process.reserve(PREPARING_FACTOR * size, "This frame"):
+            event = await self._offload.run(decode_client_event, message, size=size)
+        if self._observer is not None:
+            self._observer.decoded()
+        log.debug("client.event", extra={"connection": self.id, "type": event.type})
+        await dialect.handle(event, size)
 
     async def _retire(self, dialect: Dialect, lifetime_s: float) -> None:
         log.info("connection.lifetime_reached", extra={"connection": self.id})

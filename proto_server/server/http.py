@@ -6,7 +6,9 @@
     GET  /healthz                 liveness
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
-again; `previous_response_id` is served from the persisted store. Connections are kept alive.
+again; `previous_response_id` is served from the persisted store, which answers each API key
+with only its own responses. Connections are kept alive; a store that cannot answer is a 503
+(`store_unavailable`) and the connection stays open.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ import h11
 import orjson
 import trio
 
-from proto_server.core.compaction import compact
+from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
+from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
 from proto_server.server.logs import log
+from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
-from proto_server.server.store import chain_items
+from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
 
@@ -51,7 +55,7 @@ def unauthorized() -> ProtocolError:
     )
 
 
-def error_body(error: ProtocolError) -> bytes:
+def error_body(error: ProtocolError | ServerFault) -> bytes:
     return orjson.dumps({"error": converter.unstructure(error.detail)})
 
 
@@ -154,12 +158,26 @@ async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: Request
     `handshake_timeout_s`; a malformed request is answered 400 and its connection closed."""
     conn = head.connection
     request: h11.Request | None = head.request
+    budget = server.connection_budget()
+    try:
+        await _serve_requests(server, stream, conn, request, budget)
+    finally:
+        budget.close()
+
+
+async def _serve_requests(
+    server: ProtoServer,
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    request: h11.Request | None,
+    budget: MemoryBudget,
+) -> None:
     while request is not None:
-        exchange = _Exchange(server, stream, conn, request)
+        exchange = _Exchange(server, stream, conn, request, budget)
         try:
             try:
                 await exchange.serve()
-            except ProtocolError as exc:
+            except (ProtocolError, StoreUnavailable) as exc:
                 if conn.our_state is not h11.SEND_RESPONSE:
                     return  # the answer had begun; nothing sensible can be said now
                 await send_json(stream, conn, exc.status, error_body(exc))
@@ -192,8 +210,10 @@ class _Exchange:
         stream: trio.abc.Stream,
         conn: h11.Connection,
         request: h11.Request,
+        budget: MemoryBudget,
     ) -> None:
         self.server = server
+        self.budget = budget
         self.stream = stream
         self.conn = conn
         self.method = request.method.decode()
@@ -201,14 +221,17 @@ class _Exchange:
         self.authorization = next(
             (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
         )
+        self.owner = ANONYMOUS  # whose stored responses it may see, once authorized
 
     async def serve(self) -> None:
         route = (self.method, self.path)
         if route == ("GET", "/healthz"):
             await self._json(200, {"status": "ok"})
             return
-        if not self.server.authorized(self.authorization):  # before the route: see app.py
+        owner = self.server.owner(self.authorization)  # before the route: see app.py
+        if owner is None:
             raise unauthorized()
+        self.owner = owner
         if route == ("POST", "/v1/responses"):
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
@@ -235,7 +258,7 @@ class _Exchange:
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:
             return []
-        chain = await self.server.store.chain(previous)
+        chain = await self.server.store.chain(previous, owner=self.owner)
         if chain is None:
             raise ProtocolError(
                 "previous_response_not_found",
@@ -246,12 +269,20 @@ class _Exchange:
             )
         return chain_items(chain)
 
+    async def _decode(self, body: bytes) -> ResponseCreate:
+        """The body as a create, decoded off the event loop when it is large, while the process
+        budget holds the peak memory that may take."""
+        with self.server.memory.reserve(PREPARING_FACTOR * len(body), "This request"):
+            return await self.server.offload.run(
+                decode_request_body, body, ResponseCreate, size=len(body)
+            )
+
     async def _create(self) -> None:
         body = await self._body()
         observer = self.server.observer
         if observer is not None:
             observer.received()
-        create = decode_request_body(body, ResponseCreate)
+        create = await self._decode(body)
         if observer is not None:
             observer.decoded()
         if create.background:
@@ -261,12 +292,19 @@ class _Exchange:
                 "result from the stream or the response body.",
                 param="background",
             )
+        await self.server.offload.run(self.server.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[ServerEvent](
             self.server.config.client_queue_events
         )
-        loop = self.server.begin_response(
-            create, send, history=history, source="store" if history else "fresh"
+        loop = await self.server.begin_response(
+            create,
+            send,
+            budget=self.budget,
+            history=history,
+            source="store" if history else "fresh",
+            size=len(body),
+            owner=self.owner,
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
@@ -332,7 +370,7 @@ class _Exchange:
             kept += len(data)
 
     async def _retrieve(self, response_id: str) -> None:
-        stored = await self.server.store.get(response_id)
+        stored = await self.server.store.get(response_id, owner=self.owner)
         if stored is None:
             raise ProtocolError(
                 "response_not_found",
@@ -343,18 +381,24 @@ class _Exchange:
         await self._json(200, converter.unstructure(stored.response))
 
     async def _compact(self) -> None:
-        create = decode_request_body(await self._body(), ResponseCreate)
+        body = await self._body()
+        create = await self._decode(body)
         if not create.model:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
-        items = [*await self._history(create.previous_response_id), *input_items(create)]
-        output, summary = compact(items)
-        renderer = self.server.renderer
-        conversation = Conversation(renderer, instructions=create.instructions)
-        conversation.extend(items)
-        input_tokens = conversation.token_count
-        output_tokens = Conversation(renderer).extend(output)
+        new_items = input_items(create)
+        check_compactions(new_items, self.server.compaction_key)
+        items = [*await self._history(create.previous_response_id), *new_items]
+        output, summary = compact(items, self.server.compaction_key)
+        input_tokens, output_tokens = await self.server.offload.run(
+            _count_tokens,
+            self.server.renderer,
+            create.instructions,
+            items,
+            output,
+            size=len(body) + 1024 * len(items),
+        )
         await self._json(
             200,
             {
@@ -373,6 +417,15 @@ class _Exchange:
             },
         )
         log.debug("http.compact", extra={"items": len(items), "summary": summary})
+
+
+def _count_tokens(
+    renderer: Renderer, instructions: str | None, items: list[Item], output: list[Item]
+) -> tuple[int, int]:
+    """The tokens of a compaction's input and of its output (on a worker thread if large)."""
+    conversation = Conversation(renderer, instructions=instructions)
+    conversation.extend(items)
+    return conversation.token_count, Conversation(renderer).extend(output)
 
 
 async def _run_and_release(loop: SamplingLoop, warmup: bool) -> None:

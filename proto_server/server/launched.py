@@ -5,6 +5,8 @@ generator session). A follow-up that names it and sends only the new items exten
 the same warm rollout as the prototype dialect, with a new Response id per turn. A miss is served
 from the persisted store when the request has `store: true` (cold: re-rendered, re-prefilled),
 else refused with `previous_response_not_found`. A failed turn evicts what it chained from.
+The store serves only the responses of the connection's owner (its API key); a store that cannot
+answer is an `error` event (`store_unavailable`), and the connection lives on.
 
 Turns run one at a time, in order; further creates wait in a bounded queue.
 """
@@ -19,7 +21,7 @@ from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
-from proto_server.server.store import chain_items
+from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
@@ -49,18 +51,30 @@ def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
 
 
 class LaunchedDialect:
-    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: ProtoServer,
+        connection: Connection,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+    ) -> None:
         self._server = server
         self._connection = connection
+        self._owner = owner
         queued = server.config.max_queued_requests  # at least 1 (ServerConfig)
-        self._queue, self._queued = trio.open_memory_channel[ResponseCreate](queued)
+        #: creates waiting for their turn, each with the bytes it is charged and its frame's size
+        self._queue, self._queued = trio.open_memory_channel[tuple[ResponseCreate, int, int]](
+            queued
+        )
+        self._nursery = nursery
         self.cached: tuple[str, Rollout] | None = None
         self.current: SamplingLoop | None = None
         self._finished = trio.Event()
         self._expired: str | None = None
         nursery.start_soon(self._serve_turns)
 
-    def handle(self, event: ClientEvent) -> None:
+    async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
                 if event.background:
@@ -70,9 +84,14 @@ class LaunchedDialect:
                         "POST /v1/responses over HTTP.",
                         param="background",
                     )
+                waiting = await self._server.offload.run(
+                    self._server.checked_bytes, event, size=frame_bytes
+                )
+                self._connection.budget.admit(waiting, "This response.create")
                 try:
-                    self._queue.send_nowait(event)
+                    self._queue.send_nowait((event, waiting, frame_bytes))
                 except trio.WouldBlock:
+                    self._connection.budget.charge(-waiting)
                     raise ProtocolError(
                         "concurrent_request",
                         f"{self._server.config.max_queued_requests} response.create frames are "
@@ -110,12 +129,13 @@ class LaunchedDialect:
 
     async def _serve_turns(self) -> None:
         try:
-            async for create in self._queued:
+            async for create, waiting, size in self._queued:
+                self._connection.budget.charge(-waiting)  # the rollout is charged instead
                 if self._expired is not None:
                     continue  # the connection is closing (1001): queued turns never start
                 try:
-                    loop = await self._begin(create)
-                except ProtocolError as exc:
+                    loop = await self._begin(create, size)
+                except (ProtocolError, StoreUnavailable) as exc:
                     await self._connection.events.send(
                         ErrorEvent(status=exc.status, error=exc.detail)
                     )
@@ -135,6 +155,7 @@ class LaunchedDialect:
                     self.current = None
                     if completed:
                         self.cached = (loop.machine.id, loop.rollout)
+                        self._connection.budget.idle(self)
                     else:
                         log.info("cache.evicted", extra={"response": loop.machine.id})
                         await loop.rollout.aclose()
@@ -142,31 +163,76 @@ class LaunchedDialect:
             await self.close()
             self._finished.set()
 
-    async def _begin(self, create: ResponseCreate) -> SamplingLoop:
+    def evict(self, reason: str) -> None:
+        """A memory budget lets the cached rollout go; a follow-up that names it is served from
+        the store, or refused with `previous_response_not_found`."""
+        cached, self.cached = self.cached, None
+        if cached is not None:
+            log.info("cache.evicted", extra={"response": cached[0], "reason": reason})
+            cached[1].release_budget()
+            self._nursery.start_soon(cached[1].aclose)
+
+    async def _begin(self, create: ResponseCreate, size: int) -> SamplingLoop:
         server = self._server
         events = self._connection.events
+        budget = self._connection.budget
+        owner = self._owner
         previous = create.previous_response_id
+        self._connection.budget.busy(self)
         cached, self.cached = self.cached, None  # whatever happens, this turn takes it
         if previous is None:
             if cached is not None:
                 await cached[1].aclose()
-            return server.begin_response(create, events, source="fresh")
+            return await server.begin_response(
+                create, events, budget=budget, source="fresh", size=size, owner=owner
+            )
         if cached is not None and cached[0] == previous:
             rollout = cached[1]
             if rollout.serves(create.instructions, create.tools):
-                return server.begin_response(create, events, rollout=rollout, source="cache")
+                try:
+                    return await server.begin_response(
+                        create,
+                        events,
+                        budget=budget,
+                        rollout=rollout,
+                        source="cache",
+                        size=size,
+                        owner=owner,
+                    )
+                except BaseException:
+                    await rollout.aclose()  # refused (or cancelled): the state goes with it
+                    raise
             # new instructions or tools: the rendered prefix changed, so re-render everything
             history = list(rollout.conversation.items)
             await rollout.aclose()
-            return server.begin_response(create, events, history=history, source="rebuilt")
+            return await server.begin_response(
+                create,
+                events,
+                budget=budget,
+                history=history,
+                source="rebuilt",
+                size=size,
+                owner=owner,
+            )
         self.cached = cached  # a miss leaves the cache as it was
+        if cached is not None:
+            self._connection.budget.idle(self)
         store = True if create.store is None else create.store
-        chain = await server.store.chain(previous) if store else None
+        chain = await server.store.chain(previous, owner=owner) if store else None
         if chain is None:
             raise previous_response_not_found(previous, store)
-        return server.begin_response(create, events, history=chain_items(chain), source="store")
+        return await server.begin_response(
+            create,
+            events,
+            budget=budget,
+            history=chain_items(chain),
+            source="store",
+            size=size,
+            owner=owner,
+        )
 
     async def close(self) -> None:
+        self._connection.budget.busy(self)
         cached, self.cached = self.cached, None
         if cached is not None:
             await cached[1].aclose()

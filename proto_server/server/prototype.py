@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from proto_server.core.conversation import render_items
 from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
 
@@ -20,18 +22,32 @@ if TYPE_CHECKING:
 
 
 class PrototypeDialect:
-    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: ProtoServer,
+        connection: Connection,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+    ) -> None:
         self._server = server
         self._connection = connection
         self._nursery = nursery
+        self._owner = owner
         self.current: SamplingLoop | None = None
 
-    def handle(self, event: ClientEvent) -> None:
+    async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
-                self._create(event)
+                await self._create(event, frame_bytes)
             case ResponseAppend(input=items):
-                self._open_rollout("append to").append(items)
+                loop = self._open_rollout("append to")
+                loop.machine.check_append(items)  # before the work of rendering them
+                renderer = loop.rollout.conversation.renderer
+                rendered = await self._server.offload.run(
+                    render_items, renderer, items, size=frame_bytes
+                )
+                self._open_rollout("append to").append(items, rendered)
             case ResponseCancel():
                 self._open_rollout("cancel").cancel()
 
@@ -52,7 +68,7 @@ class PrototypeDialect:
             )
         return rollout
 
-    def _create(self, create: ResponseCreate) -> None:
+    async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
         current = self.current
         if current is not None and not current.ended:
             machine = current.machine
@@ -76,8 +92,15 @@ class PrototypeDialect:
             raise _unsupported("generate", "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
-        loop = self._server.begin_response(
-            create, self._connection.events, source="fresh", suspend_on_tool_calls=True
+        await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
+        loop = await self._server.begin_response(
+            create,
+            self._connection.events,
+            budget=self._connection.budget,
+            source="fresh",
+            owner=self._owner,
+            suspend_on_tool_calls=True,
+            size=frame_bytes,
         )
         self.current = loop
         self._nursery.start_soon(self._run, loop)

@@ -3,6 +3,9 @@
 A `Rollout` outlives any one Response when its owner lets it: the prototype dialect keeps it for
 the one open Response, the launched dialect keeps the most recent one in its connection cache and
 serves a chained `response.create` from it. Closing it releases the model state.
+
+What it holds in memory is charged to its connection's budget (and so to the process's):
+`account()` brings the charge up to date as the conversation grows.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.base import GeneratorSession
+from proto_server.server.memory import MemoryBudget
 from proto_server.wire.tools import Tool
 
 
@@ -22,22 +26,42 @@ class Rollout:
         conversation: Conversation,
         session: GeneratorSession,
         *,
+        budget: MemoryBudget,
         on_close: Callable[[Rollout], None],
     ) -> None:
         self.conversation = conversation
         self.session = session
+        self.budget = budget
         self.closed = False
         self._on_close = on_close
+        self._charged = 0
+        self._released = False
+        self.account()
 
     def serves(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
         """Whether a turn with this prefix can extend the warm state rather than rebuild it."""
         conversation = self.conversation
         return conversation.instructions == instructions and conversation.tools == tuple(tools)
 
+    def account(self) -> None:
+        """Charge the budget for what the conversation holds now."""
+        if self._released:
+            return
+        held = self.conversation.retained_bytes
+        self.budget.charge(held - self._charged)
+        self._charged = held
+
+    def release_budget(self) -> None:
+        """Stop counting this rollout (it is being let go; `aclose` follows)."""
+        self.budget.charge(-self._charged)
+        self._charged = 0
+        self._released = True
+
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.release_budget()
         with trio.CancelScope(shield=True):
             await self.session.aclose()
         self._on_close(self)

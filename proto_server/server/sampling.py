@@ -6,7 +6,8 @@ that `response.append` sets, with the rollout's generator session, the model's w
 open. Only the sampling loop sends this Response's events, so their order is the machine's order.
 
 Whose fault: a generator or script failure ends the Response with `response.failed` here, and
-the connection lives on; a client's mistake never reaches this far (see `check_append`).
+the connection lives on; so does a `store: true` Response the store cannot take
+(`store_unavailable`). A client's mistake never reaches this far (see `check_append`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
+from proto_server.core.conversation import TOKEN_BYTES, RenderedItems, render_items
 from proto_server.core.response import IllegalTransition, ResponseMachine, Status
 from proto_server.engine.chunks import (
     Chunk,
@@ -27,10 +29,11 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.script import ScriptError
+from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
+from proto_server.server.store import StoreUnavailable
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import (
@@ -107,10 +110,17 @@ class SamplingLoop:
     def response_id(self) -> str:
         return self.machine.id
 
-    def append(self, items: Sequence[Item]) -> None:
-        """Record tool outputs; if that answers every call, wake the sampling loop."""
+    def append(self, items: Sequence[Item], rendered: RenderedItems | None = None) -> None:
+        """Record tool outputs (`rendered` already, for large ones); if that answers every
+        call, wake the sampling loop. What they add must fit the rollout's memory budget."""
         self._refuse_if_ending("appended to it")
-        self._resume_events = self.machine.append(items)
+        self.machine.check_append(items)
+        if rendered is None:
+            rendered = render_items(self.rollout.conversation.renderer, items)
+        tokens = len(rendered.tokens)
+        self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
+        self._resume_events = self.machine.append(items, rendered)
+        self.rollout.account()
         if self._observer is not None:
             self._observer.rendered()
         if self.machine.status is Status.IN_PROGRESS:
@@ -131,6 +141,11 @@ class SamplingLoop:
         if self._generator_scope is not None:
             self._generator_scope.cancel()
         self._wake.set()
+
+    def evict(self, reason: str) -> None:
+        """A memory budget lets this suspended Response go: it ends `response.incomplete`."""
+        self.rollout.release_budget()
+        self.expire(reason)
 
     def expire(self, reason: str) -> None:
         """The server ends this Response with `response.incomplete` (`reason`): at once if it
@@ -191,10 +206,12 @@ class SamplingLoop:
         self._settled.set()
         if self._suspensions is not None:
             self._suspensions.add(self)
+        self.rollout.budget.idle(self)
         try:
             with trio.move_on_after(self._suspend_timeout_s) as self._idle:
                 await self._wake.wait()
         finally:
+            self.rollout.budget.busy(self)
             self._idle = None
             if self._suspensions is not None:
                 self._suspensions.discard(self)
@@ -258,6 +275,7 @@ class SamplingLoop:
                     if self.machine.status is not Status.IN_PROGRESS:
                         break
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
+        self.rollout.account()
         if self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
             return
         if self.expired is not None:
@@ -282,17 +300,24 @@ class SamplingLoop:
                     if self._observer is not None:
                         self._observer.generating()
                     task_status.started()
-                    await self.rollout.session.generate(send)
+                    await self.rollout.session.generate(send, self._limits())
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
-                except ScriptError as exc:
-                    self._fault = ServerFault("script_error", str(exc))
+                except GenerationRefused as exc:
+                    self._fault = ServerFault(exc.code, str(exc))
                 except Exception as exc:
                     log.exception("generator.crashed", extra={"response": self.machine.id})
                     self._fault = ServerFault(
                         "generator_error", f"the token generator failed: {exc!r}"
                     )
             self._generator_scope = None
+
+    def _limits(self) -> GenerationLimits:
+        """What the client's limits leave to the next segment of this Response."""
+        machine = self.machine
+        return GenerationLimits.for_response(
+            machine.template, output_tokens=machine.output_tokens, tool_calls=machine.tool_calls
+        )
 
     def _count_rendered(self) -> int:
         """Add the tokens rendered since the last segment to this Response's count; return them."""
@@ -328,6 +353,20 @@ class SamplingLoop:
     async def _emit(self, events: list[ServerEvent]) -> None:
         for event in events:
             if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
-                # a stored response is durable before the client hears that it is done
-                await self._persist(self.machine)
+                event = await self._stored(event)
             await self._events.send(event)
+
+    async def _stored(self, event: ServerEvent) -> ServerEvent:
+        """A stored response is durable before the client hears that it is done; one the store
+        cannot take fails instead (a failed one keeps its own error)."""
+        assert self._persist is not None
+        try:
+            await self._persist(self.machine)
+        except StoreUnavailable as exc:
+            log.warning(
+                "response.unstored", extra={"response": self.machine.id, "reason": str(exc)}
+            )
+            if isinstance(event, ResponseFailed):
+                return event
+            (event,) = self.machine.fail_unstored(exc.detail)
+        return event

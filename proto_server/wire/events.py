@@ -7,7 +7,7 @@ numbers follow the order in which frames really leave, whoever produced the even
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NewType
 
 import attrs
 
@@ -15,6 +15,11 @@ from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.items import Item, OutputText
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
+
+#: An integer above zero (`max_output_tokens`); the converter refuses anything else.
+PositiveInt = NewType("PositiveInt", int)
+#: An integer of zero or more (`max_tool_calls`); the converter refuses anything else.
+NonNegativeInt = NewType("NonNegativeInt", int)
 
 # -- client events ---------------------------------------------------------------------------
 
@@ -35,7 +40,7 @@ class ResponseCreate:
     background: bool | None = None
     previous_response_id: str | None = None
     generate: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: PositiveInt | None = None
     metadata: Mapping[str, Any] | None = None
     # carried through to the Response object, not interpreted
     temperature: float | None = None
@@ -47,7 +52,7 @@ class ResponseCreate:
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: NonNegativeInt | None = None
     top_logprobs: int | None = None
 
 

@@ -1,0 +1,62 @@
+"""What a request allows the model in the segment about to be decoded.
+
+The sampling loop builds `GenerationLimits` before every segment from the Response (what the
+client asked) and what the Response already holds, and hands them to `generate`: every
+generator obeys them, so a limit the client set is honoured whichever model serves it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from proto_server.core.request import ToolChoice, parse_tool_choice
+from proto_server.wire.response import Response
+
+
+class GenerationRefused(Exception):
+    """The generator cannot produce what the limits demand; `code` says which (it ends the
+    Response with `response.failed`, no traceback: the request, not the server, is at odds)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@attrs.frozen(kw_only=True)
+class GenerationLimits:
+    #: Output tokens this segment may decode: `max_output_tokens` minus what the Response's
+    #: earlier segments decoded, so the whole Response stays within it. None: no limit.
+    max_output_tokens: int | None = None
+    tool_choice: ToolChoice = attrs.field(factory=ToolChoice)
+    #: False: at most one tool call in this segment.
+    parallel_tool_calls: bool = True
+    #: Tool calls this segment may make: `max_tool_calls` minus the Response's calls so far.
+    max_tool_calls: int | None = None
+
+    @classmethod
+    def for_response(
+        cls, response: Response, *, output_tokens: int, tool_calls: int
+    ) -> GenerationLimits:
+        """The limits of the next segment of `response`, which already decoded `output_tokens`
+        and made `tool_calls` calls."""
+        limit, calls = response.max_output_tokens, response.max_tool_calls
+        return cls(
+            max_output_tokens=None if limit is None else max(limit - output_tokens, 0),
+            tool_choice=parse_tool_choice(response.tool_choice),
+            parallel_tool_calls=response.parallel_tool_calls,
+            max_tool_calls=None if calls is None else max(calls - tool_calls, 0),
+        )
+
+    @property
+    def max_calls(self) -> int | None:
+        """How many tool calls this segment may make; None: any number."""
+        if self.tool_choice.mode == "none":
+            return 0
+        single = None if self.parallel_tool_calls else 1
+        bounds = [b for b in (single, self.max_tool_calls) if b is not None]
+        return min(bounds) if bounds else None
+
+    @property
+    def must_call(self) -> bool:
+        """`required` or a named function, and calls still allowed: the segment must call."""
+        return self.tool_choice.mode == "required" and self.max_calls != 0
