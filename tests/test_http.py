@@ -396,7 +396,7 @@ async def test_a_refused_request_with_a_huge_body_is_answered_and_closed_unread(
 async def test_expect_100_continue_is_answered_before_a_body_the_server_will_read(
     start_server: StartServer,
 ) -> None:
-    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",), max_message_bytes=4096)
     payload = orjson.dumps(body())
     expect = ("expect: 100-continue", "connection: close")
     with trio.fail_after(10):
@@ -411,8 +411,14 @@ async def test_expect_100_continue_is_answered_before_a_body_the_server_will_rea
         async with stream:
             await stream.send_all(post_head(len(payload), *expect))
             refused = await read_answers(stream)
+        # so is one that says its body is over the limit
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(10_000, "authorization: Bearer k1", *expect))
+            too_large = await read_answers(stream)
     assert statuses(served) == [200]
     assert statuses(refused) == [401]
+    assert statuses(too_large) == [413]
 
 
 @pytest.mark.parametrize(

@@ -106,9 +106,25 @@ async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: flo
     )
 
 
+def _too_large(limit: int) -> ProtocolError:
+    return ProtocolError(
+        "message_too_large",
+        f"The request body is over the limit of {limit} bytes (--max-message-bytes); "
+        "send less, or continue a stored chain with previous_response_id.",
+        status=413,
+    )
+
+
 async def _read_body(
-    stream: trio.abc.Stream, conn: h11.Connection, limit: int, timeout_s: float
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    limit: int,
+    timeout_s: float,
+    declared: int | None = None,
 ) -> bytes:
+    """The body, up to `limit`; one `declared` (Content-Length) over it is refused unread."""
+    if declared is not None and declared > limit:
+        raise _too_large(limit)
     if conn.they_are_waiting_for_100_continue:  # only now: a refused request gets no 100
         go_on = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
         await stream.send_all(conn.send(go_on) or b"")
@@ -120,12 +136,7 @@ async def _read_body(
         elif isinstance(event, h11.Data):
             body += event.data
             if len(body) > limit:
-                raise ProtocolError(
-                    "message_too_large",
-                    f"The request body is over the limit of {limit} bytes (--max-message-bytes); "
-                    "send less, or continue a stored chain with previous_response_id.",
-                    status=413,
-                )
+                raise _too_large(limit)
         elif isinstance(event, h11.EndOfMessage):
             return bytes(body)
         else:
@@ -221,6 +232,8 @@ class _Exchange:
         self.authorization = next(
             (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
         )
+        length = next((v for k, v in request.headers if k == b"content-length"), None)
+        self.declared_length = None if length is None else int(length)  # h11 checked it
         self.owner = ANONYMOUS  # whose stored responses it may see, once authorized
 
     async def serve(self) -> None:
@@ -252,7 +265,11 @@ class _Exchange:
     async def _body(self) -> bytes:
         config = self.server.config
         return await _read_body(
-            self.stream, self.conn, config.max_message_bytes, config.handshake_timeout_s
+            self.stream,
+            self.conn,
+            config.max_message_bytes,
+            config.handshake_timeout_s,
+            self.declared_length,
         )
 
     async def _history(self, previous: str | None) -> list[Item]:
