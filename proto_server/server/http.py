@@ -31,7 +31,7 @@ from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
-from proto_server.wire.errors import ProtocolError, ServerFault
+from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
 
@@ -279,7 +279,7 @@ class _Exchange:
         if chain is None:
             raise ProtocolError(
                 "previous_response_not_found",
-                f"Previous response {previous!r} is not in the store (never stored with "
+                f"Previous response {quoted(previous)} is not in the store (never stored with "
                 "store: true, or expired). Resend the full history without "
                 "previous_response_id.",
                 param="previous_response_id",
@@ -391,7 +391,7 @@ class _Exchange:
         if stored is None:
             raise ProtocolError(
                 "response_not_found",
-                f"No stored response {response_id!r}: only store: true responses are kept, "
+                f"No stored response {quoted(response_id)}: only store: true responses are kept, "
                 "until the retention limit.",
                 status=404,
             )

@@ -22,7 +22,7 @@ from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -44,8 +44,8 @@ def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
     )
     return ProtocolError(
         "previous_response_not_found",
-        f"Previous response {response_id!r} not found: {hint}. Resend the full history without "
-        "previous_response_id.",
+        f"Previous response {quoted(response_id)} not found: {hint}. Resend the full history "
+        "without previous_response_id.",
         param="previous_response_id",
     )
 
