@@ -14,9 +14,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from proto_server.bench import cli as bench_cli
+from proto_server.core.ranges import InvalidSetting
 from proto_server.engine.base import TokenGenerator
 from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
@@ -42,9 +44,12 @@ def default_store_path() -> Path:
 
 
 def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+    """For flags that no validated class holds (the local model's); the rest are ranged where
+    they live (core/ranges.py) and named by `flag_of`."""
+
     def parse(text: str) -> float:
         value = kind(text)
-        if value <= 0:
+        if not value > 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
 
@@ -88,6 +93,22 @@ def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[s
     return tuple(keys)
 
 
+#: Settings whose flag is not their field's name (the rest: `max_x_s` is `--max-x`).
+_FLAGS = {
+    "prefill_tokens_per_s": "--prefill-rate",
+    "decode_tokens_per_s": "--decode-rate",
+    "burst_tokens_per_s": "--burst-rate",
+    "max_memory_bytes": "--max-memory",
+    "max_connection_memory_bytes": "--max-connection-memory",
+    "api_keys": "--api-key",
+}
+
+
+def flag_of(field: str) -> str:
+    """The `serve` flag that sets a ServerConfig or TimingModel field."""
+    return _FLAGS.get(field) or "--" + field.removesuffix("_s").replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="proto-server",
@@ -122,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     _local_model_arguments(serve)
     serve.add_argument(
         "--max-tokens",
-        type=int,
+        type=_positive(int),
         default=512,
         metavar="N",
         help="local model: most tokens decoded per segment; more ends the Response as "
@@ -170,8 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
     )
     serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help="open connections (WebSocket and HTTP); one more is answered 503 server_busy and "
+        "closed at once",
+    )
+    serve.add_argument(
         "--handshake-timeout",
-        type=_positive(float),
+        type=float,
         default=defaults.handshake_timeout_s,
         metavar="SECONDS",
         help="time to send a request head (or the next one on a kept-alive HTTP connection, "
@@ -179,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--suspend-timeout",
-        type=_positive(float),
+        type=float,
         default=defaults.suspend_timeout_s,
         metavar="SECONDS",
         help="prototype dialect: a suspended Response whose client sends nothing for this long "
@@ -187,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-suspended-rollouts",
-        type=_positive(int),
+        type=int,
         default=defaults.max_suspended_rollouts,
         metavar="N",
         help="suspended Responses per process; past it the one idle longest ends with "
@@ -195,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shutdown-grace",
-        type=_positive(float),
+        type=float,
         default=defaults.shutdown_grace_s,
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C: how long streaming segments may take to finish; then "
@@ -350,7 +379,7 @@ def _local_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_positive(int),
         default=None,
         metavar="N",
         help="local model: torch CPU threads (default: torch's choice)",
@@ -381,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             burst_share=args.burst_share,
         )
         planner: Planner = load_script(args.script) if args.script else DefaultModel()
+    except InvalidSetting as exc:
+        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
+        return 2
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
@@ -394,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "port": args.port,
         "max_message_bytes": args.max_message_bytes,
         "max_connection_lifetime_s": args.max_connection_lifetime,
+        "max_connections": args.max_connections,
         "max_queued_requests": args.max_queued_requests,
         "merge_deltas": args.merge_deltas,
         "api_keys": keys,
@@ -406,6 +439,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_connection_memory_bytes": args.max_connection_memory * MiB,
         "prepare_threads": args.prepare_threads,
     }
+    try:
+        config = ServerConfig(**settings)
+    except InvalidSetting as exc:
+        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.store != ":memory:":
             Path(args.store).parent.mkdir(parents=True, exist_ok=True)
@@ -437,15 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if local is None:
             return 2
         generator, what = local, f"local model {local.name} on {local.device}"
-        settings["default_model"] = local.name
+        config = attrs.evolve(config, default_model=local.name)
     else:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
-    try:
-        config = ServerConfig(**settings)
-    except ValueError as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return 2
     server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     try:
         trio.run(partial(_serve, server, what))

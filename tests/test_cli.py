@@ -166,3 +166,70 @@ def test_a_store_url_is_refused_and_creates_nothing(
     assert f"argument --store: {scheme}:// URLs are not supported by this build" in err
     assert "pass a file path or :memory:" in err
     assert list(tmp_path.iterdir()) == []
+
+
+BAD_FLAGS = [
+    ("--port", "70000", "must be between 0 and 65535, got 70000"),
+    ("--port", "-1", "must be between 0 and 65535, got -1"),
+    ("--max-message-bytes", "0", "must be at least 1024, got 0"),
+    ("--max-connection-lifetime", "0", "must be positive, got 0.0"),
+    ("--max-connections", "0", "must be at least 1, got 0"),
+    ("--max-queued-requests", "0", "must be at least 1, got 0"),
+    ("--max-queued-requests", "-1", "must be at least 1, got -1"),
+    ("--handshake-timeout", "nan", "must be positive, got nan"),
+    ("--suspend-timeout", "-3", "must be positive, got -3.0"),
+    ("--max-suspended-rollouts", "0", "must be at least 1, got 0"),
+    ("--shutdown-grace", "0", "must be positive, got 0.0"),
+    ("--decode-rate", "0", "must be positive, got 0.0"),
+    ("--prefill-rate", "-1", "must be positive, got -1.0"),
+    ("--burst-rate", "0", "must be positive, got 0.0"),
+    ("--burst-share", "2", "must be between 0 and 1, got 2.0"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "why"), BAD_FLAGS)
+def test_a_setting_out_of_range_is_refused_at_start_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, why: str
+) -> None:
+    from proto_server.cli import main
+
+    assert main(["serve", "--store", ":memory:", flag, value]) == 2
+    assert capsys.readouterr().err == f"proto-server: {flag}: {why}\n"
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--threads"])
+def test_the_local_model_flags_must_be_positive(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    from proto_server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--generator", "local", flag, "0"])
+    assert exited.value.code == 2
+    assert f"argument {flag}: must be positive, got 0" in capsys.readouterr().err
+
+
+def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
+    import attrs
+
+    from proto_server.cli import build_parser, flag_of
+    from proto_server.engine.simulated import TimingModel
+    from proto_server.server.config import ServerConfig
+
+    unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
+    for cls in (ServerConfig, TimingModel):
+        for field in attrs.fields(cls):
+            if field.validator is not None and field.name not in unset:
+                _, unknown = build_parser().parse_known_args(["serve", flag_of(field.name), "1"])
+                assert unknown == [], field.name
+
+
+def test_a_queue_of_minus_one_is_refused_by_the_real_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "proto_server", "serve", "--max-queued-requests", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "proto-server: --max-queued-requests: must be at least 1, got -1\n"

@@ -46,7 +46,7 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.server.http import error_body, serve_http, unauthorized
+from proto_server.server.http import LINGER_S, error_body, linger, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget
@@ -225,6 +225,9 @@ class ProtoServer:
         log.info("server.stopped", extra={"forced": self.open_connections})
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        if self.open_connections >= self.config.max_connections:
+            await self._turn_away(stream)
+            return
         self._count(connections=1)
         try:
             head = None
@@ -265,6 +268,28 @@ class ProtoServer:
                 await stream.aclose()
             self._count(connections=-1)
 
+    async def _turn_away(self, stream: trio.SocketStream) -> None:
+        """A connection past `max_connections`: 503 at once, before its head is read (a full
+        server spends nothing on it), then closed; it is not counted as open."""
+        limit = self.config.max_connections
+        log.info("connection.refused", extra={"limit": limit})
+        busy = ProtocolError(
+            "server_busy",
+            f"The server has reached its limit of {limit:,} open connections "
+            "(--max-connections); retry later.",
+            status=503,
+            error_type="server_error",
+        )
+        try:
+            with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
+                await _refuse(stream, busy)
+                await linger(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
     async def _serve_websocket(
         self, stream: trio.SocketStream, head: RequestHead, deadline: float
     ) -> None:
@@ -279,6 +304,11 @@ class ProtoServer:
                 nursery.cancel_scope.cancel()
                 return
             json = [(b"content-type", b"application/json")]
+            # the key first: without one, a client cannot even tell a valid path from a wrong one
+            owner = self.owner(head.header(b"authorization"))
+            if owner is None:
+                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
+                return
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 refusal = ProtocolError(
                     "not_found",
@@ -286,10 +316,6 @@ class ProtoServer:
                     status=404,
                 )
                 await request.reject(404, extra_headers=json, body=error_body(refusal))
-                return
-            owner = self.owner(head.header(b"authorization"))
-            if owner is None:
-                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
             ws = await request.accept()
@@ -445,7 +471,9 @@ async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     """Answer a request that cannot be served with a JSON error, and close the connection."""
     body = error_body(error)
     reason = HTTPStatus(error.status).phrase.encode()
-    extra = b"sec-websocket-version: 13\r\n" if error.status == 426 else b""
+    extra = {426: b"sec-websocket-version: 13\r\n", 503: b"retry-after: 1\r\n"}.get(
+        error.status, b""
+    )
     await stream.send_all(
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"%sconnection: close\r\n\r\n%s" % (error.status, reason, len(body), extra, body)

@@ -13,7 +13,6 @@ Turns run one at a time, in order; further creates wait in a bounded queue.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -23,7 +22,7 @@ from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -45,8 +44,8 @@ def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
     )
     return ProtocolError(
         "previous_response_not_found",
-        f"Previous response {response_id!r} not found: {hint}. Resend the full history without "
-        "previous_response_id.",
+        f"Previous response {quoted(response_id)} not found: {hint}. Resend the full history "
+        "without previous_response_id.",
         param="previous_response_id",
     )
 
@@ -63,10 +62,10 @@ class LaunchedDialect:
         self._server = server
         self._connection = connection
         self._owner = owner
-        queued = server.config.max_queued_requests
+        queued = server.config.max_queued_requests  # at least 1 (ServerConfig)
         #: creates waiting for their turn, each with the bytes it is charged and its frame's size
         self._queue, self._queued = trio.open_memory_channel[tuple[ResponseCreate, int, int]](
-            queued or math.inf
+            queued
         )
         self._nursery = nursery
         self.cached: tuple[str, Rollout] | None = None

@@ -16,7 +16,7 @@ import orjson
 from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
 from cattrs.preconf.orjson import make_converter
 
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
@@ -319,7 +319,7 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
         known = ", ".join(CLIENT_EVENT_TYPES)
         raise ProtocolError(
             "unknown_event_type",
-            f"Unknown event type {tag!r}; this server accepts {known}.",
+            f"Unknown event type {quoted(tag)}; this server accepts {known}.",
             param="type",
         )
     return _structure_or_refuse(obj, cls)
