@@ -373,7 +373,7 @@ async def test_serve_local_runs_a_model_directory(
     tokenizer.save_pretrained(tmp_path)
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
     command += ["--generator", "local", "--model", str(tmp_path), "--threads", "1"]
-    command += ["--max-tokens", "6"]
+    command += ["--max-tokens", "6", "--store", ":memory:"]  # never the user's own store
     with trio.fail_after(120):
         process: trio.Process = await nursery.start(
             partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)

@@ -793,8 +793,9 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
 
 
 def _forces_a_call(event: ClientEvent) -> bool:
-    """A create whose tool_choice forces a call: a server whose model cannot force one (the
-    local model) refuses it with `unsupported_tool_choice`, another serves it."""
+    """A create whose tool_choice forces a call: a server whose model cannot force one (a local
+    model without a fast tokenizer, which llguidance needs) refuses it with
+    `unsupported_tool_choice`, another serves it."""
     return (
         isinstance(event, ResponseCreate)
         and _refusal(event) is None
