@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_queued_requests,
         help="launched dialect: response.create frames that may wait behind the one in flight",
     )
+    # the two memory flags are in MiB, the settings in bytes: their range is checked in MiB here
     serve.add_argument(
         "--max-memory",
         type=_positive(int),
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prepare-threads",
-        type=_positive(int),
+        type=int,
         default=defaults.prepare_threads,
         metavar="N",
         help="worker threads that decode and render large requests off the event loop",
