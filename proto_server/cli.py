@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sqlite3
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from proto_server.bench import cli as bench_cli
+from proto_server.core.ranges import InvalidSetting
 from proto_server.engine.base import TokenGenerator
 from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
@@ -25,6 +28,7 @@ from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
+from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import SQLiteStore
 
 if TYPE_CHECKING:
@@ -41,14 +45,69 @@ def default_store_path() -> Path:
 
 
 def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+    """For flags that no validated class holds (the local model's); the rest are ranged where
+    they live (core/ranges.py) and named by `flag_of`."""
+
     def parse(text: str) -> float:
         value = kind(text)
-        if value <= 0:
+        if not value > 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _store_location(text: str) -> str:
+    """`:memory:` or a file path; a URL is refused before anything is created."""
+    if scheme := re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text):
+        raise argparse.ArgumentTypeError(
+            f"{scheme[1]}:// URLs are not supported by this build; pass a file path or :memory:"
+        )
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty; pass a file path or :memory:")
+    return text
+
+
+_store_location.__name__ = "store"
+
+
+def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys from --api-key, else from PROTO_SERVER_API_KEYS; a blank one, or a list that
+    holds none, is refused (ValueError) rather than turning auth off or letting `Bearer` in."""
+    if flags is not None:
+        if any(not key.strip() for key in flags):
+            raise ValueError("--api-key must not be empty or blank; pass the key itself")
+        return tuple(key.strip() for key in flags)
+    if API_KEYS_ENV not in environ:
+        return ()
+    keys = [key.strip() for key in environ[API_KEYS_ENV].split(",")]
+    if not any(keys):
+        raise ValueError(
+            f"{API_KEYS_ENV} holds no key; set it to k1,k2,... or unset it to run without auth"
+        )
+    if not all(keys):
+        raise ValueError(
+            f"{API_KEYS_ENV} holds an empty key (a stray comma?); set it to k1,k2,... "
+            "with no blank entries"
+        )
+    return tuple(keys)
+
+
+#: Settings whose flag is not their field's name (the rest: `max_x_s` is `--max-x`).
+_FLAGS = {
+    "prefill_tokens_per_s": "--prefill-rate",
+    "decode_tokens_per_s": "--decode-rate",
+    "burst_tokens_per_s": "--burst-rate",
+    "max_memory_bytes": "--max-memory",
+    "max_connection_memory_bytes": "--max-connection-memory",
+    "api_keys": "--api-key",
+}
+
+
+def flag_of(field: str) -> str:
+    """The `serve` flag that sets a ServerConfig or TimingModel field."""
+    return _FLAGS.get(field) or "--" + field.removesuffix("_s").replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _local_model_arguments(serve, engine=True)
     serve.add_argument(
         "--max-tokens",
-        type=int,
+        type=_positive(int),
         default=512,
         metavar="N",
         help="local model and vllm: most tokens decoded per segment; more ends the Response "
@@ -161,8 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
     )
     serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help="open connections (WebSocket and HTTP); one more is answered 503 server_busy and "
+        "closed at once",
+    )
+    serve.add_argument(
         "--handshake-timeout",
-        type=_positive(float),
+        type=float,
         default=defaults.handshake_timeout_s,
         metavar="SECONDS",
         help="time to send a request head (or the next one on a kept-alive HTTP connection, "
@@ -170,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--suspend-timeout",
-        type=_positive(float),
+        type=float,
         default=defaults.suspend_timeout_s,
         metavar="SECONDS",
         help="prototype dialect: a suspended Response whose client sends nothing for this long "
@@ -178,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-suspended-rollouts",
-        type=_positive(int),
+        type=int,
         default=defaults.max_suspended_rollouts,
         metavar="N",
         help="suspended Responses per process; past it the one idle longest ends with "
@@ -186,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shutdown-grace",
-        type=_positive(float),
+        type=float,
         default=defaults.shutdown_grace_s,
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C: how long streaming segments may take to finish; then "
@@ -198,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_queued_requests,
         help="launched dialect: response.create frames that may wait behind the one in flight",
     )
+    # the two memory flags are in MiB, the settings in bytes: their range is checked in MiB here
     serve.add_argument(
         "--max-memory",
         type=_positive(int),
@@ -218,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prepare-threads",
-        type=_positive(int),
+        type=int,
         default=defaults.prepare_threads,
         metavar="N",
         help="worker threads that decode and render large requests off the event loop",
@@ -231,22 +299,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--store",
+        type=_store_location,
         default=str(default_store_path()),
         metavar="PATH",
-        help="SQLite file for store: true responses; ':memory:' keeps them in memory",
+        help="SQLite file for store: true responses; ':memory:' keeps them in memory "
+        "(URLs such as postgresql:// are not supported by this build)",
     )
     serve.add_argument(
         "--store-max-responses",
-        type=int,
+        type=_positive(int),
         default=100_000,
-        help="retention: the newest this many stored responses are kept",
+        metavar="N",
+        help="retention: the newest this many stored responses are kept (a positive integer)",
     )
     serve.add_argument(
         "--store-max-age",
-        type=float,
+        type=_positive(float),
         default=30.0,
         metavar="DAYS",
-        help="retention: stored responses older than this are deleted",
+        help="retention: stored responses older than this many days are deleted (positive)",
+    )
+    serve.add_argument(
+        "--store-timeout",
+        type=_positive(float),
+        default=defaults.store_timeout_s,
+        metavar="SECONDS",
+        help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
+        "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
+    )
+    serve.add_argument(
+        "--compaction-secret-file",
+        metavar="PATH",
+        default=None,
+        help="the secret that seals compaction items, made (mode 0600) on first start; "
+        "default: next to the --store file (STORE.compaction-secret); with :memory:, a new "
+        "secret per process",
     )
     serve.add_argument(
         "--api-key",
@@ -351,7 +438,7 @@ def _local_model_arguments(parser: argparse.ArgumentParser, *, engine: bool = Fa
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_positive(int),
         default=None,
         metavar="N",
         help="local model: torch CPU threads (default: torch's choice)",
@@ -391,18 +478,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             burst_share=args.burst_share,
         )
         planner: Planner = load_script(args.script) if args.script else DefaultModel()
+    except InvalidSetting as exc:
+        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
+        return 2
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    keys = args.api_key or [k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    try:
+        keys = api_keys(args.api_key, os.environ)
+    except ValueError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
     settings: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
         "max_message_bytes": args.max_message_bytes,
         "max_connection_lifetime_s": args.max_connection_lifetime,
+        "max_connections": args.max_connections,
         "max_queued_requests": args.max_queued_requests,
         "merge_deltas": args.merge_deltas,
-        "api_keys": tuple(k.strip() for k in keys),
+        "api_keys": keys,
+        "store_timeout_s": args.store_timeout,
         "handshake_timeout_s": args.handshake_timeout,
         "suspend_timeout_s": args.suspend_timeout,
         "max_suspended_rollouts": args.max_suspended_rollouts,
@@ -412,16 +508,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prepare_threads": args.prepare_threads,
     }
     try:
+        config = ServerConfig(**settings)
+    except InvalidSetting as exc:
+        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.store != ":memory:":
             Path(args.store).parent.mkdir(parents=True, exist_ok=True)
         store = SQLiteStore(
             args.store,
             max_responses=args.store_max_responses,
             max_age_s=args.store_max_age * 24 * 3600,
+            timeout_s=args.store_timeout,
         )
+    except ValueError as exc:  # what argparse let through (nan, inf)
+        print(f"proto-server: {exc} (--store-max-age, --store-timeout)", file=sys.stderr)
+        return 2
     except (OSError, sqlite3.Error) as exc:
         print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
               file=sys.stderr)  # fmt: skip
+        return 2
+    secret_file = args.compaction_secret_file or (
+        None if args.store == ":memory:" else secret_path_for_store(args.store)
+    )
+    try:
+        secret = None if secret_file is None else load_or_create_secret(Path(secret_file))
+    except (OSError, ValueError) as exc:
+        print(f"proto-server: cannot use the compaction secret: {exc}; pass another "
+              "--compaction-secret-file", file=sys.stderr)  # fmt: skip
         return 2
     generator: TokenGenerator
     if args.generator == "vllm":
@@ -435,11 +552,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if local is None:
             return 2
         generator, what = local, f"local model {local.name} on {local.device}"
-        settings["default_model"] = local.name
+        config = attrs.evolve(config, default_model=local.name)
     else:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
-    server = ProtoServer(generator, ServerConfig(**settings), store=store)
+    server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     try:
         trio.run(partial(_serve, server, what, getattr(generator, "aclose", None)))
     except OSError as exc:

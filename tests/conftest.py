@@ -13,7 +13,7 @@ from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.server.store import ResponseStore, StoredResponse
+from proto_server.server.store import ANONYMOUS, ResponseStore, StoredResponse
 
 #: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
 FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)
@@ -58,12 +58,15 @@ class CheckpointStore:
         await trio.lowlevel.checkpoint()
         self.responses[stored.response.id] = stored
 
-    async def get(self, response_id: str) -> StoredResponse | None:
+    async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         await trio.lowlevel.checkpoint()
-        return self.responses.get(response_id)
+        stored = self.responses.get(response_id)
+        return stored if stored is not None and stored.owner == owner else None
 
-    async def chain(self, response_id: str) -> list[StoredResponse] | None:
-        stored = await self.get(response_id)
+    async def chain(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> list[StoredResponse] | None:
+        stored = await self.get(response_id, owner=owner)
         return None if stored is None else [stored]
 
     async def aclose(self) -> None:

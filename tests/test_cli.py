@@ -103,3 +103,133 @@ async def test_keys_from_the_environment_turn_auth_on(nursery: trio.Nursery) -> 
         assert await process.wait() == 0
     assert refused.status_code == 401
     assert served.status_code == 200
+
+
+def serve_refusal(capsys: pytest.CaptureFixture[str], *flags: str, store: str = ":memory:") -> str:
+    """`proto-server serve` with `flags` must refuse to start (exit 2); what it said."""
+    from proto_server.cli import main
+
+    try:
+        code = main(["serve", "--port", "0", "--store", store, *flags])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code  # type: ignore[assignment]
+    assert code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "keys", [[""], ["  "], ["k1", ""]], ids=["empty", "blank", "empty-beside-a-real-one"]
+)
+def test_an_empty_api_key_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, keys: list[str]
+) -> None:
+    monkeypatch.delenv("PROTO_SERVER_API_KEYS", raising=False)
+    flags = [part for key in keys for part in ("--api-key", key)]
+    assert "--api-key must not be empty" in serve_refusal(capsys, *flags)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [(" , ", "holds no key"), ("", "holds no key"), ("k1,,k2", "empty key"), ("k1,", "empty key")],
+)
+def test_a_key_list_with_blanks_or_nothing_in_it_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, value: str, said: str
+) -> None:
+    monkeypatch.setenv("PROTO_SERVER_API_KEYS", value)
+    err = serve_refusal(capsys)
+    assert "PROTO_SERVER_API_KEYS" in err and said in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--store-max-responses", "0"), ("--store-max-responses", "-3"),
+     ("--store-max-age", "-1"), ("--store-max-age", "0"), ("--store-timeout", "0")],
+)  # fmt: skip
+def test_store_limits_that_would_delete_everything_refuse_to_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str
+) -> None:
+    err = serve_refusal(capsys, f"{flag}={value}", store=str(tmp_path / "store.sqlite3"))
+    assert f"argument {flag}: must be positive, got {value}" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["postgresql://user@db.example/responses", "sqlite:///x.db"])
+def test_a_store_url_is_refused_and_creates_nothing(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    url: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = serve_refusal(capsys, store=url)
+    scheme = url.split(":")[0]
+    assert f"argument --store: {scheme}:// URLs are not supported by this build" in err
+    assert "pass a file path or :memory:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+BAD_FLAGS = [
+    ("--port", "70000", "must be between 0 and 65535, got 70000"),
+    ("--port", "-1", "must be between 0 and 65535, got -1"),
+    ("--max-message-bytes", "0", "must be at least 1024, got 0"),
+    ("--max-connection-lifetime", "0", "must be positive, got 0.0"),
+    ("--max-connections", "0", "must be at least 1, got 0"),
+    ("--max-queued-requests", "0", "must be at least 1, got 0"),
+    ("--max-queued-requests", "-1", "must be at least 1, got -1"),
+    ("--handshake-timeout", "nan", "must be positive, got nan"),
+    ("--suspend-timeout", "-3", "must be positive, got -3.0"),
+    ("--max-suspended-rollouts", "0", "must be at least 1, got 0"),
+    ("--shutdown-grace", "0", "must be positive, got 0.0"),
+    ("--decode-rate", "0", "must be positive, got 0.0"),
+    ("--prefill-rate", "-1", "must be positive, got -1.0"),
+    ("--burst-rate", "0", "must be positive, got 0.0"),
+    ("--burst-share", "2", "must be between 0 and 1, got 2.0"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "why"), BAD_FLAGS)
+def test_a_setting_out_of_range_is_refused_at_start_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, why: str
+) -> None:
+    from proto_server.cli import main
+
+    assert main(["serve", "--store", ":memory:", flag, value]) == 2
+    assert capsys.readouterr().err == f"proto-server: {flag}: {why}\n"
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--threads"])
+def test_the_local_model_flags_must_be_positive(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    from proto_server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--generator", "local", flag, "0"])
+    assert exited.value.code == 2
+    assert f"argument {flag}: must be positive, got 0" in capsys.readouterr().err
+
+
+def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
+    import attrs
+
+    from proto_server.cli import build_parser, flag_of
+    from proto_server.engine.simulated import TimingModel
+    from proto_server.server.config import ServerConfig
+
+    unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
+    for cls in (ServerConfig, TimingModel):
+        for field in attrs.fields(cls):
+            if field.validator is not None and field.name not in unset:
+                _, unknown = build_parser().parse_known_args(["serve", flag_of(field.name), "1"])
+                assert unknown == [], field.name
+
+
+def test_a_queue_of_minus_one_is_refused_by_the_real_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "proto_server", "serve", "--max-queued-requests", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "proto-server: --max-queued-requests: must be at least 1, got -1\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from proto_server.core.conversation import Conversation
@@ -13,7 +15,9 @@ from proto_server.core.response import (
     ResponseMachine,
     Status,
 )
-from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.converter import encode_server_event
+from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
+from proto_server.wire.events import ErrorEvent
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.response import Response
 
@@ -103,6 +107,41 @@ def test_a_refused_append_changes_nothing(items: object, code: str) -> None:
     assert refused.value.detail.code == code
     after = (m.status, dict(m.pending_calls), set(m.answered_calls), m.conversation.token_count)
     assert after == before
+
+
+def frame_of(refused: pytest.ExceptionInfo[ProtocolError]) -> bytes:
+    """The `error` frame a client would receive for this refusal."""
+    event = ErrorEvent(status=refused.value.status, error=refused.value.detail)
+    return encode_server_event(event, 0).encode()
+
+
+@pytest.mark.parametrize(
+    ("append", "code"),
+    [
+        (lambda ids: [output("call_" + "x" * 100_000)], "unknown_call_id"),
+        (lambda ids: [output(ids[0]), output(ids[0])], "duplicate_call_id"),
+        (lambda ids: [output(ids[0]), Message(role="user", content="go")], "missing_tool_output"),
+    ],
+)
+def test_an_error_about_thousands_of_pending_calls_stays_small(append: Any, code: str) -> None:
+    """A 100-byte append must not earn a 93 KB error listing every pending call."""
+    m, ids = suspended_with(3_000)
+    with pytest.raises(ProtocolError) as refused:
+        m.append(append(ids))
+    assert refused.value.detail.code == code
+    assert len(frame_of(refused)) < 1024
+    if code != "duplicate_call_id":
+        assert "2,999, e.g." in refused.value.detail.message or "3,000, e.g." in (
+            refused.value.detail.message
+        )
+
+
+def test_a_few_names_are_listed_whole_many_are_counted_and_long_ones_cut() -> None:
+    assert some_of([]) == "none"
+    assert some_of(["a", "b"]) == "'a', 'b'"
+    assert some_of(f"c{i}" for i in range(7)) == "7, e.g. 'c0', 'c1', 'c2', 'c3', 'c4', ..."
+    assert quoted("short") == "'short'"
+    assert quoted("y" * 1000) == repr("y" * 64) + "... (1,000 characters)"
 
 
 def test_append_while_streaming_or_after_the_end_is_refused() -> None:

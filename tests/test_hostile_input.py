@@ -20,7 +20,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, ConnectionRejected
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
@@ -540,3 +540,36 @@ async def test_tools_with_any_schema_are_carried() -> None:
             await client.send(create(tools=tools))
             events = await client.segment()
             assert events[0]["response"]["tools"][1] == {"type": "web_search"}
+
+
+async def test_connections_past_the_cap_are_turned_away_at_once_and_others_go_on() -> None:
+    async with serving(max_connections=2) as (server, address):
+        url = f"{address.ws_url}?dialect=prototype"
+        with trio.fail_after(20):
+            async with connect_checked(url) as second:
+                async with connect_checked(url) as first:
+                    with pytest.raises(ConnectionRejected) as rejected:
+                        async with connect_checked(url):
+                            pass
+                    assert rejected.value.status_code == 503
+                    error = orjson.loads(rejected.value.body or b"")["error"]
+                    assert error["code"] == "server_busy"
+                    assert "limit of 2 open connections" in error["message"]
+                    assert "retry later" in error["message"]
+                    # plain HTTP too, answered before its head is read: here it sends none
+                    stream = await trio.open_tcp_stream(address.host, address.port)
+                    async with stream:
+                        received = b""
+                        while chunk := await stream.receive_some():
+                            received += chunk
+                    head, _, body = received.partition(b"\r\n\r\n")
+                    assert status_of(received) == 503 and b"connection: close" in head.lower()
+                    assert orjson.loads(body)["error"]["code"] == "server_busy"
+                    assert server.open_connections == 2
+                    await full_rollout(first)  # those under the cap do not notice
+                await trio.testing.wait_all_tasks_blocked(0.05)  # the server saw it go
+                assert server.open_connections == 1
+                async with connect_checked(url) as third:  # room again
+                    await full_rollout(third)
+                await full_rollout(second)
+        await server.wait_idle()

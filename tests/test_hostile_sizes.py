@@ -14,17 +14,25 @@ import time
 from functools import partial
 from typing import Any
 
+import orjson
 import pytest
 import trio
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from proto_server.engine.script import parse_script
+from proto_server.core.conversation import Conversation
+from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.script import Segment
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.offload import INLINE_BYTES, Offload
+from proto_server.wire.converter import YIELDING_PARSE_BYTES, load_yielding
 
 from .conftest import CheckpointStore
 from .test_cli import read_line
+from .test_hostile_input import json_values
 from .wsclient import connect
 
 #: The most any bystander may wait for its next event or its health probe while the big
@@ -32,11 +40,35 @@ from .wsclient import connect
 STALL_BOUND_S = 0.1
 #: Runs of each case; the bound must hold in at least one.
 TRIES = 3
-#: One long text segment, streamed at 1,000 tokens/s while the attack runs.
-BYSTANDER_SCRIPT = {"segments": [{"text": "word " * 5000}]}
+
+
+def required_tower(levels: int) -> dict[str, Any]:
+    """The 1 KB schema that froze the server: each level requires `a` ten times."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"] * 10}
+    return schema
+
+
+class BystanderOrDefault:
+    """The bystander (no tools offered) gets one long text segment, streamed at 1,000
+    tokens/s while the attack runs; an attacker offering tools gets the built-in default
+    model, whose choice of tool and arguments is part of what the attack costs."""
+
+    def __init__(self) -> None:
+        self._default = DefaultModel()
+
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment:
+        if conversation.tools:
+            return self._default.plan(conversation, limits)
+        return Segment(text="word " * 5000)
+
 
 BIG_STRING = "a" * (4 * 1024 * 1024)  # tokenizing a run like this costs ~0.4 s per MiB here
 MANY_ITEMS = [{"role": "user", "content": "hi"}] * 200_000  # ~7 MB: ~1 s to decode and render
+MANY_TOOLS = [
+    {"type": "function", "name": f"tool_{i}", "parameters": {"type": "object"}} for i in range(2000)
+]
 
 
 async def probe_health(address: BoundAddress, latencies: list[float]) -> None:
@@ -85,6 +117,16 @@ async def send_big(address: BoundAddress, create: dict[str, Any]) -> None:
         pytest.param({"input": BIG_STRING}, id="a 4 MiB string"),
         pytest.param({"input": MANY_ITEMS}, id="200,000 tiny items"),
         pytest.param({"input": "hi", "instructions": BIG_STRING}, id="4 MiB of instructions"),
+        pytest.param(
+            {"input": "use it " * 600_000, "tools": MANY_TOOLS}, id="2,000 tools and 4 MB of text"
+        ),
+        pytest.param(
+            {
+                "input": "go",
+                "tools": [{"type": "function", "name": "tower", "parameters": required_tower(9)}],
+            },
+            id="the 1 KB schema that froze the server",
+        ),
     ],
 )
 async def test_a_big_request_does_not_stall_anyone_else(create: dict[str, Any]) -> None:
@@ -104,8 +146,7 @@ async def attack_beside_bystanders(create: dict[str, Any]) -> tuple[list[float],
     """Send `create` while a bystander streams and health probes run; their waits."""
     server = ProtoServer(
         SimulatedGenerator(
-            parse_script(BYSTANDER_SCRIPT),
-            TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1000),
+            BystanderOrDefault(), TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1000)
         ),
         ServerConfig(port=0),
         store=CheckpointStore(),
@@ -150,14 +191,6 @@ async def test_a_cancelled_preparation_returns_at_once() -> None:
     assert time.perf_counter() - started < 0.5
 
 
-def required_tower(levels: int) -> dict[str, Any]:
-    """The 1 KB schema that froze the server: each level requires `a` ten times."""
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"] * 10}
-    return schema
-
-
 async def test_sigterm_stops_a_real_server_while_it_prepares_huge_requests(
     nursery: trio.Nursery,
 ) -> None:
@@ -189,3 +222,29 @@ async def test_sigterm_stops_a_real_server_while_it_prepares_huge_requests(
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
         assert trio.current_time() - stopped < 10
+
+
+@settings(max_examples=300, deadline=None)
+@example("1e400")
+@example('"\\ud800"')
+@example('"\\ud83d\\ude00"')
+@example("18446744073709551615")
+@example("18446744073709551616")
+@example("-9223372036854775809")
+@example("NaN")
+@example("[1,]")
+@example('{"a": 1, "a": 2}')
+@example(b'"\xed\xa0\x80"')  # a surrogate encoded in UTF-8
+@example("\ufeff{}")
+@given(st.one_of(json_values.map(orjson.dumps), st.binary(max_size=40), st.text(max_size=40)))
+def test_a_large_frame_is_parsed_as_orjson_would(text: bytes | str) -> None:
+    """The parser for large frames (which lets other threads run) accepts and refuses exactly
+    what orjson does; padding puts every example over the size where it takes over."""
+    padded = text + (b" " if isinstance(text, bytes) else " ") * YIELDING_PARSE_BYTES
+    try:
+        expected = orjson.loads(padded)
+    except orjson.JSONDecodeError:
+        with pytest.raises(ValueError):
+            load_yielding(padded)
+        return
+    assert load_yielding(padded) == expected

@@ -10,6 +10,8 @@ import httpx
 import orjson
 import pytest
 import trio
+import trio.testing
+from trio_websocket import ConnectionRejected
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
@@ -17,7 +19,7 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 
-from .conftest import FAST, THREE_SEGMENTS, StartServer
+from .conftest import FAST, THREE_SEGMENTS, CheckpointStore, StartServer
 from .test_launched import create, turn
 from .test_prototype_rollout import USER, answers
 from .wsclient import connect
@@ -276,3 +278,228 @@ async def test_a_client_that_leaves_mid_stream_takes_nothing_down(
     async with httpx.AsyncClient() as http:
         health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
     assert health.status_code == 200
+
+
+async def read_answers(stream: trio.abc.ReceiveStream) -> list[h11.Event]:
+    """Everything the server says until it closes: (informational) responses and bodies."""
+    conn = h11.Connection(h11.CLIENT)
+
+    def request() -> None:  # h11 reads answers only to requests it saw
+        conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        conn.send(h11.EndOfMessage())
+
+    request()
+    events: list[h11.Event] = []
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                data = await stream.receive_some()
+            except trio.BrokenResourceError:  # reset after its answer: the answer counts
+                data = b""
+            conn.receive_data(data)
+        elif isinstance(event, h11.ConnectionClosed | h11.PAUSED):
+            return events
+        else:
+            events.append(event)
+            if isinstance(event, h11.EndOfMessage):
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    while await stream.receive_some():  # then only the end may come
+                        raise AssertionError("bytes after a closing answer")
+                    return events
+                conn.start_next_cycle()
+                request()
+
+
+def statuses(events: list[h11.Event]) -> list[int]:
+    kinds = (h11.InformationalResponse, h11.Response)
+    return [e.status_code for e in events if isinstance(e, kinds)]
+
+
+def post_head(length: int, *extra: str, target: str = "/v1/responses") -> bytes:
+    lines = "".join(f"{line}\r\n" for line in extra)
+    return (
+        f"POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {length}\r\n{lines}\r\n"
+    ).encode()
+
+
+class CountingStream(trio.abc.HalfCloseableStream):
+    """The server's side of a connection, counting the bytes it reads."""
+
+    def __init__(self, stream: trio.SocketStream, counts: list[int]) -> None:
+        self.stream = stream
+        self.counts = counts
+        self.index = len(counts)
+        counts.append(0)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = await self.stream.receive_some(max_bytes)
+        self.counts[self.index] += len(data)
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_a_refused_request_with_a_huge_body_is_answered_and_closed_unread(
+    nursery: trio.Nursery,
+) -> None:
+    """401 before the body: the server says `Connection: close`, reads at most a bounded
+    linger of it (not 100 GB for the whole handshake timeout), and closes."""
+    server = ProtoServer(
+        SimulatedGenerator(parse_script(THREE_SEGMENTS), FAST),
+        ServerConfig(port=0, api_keys=("k1",), handshake_timeout_s=30),
+        store=CheckpointStore(),
+    )
+    counts: list[int] = []
+    handle = server._handle
+
+    async def counting(stream: trio.SocketStream) -> None:
+        await handle(CountingStream(stream, counts))  # type: ignore[arg-type]
+
+    server._handle = counting  # type: ignore[method-assign]
+    address = await nursery.start(server.serve)
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", address.port)
+        async with stream, trio.open_nursery() as nursery:
+            head = post_head(100_000_000_000)
+            await stream.send_all(head + b"x" * 4096)
+
+            async def keep_sending() -> None:
+                try:
+                    for _ in range(10_000):  # 640 MB at most
+                        await stream.send_all(b"x" * 65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+            nursery.start_soon(keep_sending)
+            events = await read_answers(stream)
+            nursery.cancel_scope.cancel()
+    (answer, _, _) = events
+    assert isinstance(answer, h11.Response) and answer.status_code == 401
+    assert (b"connection", b"close") in answer.headers
+    assert counts[0] < len(head) + 4096 + 3 * 65536
+    with trio.fail_after(5):
+        await server.wait_idle()
+
+
+async def test_expect_100_continue_is_answered_before_a_body_the_server_will_read(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",), max_message_bytes=4096)
+    payload = orjson.dumps(body())
+    expect = ("expect: 100-continue", "connection: close")
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(len(payload), "authorization: Bearer k1", *expect))
+            assert await stream.receive_some() == b"HTTP/1.1 100 Continue\r\n\r\n"  # go on
+            await stream.send_all(payload)
+            served = await read_answers(stream)
+        # refused before its body: the refusal and no 100, so the client never sends the body
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(len(payload), *expect))
+            refused = await read_answers(stream)
+        # so is one that says its body is over the limit
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(10_000, "authorization: Bearer k1", *expect))
+            too_large = await read_answers(stream)
+    assert statuses(served) == [200]
+    assert statuses(refused) == [401]
+    assert statuses(too_large) == [413]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/compact"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1"),
+        ("GET", "/nowhere"),
+    ],
+)
+async def test_without_a_key_every_path_is_refused_alike(
+    start_server: StartServer, method: str, path: str
+) -> None:
+    """Auth before routing: a client without a key cannot tell a valid path from a wrong one."""
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    root = f"http://127.0.0.1:{running.address.port}"
+    async with httpx.AsyncClient() as http:
+        refused = await http.request(method, f"{root}{path}", json=body())
+        keyed = await http.request(
+            method, f"{root}{path}", json=body(), headers={"Authorization": "Bearer k1"}
+        )
+        health = await http.get(f"{root}/healthz")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert keyed.status_code != 401
+    assert health.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/nowhere", "/v1/responses/resp_1"])
+async def test_a_websocket_without_a_key_is_refused_alike_on_every_path(
+    start_server: StartServer, path: str
+) -> None:
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",))
+    url = f"ws://127.0.0.1:{running.address.port}{path}"
+    with pytest.raises(ConnectionRejected) as refused:
+        async with connect(url):
+            pass
+    assert refused.value.status_code == 401
+    assert b"invalid_api_key" in (refused.value.body or b"")
+    if path != "/v1/responses":
+        with pytest.raises(ConnectionRejected) as missing:
+            async with connect(url, Authorization="Bearer k1"):
+                pass
+        assert missing.value.status_code == 404
+
+
+SLOW_TEXT = {"segments": [{"text": "word " * 400}]}  # 8 s at 50 tokens/s
+SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50)
+
+
+async def test_a_json_request_whose_client_leaves_is_cancelled_like_a_stream(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(SLOW_TEXT, timing=SLOW, store=CheckpointStore())
+    payload = orjson.dumps(body(tools=[]))
+    with trio.fail_after(3):  # the Response alone would take 8 s
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        await stream.send_all(post_head(len(payload)) + payload)
+        await trio.sleep(1)
+        assert running.server.open_rollouts == 1  # generating
+        await stream.aclose()  # the client leaves mid-way
+        await running.server.wait_idle()  # the rollout is released, the connection closed
+    assert not running.server.turns  # it never ran to its end
+
+
+async def test_a_pipelined_request_behind_a_json_one_is_kept_and_served(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(SLOW_TEXT, timing=SLOW, store=CheckpointStore())
+    payload = orjson.dumps(body(tools=[]))
+    health = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    with trio.fail_after(20):
+        stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+        async with stream:
+            await stream.send_all(post_head(len(payload)) + payload)
+            await trio.sleep(1)
+            await stream.send_all(health)  # while the first one is generating
+            events = await read_answers(stream)
+    assert statuses(events) == [200, 200]
+    (first,) = [e for e in events if isinstance(e, h11.Data)][:1]
+    assert orjson.loads(first.data)["status"] == "completed"
+    assert events[-2] == h11.Data(data=b'{"status":"ok"}')

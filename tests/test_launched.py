@@ -107,6 +107,17 @@ async def test_a_warm_up_says_nothing_and_the_next_turn_chains_from_it(
     assert running.server.turns[-1].rendered_input_tokens == 0
 
 
+async def test_a_huge_unknown_previous_response_id_earns_a_small_error(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.ws_url) as client:
+        huge = "resp_" + "x" * 100_000
+        await client.send(create(previous_response_id=huge, input=[]))
+        frame = await client.ws.get_message()
+    assert len(frame) < 1024 and "previous_response_not_found" in frame
+
+
 async def test_a_miss_with_store_false_is_refused(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:

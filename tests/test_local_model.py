@@ -17,6 +17,7 @@ import pytest
 from .requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
+require("llguidance", MODEL_EXTRA)
 
 import torch
 import trio
@@ -36,7 +37,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.limits import GenerationLimits, GenerationRefused
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.toolcalls import call_text, describe_tools
 from proto_server.server.app import ProtoServer
@@ -372,7 +373,7 @@ async def test_serve_local_runs_a_model_directory(
     tokenizer.save_pretrained(tmp_path)
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
     command += ["--generator", "local", "--model", str(tmp_path), "--threads", "1"]
-    command += ["--max-tokens", "6"]
+    command += ["--max-tokens", "6", "--store", ":memory:"]  # never the user's own store
     with trio.fail_after(120):
         process: trio.Process = await nursery.start(
             partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
@@ -483,35 +484,4 @@ async def test_tool_choice_none_makes_a_written_call_plain_text(tokenizer: Any) 
     chunks = await segment(session, GenerationLimits(tool_choice=ToolChoice("none")))
     assert not [c for c in chunks if isinstance(c, ToolCallBegin)]
     assert "".join(c.text for c in chunks if isinstance(c, TextDelta)) == CALL
-    await session.aclose()
-
-
-async def test_a_forced_call_is_refused_when_it_arrives(
-    nursery: trio.Nursery, tokenizer: Any
-) -> None:
-    """The local generator cannot force a call yet: the create gets a typed error, the
-    connection serves the next one (cut short by its max_output_tokens)."""
-    generator = make(tokenizer, Scripted(tokenizer, ["A long answer that goes on and on."]))
-    running = await serve(nursery, generator)
-    with trio.fail_after(30):
-        async with connect(running.prototype_url) as client:
-            for choice in ("required", {"type": "function", "name": "exec_command"}):
-                await client.send({**create(), "tool_choice": choice})
-                (refused,) = await client.segment()
-                assert refused["type"] == "error"
-                error = refused["error"]
-                assert (error["code"], error["param"]) == ("unsupported_tool_choice", "tool_choice")
-            await client.send({**create(), "max_output_tokens": 2})
-            cut = (await client.segment())[-1]
-    assert cut["type"] == "response.incomplete"
-    assert cut["response"]["usage"]["output_tokens"] == 2
-    await running.server.wait_idle()
-    assert generator.live_caches == 0
-
-
-async def test_a_session_asked_to_force_a_call_refuses(tokenizer: Any) -> None:
-    generator = make(tokenizer, greedy)
-    session = await open_with_user(generator)
-    with pytest.raises(GenerationRefused, match="cannot force a tool call"):
-        await segment(session, GenerationLimits(tool_choice=ToolChoice("required")))
     await session.aclose()

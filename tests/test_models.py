@@ -39,6 +39,15 @@ def test_a_script_follows_the_conversation() -> None:
     ]
 
 
+def test_a_script_error_about_thousands_of_offered_tools_stays_small() -> None:
+    script = parse_script({"segments": [{"tool_calls": [{"name": "missing"}]}]})
+    tools = [{"type": "function", "name": f"tool_{i}"} for i in range(3_000)]
+    with pytest.raises(ScriptError) as error:
+        script.plan(conv(*tools), NO_LIMITS)
+    assert len(str(error.value)) < 500
+    assert "offered 3,000, e.g. 'tool_0'" in str(error.value)
+
+
 def test_an_exhausted_script_says_so() -> None:
     script = parse_script({"segments": [{"text": "only"}]})
     c = conv()

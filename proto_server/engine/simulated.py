@@ -22,6 +22,7 @@ import attrs
 import trio
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.ranges import between, positive
 from proto_server.core.render import Renderer
 from proto_server.core.tokenizer import o200k_base
 from proto_server.engine.chunks import (
@@ -40,20 +41,12 @@ from proto_server.engine.script import Planner, Segment
 BURST_WINDOW = 100
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class TimingModel:
-    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive)
-    decode_tokens_per_s: float = attrs.field(default=1_000.0, validator=_positive)
-    burst_tokens_per_s: float | None = None
-    burst_share: float = attrs.field(
-        default=0.5,
-        validator=attrs.validators.and_(attrs.validators.ge(0.0), attrs.validators.le(1.0)),
-    )
+    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=positive)
+    decode_tokens_per_s: float = attrs.field(default=1_000.0, validator=positive)
+    burst_tokens_per_s: float | None = attrs.field(default=None, validator=positive)
+    burst_share: float = attrs.field(default=0.5, validator=between(0, 1))
 
     def prefill_seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

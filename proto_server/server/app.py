@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import secrets
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -22,12 +23,14 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, wrap_server_stream
 
+from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
     ToolChoice,
     check_create,
+    input_items,
     parse_tool_choice,
     prepare_input,
     request_bytes,
@@ -44,7 +47,7 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.server.http import error_body, serve_http, unauthorized
+from proto_server.server.http import LINGER_S, error_body, linger, serve_http, unauthorized
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget
@@ -53,7 +56,13 @@ from proto_server.server.offload import Offload
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
-from proto_server.server.store import ResponseStore, SQLiteStore, StoredResponse
+from proto_server.server.store import (
+    ANONYMOUS,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+    owner_id,
+)
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -99,11 +108,16 @@ class ProtoServer:
         *,
         renderer: Renderer | None = None,
         store: ResponseStore | None = None,
+        compaction_secret: bytes | None = None,
     ) -> None:
         self.config = config or ServerConfig()
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
-        self.store: ResponseStore = store or SQLiteStore(":memory:")
+        self.store: ResponseStore = store or SQLiteStore(
+            ":memory:", timeout_s=self.config.store_timeout_s
+        )
+        #: Seals compaction items; without a kept secret they live as long as this process.
+        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
@@ -139,14 +153,21 @@ class ProtoServer:
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
 
-    def authorized(self, authorization: str | None) -> bool:
+    def owner(self, authorization: str | None) -> str | None:
+        """Who sends a request with this `Authorization` header: the owner id of its key (keys
+        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
         keys = self.config.api_keys
         if not keys:
-            return True
+            return ANONYMOUS
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-        )
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None  # an empty token never matches, whatever the keys
+        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return owner_id(matches[0]) if matches else None
+
+    def authorized(self, authorization: str | None) -> bool:
+        return self.owner(authorization) is not None
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -205,6 +226,9 @@ class ProtoServer:
         log.info("server.stopped", extra={"forced": self.open_connections})
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        if self.open_connections >= self.config.max_connections:
+            await self._turn_away(stream)
+            return
         self._count(connections=1)
         try:
             head = None
@@ -245,6 +269,28 @@ class ProtoServer:
                 await stream.aclose()
             self._count(connections=-1)
 
+    async def _turn_away(self, stream: trio.SocketStream) -> None:
+        """A connection past `max_connections`: 503 at once, before its head is read (a full
+        server spends nothing on it), then closed; it is not counted as open."""
+        limit = self.config.max_connections
+        log.info("connection.refused", extra={"limit": limit})
+        busy = ProtocolError(
+            "server_busy",
+            f"The server has reached its limit of {limit:,} open connections "
+            "(--max-connections); retry later.",
+            status=503,
+            error_type="server_error",
+        )
+        try:
+            with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
+                await _refuse(stream, busy)
+                await linger(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
     async def _serve_websocket(
         self, stream: trio.SocketStream, head: RequestHead, deadline: float
     ) -> None:
@@ -259,6 +305,11 @@ class ProtoServer:
                 nursery.cancel_scope.cancel()
                 return
             json = [(b"content-type", b"application/json")]
+            # the key first: without one, a client cannot even tell a valid path from a wrong one
+            owner = self.owner(head.header(b"authorization"))
+            if owner is None:
+                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
+                return
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 refusal = ProtocolError(
                     "not_found",
@@ -266,9 +317,6 @@ class ProtoServer:
                     status=404,
                 )
                 await request.reject(404, extra_headers=json, body=error_body(refusal))
-                return
-            if not self.authorized(head.header(b"authorization")):
-                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
                 return
             dialect_name = select_dialect(head)
             ws = await request.accept()
@@ -286,9 +334,9 @@ class ProtoServer:
             )
             dialect: Dialect
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery)
+                dialect = PrototypeDialect(self, connection, nursery, owner=owner)
             else:
-                dialect = LaunchedDialect(self, connection, nursery)
+                dialect = LaunchedDialect(self, connection, nursery, owner=owner)
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -304,8 +352,10 @@ class ProtoServer:
 
     def check_create(self, create: ResponseCreate) -> None:
         """Refuse, when it arrives, a create this server cannot serve: what `check_create`
-        refuses, and a forced tool call the generator cannot make."""
+        refuses, a compaction item this server did not seal, and a forced tool call the
+        generator cannot make."""
         check_create(create)
+        check_compactions(input_items(create), self.compaction_key)
         self.check_forcing(parse_tool_choice(create.tool_choice))
 
     def check_forcing(self, choice: ToolChoice) -> None:
@@ -354,6 +404,7 @@ class ProtoServer:
         *,
         budget: MemoryBudget,
         source: str,
+        owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
@@ -365,7 +416,7 @@ class ProtoServer:
         history and the input on a cold one. Rendering runs off the event loop when the input
         is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
         adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
-        `rollout` stays its caller's to close).
+        `rollout` stays its caller's to close). Stored, it belongs to `owner`.
         """
         prepared = await self.offload.run(
             partial(prepare_input, cold=rollout is None),
@@ -401,7 +452,9 @@ class ProtoServer:
 
         async def persist(machine: ResponseMachine) -> None:
             items = tuple(conversation.items[first_item:])
-            await self.store.put(StoredResponse(response=machine.snapshot(), items=items))
+            await self.store.put(
+                StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            )
 
         return SamplingLoop(
             machine,
@@ -422,7 +475,9 @@ async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     """Answer a request that cannot be served with a JSON error, and close the connection."""
     body = error_body(error)
     reason = HTTPStatus(error.status).phrase.encode()
-    extra = b"sec-websocket-version: 13\r\n" if error.status == 426 else b""
+    extra = {426: b"sec-websocket-version: 13\r\n", 503: b"retry-after: 1\r\n"}.get(
+        error.status, b""
+    )
     await stream.send_all(
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"%sconnection: close\r\n\r\n%s" % (error.status, reason, len(body), extra, body)

@@ -7,7 +7,9 @@
     GET  /readyz                  readiness: 503 while the generator's engine does not answer
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
-again; `previous_response_id` is served from the persisted store. Connections are kept alive.
+again; `previous_response_id` is served from the persisted store, which answers each API key
+with only its own responses. Connections are kept alive; a store that cannot answer is a 503
+(`store_unavailable`) and the connection stays open.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import h11
 import orjson
 import trio
 
-from proto_server.core.compaction import compact
+from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
@@ -29,9 +31,9 @@ from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
-from proto_server.server.store import chain_items
+from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
 
@@ -40,6 +42,10 @@ if TYPE_CHECKING:
     from proto_server.server.handshake import RequestHead
 
 JSON = ("content-type", "application/json")
+#: After answering a request whose body it will not read, the server drops at most this much of
+#: what the client still sends, for at most this long, before it closes the connection.
+LINGER_BYTES = 64 * 1024
+LINGER_S = 1.0
 
 
 def unauthorized() -> ProtocolError:
@@ -51,17 +57,43 @@ def unauthorized() -> ProtocolError:
     )
 
 
-def error_body(error: ProtocolError) -> bytes:
+def error_body(error: ProtocolError | ServerFault) -> bytes:
     return orjson.dumps({"error": converter.unstructure(error.detail)})
+
+
+def _body_is_read(conn: h11.Connection) -> bool:
+    """Skip what of the request's body h11 already holds; whether that was all of it."""
+    while conn.their_state is h11.SEND_BODY:
+        if conn.next_event() is h11.NEED_DATA:
+            return False
+    return conn.their_state is h11.DONE
 
 
 async def send_json(
     stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
 ) -> None:
+    """Answer with `body`; a request whose body is not read (refused before it, or too large)
+    is answered `Connection: close` and its body is never read: that could be 100 GB."""
     headers = [JSON, ("content-length", str(len(body)))]
+    if not _body_is_read(conn):
+        headers.append(("connection", "close"))
     await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
     await stream.send_all(conn.send(h11.Data(data=body)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+
+async def linger(stream: trio.abc.Stream) -> None:
+    """End our side, then drop a bounded amount of what the client still sends: closing a
+    socket with unread bytes resets it, and a reset can destroy the answer on its way."""
+    if isinstance(stream, trio.abc.HalfCloseableStream):
+        await stream.send_eof()
+    dropped = 0
+    with trio.move_on_after(LINGER_S):
+        while dropped < LINGER_BYTES:
+            data = await stream.receive_some(LINGER_BYTES)
+            if not data:
+                return
+            dropped += len(data)
 
 
 async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: float) -> None:
@@ -76,9 +108,28 @@ async def _receive(stream: trio.abc.Stream, conn: h11.Connection, timeout_s: flo
     )
 
 
+def _too_large(limit: int) -> ProtocolError:
+    return ProtocolError(
+        "message_too_large",
+        f"The request body is over the limit of {limit} bytes (--max-message-bytes); "
+        "send less, or continue a stored chain with previous_response_id.",
+        status=413,
+    )
+
+
 async def _read_body(
-    stream: trio.abc.Stream, conn: h11.Connection, limit: int, timeout_s: float
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    limit: int,
+    timeout_s: float,
+    declared: int | None = None,
 ) -> bytes:
+    """The body, up to `limit`; one `declared` (Content-Length) over it is refused unread."""
+    if declared is not None and declared > limit:
+        raise _too_large(limit)
+    if conn.they_are_waiting_for_100_continue:  # only now: a refused request gets no 100
+        go_on = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+        await stream.send_all(conn.send(go_on) or b"")
     body = bytearray()
     while True:
         event = conn.next_event()
@@ -87,12 +138,7 @@ async def _read_body(
         elif isinstance(event, h11.Data):
             body += event.data
             if len(body) > limit:
-                raise ProtocolError(
-                    "message_too_large",
-                    f"The request body is over the limit of {limit} bytes (--max-message-bytes); "
-                    "send less, or continue a stored chain with previous_response_id.",
-                    status=413,
-                )
+                raise _too_large(limit)
         elif isinstance(event, h11.EndOfMessage):
             return bytes(body)
         else:
@@ -101,9 +147,8 @@ async def _read_body(
 
 async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
     """The next request on a kept-alive connection, or None when the client is done."""
-    while conn.their_state is h11.SEND_BODY:  # what the last answer did not read
-        if conn.next_event() is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some()))
+    if not _body_is_read(conn):  # never read on: the answer said `Connection: close`
+        return None
     try:
         conn.start_next_cycle()
     except h11.LocalProtocolError:
@@ -145,13 +190,15 @@ async def _serve_requests(
         try:
             try:
                 await exchange.serve()
-            except ProtocolError as exc:
+            except (ProtocolError, StoreUnavailable) as exc:
                 if conn.our_state is not h11.SEND_RESPONSE:
                     return  # the answer had begun; nothing sensible can be said now
                 await send_json(stream, conn, exc.status, error_body(exc))
                 if exc.status == 408:
                     return  # it stalled; it will not send the rest
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                if conn.their_state is h11.SEND_BODY:
+                    await linger(stream)  # so it reads the answer, not a reset
                 return
             if server.stopping is not None:
                 return
@@ -187,6 +234,9 @@ class _Exchange:
         self.authorization = next(
             (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
         )
+        length = next((v for k, v in request.headers if k == b"content-length"), None)
+        self.declared_length = None if length is None else int(length)  # h11 checked it
+        self.owner = ANONYMOUS  # whose stored responses it may see, once authorized
 
     async def serve(self) -> None:
         route = (self.method, self.path)
@@ -196,8 +246,10 @@ class _Exchange:
         if route == ("GET", "/readyz"):
             await self._ready()
             return
-        if self.path.startswith("/v1/") and not self.server.authorized(self.authorization):
+        owner = self.server.owner(self.authorization)  # before the route: see app.py
+        if owner is None:
             raise unauthorized()
+        self.owner = owner
         if route == ("POST", "/v1/responses"):
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
@@ -230,17 +282,21 @@ class _Exchange:
     async def _body(self) -> bytes:
         config = self.server.config
         return await _read_body(
-            self.stream, self.conn, config.max_message_bytes, config.handshake_timeout_s
+            self.stream,
+            self.conn,
+            config.max_message_bytes,
+            config.handshake_timeout_s,
+            self.declared_length,
         )
 
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:
             return []
-        chain = await self.server.store.chain(previous)
+        chain = await self.server.store.chain(previous, owner=self.owner)
         if chain is None:
             raise ProtocolError(
                 "previous_response_not_found",
-                f"Previous response {previous!r} is not in the store (never stored with "
+                f"Previous response {quoted(previous)} is not in the store (never stored with "
                 "store: true, or expired). Resend the full history without "
                 "previous_response_id.",
                 param="previous_response_id",
@@ -282,6 +338,7 @@ class _Exchange:
             history=history,
             source="store" if history else "fresh",
             size=len(body),
+            owner=self.owner,
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
@@ -290,7 +347,7 @@ class _Exchange:
                 if create.stream:
                     await self._stream_events(receive)
                 else:
-                    await self._final_response(receive)
+                    await self._final_response(receive, nursery.cancel_scope)
 
     async def _stream_events(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
@@ -310,20 +367,48 @@ class _Exchange:
                 break
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
-    async def _final_response(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
-        async for event in receive:
-            if isinstance(event, TERMINAL_EVENTS):
-                await self._json(200, converter.unstructure(event.response))
-                if self.server.observer is not None:
-                    self.server.observer.sent(event, 1)
+    async def _final_response(
+        self, receive: trio.MemoryReceiveChannel[ServerEvent], response: trio.CancelScope
+    ) -> None:
+        """One JSON body at the end. Until then the socket is watched, as a stream's writes
+        watch it: a client that leaves cancels `response` (the model stops, its state is
+        released)."""
+        final: ServerEvent | None = None
+        async with trio.open_nursery() as watching:
+            watching.start_soon(self._watch_client, response)
+            async for final in receive:
+                if isinstance(final, TERMINAL_EVENTS):
+                    break
+            watching.cancel_scope.cancel()
+        if not isinstance(final, TERMINAL_EVENTS):
+            return
+        await self._json(200, converter.unstructure(final.response))
+        if self.server.observer is not None:
+            self.server.observer.sent(final, 1)
+
+    async def _watch_client(self, response: trio.CancelScope) -> None:
+        """Cancel `response` when the client goes away. What it sends meanwhile (a pipelined
+        next request) goes to h11 for later, up to a request head's worth; past that the
+        socket is left unread, so a client that floods it is slowed by TCP, not buffered."""
+        kept = 0
+        while kept < self.server.config.max_request_head_bytes:
+            try:
+                data = await self.stream.receive_some()
+            except trio.BrokenResourceError:
+                data = b""
+            if not data:
+                log.info("http.client_left", extra={"path": self.path})
+                response.cancel()
                 return
+            self.conn.receive_data(bytes(data))
+            kept += len(data)
 
     async def _retrieve(self, response_id: str) -> None:
-        stored = await self.server.store.get(response_id)
+        stored = await self.server.store.get(response_id, owner=self.owner)
         if stored is None:
             raise ProtocolError(
                 "response_not_found",
-                f"No stored response {response_id!r}: only store: true responses are kept, "
+                f"No stored response {quoted(response_id)}: only store: true responses are kept, "
                 "until the retention limit.",
                 status=404,
             )
@@ -336,8 +421,10 @@ class _Exchange:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
-        items = [*await self._history(create.previous_response_id), *input_items(create)]
-        output, summary = compact(items)
+        new_items = input_items(create)
+        check_compactions(new_items, self.server.compaction_key)
+        items = [*await self._history(create.previous_response_id), *new_items]
+        output, summary = compact(items, self.server.compaction_key)
         input_tokens, output_tokens = await self.server.offload.run(
             _count_tokens,
             self.server.renderer,

@@ -5,13 +5,14 @@ generator session). A follow-up that names it and sends only the new items exten
 the same warm rollout as the prototype dialect, with a new Response id per turn. A miss is served
 from the persisted store when the request has `store: true` (cold: re-rendered, re-prefilled),
 else refused with `previous_response_not_found`. A failed turn evicts what it chained from.
+The store serves only the responses of the connection's owner (its API key); a store that cannot
+answer is an `error` event (`store_unavailable`), and the connection lives on.
 
 Turns run one at a time, in order; further creates wait in a bounded queue.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -20,8 +21,8 @@ from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
-from proto_server.server.store import chain_items
-from proto_server.wire.errors import ProtocolError
+from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -43,20 +44,28 @@ def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
     )
     return ProtocolError(
         "previous_response_not_found",
-        f"Previous response {response_id!r} not found: {hint}. Resend the full history without "
-        "previous_response_id.",
+        f"Previous response {quoted(response_id)} not found: {hint}. Resend the full history "
+        "without previous_response_id.",
         param="previous_response_id",
     )
 
 
 class LaunchedDialect:
-    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: ProtoServer,
+        connection: Connection,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+    ) -> None:
         self._server = server
         self._connection = connection
-        queued = server.config.max_queued_requests
+        self._owner = owner
+        queued = server.config.max_queued_requests  # at least 1 (ServerConfig)
         #: creates waiting for their turn, each with the bytes it is charged and its frame's size
         self._queue, self._queued = trio.open_memory_channel[tuple[ResponseCreate, int, int]](
-            queued or math.inf
+            queued
         )
         self._nursery = nursery
         self.cached: tuple[str, Rollout] | None = None
@@ -126,7 +135,7 @@ class LaunchedDialect:
                     continue  # the connection is closing (1001): queued turns never start
                 try:
                     loop = await self._begin(create, size)
-                except ProtocolError as exc:
+                except (ProtocolError, StoreUnavailable) as exc:
                     await self._connection.events.send(
                         ErrorEvent(status=exc.status, error=exc.detail)
                     )
@@ -167,6 +176,7 @@ class LaunchedDialect:
         server = self._server
         events = self._connection.events
         budget = self._connection.budget
+        owner = self._owner
         previous = create.previous_response_id
         self._connection.budget.busy(self)
         cached, self.cached = self.cached, None  # whatever happens, this turn takes it
@@ -174,14 +184,20 @@ class LaunchedDialect:
             if cached is not None:
                 await cached[1].aclose()
             return await server.begin_response(
-                create, events, budget=budget, source="fresh", size=size
+                create, events, budget=budget, source="fresh", size=size, owner=owner
             )
         if cached is not None and cached[0] == previous:
             rollout = cached[1]
             if rollout.serves(create.instructions, create.tools):
                 try:
                     return await server.begin_response(
-                        create, events, budget=budget, rollout=rollout, source="cache", size=size
+                        create,
+                        events,
+                        budget=budget,
+                        rollout=rollout,
+                        source="cache",
+                        size=size,
+                        owner=owner,
                     )
                 except BaseException:
                     await rollout.aclose()  # refused (or cancelled): the state goes with it
@@ -190,17 +206,29 @@ class LaunchedDialect:
             history = list(rollout.conversation.items)
             await rollout.aclose()
             return await server.begin_response(
-                create, events, budget=budget, history=history, source="rebuilt", size=size
+                create,
+                events,
+                budget=budget,
+                history=history,
+                source="rebuilt",
+                size=size,
+                owner=owner,
             )
         self.cached = cached  # a miss leaves the cache as it was
         if cached is not None:
             self._connection.budget.idle(self)
         store = True if create.store is None else create.store
-        chain = await server.store.chain(previous) if store else None
+        chain = await server.store.chain(previous, owner=owner) if store else None
         if chain is None:
             raise previous_response_not_found(previous, store)
         return await server.begin_response(
-            create, events, budget=budget, history=chain_items(chain), source="store", size=size
+            create,
+            events,
+            budget=budget,
+            history=chain_items(chain),
+            source="store",
+            size=size,
+            owner=owner,
         )
 
     async def close(self) -> None:

@@ -111,6 +111,8 @@ class MemoryBudget:
 
     def idle(self, holder: Evictable) -> None:
         """`holder` may be let go of when room is needed; the most recently idle go last."""
+        if self.closed:
+            return
         budget: MemoryBudget | None = self
         while budget is not None:
             budget._idle[holder] = None

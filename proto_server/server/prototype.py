@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from proto_server.core.conversation import render_items
 from proto_server.core.request import check_tool_choice
 from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
 
@@ -22,10 +23,18 @@ if TYPE_CHECKING:
 
 
 class PrototypeDialect:
-    def __init__(self, server: ProtoServer, connection: Connection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: ProtoServer,
+        connection: Connection,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+    ) -> None:
         self._server = server
         self._connection = connection
         self._nursery = nursery
+        self._owner = owner
         self.current: SamplingLoop | None = None
 
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
@@ -93,6 +102,7 @@ class PrototypeDialect:
             self._connection.events,
             budget=self._connection.budget,
             source="fresh",
+            owner=self._owner,
             suspend_on_tool_calls=True,
             size=frame_bytes,
         )

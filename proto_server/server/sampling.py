@@ -6,7 +6,8 @@ that `response.append` sets, with the rollout's generator session, the model's w
 open. Only the sampling loop sends this Response's events, so their order is the machine's order.
 
 Whose fault: a generator or script failure ends the Response with `response.failed` here, and
-the connection lives on; a client's mistake never reaches this far (see `check_append`).
+the connection lives on; so does a `store: true` Response the store cannot take
+(`store_unavailable`). A client's mistake never reaches this far (see `check_append`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
+from proto_server.server.store import StoreUnavailable
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import (
@@ -363,6 +365,20 @@ class SamplingLoop:
     async def _emit(self, events: list[ServerEvent]) -> None:
         for event in events:
             if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
-                # a stored response is durable before the client hears that it is done
-                await self._persist(self.machine)
+                event = await self._stored(event)
             await self._events.send(event)
+
+    async def _stored(self, event: ServerEvent) -> ServerEvent:
+        """A stored response is durable before the client hears that it is done; one the store
+        cannot take fails instead (a failed one keeps its own error)."""
+        assert self._persist is not None
+        try:
+            await self._persist(self.machine)
+        except StoreUnavailable as exc:
+            log.warning(
+                "response.unstored", extra={"response": self.machine.id, "reason": str(exc)}
+            )
+            if isinstance(event, ResponseFailed):
+                return event
+            (event,) = self.machine.fail_unstored(exc.detail)
+        return event

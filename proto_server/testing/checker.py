@@ -29,11 +29,11 @@ from typing import Any, Literal, NoReturn
 import attrs
 import orjson
 
-from proto_server.core.request import check_create, parse_tool_choice
+from proto_server.core.request import check_create, input_items, parse_tool_choice
 from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
-from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message
+from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
 
 Dialect = Literal["prototype", "launched"]
 
@@ -591,6 +591,8 @@ class StreamChecker:
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
             if code is None and _forces_a_call(event):
                 codes.add("unsupported_tool_choice")
+            if code is None and _carries_compaction(event):
+                codes.add("invalid_field")
             return code is None, frozenset(codes)
         if isinstance(event, ResponseCreate):
             refusal = _refusal(event)
@@ -601,7 +603,10 @@ class StreamChecker:
             if _forces_a_call(event):
                 codes.add("unsupported_tool_choice")
             if event.previous_response_id is not None:
-                codes.add("previous_response_not_found")
+                # the chain may be gone, another key's, or the store unable to answer
+                codes |= {"previous_response_not_found", "store_unavailable"}
+            if _carries_compaction(event):
+                codes.add("invalid_field")
             return True, frozenset(codes)
         if isinstance(event, ResponseAppend):
             return False, frozenset({"unknown_event_type"})
@@ -788,12 +793,21 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
 
 
 def _forces_a_call(event: ClientEvent) -> bool:
-    """A create whose tool_choice forces a call: a server whose model cannot force one (the
-    local model) refuses it with `unsupported_tool_choice`, another serves it."""
+    """A create whose tool_choice forces a call: a server whose model cannot force one (a local
+    model without a fast tokenizer, which llguidance needs) refuses it with
+    `unsupported_tool_choice`, another serves it."""
     return (
         isinstance(event, ResponseCreate)
         and _refusal(event) is None
         and (parse_tool_choice(event.tool_choice).mode == "required")
+    )
+
+
+def _carries_compaction(event: ClientEvent) -> bool:
+    """A create with a compaction item: only the server that sealed it can tell whether it is
+    genuine, and refuses it (`invalid_field`) if not."""
+    return isinstance(event, ResponseCreate) and any(
+        isinstance(item, UnknownItem) and item.type == "compaction" for item in input_items(event)
     )
 
 

@@ -7,6 +7,8 @@ Both carry what the wire needs; the conversion to events happens at one boundary
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 
@@ -43,3 +45,26 @@ class ServerFault(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.detail = ErrorDetail(type="server_error", code=code, message=message)
+
+
+#: How many names of a client-sized collection an error message lists, and how long each may be.
+LISTED_NAMES = 5
+QUOTED_CHARS = 64
+
+
+def quoted(value: str, limit: int = QUOTED_CHARS) -> str:
+    """`value` as an error message quotes it: repr'd, cut to `limit` characters, so a value the
+    client made huge cannot make the error huge too."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
+def some_of(names: Iterable[str], *, limit: int = LISTED_NAMES) -> str:
+    """A client-sized collection for an error message: all of a few, else the count and the
+    first `limit` ("3,000: 'a', 'b', ... "): an error stays small whatever the client sent."""
+    listed = list(names)
+    shown = ", ".join(quoted(name) for name in listed[:limit]) or "none"
+    if len(listed) <= limit:
+        return shown
+    return f"{len(listed):,}, e.g. {shown}, ..."

@@ -1,0 +1,79 @@
+"""Every numeric setting has a range, checked where the setting lives: a bad value is refused
+when the server is configured, with the field named, never read as something else later."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import pytest
+
+from proto_server.core.ranges import InvalidSetting
+from proto_server.engine.simulated import TimingModel
+from proto_server.server.config import ServerConfig
+
+REFUSED: list[tuple[type[Any], str, Any, str]] = [
+    (ServerConfig, "port", -1, "between 0 and 65535"),
+    (ServerConfig, "port", 65536, "between 0 and 65535"),
+    (ServerConfig, "max_message_bytes", 0, "at least 1024"),
+    (ServerConfig, "max_message_bytes", 1023, "at least 1024"),
+    (ServerConfig, "client_queue_events", 0, "at least 1"),
+    (ServerConfig, "chunk_queue", 0, "at least 1"),
+    (ServerConfig, "handshake_timeout_s", 0, "positive"),
+    (ServerConfig, "max_request_head_bytes", 0, "at least 1"),
+    (ServerConfig, "max_connection_lifetime_s", -5.0, "positive"),
+    (ServerConfig, "max_connection_lifetime_s", math.nan, "positive"),
+    (ServerConfig, "max_connections", 0, "at least 1"),
+    (ServerConfig, "suspend_timeout_s", 0, "positive"),
+    (ServerConfig, "max_suspended_rollouts", 0, "at least 1"),
+    (ServerConfig, "shutdown_grace_s", -1, "positive"),
+    (ServerConfig, "max_queued_requests", 0, "at least 1"),
+    (ServerConfig, "max_queued_requests", -1, "at least 1"),
+    (ServerConfig, "max_memory_bytes", 1000, "at least 1048576"),
+    (ServerConfig, "max_connection_memory_bytes", 0, "at least 1048576"),
+    (ServerConfig, "prepare_threads", 0, "at least 1"),
+    (TimingModel, "prefill_tokens_per_s", 0, "positive"),
+    (TimingModel, "decode_tokens_per_s", -1, "positive"),
+    (TimingModel, "burst_tokens_per_s", 0, "positive"),
+    (TimingModel, "burst_share", 1.5, "between 0 and 1"),
+    (TimingModel, "burst_share", math.nan, "between 0 and 1"),
+]
+
+
+@pytest.mark.parametrize(("cls", "field", "value", "why"), REFUSED)
+def test_a_setting_out_of_range_is_refused_and_named(
+    cls: type[Any], field: str, value: Any, why: str
+) -> None:
+    with pytest.raises(InvalidSetting) as refused:
+        cls(**{field: value})
+    assert refused.value.field == field
+    assert why in refused.value.why and str(value) in refused.value.why
+
+
+def test_every_numeric_setting_has_a_range() -> None:
+    for cls in (ServerConfig, TimingModel):
+        for field in attrs.fields(cls):
+            if field.type in ("int", "float", "float | None"):
+                assert field.validator is not None, f"{cls.__name__}.{field.name}"
+                if field.name != "store_timeout_s":  # the store's: tests/test_config_auth.py
+                    assert any(r[:2] == (cls, field.name) for r in REFUSED), field.name
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"port": 0},
+        {"port": 65535},
+        {"max_message_bytes": 1024},
+        {"max_queued_requests": 1, "max_connections": 1},
+        {"max_connection_lifetime_s": math.inf},
+    ],
+)
+def test_the_edges_of_each_range_are_accepted(settings: dict[str, Any]) -> None:
+    ServerConfig(**settings)
+
+
+def test_the_edges_of_the_timing_model_are_accepted() -> None:
+    TimingModel(burst_share=0, burst_tokens_per_s=None)
+    TimingModel(burst_share=1, burst_tokens_per_s=4000)

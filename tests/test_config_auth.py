@@ -1,0 +1,36 @@
+"""Auth cannot be turned on with a key that matches nothing, or everything."""
+
+from __future__ import annotations
+
+import pytest
+
+from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.simulated import SimulatedGenerator
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.server.store import ANONYMOUS, owner_id
+
+
+@pytest.mark.parametrize("keys", [("",), (" ",), ("k1", ""), ("k1", "\t")])
+def test_server_config_refuses_blank_keys(keys: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="api_keys must not hold an empty or blank key"):
+        ServerConfig(api_keys=keys)
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("inf"), float("nan")])
+def test_server_config_refuses_a_store_timeout_that_is_not_a_positive_time(
+    timeout: float,
+) -> None:
+    with pytest.raises(ValueError, match="store_timeout_s"):
+        ServerConfig(store_timeout_s=timeout)
+
+
+def test_an_empty_token_never_matches_and_each_key_is_its_own_owner() -> None:
+    server = ProtoServer(SimulatedGenerator(DefaultModel()), ServerConfig(api_keys=("k1", "k2")))
+    for header in (None, "", "Bearer", "Bearer ", "Bearer   ", "Basic k1", "Bearer k3"):
+        assert not server.authorized(header), header
+        assert server.owner(header) is None
+    assert server.owner("Bearer k1") == owner_id("k1")
+    assert server.owner("bearer  k2 ") == owner_id("k2") != owner_id("k1")
+    open_server = ProtoServer(SimulatedGenerator(DefaultModel()), ServerConfig())
+    assert open_server.owner(None) == open_server.owner("Bearer anything") == ANONYMOUS

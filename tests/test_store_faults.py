@@ -1,0 +1,172 @@
+"""A store that cannot answer ends the Response, never the connection (finding 7 of issue 10).
+
+The store file is write-locked by another process (`BEGIN EXCLUSIVE`), with a store
+timeout of 0.5 s: a `store: true` Response ends with `response.failed` (`store_unavailable`), an
+SSE stream ends with that terminal event, reads do not wait behind the blocked write, `store:
+false` traffic goes on, and once the lock is gone the store works again by itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from proto_server.server.store import SQLiteStore, StoredResponse, StoreUnavailable
+from proto_server.testing.checker import StreamChecker, o200k_count
+
+from .conftest import StartServer
+from .test_compaction import forged
+from .test_http import body, sse
+from .test_launched import END, create, turn
+from .test_store import Locker
+from .wsclient import connect
+
+TEXT = {"segments": [{"text": "Done."}]}
+
+
+async def locked_store_server(start_server: StartServer, tmp_path: Path) -> tuple[str, str, Path]:
+    path = tmp_path / "responses.sqlite3"
+    running = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.5))
+    return running.address.ws_url, running.address.http_url, path
+
+
+async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    ws_url, http_url, path = await locked_store_server(start_server, tmp_path)
+    with trio.fail_after(10):
+        async with connect(ws_url) as client, httpx.AsyncClient() as http:
+            kept = await turn(client, create(store=True, tools=[]))
+            assert kept[-1]["type"] == "response.completed"
+            with Locker(path):
+                await client.send(create(store=True, tools=[]))
+                await trio.sleep(0.1)  # its write now waits 0.5 s for the lock
+                # a read does not queue behind the blocked write
+                start = trio.current_time()
+                got = await http.get(f"{http_url}/responses/{kept[-1]['response']['id']}")
+                assert got.status_code == 200
+                assert trio.current_time() - start < 0.25
+                failed = await client.until("response.completed", "response.failed")
+                assert failed[-1]["type"] == "response.failed"
+                error = failed[-1]["response"]["error"]
+                assert error["code"] == "store_unavailable"
+                assert "store: false" in error["message"]
+                # its output streamed; only the promise that it is stored is withdrawn
+                assert failed[-1]["response"]["output"][0]["content"][0]["text"] == "Done."
+                unstored = await turn(client, create(store=False, tools=[]))
+                assert unstored[-1]["type"] == "response.completed"
+            # the lock is gone: the same connection stores again
+            again = await turn(client, create(store=True, tools=[]))
+            assert again[-1]["type"] == "response.completed"
+            failed_id = failed[-1]["response"]["id"]
+            assert (await http.get(f"{http_url}/responses/{failed_id}")).status_code == 404
+            again_id = again[-1]["response"]["id"]
+            assert (await http.get(f"{http_url}/responses/{again_id}")).status_code == 200
+
+
+async def test_a_locked_store_ends_an_sse_stream_with_response_failed(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    _, http_url, path = await locked_store_server(start_server, tmp_path)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient() as http:
+            with Locker(path):
+                events = await sse(http, f"{http_url}/responses", body(store=True, tools=[]))
+                as_json = await http.post(f"{http_url}/responses", json=body(store=True))
+                health = await http.get(f"{http_url.removesuffix('/v1')}/healthz")
+            after = await http.post(f"{http_url}/responses", json=body(store=True))
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "store_unavailable"
+    assert as_json.status_code == 200 and as_json.json()["status"] == "failed"
+    assert health.status_code == 200
+    assert after.json()["status"] == "completed"
+
+
+class UnreadableStore:
+    """A store whose every lookup fails, as a broken disk would."""
+
+    async def put(self, stored: StoredResponse) -> None:
+        raise StoreUnavailable("The response store failed (disk I/O error), so it was lost.")
+
+    async def get(self, response_id: str, *, owner: str = "") -> StoredResponse | None:
+        raise StoreUnavailable(f"The response store failed, so {response_id!r} could not be read.")
+
+    async def chain(self, response_id: str, *, owner: str = "") -> list[StoredResponse] | None:
+        raise StoreUnavailable("The response store failed, so retry shortly.")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_lookup_the_store_cannot_answer_is_refused_and_the_connection_lives(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(TEXT, store=UnreadableStore())
+    http_url = running.address.http_url
+    with trio.fail_after(10):
+        async with connect(running.address.ws_url) as client:
+            (refused,) = await turn(client, create(store=True, previous_response_id="resp_x"))
+            assert (refused["type"], refused["status"]) == ("error", 503)
+            assert refused["error"]["code"] == "store_unavailable"
+            served = await turn(client, create(store=False, tools=[]))
+            assert served[-1]["type"] == "response.completed"
+        async with httpx.AsyncClient() as http:
+            got = await http.get(f"{http_url}/responses/resp_x")
+            chained = await http.post(
+                f"{http_url}/responses", json=body(previous_response_id="resp_x")
+            )
+            health = await http.get(f"{http_url.removesuffix('/v1')}/healthz")
+    assert (got.status_code, got.json()["error"]["code"]) == (503, "store_unavailable")
+    assert (chained.status_code, chained.json()["error"]["code"]) == (503, "store_unavailable")
+    assert health.status_code == 200
+    assert running.server.crashed_connections == 0
+
+
+def outcome(event: dict[str, Any]) -> tuple[str, str | None]:
+    if event["type"] == "error":
+        return "error", event["error"]["code"]
+    error = event["response"]["error"]
+    return event["type"], None if error is None else error["code"]
+
+
+async def test_the_stream_checker_accepts_what_a_failing_store_makes_the_server_say(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """`response.failed` after a whole output, `store_unavailable` for a lookup, and a refused
+    forged compaction item keep every invariant of the stream checker."""
+    path = tmp_path / "responses.sqlite3"
+    locked = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.3))
+    unreadable = await start_server(TEXT, store=UnreadableStore())
+    frames = [
+        create(store=True, tools=[]),
+        create(store=True, tools=[], previous_response_id="resp_x"),
+        create(store=False, tools=[], input=[forged()]),
+        create(store=False, tools=[]),
+    ]
+    expected = {
+        "locked": ("previous_response_not_found", "resp_x is simply not there"),
+        "unreadable": ("store_unavailable", "the lookup itself failed"),
+    }
+    with trio.fail_after(10):
+        for name, running in (("locked", locked), ("unreadable", unreadable)):
+            checker = StreamChecker(dialect="launched", count_tokens=o200k_count)
+            outcomes = []
+            async with connect(running.address.ws_url) as client:
+                with Locker(path):
+                    for frame in frames:
+                        checker.sent(frame)
+                        await client.send(frame)
+                        events = await client.until(*END)
+                        for event in events:
+                            checker.received(event)
+                        outcomes.append(outcome(events[-1]))
+            checker.finish()
+            assert outcomes == [
+                ("response.failed", "store_unavailable"),
+                ("error", expected[name][0]),
+                ("error", "invalid_field"),
+                ("response.completed", None),
+            ], expected[name][1]
