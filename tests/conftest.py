@@ -110,3 +110,6 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
         return Running(server, address)
 
     yield start
+
+
+from .engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)

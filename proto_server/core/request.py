@@ -52,8 +52,14 @@ def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
     function. Run when a create is accepted, before anything is built for it."""
     check_tool_schemas(create.tools)
-    name = parse_tool_choice(create.tool_choice).name
-    offered = [tool.name for tool in function_tools(create.tools)]
+    check_tool_choice(create.tool_choice, create.tools)
+
+
+def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
+    """`value` parsed, if it is a valid `tool_choice` for `tools` (a named one is offered)."""
+    choice = parse_tool_choice(value)
+    name = choice.name
+    offered = [tool.name for tool in function_tools(tools)]
     if name is not None and name not in offered:
         raise ProtocolError(
             "invalid_field",
@@ -61,6 +67,7 @@ def check_create(create: ResponseCreate) -> None:
             f"{some_of(offered) if offered else 'no function tools'}; name an offered one.",
             param="tool_choice",
         )
+    return choice
 
 
 def input_items(create: ResponseCreate) -> tuple[Item, ...]:
@@ -119,7 +126,7 @@ def response_template(
     optional = {
         name: value
         for name in (
-            "temperature", "top_p", "text", "truncation", "service_tier", "top_logprobs",
+            "temperature", "top_p", "text", "truncation", "service_tier", "top_logprobs", "seed",
         )
         if (value := getattr(create, name)) is not None
     }  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -126,6 +127,7 @@ class ResponseMachine:
         self._open: _OpenMessage | _OpenCall | None = None
         self._input_tokens = 0
         self._cached_tokens = 0
+        self._segment_cached = 0
         self._output_tokens = 0
         self._tool_calls = 0
         self.error: ErrorDetail | None = None
@@ -183,6 +185,12 @@ class ResponseMachine:
         self.segments += 1
         self._input_tokens += prompt_tokens
         self._cached_tokens += cached_tokens
+        self._segment_cached = cached_tokens
+
+    def report_cached(self, cached_tokens: int) -> None:
+        """The engine said, once the segment ended, how much of its prompt it had cached."""
+        self._cached_tokens += cached_tokens - self._segment_cached
+        self._segment_cached = cached_tokens
 
     def end_segment(self, *, tokens: int = 0) -> list[ServerEvent]:
         """The model stopped (its last `tokens` carried no output): suspend if it called tools
@@ -319,6 +327,10 @@ class ResponseMachine:
         ]
 
     # -- what the client sent --------------------------------------------------------------------
+
+    def change_tool_choice(self, tool_choice: Any) -> None:
+        """A `response.append` set a new `tool_choice` (already checked) for what follows."""
+        self._template = attrs.evolve(self._template, tool_choice=tool_choice)
 
     def check_append(self, items: Sequence[Item]) -> None:
         """Raise the `ProtocolError` that `append(items)` would raise, changing nothing."""

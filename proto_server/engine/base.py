@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import trio
 
@@ -42,3 +42,13 @@ class TokenGenerator(Protocol):
         required or a named function); if not, such a request is refused when it arrives."""
 
     def open_session(self, conversation: Conversation) -> GeneratorSession: ...
+
+
+@runtime_checkable
+class ProbedGenerator(Protocol):
+    """A generator that depends on something outside the process (an engine), which may be
+    down while the server is up: `/readyz` asks it."""
+
+    async def readiness(self) -> str | None:
+        """None when it can serve now; otherwise why not."""
+        ...

@@ -43,10 +43,12 @@ class ToolCallEnd:
 @attrs.frozen
 class SegmentEnd:
     """The model stopped. `tokens` it decoded that no other chunk carried (its stop token);
-    `incomplete` names why the Response cannot go on (e.g. `max_output_tokens`)."""
+    `incomplete` names why the Response cannot go on (e.g. `max_output_tokens`);
+    `cached_tokens`, if set, replaces `Prefilled`'s count: an engine reports it at the end."""
 
     tokens: int = 0
     incomplete: str | None = None
+    cached_tokens: int | None = None
 
 
 Chunk = Prefilled | TextDelta | ToolCallBegin | ToolCallArgumentsDelta | ToolCallEnd | SegmentEnd

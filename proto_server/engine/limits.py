@@ -13,13 +13,18 @@ from proto_server.core.request import ToolChoice, parse_tool_choice
 from proto_server.wire.response import Response
 
 
-class GenerationRefused(Exception):
-    """The generator cannot produce what the limits demand; `code` says which (it ends the
-    Response with `response.failed`, no traceback: the request, not the server, is at odds)."""
+class GeneratorError(Exception):
+    """A segment the generator cannot produce, for a reason it can name: `code` (it ends the
+    Response with `response.failed` carrying that code, no traceback; the connection lives)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class GenerationRefused(GeneratorError):
+    """The generator cannot produce what the limits demand: the request, not the server, is at
+    odds with it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +37,11 @@ class GenerationLimits:
     parallel_tool_calls: bool = True
     #: Tool calls this segment may make: `max_tool_calls` minus the Response's calls so far.
     max_tool_calls: int | None = None
+    #: Sampling, as the request set it (None: the generator's default). Greedy generators
+    #: (simulated, local) ignore them; an engine is passed them.
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
     @classmethod
     def for_response(
@@ -45,6 +55,9 @@ class GenerationLimits:
             tool_choice=parse_tool_choice(response.tool_choice),
             parallel_tool_calls=response.parallel_tool_calls,
             max_tool_calls=None if calls is None else max(calls - tool_calls, 0),
+            temperature=response.temperature,
+            top_p=response.top_p,
+            seed=response.seed,
         )
 
     @property

@@ -32,6 +32,7 @@ from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
+from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.engine.toolcalls import ToolCallParser
 from proto_server.wire.tools import FunctionTool, function_tools
 
@@ -43,9 +44,6 @@ T = TypeVar("T")
 #: Picks the next token from the logits of the last position, given the segment's tokens so far.
 Chooser = Callable[[torch.Tensor, Sequence[int]], int]
 
-#: Tokens that end a turn in the common chat formats, when the model's vocabulary has them.
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-
 
 def greedy(logits: torch.Tensor, generated: Sequence[int]) -> int:
     return int(logits.argmax())
@@ -56,25 +54,8 @@ class ContextOverflow(Exception):
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
     config = getattr(model, "generation_config", None)
-    configured = getattr(config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    vocabulary = tokenizer.get_vocab()
-    ids.update(vocabulary[token] for token in END_OF_TURN if token in vocabulary)
-    return frozenset(ids)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
+    return stop_ids(tokenizer, getattr(config, "eos_token_id", None))
 
 
 class LocalGenerator:

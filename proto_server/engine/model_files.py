@@ -144,3 +144,35 @@ def load_model(spec: str | None, *, cache_dir: Path | None = None) -> LoadedMode
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the model in {directory}: {exc}") from exc
     return LoadedModel(name, model.eval(), tokenizer)
+
+
+@attrs.frozen
+class LoadedTokenizer:
+    directory: Path
+    tokenizer: Any  # a transformers tokenizer
+    #: The model's configured end-of-turn id(s) (generation_config.json), if it says.
+    eos_token_id: int | list[int] | None
+
+
+def load_tokenizer(spec: str | Path | None, *, cache_dir: Path | None = None) -> LoadedTokenizer:
+    """The tokenizer (and chat template) of `spec`, a model directory or GGUF file (None:
+    SmolLM2), without loading its weights: what a generator in front of an engine needs."""
+    try:
+        import transformers
+        from transformers import AutoTokenizer, GenerationConfig
+    except ImportError as exc:
+        raise ModelError(f"the model's tokenizer needs transformers; {INSTALL_HINT}") from exc
+    path = Path(spec).expanduser() if spec else default_model_path()
+    logging: Any = transformers.logging
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    directory = model_directory(path, cache_dir or default_cache_dir())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer in {directory}: {exc}") from exc
+    try:
+        eos = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's own end of turn
+        eos = None
+    return LoadedTokenizer(directory, tokenizer, eos)

@@ -28,6 +28,7 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
+    ToolChoice,
     check_create,
     input_items,
     parse_tool_choice,
@@ -355,7 +356,10 @@ class ProtoServer:
         generator cannot make."""
         check_create(create)
         check_compactions(input_items(create), self.compaction_key)
-        choice = parse_tool_choice(create.tool_choice)
+        self.check_forcing(parse_tool_choice(create.tool_choice))
+
+    def check_forcing(self, choice: ToolChoice) -> None:
+        """Refuse a forced tool call (`required`, a named function) the generator cannot make."""
         if choice.mode == "required" and not self.generator.forces_tool_calls:
             demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
             raise ProtocolError(

@@ -4,6 +4,7 @@
     GET  /v1/responses/{id}       a stored Response
     POST /v1/responses/compact    a compacted history to start a new chain from
     GET  /healthz                 liveness
+    GET  /readyz                  readiness: 503 while the generator's engine does not answer
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
 again; `previous_response_id` is served from the persisted store, which answers each API key
@@ -25,6 +26,7 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
+from proto_server.engine.base import ProbedGenerator
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
@@ -241,6 +243,9 @@ class _Exchange:
         if route == ("GET", "/healthz"):
             await self._json(200, {"status": "ok"})
             return
+        if route == ("GET", "/readyz"):
+            await self._ready()
+            return
         owner = self.server.owner(self.authorization)  # before the route: see app.py
         if owner is None:
             raise unauthorized()
@@ -258,6 +263,18 @@ class _Exchange:
                 "WebSocket at /v1/responses.",
                 status=404,
             )
+
+    async def _ready(self) -> None:
+        """200 when the generator can serve now (an engine answers), else 503 saying why."""
+        generator = self.server.generator
+        problem = await generator.readiness() if isinstance(generator, ProbedGenerator) else None
+        if problem is None:
+            await self._json(200, {"status": "ready"})
+            return
+        unready = ProtocolError(
+            "engine_unavailable", problem, error_type="server_error", status=503
+        )
+        await send_json(self.stream, self.conn, 503, error_body(unready))
 
     async def _json(self, status: int, body: Any) -> None:
         await send_json(self.stream, self.conn, status, orjson.dumps(body))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
+from proto_server.core.request import check_tool_choice
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
@@ -40,14 +41,17 @@ class PrototypeDialect:
         match event:
             case ResponseCreate():
                 await self._create(event, frame_bytes)
-            case ResponseAppend(input=items):
+            case ResponseAppend(input=items, tool_choice=tool_choice):
                 loop = self._open_rollout("append to")
                 loop.machine.check_append(items)  # before the work of rendering them
+                if tool_choice is not None:  # a new tool_choice for the rest of the Response
+                    tools = loop.machine.template.tools
+                    self._server.check_forcing(check_tool_choice(tool_choice, tools))
                 renderer = loop.rollout.conversation.renderer
                 rendered = await self._server.offload.run(
                     render_items, renderer, items, size=frame_bytes
                 )
-                self._open_rollout("append to").append(items, rendered)
+                self._open_rollout("append to").append(items, rendered, tool_choice=tool_choice)
             case ResponseCancel():
                 self._open_rollout("cancel").cancel()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -29,7 +30,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.limits import GenerationLimits, GenerationRefused
+from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.rollout import Rollout
@@ -110,15 +111,24 @@ class SamplingLoop:
     def response_id(self) -> str:
         return self.machine.id
 
-    def append(self, items: Sequence[Item], rendered: RenderedItems | None = None) -> None:
+    def append(
+        self,
+        items: Sequence[Item],
+        rendered: RenderedItems | None = None,
+        *,
+        tool_choice: Any = None,
+    ) -> None:
         """Record tool outputs (`rendered` already, for large ones); if that answers every
-        call, wake the sampling loop. What they add must fit the rollout's memory budget."""
+        call, wake the sampling loop. What they add must fit the rollout's memory budget.
+        `tool_choice` (checked by the caller), if set, holds for the rest of the Response."""
         self._refuse_if_ending("appended to it")
         self.machine.check_append(items)
         if rendered is None:
             rendered = render_items(self.rollout.conversation.renderer, items)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
+        if tool_choice is not None:
+            self.machine.change_tool_choice(tool_choice)
         self._resume_events = self.machine.append(items, rendered)
         self.rollout.account()
         if self._observer is not None:
@@ -303,7 +313,7 @@ class SamplingLoop:
                     await self.rollout.session.generate(send, self._limits())
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
-                except GenerationRefused as exc:
+                except GeneratorError as exc:  # refused, or an engine's fault: its own code
                     self._fault = ServerFault(exc.code, str(exc))
                 except Exception as exc:
                     log.exception("generator.crashed", extra={"response": self.machine.id})
@@ -329,6 +339,8 @@ class SamplingLoop:
 
     def _apply(self, chunk: Chunk) -> list[ServerEvent]:
         machine = self.machine
+        if isinstance(chunk, SegmentEnd) and chunk.cached_tokens is not None:
+            machine.report_cached(chunk.cached_tokens)
         match chunk:
             case Prefilled(prompt_tokens=prompt, cached_tokens=cached):
                 rendered = self._count_rendered()

@@ -54,14 +54,21 @@ class ResponseCreate:
     safety_identifier: str | None = None
     max_tool_calls: NonNegativeInt | None = None
     top_logprobs: int | None = None
+    #: Sampling seed, passed to an engine that takes one (the vLLM generator); carried.
+    seed: int | None = None
 
 
 @attrs.frozen(kw_only=True)
 class ResponseAppend:
-    """Answer the suspended Response's tool calls (and/or add a user message) and resume it."""
+    """Answer the suspended Response's tool calls (and/or add a user message) and resume it.
+
+    `tool_choice` (this project's extension): a new `tool_choice` for the rest of the Response,
+    e.g. `"required"` while the agent must act and `"none"` once it must answer; absent: as
+    before."""
 
     type: str = "response.append"
     input: tuple[Item, ...]
+    tool_choice: Any = None
 
 
 @attrs.frozen(kw_only=True)

@@ -60,6 +60,8 @@ class Response:
     tools: tuple[Tool, ...] = ()
     top_logprobs: int = 0
     top_p: float = 1.0
+    #: This server's extension: the sampling seed the request set (null: none).
+    seed: int | None = None
     truncation: str = "disabled"
     usage: Usage | None = None
     user: str | None = None

@@ -1,0 +1,513 @@
+"""The vLLM generator: a rollout kept warm in an inference engine's prefix cache.
+
+This server renders and tokenizes the conversation itself, with the served model's own
+tokenizer and chat template (the loader `--generator local` uses), so it always knows the exact
+token ids of a prompt. Each segment sends the whole prompt as token ids to the engine's
+OpenAI-compatible `/v1/completions` (streamed, `return_token_ids`), so its automatic prefix
+cache finds every block it already holds (the previous prompt, and the model's own output where
+the chat template renders it as the model wrote it) and prefills only the tail. The prompt is
+always the conversation as rendered, as a cold re-prefill would send it; the ids the engine saw
+last (the prompt and what it generated) are kept to know what it should find cached. The
+engine's own count, `usage.prompt_tokens_details.cached_tokens`, is what the Response reports.
+
+A forced call (`tool_choice` required or named) opens the call in the prompt (`<tool_call>`)
+and constrains the rest to a JSON list of calls of the allowed tools with vLLM's structured
+outputs; an unforced one streams through the same parser as the local model's.
+
+Every failure of the engine becomes an `EngineError` with a code (`engine_unavailable`,
+`engine_error`, `engine_timeout`, `context_length_exceeded`), raised here and turned into
+`response.failed` by the sampling loop. Cancelling a segment closes its HTTP stream, which
+makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from proto_server.core.conversation import Conversation
+from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.limits import GenerationLimits, GeneratorError
+from proto_server.engine.model_files import LoadedTokenizer
+from proto_server.engine.tokens import common_prefix, stop_ids
+from proto_server.engine.toolcalls import CLOSE, OPEN, ToolCallParser
+from proto_server.wire.tools import FunctionTool, function_tools
+
+ENGINE_UNAVAILABLE = "engine_unavailable"
+ENGINE_ERROR = "engine_error"
+ENGINE_TIMEOUT = "engine_timeout"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+#: How much of an engine's error body is read to say what went wrong.
+ERROR_BODY_BYTES = 64 * 1024
+#: How long start-up and `/readyz` wait for the engine to list its models.
+PROBE_TIMEOUT_S = 5.0
+log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
+CPU_RECIPE = (
+    "python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --enable-prefix-caching "
+    "--enable-prompt-tokens-details"
+)
+
+
+class EngineError(GeneratorError):
+    """The engine refused, failed, stalled or went away; `code` says which."""
+
+
+class EngineSetupError(Exception):
+    """The engine or the model's tokenizer cannot be had at start-up; the message says what to
+    run or pass."""
+
+
+# -- what the engine says, as data ---------------------------------------------------------------
+
+
+@attrs.frozen
+class ServedModel:
+    """One model the engine serves: its served name, the path it was loaded from."""
+
+    name: str
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+@attrs.frozen
+class Piece:
+    """One streamed choice: its text, the ids that made it, and why it stopped, if it did."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@attrs.frozen
+class EngineUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    #: The engine's prefix-cache hits (None: it was started without prompt-token details).
+    cached_tokens: int | None
+
+
+def parse_models(body: Any) -> list[ServedModel]:
+    """The models of a `GET /v1/models` answer."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise EngineSetupError(f"the engine's /v1/models answer is not a model list: {body!r}")
+    models = []
+    for entry in body["data"]:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            root, length = entry.get("root"), entry.get("max_model_len")
+            models.append(
+                ServedModel(
+                    entry["id"],
+                    root if isinstance(root, str) else None,
+                    length if isinstance(length, int) else None,
+                )
+            )
+    return models
+
+
+def choose_model(models: Sequence[ServedModel], wanted: str | None, url: str) -> ServedModel:
+    """The served model named `wanted`, or the only one."""
+    names = ", ".join(model.name for model in models) or "none"
+    if wanted is not None:
+        for model in models:
+            if model.name == wanted:
+                return model
+        raise EngineSetupError(
+            f"the engine at {url} serves no model {wanted!r} (it serves: {names}); pass one of "
+            "them with --model"
+        )
+    if len(models) != 1:
+        raise EngineSetupError(
+            f"the engine at {url} serves {len(models)} models ({names}); pick one with --model"
+        )
+    return models[0]
+
+
+def parse_sse(line: str) -> Piece | EngineUsage | None:
+    """One line of the engine's event stream: a piece of output, the final usage, or nothing
+    (blank lines, comments, `[DONE]`). An error the engine streams raises `EngineError`."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if data == "[DONE]" or not data:
+        return None
+    try:
+        event = json.loads(data)
+    except ValueError as exc:
+        raise EngineError(
+            ENGINE_ERROR, f"the engine streamed something not JSON: {data[:200]}"
+        ) from exc
+    if not isinstance(event, dict):
+        raise EngineError(ENGINE_ERROR, f"the engine streamed an unexpected value: {data[:200]}")
+    if "error" in event:
+        raise error_for_body(500, event)
+    choices = event.get("choices") or []
+    if choices:
+        choice = choices[0]
+        return Piece(
+            choice.get("text") or "",
+            tuple(choice.get("token_ids") or ()),
+            choice.get("finish_reason"),
+        )
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or {}
+        return EngineUsage(
+            int(usage.get("prompt_tokens", 0)),
+            int(usage.get("completion_tokens", 0)),
+            details.get("cached_tokens") if isinstance(details, dict) else None,
+        )
+    return None
+
+
+def _message(body: Any) -> str:
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return repr(body)[:500]
+
+
+def error_for_body(status: int, body: Any) -> EngineError:
+    """What an engine's refusal means for the Response: a prompt over the model's context is
+    `context_length_exceeded`; anything else the engine could not do is `engine_error`."""
+    message = _message(body)
+    if status == 400 and "context length" in message:
+        return EngineError(
+            CONTEXT_LENGTH_EXCEEDED,
+            f"the conversation no longer fits the model's context ({message}); start a new "
+            "Response with a shorter history",
+        )
+    return EngineError(ENGINE_ERROR, f"the engine answered {status}: {message}")
+
+
+def error_for_status(status: int, raw: bytes) -> EngineError:
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        body = raw[:500].decode("utf-8", "replace")
+    return error_for_body(status, body)
+
+
+def error_for_exception(exc: httpx.HTTPError, url: str) -> EngineError:
+    """A transport failure: a stall is `engine_timeout`, an engine that is not there (or went
+    away mid-stream) `engine_unavailable`, anything else `engine_error`."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return EngineError(ENGINE_UNAVAILABLE, f"the engine at {url} is not reachable ({exc!r})")
+    if isinstance(exc, httpx.TimeoutException):
+        return EngineError(
+            ENGINE_TIMEOUT,
+            f"the engine at {url} sent nothing for too long ({exc!r}; --engine-timeout)",
+        )
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return EngineError(ENGINE_UNAVAILABLE, f"the engine at {url} went away ({exc!r})")
+    return EngineError(ENGINE_ERROR, f"the engine at {url} failed: {exc!r}")
+
+
+# -- what is sent to the engine -----------------------------------------------------------------
+
+
+def forced_call_schema(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
+    """The JSON schema of what follows `<tool_call>` when a call is forced: a list of one or
+    more calls (at most `max_calls`) of `tools`, each `{"name": ..., "arguments": {...}}` with
+    arguments valid against the tool's parameters, as `call_text` renders a call."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.name]},
+                "arguments": tool.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
+
+
+def completion_request(
+    *,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    limits: GenerationLimits,
+    stop_token_ids: Collection[int],
+    stop_at_call: bool,
+    forced: dict[str, Any] | None = None,
+    stream: bool = True,
+) -> dict[str, Any]:
+    """The body of one `/v1/completions` request: the prompt as token ids, streamed with its
+    ids and usage; the request's sampling passed through; stopping at the model's end of turn
+    and (`stop_at_call`) at the close of a tool call; `forced`: a JSON schema the output must
+    follow (the calls after a forced `<tool_call>`)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stop_token_ids": sorted(stop_token_ids),
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    for name in ("temperature", "top_p", "seed"):
+        value = getattr(limits, name)
+        if value is not None:
+            body[name] = value
+    if stop_at_call and forced is None:
+        body["stop"] = [CLOSE]
+        body["include_stop_str_in_output"] = True
+    if forced is not None:
+        body["structured_outputs"] = {"json": forced, "disable_any_whitespace": True}
+    return body
+
+
+# -- the generator -------------------------------------------------------------------------------
+
+
+async def discover(url: str, wanted: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> ServedModel:
+    """Ask the engine at `url` which model it serves (`GET /models`), at start-up."""
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+            answer = await client.get("/models")
+    except httpx.HTTPError as exc:
+        raise EngineSetupError(
+            f"no engine answers at {url} ({exc.__class__.__name__}); start vLLM first, e.g. "
+            f"{CPU_RECIPE}, and pass its base URL (ending in /v1) with --engine-url"
+        ) from exc
+    if answer.status_code != 200:
+        raise EngineSetupError(
+            f"{url}/models answered {answer.status_code}; is --engine-url the engine's "
+            "OpenAI-compatible base (e.g. http://127.0.0.1:8001/v1)?"
+        )
+    try:
+        body = answer.json()
+    except ValueError as exc:
+        raise EngineSetupError(f"{url}/models did not answer JSON; is it vLLM?") from exc
+    return choose_model(parse_models(body), wanted, url)
+
+
+def tokenizer_source(model: ServedModel, tokenizer: str | None) -> str:
+    """Where the served model's tokenizer is read from: `--tokenizer`, else the engine's
+    `root` when that path exists on this machine."""
+    if tokenizer is not None:
+        return tokenizer
+    if model.root is not None and Path(model.root).exists():
+        return model.root
+    raise EngineSetupError(
+        f"the engine serves {model.name!r} from {model.root!r}, which is not on this machine; "
+        "pass the model's tokenizer with --tokenizer PATH (a Hugging Face model directory or "
+        "a GGUF file of the same model)"
+    )
+
+
+class VllmGenerator:
+    """A model served by vLLM; every rollout's session shares one bounded HTTP client."""
+
+    #: A forced call is constrained by the engine's structured outputs.
+    forces_tool_calls = True
+
+    def __init__(
+        self,
+        url: str,
+        model: ServedModel,
+        tokenizer: LoadedTokenizer,
+        *,
+        max_tokens: int = 512,
+        connections: int = 64,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.tokenizer = tokenizer.tokenizer
+        self.renderer = ChatTemplateRenderer(self.tokenizer)
+        self.stop_ids = stop_ids(self.tokenizer, tokenizer.eos_token_id)
+        self.max_tokens = max_tokens
+        self.connections = connections
+        self.timeout_s = timeout_s
+        self.open_tag = list(self.tokenizer.encode(OPEN, add_special_tokens=False))
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The shared client, made on first use inside the running event loop."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.url,
+                limits=httpx.Limits(
+                    max_connections=self.connections, max_keepalive_connections=self.connections
+                ),
+                timeout=httpx.Timeout(self.timeout_s, connect=PROBE_TIMEOUT_S),
+            )
+        return self._client
+
+    def open_session(self, conversation: Conversation) -> VllmSession:
+        return VllmSession(self, conversation)
+
+    async def readiness(self) -> str | None:
+        """None when the engine lists its models within a short timeout; else why not."""
+        try:
+            with trio.fail_after(PROBE_TIMEOUT_S):
+                answer = await self.client.get("/models", timeout=PROBE_TIMEOUT_S)
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            return f"the engine at {self.url} does not answer ({exc.__class__.__name__})"
+        if answer.status_code != 200:
+            return f"the engine at {self.url} answered {answer.status_code}"
+        return None
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class VllmSession:
+    """One rollout on the engine: nothing is held there but what its prefix cache keeps."""
+
+    def __init__(self, generator: VllmGenerator, conversation: Conversation) -> None:
+        self._generator = generator
+        self._conversation = conversation
+        self._tools = function_tools(conversation.tools)
+        #: The token ids the engine has seen last: the prompt it was sent and what it made.
+        self.engine_ids: list[int] = []
+        #: Per segment: (prompt tokens, what should be cached, what the engine said it had).
+        self.segments: list[tuple[int, int, int | None]] = []
+
+    async def prefill(self) -> Prefilled:
+        """Bring the engine's cache up to the conversation (one token decoded and dropped)."""
+        generator = self._generator
+        prompt = list(self._conversation.tokens)
+        body = completion_request(
+            model=generator.name,
+            prompt=prompt,
+            max_tokens=1,
+            limits=GenerationLimits(temperature=0.0),
+            stop_token_ids=(),
+            stop_at_call=False,
+            stream=False,
+        )
+        try:
+            answer = await generator.client.post("/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise error_for_exception(exc, generator.url) from exc
+        if answer.status_code != 200:
+            raise error_for_status(answer.status_code, answer.content[:ERROR_BODY_BYTES])
+        usage = answer.json().get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self._record(prompt, prompt, int(cached))
+        return Prefilled(prompt_tokens=len(prompt), cached_tokens=int(cached))
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        generator = self._generator
+        prompt = [*self._conversation.tokens, *generator.renderer.generation_prompt]
+        names = [tool.name for tool in self._tools]
+        forced = None
+        if limits.must_call:
+            choice = limits.tool_choice
+            allowed = [t for t in self._tools if choice.name in (None, t.name)]
+            forced = forced_call_schema(allowed, limits.max_calls)
+            prompt += generator.open_tag
+        most = generator.max_tokens
+        if limits.max_output_tokens is not None:
+            most = min(most, limits.max_output_tokens)
+        context = generator.model.max_model_len
+        if context is not None and len(prompt) < context:
+            most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
+        parser = ToolCallParser(names, max_calls=limits.max_calls)
+        if most <= 0:
+            await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
+            await send.send(SegmentEnd(incomplete="max_output_tokens"))
+            return
+        body = completion_request(
+            model=generator.name,
+            prompt=prompt,
+            max_tokens=most,
+            limits=limits,
+            stop_token_ids=generator.stop_ids,
+            stop_at_call=bool(names) and limits.max_calls != 0,
+            forced=forced,
+        )
+        generated: list[int] = []
+        finish: str | None = None
+        usage: EngineUsage | None = None
+        chunks: list[Chunk] = parser.feed(OPEN, 0) if forced is not None else []
+        prefilled = False
+        try:
+            async with generator.client.stream("POST", "/completions", json=body) as answer:
+                if answer.status_code != 200:
+                    raw = b""
+                    async for part in answer.aiter_bytes():
+                        raw += part
+                        if len(raw) >= ERROR_BODY_BYTES:
+                            break
+                    raise error_for_status(answer.status_code, raw)
+                async for line in answer.aiter_lines():
+                    event = parse_sse(line)
+                    if isinstance(event, EngineUsage):
+                        usage = event
+                    elif isinstance(event, Piece):
+                        if not prefilled:  # the engine has the prompt: the first piece came
+                            prefilled = True
+                            await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
+                        generated.extend(event.token_ids)
+                        finish = event.finish_reason or finish
+                        for chunk in [*chunks, *parser.feed(event.text, len(event.token_ids))]:
+                            await send.send(chunk)
+                        chunks = []
+        except httpx.HTTPError as exc:
+            raise error_for_exception(exc, generator.url) from exc
+        if finish is None or finish == "abort" or not prefilled:
+            raise EngineError(
+                ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
+                f"the engine's stream ended before the segment did (finish reason {finish!r})",
+            )
+        if forced is not None and not parser.called:
+            chunks = parser.feed(CLOSE, 0)
+        held, leftover = parser.finish()
+        for chunk in [*chunks, *held]:
+            await send.send(chunk)
+        cached = usage.cached_tokens if usage is not None else None
+        self._record(prompt, [*prompt, *generated], cached)
+        await send.send(
+            SegmentEnd(
+                tokens=leftover,
+                incomplete="max_output_tokens" if finish == "length" else None,
+                cached_tokens=cached,
+            )
+        )
+
+    def _record(self, prompt: list[int], seen: list[int], cached: int | None) -> None:
+        expected = common_prefix(self.engine_ids, prompt)
+        self.segments.append((len(prompt), expected, cached))
+        log.debug(
+            "vllm.segment",
+            extra={"prompt_tokens": len(prompt), "expected_cached": expected, "cached": cached},
+        )
+        self.engine_ids = seen
+
+    async def aclose(self) -> None:
+        """Nothing to free: the engine's prefix cache evicts what no one uses."""

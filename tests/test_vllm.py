@@ -1,0 +1,466 @@
+"""`--generator vllm` against a real vLLM (CPU build) serving SmolLM2-135M-Instruct.
+
+One engine serves the whole session (tests/engine.py); each test starts its own proto-server in
+front of it. Prompts stay short: the CPU engine prefills a few hundred tokens a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import trio
+
+from proto_server.engine.model_files import LoadedTokenizer, load_tokenizer
+from proto_server.engine.vllm import VllmGenerator, discover
+from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.config import ServerConfig
+
+from .engine import BLOCK_SIZE, SERVED_NAME, Engine
+from .test_cli import read_line
+from .wsclient import TERMINAL, connect
+
+pytestmark = pytest.mark.engine
+
+RUN = "exec_command"
+TOOL = {
+    "type": "function",
+    "name": RUN,
+    "description": "Run a shell command.",
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    },
+    "strict": False,
+}
+ASK = "List the files in the current directory."
+RUNNING = "vllm:num_requests_running"
+
+
+@pytest.fixture(scope="session")
+def vllm_tokenizer(vllm_engine: Engine) -> LoadedTokenizer:
+    return load_tokenizer(vllm_engine.model_dir)
+
+
+class Served:
+    def __init__(self, server: ProtoServer, address: BoundAddress, generator: VllmGenerator):
+        self.server = server
+        self.address = address
+        self.generator = generator
+
+    @property
+    def prototype_url(self) -> str:
+        return f"{self.address.ws_url}?dialect=prototype"
+
+
+StartVllm = Callable[..., Any]
+
+
+@pytest.fixture
+async def start_vllm(
+    nursery: trio.Nursery, vllm_engine: Engine, vllm_tokenizer: LoadedTokenizer
+) -> AsyncIterator[StartVllm]:
+    """`await start_vllm(max_tokens=..., timeout_s=...)`: a proto-server in front of the engine."""
+    generators: list[VllmGenerator] = []
+
+    async def start(*, max_tokens: int = 48, timeout_s: float = 60.0, **config: Any) -> Served:
+        with trio.fail_after(10):
+            model = await discover(vllm_engine.url, None)
+        generator = VllmGenerator(
+            vllm_engine.url, model, vllm_tokenizer, max_tokens=max_tokens, timeout_s=timeout_s
+        )
+        generators.append(generator)
+        server = ProtoServer(generator, ServerConfig(port=0, default_model=model.name, **config))
+        address = await nursery.start(server.serve)
+        return Served(server, address, generator)
+
+    yield start
+    for generator in generators:
+        await generator.aclose()
+
+
+def segment_usage(events: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """(prompt, cached, output) tokens of each segment, from the cumulative usage of the
+    Response at each `response.done` and at its end."""
+    marks = [e["response"]["usage"] for e in events if e["type"] in {"response.done", *TERMINAL}]
+    result, before = [], (0, 0, 0)
+    for usage in marks:
+        now = (
+            usage["input_tokens"],
+            usage["input_tokens_details"]["cached_tokens"],
+            usage["output_tokens"],
+        )
+        result.append((now[0] - before[0], now[1] - before[1], now[2] - before[2]))
+        before = now
+    return result
+
+
+def calls_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        e["item"]
+        for e in events
+        if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"
+    ]
+
+
+def assert_warm(segments: list[tuple[int, int, int]]) -> None:
+    """Every resumed segment found the previous segment's prompt in the engine's cache (the
+    engine counts whole blocks: at most one block short of it)."""
+    for (previous, _, _), (_, cached, _) in itertools.pairwise(segments):
+        assert cached >= previous - BLOCK_SIZE, segments
+
+
+async def test_a_prototype_rollout_forced_twice_then_free_is_served_warm(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    served = await start_vllm()
+    events: list[dict[str, Any]] = []
+    with trio.fail_after(180):
+        async with connect(served.prototype_url) as client:
+            await client.send(
+                {
+                    "type": "response.create",
+                    "input": ASK,
+                    "tools": [TOOL],
+                    "tool_choice": "required",
+                    "temperature": 0,
+                }
+            )
+            for round_ in range(2):
+                segment = await client.until("response.done", *TERMINAL)
+                events += segment
+                assert segment[-1]["type"] == "response.done", segment[-1]
+                outputs = [
+                    {"type": "function_call_output", "call_id": call["call_id"], "output": "a.py"}
+                    for call in calls_of(segment)
+                ]
+                assert outputs, "a forced segment made no call"
+                append: dict[str, Any] = {"type": "response.append", "input": outputs}
+                if round_ == 1:
+                    append["tool_choice"] = "none"  # the rest of the Response answers in text
+                await client.send(append)
+            last = await client.until(*TERMINAL)
+            events += last
+    final = events[-1]["response"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), final
+    assert len({e["response"]["id"] for e in events if "response" in e}) == 1
+    assert final["tool_choice"] == "none"
+    calls = calls_of(events)
+    assert len(calls) >= 2 and not calls_of(last)
+    for call in calls:
+        assert call["name"] == RUN
+        jsonschema.validate(json.loads(call["arguments"]), TOOL["parameters"])
+    segments = segment_usage(events)
+    assert len(segments) == 3
+    print("segments (prompt, cached, output):", segments)
+    assert segments[0][1] == 0  # nothing was warm (the session's own cache may hold the start)
+    assert_warm(segments)
+    assert vllm_engine.metric(RUNNING) == 0
+
+
+def sdk_chain(http_url: str, turns: int) -> list[Any]:
+    """Four turns through the official SDK's WebSocket: each a `response.create` chained by
+    `previous_response_id`, the tool's output as the next input."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=http_url, api_key="sk-test", max_retries=0)
+    responses: list[Any] = []
+    with client.responses.connect() as connection:
+        previous = None
+        items: Any = ASK
+        for turn in range(turns):
+            connection.response.create(
+                model=SERVED_NAME,
+                input=items,
+                tools=[TOOL],
+                tool_choice="required" if turn < turns - 1 else "none",
+                previous_response_id=previous,
+                temperature=0,
+                store=False,
+            )
+            for event in connection:
+                if event.type == "error":
+                    raise AssertionError(f"turn {turn}: {event.error}")
+                if event.type in ("response.completed", "response.incomplete", "response.failed"):
+                    response = event.response
+                    break
+            if response.status != "completed":
+                raise AssertionError(f"turn {turn}: {response.status}: {response.model_dump()}")
+            responses.append(response)
+            previous = response.id
+            items = [
+                {"type": "function_call_output", "call_id": item.call_id, "output": "a.py"}
+                for item in response.output
+                if item.type == "function_call"
+            ]
+    return responses
+
+
+async def test_a_launched_chain_through_the_openai_sdk_is_served_warm(
+    start_vllm: StartVllm,
+) -> None:
+    served = await start_vllm(max_tokens=64)
+    with trio.fail_after(240):
+        responses = await trio.to_thread.run_sync(
+            sdk_chain, served.address.http_url, 4, abandon_on_cancel=True
+        )
+    assert [r.status for r in responses] == ["completed"] * 4, [r.error for r in responses]
+    for response in responses[:3]:
+        (call, *_) = [item for item in response.output if item.type == "function_call"]
+        jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+    assert not [item for item in responses[3].output if item.type == "function_call"]
+    segments = [
+        (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens)
+        for r in responses
+    ]
+    print("turns (prompt, cached, output):", segments)
+    assert_warm(segments)
+    assert [t.source for t in served.server.turns] == ["fresh", "cache", "cache", "cache"]
+
+
+async def test_stateless_http_turns_reuse_the_engine_cache_and_readyz_says_ready(
+    start_vllm: StartVllm,
+) -> None:
+    served = await start_vllm(max_tokens=16)
+    ask = f"Say hello. ({uuid.uuid4().hex[:8]})"
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(120):
+            first = await http.post(
+                "/responses", json={"model": SERVED_NAME, "input": ask, "temperature": 0}
+            )
+            assert first.status_code == 200, first.text
+            body = first.json()
+            history = [{"role": "user", "content": ask}, *body["output"]]
+            history.append({"role": "user", "content": "Now say goodbye."})
+            async with http.stream(
+                "POST",
+                "/responses",
+                json={"model": SERVED_NAME, "input": history, "stream": True, "temperature": 0},
+            ) as second:
+                lines = [line async for line in second.aiter_lines() if line.startswith("data:")]
+    events = [json.loads(line[5:]) for line in lines]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    usage = [body["usage"], events[-1]["response"]["usage"]]
+    print("stateless turns:", usage)
+    assert usage[0]["input_tokens_details"]["cached_tokens"] == 0
+    # stateless, yet the engine's prefix cache kept the first request's blocks
+    assert usage[1]["input_tokens_details"]["cached_tokens"] >= (
+        usage[0]["input_tokens"] - BLOCK_SIZE
+    )
+    root = served.address.http_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+        ready = await http.get("/readyz")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+
+
+async def wait_running(engine: Engine, value: float, timeout_s: float = 20) -> None:
+    """Poll the engine's gauge of running requests until it reads `value`."""
+    for _ in range(int(timeout_s * 10)):
+        if await trio.to_thread.run_sync(engine.metric, RUNNING) == value:
+            return
+        await trio.sleep(0.1)
+    raise AssertionError(f"{RUNNING} never read {value} within {timeout_s} s")
+
+
+LONG_ASK = "Write a very long story about a dragon who learns to code. Use many chapters."
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
+    start_vllm: StartVllm, vllm_engine: Engine, how: str
+) -> None:
+    served = await start_vllm(max_tokens=512)
+    with trio.fail_after(120):
+        with trio.CancelScope() as scope:
+            async with connect(served.prototype_url) as client:
+                await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
+                await client.until("response.output_text.delta")
+                await wait_running(vllm_engine, 1)  # the engine is decoding this Response
+                if how == "cancel":
+                    await client.send({"type": "response.cancel"})
+                    events = await client.until(*TERMINAL)
+                    assert events[-1]["type"] == "response.cancelled"
+                else:
+                    await client.ws._stream.aclose()  # the TCP goes, no close frame
+                    scope.cancel()
+        await wait_running(vllm_engine, 0, timeout_s=10)  # aborted, not decoded to the end
+        await served.server.wait_idle()
+
+
+async def test_a_shutdown_mid_stream_aborts_the_engine_request(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    served = await start_vllm(max_tokens=512)
+    with trio.fail_after(60):
+        async with connect(served.prototype_url) as client:
+            await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
+            await client.until("response.output_text.delta")
+            await wait_running(vllm_engine, 1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(served.server.shutdown, grace_s=0))
+                events = await client.until(*TERMINAL)
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
+        await wait_running(vllm_engine, 0, timeout_s=10)
+
+
+async def test_a_launched_warm_up_fills_the_engine_cache_for_the_turn(
+    start_vllm: StartVllm,
+) -> None:
+    """`generate: false` prefills on the engine (one token decoded and dropped); the chained
+    turn then finds the whole warm-up prompt cached."""
+    served = await start_vllm(max_tokens=8)
+    nonce = uuid.uuid4().hex  # nothing of it is in the engine's cache yet
+    with trio.fail_after(60):
+        async with connect(served.address.ws_url) as client:
+            await client.send(
+                {"type": "response.create", "input": f"{nonce} {LONG_ASK}", "generate": False}
+            )
+            warm = (await client.until(*TERMINAL))[-1]["response"]
+            await client.send(
+                {
+                    "type": "response.create",
+                    "input": "Begin.",
+                    "previous_response_id": warm["id"],
+                    "temperature": 0,
+                }
+            )
+            turn = (await client.until(*TERMINAL))[-1]["response"]
+    assert warm["status"] == "completed" and warm["output"] == []
+    assert warm["usage"]["input_tokens_details"]["cached_tokens"] < BLOCK_SIZE * 2
+    cached = turn["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= warm["usage"]["input_tokens"] - BLOCK_SIZE, (warm["usage"], turn["usage"])
+
+
+async def test_max_output_tokens_is_honoured(start_vllm: StartVllm) -> None:
+    served = await start_vllm(max_tokens=256)
+    with trio.fail_after(60):
+        async with connect(served.prototype_url) as client:
+            await client.send(
+                {
+                    "type": "response.create",
+                    "input": LONG_ASK,
+                    "max_output_tokens": 5,
+                    "temperature": 0,
+                }
+            )
+            events = await client.until(*TERMINAL)
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["usage"]["output_tokens"] == 5
+
+
+async def test_a_prompt_over_the_context_fails_context_length_exceeded_and_the_next_works(
+    start_vllm: StartVllm,
+) -> None:
+    served = await start_vllm(max_tokens=8)
+    with trio.fail_after(90):
+        async with connect(served.prototype_url) as client:
+            await client.send({"type": "response.create", "input": "word " * 9000})
+            events = await client.until(*TERMINAL)
+            assert events[-1]["type"] == "response.failed"
+            error = events[-1]["response"]["error"]
+            assert error["code"] == "context_length_exceeded", error
+            await client.send({"type": "response.create", "input": "Hi", "temperature": 0})
+            events = await client.until(*TERMINAL)
+            assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+async def test_an_engine_that_stalls_fails_engine_timeout(start_vllm: StartVllm) -> None:
+    # a read timeout far below the prefill of a cold prompt: the engine stays silent too long
+    served = await start_vllm(timeout_s=0.05)
+    nonce = uuid.uuid4().hex
+    with trio.fail_after(60):
+        async with connect(served.prototype_url) as client:
+            await client.send(
+                {"type": "response.create", "input": f"{nonce} {LONG_ASK} " * 8, "tools": [TOOL]}
+            )
+            events = await client.until(*TERMINAL)
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "engine_timeout"
+
+
+async def test_the_benchmark_runs_both_paths_on_the_same_engine(start_vllm: StartVllm) -> None:
+    """`proto-server bench-vllm`, small: proto-server's chained turns against vLLM's own
+    stateless /v1/responses, each turn's usage as each reports it."""
+    from proto_server.bench.vllm import measure, table
+
+    served = await start_vllm()
+    with trio.fail_after(180):
+        results = await measure(
+            served.generator, turns=3, tool_output_tokens=60, answer_tokens=48, nonce="[test] "
+        )
+    print(table(results))
+    assert [r.path for r in results] == ["proto-server ws"] * 3 + ["vllm /v1/responses"] * 3
+    for result in results:
+        assert 0 < result.output_tokens <= 48 and 0 < result.ttft_s <= result.total_s
+    ours = [(r.input_tokens, r.cached_tokens, r.output_tokens) for r in results[:3]]
+    assert_warm(ours)
+    assert "median TTFT ratio" in table(results)
+
+
+async def test_serve_finds_the_engine_model_and_its_tokenizer(
+    nursery: trio.Nursery, vllm_engine: Engine, tmp_path: Any
+) -> None:
+    """The CLI: the served model and its tokenizer come from the engine (`root`)."""
+    command = [
+        sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:",
+        "--generator", "vllm", "--engine-url", vllm_engine.url,
+    ]  # fmt: skip
+    with trio.fail_after(120):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert process.stdout is not None
+        line = await read_line(process.stdout)
+        assert "vLLM model smollm2" in line, line
+        root = line.split("listening on ")[1].split(" ")[0].removesuffix("/v1")
+        async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+            ready = await http.get("/readyz")  # and the signal handlers are installed by now
+        assert ready.status_code == 200, ready.text
+        process.terminate()
+        assert await process.wait() == 0
+
+
+async def test_the_engine_killed_mid_stream_fails_the_response_then_serves_once_back(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    """Last in the file: it restarts the session's engine (about a minute)."""
+    served = await start_vllm(max_tokens=512)
+    root = served.address.http_url.removesuffix("/v1")
+    async with connect(served.prototype_url) as client:
+        with trio.fail_after(60):
+            await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
+            await client.until("response.output_text.delta")
+            await trio.to_thread.run_sync(vllm_engine.kill)
+            events = await client.until(*TERMINAL)
+        assert events[-1]["type"] == "response.failed"
+        code = events[-1]["response"]["error"]["code"]
+        assert code in ("engine_unavailable", "engine_error"), events[-1]
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+                down = await http.get("/readyz")
+            assert down.status_code == 503
+            assert down.json()["error"]["code"] == "engine_unavailable"
+            await client.send({"type": "response.create", "input": "Hi"})
+            events = await client.until(*TERMINAL)
+            assert events[-1]["response"]["error"]["code"] == "engine_unavailable"
+        await trio.to_thread.run_sync(vllm_engine.start)  # same port, as a supervisor would
+        with trio.fail_after(60):
+            await client.send({"type": "response.create", "input": "Hi", "temperature": 0})
+            events = await client.until(*TERMINAL)
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+        assert (await http.get("/readyz")).status_code == 200
