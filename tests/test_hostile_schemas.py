@@ -100,6 +100,19 @@ def test_a_schema_over_the_depth_budget_is_refused_with_its_path() -> None:
     assert detail.param == expected and f"`{expected}`" in detail.message
 
 
+def test_a_refusal_stays_small_however_long_the_names_on_its_path() -> None:
+    """Before: 40 levels of one 100,000-character property name made a 3.2 MB error."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "object", "properties": {"k" * 100_000: schema}}
+    with pytest.raises(ProtocolError) as refused:
+        check_tool_schemas([converter.structure(tool(schema), FunctionTool)])
+    detail = refused.value.detail
+    assert detail.code == "invalid_tool_schema" and detail.param is not None
+    assert len(detail.message) < 8_000 and len(detail.param) < 4_000
+    assert detail.param.startswith("tools[0].parameters.properties." + "k" * 64 + "…")
+
+
 def at_depth(depth: int) -> dict[str, Any]:
     """A schema whose JSON nests `depth` levels: itself, then lists in lists."""
     value: list[Any] = []

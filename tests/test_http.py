@@ -467,6 +467,31 @@ async def test_a_websocket_without_a_key_is_refused_alike_on_every_path(
         assert missing.value.status_code == 404
 
 
+UPGRADE_WITHOUT_KEY = (
+    b"GET /v1/responses HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+)
+
+
+async def test_a_refused_upgrade_is_closed_and_frees_its_place(start_server: StartServer) -> None:
+    """Before: a 401 upgrade stayed open, so two clients without a key filled a cap of two."""
+    running = await start_server(THREE_SEGMENTS, api_keys=("k1",), max_connections=2)
+    with trio.fail_after(5):
+        for _ in range(3):
+            stream = await trio.open_tcp_stream("127.0.0.1", running.address.port)
+            await stream.send_all(UPGRADE_WITHOUT_KEY)
+            answer = b""
+            while chunk := await stream.receive_some():  # the server closes it
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer
+            await stream.aclose()
+        while running.server.open_connections:
+            await trio.sleep(0.01)
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
+        assert health.status_code == 200
+
+
 SLOW_TEXT = {"segments": [{"text": "word " * 400}]}  # 8 s at 50 tokens/s
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import tracemalloc
+from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
@@ -224,3 +225,35 @@ async def test_a_frame_the_process_has_no_room_for_is_refused_with_server_busy(
         assert refused["error"]["code"] == "server_busy"
         await client.send(prototype_create())
         assert (await client.segment())[-1]["type"] == "response.done"
+
+
+@pytest.mark.parametrize("dialect", ["launched", "prototype"])
+async def test_what_a_budget_lets_go_is_really_freed(
+    start_server: StartServer, dialect: str
+) -> None:
+    """Idle connections whose last Response ended (and whose caches were let go) hold nothing
+    of it: not the frame, not the request, not the rollout. Before, each kept all three (9.9
+    rollouts' worth for 6 connections here): memory grew with every connection whatever the
+    budget."""
+    big = {"role": "user", "content": "word " * 200_000}
+    frame = create(input=[USER, big]) if dialect == "launched" else prototype_create(input=[big])
+    rollout = budget_for(frame, 1) - PREPARING_FACTOR * len(orjson.dumps(frame))
+    running = await start_server(
+        {"segments": [{"text": "Fixed."}]}, max_memory_bytes=budget_for(frame, 2.5)
+    )
+    url = running.address.ws_url + ("?dialect=prototype" if dialect == "prototype" else "")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        with trio.fail_after(60):
+            async with AsyncExitStack() as stack:
+                for _ in range(6):
+                    client = await stack.enter_async_context(connect(url))
+                    assert (await turn(client, frame))[-1]["type"] == "response.completed"
+                await trio.sleep(0.1)  # the evicted rollouts close
+                gc.collect()
+                held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held - before < 4 * rollout, f"{(held - before) / rollout:.1f} rollouts still held"

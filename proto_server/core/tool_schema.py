@@ -23,6 +23,9 @@ MAX_SCHEMA_DEPTH = 32
 #: tool has a few hundred; the cap keeps whatever reads a schema cheap, whoever sent it.
 MAX_SCHEMA_NODES = 10_000
 
+#: Characters of each property name a path quotes.
+PATH_KEY_CHARS = 64
+
 #: A path as a linked list, (key, parent): built only when a schema is refused.
 _Trail = tuple[str | int, "_Trail"] | None
 
@@ -34,6 +37,8 @@ def _path(trail: _Trail) -> str:
         keys.append(key)
     path = ""
     for key in reversed(keys):
+        if isinstance(key, str) and len(key) > PATH_KEY_CHARS:  # the client's names: an error
+            key = f"{key[:PATH_KEY_CHARS]}…"  # about them stays small however long they are
         path += f"[{key}]" if isinstance(key, int) else (f".{key}" if path else key)
     return path
 

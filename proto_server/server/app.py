@@ -21,7 +21,7 @@ from typing import Literal
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, wrap_server_stream
+from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
 from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import Conversation
@@ -304,11 +304,10 @@ class ProtoServer:
             if handshake.cancelled_caught:  # the upgrade never completed
                 nursery.cancel_scope.cancel()
                 return
-            json = [(b"content-type", b"application/json")]
             # the key first: without one, a client cannot even tell a valid path from a wrong one
             owner = self.owner(head.header(b"authorization"))
             if owner is None:
-                await request.reject(401, extra_headers=json, body=error_body(unauthorized()))
+                await _reject(request, nursery, unauthorized())
                 return
             if head.path.rstrip("/") not in (RESPONSES_PATH, "/responses"):
                 refusal = ProtocolError(
@@ -316,7 +315,7 @@ class ProtoServer:
                     f"No WebSocket endpoint at {head.path}; connect to {RESPONSES_PATH}.",
                     status=404,
                 )
-                await request.reject(404, extra_headers=json, body=error_body(refusal))
+                await _reject(request, nursery, refusal)
                 return
             dialect_name = select_dialect(head)
             ws = await request.accept()
@@ -469,6 +468,15 @@ class ProtoServer:
             suspensions=self.suspensions,
             suspend_timeout_s=self.config.suspend_timeout_s,
         )
+
+
+async def _reject(request: WebSocketRequest, nursery: trio.Nursery, error: ProtocolError) -> None:
+    """Refuse a WebSocket upgrade with a JSON error, then end the connection: trio-websocket
+    would keep reading it, and a refused client would hold its place (`--max-connections`)."""
+    json = [(b"content-type", b"application/json")]
+    with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
+        await request.reject(error.status, extra_headers=json, body=error_body(error))
+    nursery.cancel_scope.cancel()
 
 
 async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:

@@ -136,6 +136,8 @@ class Connection:
                     },
                 )
                 await self.events.send(ErrorEvent(status=exc.status, error=exc.detail))
+            finally:
+                del message  # waiting for the next frame, an idle connection keeps no old one
 
     async def _dispatch(self, dialect: Dialect, message: str) -> None:
         """Decode one frame and hand it to the dialect. While it is decoded, the process budget

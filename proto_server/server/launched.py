@@ -131,37 +131,40 @@ class LaunchedDialect:
         try:
             async for create, waiting, size in self._queued:
                 self._connection.budget.charge(-waiting)  # the rollout is charged instead
-                if self._expired is not None:
-                    continue  # the connection is closing (1001): queued turns never start
-                try:
-                    loop = await self._begin(create, size)
-                except (ProtocolError, StoreUnavailable) as exc:
-                    await self._connection.events.send(
-                        ErrorEvent(status=exc.status, error=exc.detail)
-                    )
-                    continue
-                if self._expired is not None:  # the server began stopping while it prepared
-                    await loop.rollout.aclose()
-                    continue
-                self.current = loop
-                completed = False
-                try:
-                    if create.generate is False:
-                        await loop.run_warmup()
-                    else:
-                        await loop.run()
-                    completed = loop.machine.status is Status.COMPLETED
-                finally:
-                    self.current = None
-                    if completed:
-                        self.cached = (loop.machine.id, loop.rollout)
-                        self._connection.budget.idle(self)
-                    else:
-                        log.info("cache.evicted", extra={"response": loop.machine.id})
-                        await loop.rollout.aclose()
+                if self._expired is None:  # else the connection is closing: queued turns end
+                    await self._serve_turn(create, size)
+                del create  # an idle connection holds no request: only its cache, if any
         finally:
             await self.close()
             self._finished.set()
+
+    async def _serve_turn(self, create: ResponseCreate, size: int) -> None:
+        """One turn; the rollout goes to the cache if it completed. Nothing of the turn is
+        kept once it returns but the cache, which a memory budget can let go."""
+        try:
+            loop = await self._begin(create, size)
+        except (ProtocolError, StoreUnavailable) as exc:
+            await self._connection.events.send(ErrorEvent(status=exc.status, error=exc.detail))
+            return
+        if self._expired is not None:  # the server began stopping while it prepared
+            await loop.rollout.aclose()
+            return
+        self.current = loop
+        completed = False
+        try:
+            if create.generate is False:
+                await loop.run_warmup()
+            else:
+                await loop.run()
+            completed = loop.machine.status is Status.COMPLETED
+        finally:
+            self.current = None
+            if completed:
+                self.cached = (loop.machine.id, loop.rollout)
+                self._connection.budget.idle(self)
+            else:
+                log.info("cache.evicted", extra={"response": loop.machine.id})
+                await loop.rollout.aclose()
 
     def evict(self, reason: str) -> None:
         """A memory budget lets the cached rollout go; a follow-up that names it is served from

@@ -36,6 +36,9 @@ class PrototypeDialect:
         self._nursery = nursery
         self._owner = owner
         self.current: SamplingLoop | None = None
+        #: The id and final status of the last Response once it ended: enough to say so, and
+        #: nothing of what it held (an idle connection keeps no conversation).
+        self._ended: tuple[str, str] | None = None
 
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
@@ -57,20 +60,22 @@ class PrototypeDialect:
 
     def _open_rollout(self, verb: str) -> SamplingLoop:
         rollout = self.current
-        if rollout is None:
+        if rollout is not None and not rollout.machine.status.terminal:
+            return rollout
+        ended = self._ended
+        if rollout is not None:  # decided, but its terminal event is not out yet
+            ended = (rollout.machine.id, rollout.machine.status.value)
+        if ended is None:
             raise ProtocolError(
                 "no_open_response",
                 f"There is no open Response to {verb} on this connection; "
                 "start one with response.create.",
             )
-        machine = rollout.machine
-        if machine.status.terminal:
-            raise ProtocolError(
-                "no_open_response",
-                f"Response {machine.id} already ended ({machine.status.value}); there is "
-                f"nothing to {verb}. Start a new Response with response.create.",
-            )
-        return rollout
+        raise ProtocolError(
+            "no_open_response",
+            f"Response {ended[0]} already ended ({ended[1]}); there is "
+            f"nothing to {verb}. Start a new Response with response.create.",
+        )
 
     async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
         current = self.current
@@ -115,6 +120,9 @@ class PrototypeDialect:
             await loop.run()
         finally:
             await loop.rollout.aclose()
+            if self.current is loop:
+                self._ended = (loop.machine.id, loop.machine.status.value)
+                self.current = None
 
     async def drain(self) -> None:
         if self.current is not None:
