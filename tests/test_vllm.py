@@ -474,12 +474,13 @@ async def test_temperature_top_p_and_seed_reach_the_engine(start_vllm: StartVllm
     assert narrow == [greedy, greedy]
 
 
+@pytest.mark.parametrize("connections", [1, 2])
 async def test_engine_connections_bounds_the_requests_on_the_engine(
-    start_vllm: StartVllm, vllm_engine: Engine
+    start_vllm: StartVllm, vllm_engine: Engine, connections: int
 ) -> None:
-    """A pool of one connection: two Responses at once both complete, one after the other on
-    the engine (its running-requests gauge never reads 2)."""
-    served = await start_vllm(max_tokens=24, connections=1)
+    """Two Responses at once both complete; with a pool of one connection they run one after
+    the other on the engine (its running-requests gauge never reads 2), with two together."""
+    served = await start_vllm(max_tokens=24, connections=connections)
     seen: list[float] = []
     done: list[str] = []
 
@@ -499,7 +500,7 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
                     await trio.sleep(0.05)
     print("running requests seen:", sorted(set(seen)), "over", len(seen), "samples")
     assert done == ["incomplete", "incomplete"]  # each decoded its 24 tokens
-    assert max(seen) == 1 and seen.count(1) > 1
+    assert max(seen) == connections and seen.count(connections) > 1
 
 
 async def test_serve_finds_the_engine_model_and_its_tokenizer(
