@@ -125,7 +125,8 @@ class CpuMeter:
 
     def mark(self) -> tuple[float, float]:
         now = self.read()
-        delta = ((now[0] - self.last[0]) * 1e3, (now[1] - self.last[1]) * 1e3)
+        # whole clock ticks, in ms, without the float noise of the division
+        delta = (round((now[0] - self.last[0]) * 1e3, 3), round((now[1] - self.last[1]) * 1e3, 3))
         self.last = now
         return delta
 
