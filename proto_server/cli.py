@@ -371,25 +371,39 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-vllm",
         help="measure proto-server in front of vLLM against vLLM's own /v1/responses",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Run the same agent loop on a running vLLM twice: through proto-server "
-        "(--generator vllm, chained turns over one WebSocket) and through vLLM's own "
-        "/v1/responses (stateless, the whole history each turn); print per turn the prompt "
-        "and cached tokens each reports and the time to first token and to the end, "
-        "measured wall-clock, as a Markdown table.",
+        description="Run one agent loop (forced tool calls, a tool output appended each turn, "
+        "a final answer) on a running vLLM through five paths: proto-server's prototype and "
+        "launched WebSocket and its stateless HTTP (a proto-server process this command "
+        "starts, --generator vllm), and vLLM's own /v1/responses with the whole history and "
+        "chained by previous_response_id (start the engine with "
+        "VLLM_ENABLE_RESPONSES_API_STORE=1). Per turn: TTFT, turn time, prompt and cached "
+        "tokens, the client's bytes and the CPU of proto-server's process and of vLLM's API "
+        "server process (--engine-pid; its engine core is a child and is not counted), "
+        "measured. Prints a Markdown table, the ratios and the goals; writes JSON and PNG "
+        "plots into --out.",
     )
     bench_vllm.add_argument(
         "--engine-url", required=True, metavar="URL", help="the engine's base, ending in /v1"
     )
+    bench_vllm.add_argument(
+        "--engine-pid", required=True, type=_positive(int), metavar="PID",
+        help="the process id of vLLM's API server (python -m vllm.entrypoints.openai.api_server)",
+    )  # fmt: skip
     bench_vllm.add_argument("--model", metavar="NAME", help="the served model, if several")
     bench_vllm.add_argument("--tokenizer", metavar="PATH", help="as for serve")
-    bench_vllm.add_argument("--turns", type=_positive(int), default=6, help="turns of the loop")
+    bench_vllm.add_argument("--turns", type=_positive(int), default=8, help="turns of the loop")
     bench_vllm.add_argument(
-        "--tool-output-tokens", type=_positive(int), default=200, metavar="N",
-        help="size of each turn's tool output, in the model's tokens",
+        "--tool-output-tokens", type=_positive(int), default=400, metavar="N",
+        help="mean size of each turn's tool output, in the model's tokens (0.75x to 1.25x)",
     )  # fmt: skip
     bench_vllm.add_argument(
-        "--answer-tokens", type=_positive(int), default=8, metavar="N",
-        help="tokens the model decodes each turn (max_output_tokens)",
+        "--answer-tokens", type=_positive(int), default=32, metavar="N",
+        help="most tokens the model decodes each turn (proto-server's --max-tokens, vLLM's "
+        "max_output_tokens)",
+    )  # fmt: skip
+    bench_vllm.add_argument(
+        "--out", type=Path, default=Path("bench-results/vllm"), metavar="DIR",
+        help="where bench-vllm.json and the plots go",
     )  # fmt: skip
     return parser
 
@@ -617,34 +631,38 @@ def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    generator = _connect_vllm(args)
+    generator = _connect_vllm(args)  # the served model's name and tokenizer
     if generator is None:
         return 2
-    from proto_server.bench.vllm import measure, table
+    from proto_server.bench.vllm import measure, render, summarize, write_files
 
     print(
-        f"{generator.name} on vLLM at {generator.url}; {args.turns} turns, "
-        f"{args.tool_output_tokens}-token tool outputs, {args.answer_tokens}-token answers; "
-        "wall-clock times measured on this client",
+        f"{generator.name} on vLLM at {generator.url} (API server pid {args.engine_pid}); "
+        f"{args.turns} turns, tool outputs of {args.tool_output_tokens} tokens on average, "
+        f"at most {args.answer_tokens} tokens decoded a turn; wall-clock times and CPU "
+        "measured on this machine",
         flush=True,
     )
-
-    async def run() -> str:
-        try:
-            return table(
-                await measure(
-                    generator,
-                    turns=args.turns,
-                    tool_output_tokens=args.tool_output_tokens,
-                    answer_tokens=args.answer_tokens,
-                    nonce=f"[{os.getpid()}] ",
-                )
-            )
-        finally:
-            await generator.aclose()
-
-    print(trio.run(run))
-    return 0
+    results = trio.run(
+        partial(
+            measure,
+            engine_url=generator.url,
+            engine_pid=args.engine_pid,
+            model=generator.name,
+            tokenizer=generator.tokenizer,
+            turns=args.turns,
+            tool_output_tokens=args.tool_output_tokens,
+            answer_tokens=args.answer_tokens,
+            nonce=str(os.getpid()),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    )
+    summary = summarize(results)
+    print(render(results, summary))
+    plots = write_files(results, summary, args.out)
+    print(f"\nJSON: {args.out / 'bench-vllm.json'}")
+    print(plots if isinstance(plots, str) else "Plots: " + ", ".join(map(str, plots)))
+    return 0 if not summary["failed"] else 1
 
 
 def _bench_local(args: argparse.Namespace) -> int:

@@ -74,7 +74,13 @@ class Engine:
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        # the store lets bench-vllm chain vLLM's own /v1/responses by previous_response_id
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+        }
         with self.log_path.open("ab") as log:
             # a session of its own: the engine's worker processes are stopped with it
             self.process = subprocess.Popen(

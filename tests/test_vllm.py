@@ -13,6 +13,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -74,11 +75,18 @@ async def start_vllm(
     """`await start_vllm(max_tokens=..., timeout_s=...)`: a proto-server in front of the engine."""
     generators: list[VllmGenerator] = []
 
-    async def start(*, max_tokens: int = 48, timeout_s: float = 60.0, **config: Any) -> Served:
+    async def start(
+        *, max_tokens: int = 48, timeout_s: float = 60.0, connections: int = 64, **config: Any
+    ) -> Served:
         with trio.fail_after(10):
             model = await discover(vllm_engine.url, None)
         generator = VllmGenerator(
-            vllm_engine.url, model, vllm_tokenizer, max_tokens=max_tokens, timeout_s=timeout_s
+            vllm_engine.url,
+            model,
+            vllm_tokenizer,
+            max_tokens=max_tokens,
+            timeout_s=timeout_s,
+            connections=connections,
         )
         generators.append(generator)
         server = ProtoServer(generator, ServerConfig(port=0, default_model=model.name, **config))
@@ -392,23 +400,107 @@ async def test_an_engine_that_stalls_fails_engine_timeout(start_vllm: StartVllm)
     assert events[-1]["response"]["error"]["code"] == "engine_timeout"
 
 
-async def test_the_benchmark_runs_both_paths_on_the_same_engine(start_vllm: StartVllm) -> None:
-    """`proto-server bench-vllm`, small: proto-server's chained turns against vLLM's own
-    stateless /v1/responses, each turn's usage as each reports it."""
-    from proto_server.bench.vllm import measure, table
+async def test_the_benchmark_runs_every_path_on_the_same_engine(
+    vllm_engine: Engine, vllm_tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """`proto-server bench-vllm`, small: three turns through each of the five paths, with
+    proto-server as a process of its own; every path gives numbers, and the files are there."""
+    from proto_server.bench.vllm import OURS, PATHS, PLOTS, measure, render, summarize, write_files
 
-    served = await start_vllm()
-    with trio.fail_after(180):
+    assert vllm_engine.process is not None
+    with trio.fail_after(300):
         results = await measure(
-            served.generator, turns=3, tool_output_tokens=60, answer_tokens=48, nonce="[test] "
+            engine_url=vllm_engine.url,
+            engine_pid=vllm_engine.process.pid,
+            model=SERVED_NAME,
+            tokenizer=vllm_tokenizer.tokenizer,
+            turns=3,
+            tool_output_tokens=60,
+            answer_tokens=32,
+            nonce=uuid.uuid4().hex[:8],
         )
-    print(table(results))
-    assert [r.path for r in results] == ["proto-server ws"] * 3 + ["vllm /v1/responses"] * 3
-    for result in results:
-        assert 0 < result.output_tokens <= 48 and 0 < result.ttft_s <= result.total_s
-    ours = [(r.input_tokens, r.cached_tokens, r.output_tokens) for r in results[:3]]
-    assert_warm(ours)
-    assert "median TTFT ratio" in table(results)
+    summary = summarize(results)
+    print(render(results, summary))
+    assert summary["failed"] == {}
+    for path in PATHS:
+        turns = results[path]
+        assert isinstance(turns, list) and [t.turn for t in turns] == [1, 2, 3]
+        for t in turns:
+            assert t.prompt_tokens > 0 and 0 < t.output_tokens <= 32
+            assert 0 < t.ttft_s <= t.turn_s and t.client_bytes > 0
+            assert t.api_server_cpu_ms >= 0 and t.proto_cpu_ms >= 0
+        assert turns[2].cached_tokens > 0  # the engine's prefix cache, on every path
+    for path in OURS:
+        turns = results[path]
+        assert [t.called for t in turns] == [True, True, False]  # forced, forced, the answer
+        assert_warm([(t.prompt_tokens, t.cached_tokens, t.output_tokens) for t in turns])
+    assert set(summary["goals"]) == set(OURS)
+    plots = write_files(results, summary, tmp_path)
+    assert plots == [tmp_path / name for name in PLOTS]
+    assert all(path.stat().st_size > 0 for path in plots)
+    assert json.loads((tmp_path / "bench-vllm.json").read_text())["turns"].keys() == set(PATHS)
+
+
+async def test_temperature_top_p_and_seed_reach_the_engine(start_vllm: StartVllm) -> None:
+    """Sampled at temperature 1: one seed gives one text, other seeds others; a top_p so small
+    that only the likeliest token is left gives the greedy text whatever the seed."""
+    served = await start_vllm(max_tokens=24)
+    ask = "Write a short poem about the sea."
+
+    async def text(**sampling: Any) -> str:
+        body = {"model": SERVED_NAME, "input": ask, "store": False, **sampling}
+        answer = await http.post("/responses", json=body)
+        assert answer.status_code == 200, answer.text
+        response = answer.json()
+        if "seed" in sampling:
+            assert response["seed"] == sampling["seed"]
+        return "".join(
+            part["text"]
+            for item in response["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        )
+
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(180):
+            first = await text(temperature=1.0, seed=7)
+            again = await text(temperature=1.0, seed=7)
+            others = [await text(temperature=1.0, seed=seed) for seed in (8, 9, 10)]
+            greedy = await text(temperature=0)
+            narrow = [await text(temperature=1.0, top_p=1e-6, seed=seed) for seed in (8, 9)]
+    print("seed 7:", first, "| seeds 8-10:", others, "| greedy:", greedy)
+    assert first and first == again
+    assert any(other != first for other in others)
+    assert narrow == [greedy, greedy]
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+async def test_engine_connections_bounds_the_requests_on_the_engine(
+    start_vllm: StartVllm, vllm_engine: Engine, connections: int
+) -> None:
+    """Two Responses at once both complete; with a pool of one connection they run one after
+    the other on the engine (its running-requests gauge never reads 2), with two together."""
+    served = await start_vllm(max_tokens=24, connections=connections)
+    seen: list[float] = []
+    done: list[str] = []
+
+    async def respond(http: httpx.AsyncClient, nonce: int) -> None:
+        body = {"model": SERVED_NAME, "input": f"{LONG_ASK} ({nonce})", "temperature": 0}
+        answer = await http.post("/responses", json=body)
+        assert answer.status_code == 200, answer.text
+        done.append(answer.json()["status"])
+
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=120) as http:
+        with trio.fail_after(180):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(respond, http, 1)
+                nursery.start_soon(respond, http, 2)
+                while len(done) < 2:
+                    seen.append(await trio.to_thread.run_sync(vllm_engine.metric, RUNNING))
+                    await trio.sleep(0.05)
+    print("running requests seen:", sorted(set(seen)), "over", len(seen), "samples")
+    assert done == ["incomplete", "incomplete"]  # each decoded its 24 tokens
+    assert max(seen) == connections and seen.count(connections) > 1
 
 
 async def test_serve_finds_the_engine_model_and_its_tokenizer(

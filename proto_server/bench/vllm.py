@@ -1,48 +1,155 @@
 """proto-server in front of vLLM against vLLM's own `/v1/responses`, turn by turn, measured.
 
-The same agent loop runs twice on the same engine: each turn the model answers in a few tokens
-(greedy), then a tool's output (as a user message of a fixed size) is added. Through vLLM's
-own Responses endpoint every turn is stateless, `store: false`, the whole history sent again:
-the engine re-renders and re-tokenizes it, and its prefix cache spares the prefill of what it
-has seen. Through proto-server (`--generator vllm`, launched dialect over one WebSocket) each
-turn is a `response.create` chained by `previous_response_id`, served from the connection's
-warm rollout: only the new message is rendered and tokenized, and the engine is sent token ids.
-Times are wall-clock on the client, from sending the turn to its first text delta (TTFT) and to
-its terminal event; token counts are what each reports in `usage`.
+One agent loop (forced tool calls, a tool output of 300-500 tokens appended after each, a final
+answer) runs through five paths on the same engine: proto-server's prototype WebSocket (one
+Response, suspended on each call), its launched WebSocket (turns chained by
+`previous_response_id`), its stateless HTTP (the whole history each turn), vLLM's own
+`/v1/responses` with the whole history (`store: false`) and chained by `previous_response_id`
+(the engine started with `VLLM_ENABLE_RESPONSES_API_STORE=1`). proto-server runs as a process of
+its own so that its CPU, like that of vLLM's API server process (its engine core is a child
+process and is not counted), is read from `/proc/PID/stat` at each turn's end. Whatever the
+model said, every path's client appends the same tool output each turn: as the output of the
+model's call when it made one, else as a user message (vLLM's own endpoint without a tool
+parser answers in text). Times are wall-clock on the client: to the first output delta (TTFT)
+and to the terminal event; token counts are what each path reports in `usage`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
 import trio
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
 
-from proto_server.engine.vllm import VllmGenerator
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-
-INSTRUCTIONS = "You are a coding agent. Read the tool outputs and say what to fix, briefly."
-#: Each turn asks for a short answer: a chained turn continues only a completed Response.
-ASK_SHORT = "\n\nAnswer in one short sentence."
+INSTRUCTIONS = "You are a coding agent. Run the tests, read their output and say what to fix."
+ASK = "Find the failing test in this repository."
+#: A tool whose one argument is an enum: a forced call is a few tokens of decode.
+TOOL = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Run a shell command.",
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string", "enum": ["pytest -x", "ls", "git diff"]}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    },
+}
+PROTOTYPE, LAUNCHED, HTTP = (
+    "proto-server ws prototype",
+    "proto-server ws launched",
+    "proto-server http",
+)
+STATELESS, CHAINED = "vLLM /v1/responses", "vLLM /v1/responses chained"
+PATHS = (PROTOTYPE, LAUNCHED, HTTP, STATELESS, CHAINED)
+OURS, THEIRS = PATHS[:3], PATHS[3:]
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
+#: The first of these is the first output the client sees (proto-server holds a call until
+#: its block is whole, so on a call turn that is the whole call).
+OUTPUT = {
+    "response.output_item.added",
+    "response.output_text.delta",
+    "response.function_call_arguments.delta",
+}
+#: The engine's histograms (`/metrics`): its decode after the first token is their difference.
+E2E, ENGINE_TTFT = "vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds"
+PLOTS = ("ttft-per-turn.png", "cached-share-per-turn.png", "front-end-cpu-per-turn.png")
+Items = list[dict[str, Any]]
+Progress = Callable[[str], None]
 
 
 @attrs.frozen
-class TurnTiming:
+class Turn:
     path: str
     turn: int
-    input_tokens: int
+    prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    #: Whether the model called the tool this turn.
+    called: bool
+    #: To the first output event the client saw.
     ttft_s: float
-    total_s: float
+    turn_s: float
+    #: The engine's time from its first token to its last (its /metrics).
+    engine_decode_s: float
+    #: What the client sent for the turn: the frame or the request body.
+    client_bytes: int
+    #: CPU of proto-server's process and of vLLM's API server process over the turn.
+    proto_cpu_ms: float
+    api_server_cpu_ms: float
+
+    @property
+    def front_end_cpu_ms(self) -> float:
+        """The CPU of the path's own front end: proto-server, or vLLM's API server."""
+        return self.proto_cpu_ms if self.path in OURS else self.api_server_cpu_ms
+
+    @property
+    def first_token_s(self) -> float:
+        """The turn less the engine's decode after its first token: when the first token was
+        there, comparable on every path (whether the client saw it or not)."""
+        return self.turn_s - self.engine_decode_s
+
+    @property
+    def cached_share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU of one process, its threads included and its children not."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU of both front ends between consecutive marks (no CPU falls between two turns)."""
+
+    def __init__(self, proto_pid: int, api_server_pid: int) -> None:
+        self.pids = (proto_pid, api_server_pid)
+        self.last = self.read()
+
+    def read(self) -> tuple[float, float]:
+        proto, api = (process_cpu_s(pid) for pid in self.pids)
+        return proto, api
+
+    def mark(self) -> tuple[float, float]:
+        now = self.read()
+        # whole clock ticks, in ms, without the float noise of the division
+        delta = (round((now[0] - self.last[0]) * 1e3, 3), round((now[1] - self.last[1]) * 1e3, 3))
+        self.last = now
+        return delta
+
+
+async def engine_decode_total(http: httpx.AsyncClient) -> tuple[float, float]:
+    """The engine's finished requests and their summed decode time after the first token."""
+    sums = {f"{E2E}_count": 0.0, f"{E2E}_sum": 0.0, f"{ENGINE_TTFT}_sum": 0.0}
+    for line in (await http.get("/metrics")).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums[f"{E2E}_count"], sums[f"{E2E}_sum"] - sums[f"{ENGINE_TTFT}_sum"]
+
+
+async def engine_decode_after(http: httpx.AsyncClient, finished: float) -> tuple[float, float]:
+    """As `engine_decode_total`, once the engine has counted more than `finished` requests (it
+    records a request a moment after its stream ends)."""
+    for _ in range(100):
+        count, decode = await engine_decode_total(http)
+        if count > finished:
+            break
+        await trio.sleep(0.02)
+    return count, decode
 
 
 def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
@@ -52,7 +159,24 @@ def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
     while len(tokenizer.encode("\n".join(lines), add_special_tokens=False)) < tokens:
         lines.append(f"tests/test_{turn}_{line}.py::test_case_{line} PASSED [{line % 100}%]")
         line += 1
-    return "Tool output:\n" + "\n".join(lines)
+    return "\n".join(lines)
+
+
+def output_sizes(turns: int, tokens: int) -> list[int]:
+    """Turn 2..N's tool output sizes: 0.75x to 1.25x `tokens` (300-500 for 400), varied."""
+    return [round(tokens * (0.75 + 0.125 * ((turn * 3) % 5))) for turn in range(2, turns + 1)]
+
+
+@attrs.frozen
+class Said:
+    """What one turn answered, as the client saw it."""
+
+    id: str
+    output: Items
+    usage: tuple[int, int, int]
+    ttft_s: float
+    turn_s: float
+    client_bytes: int
 
 
 def _usage(response: dict[str, Any]) -> tuple[int, int, int]:
@@ -65,158 +189,488 @@ def _usage(response: dict[str, Any]) -> tuple[int, int, int]:
     )
 
 
-async def engine_loop(
-    url: str, model: str, inputs: Sequence[str], answer_tokens: int
-) -> list[TurnTiming]:
-    """The loop through vLLM's own `/v1/responses`: the whole history every turn (SSE)."""
-    history: list[dict[str, Any]] = []
-    results = []
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        for turn, text in enumerate(inputs, 1):
-            history.append({"role": "user", "content": text})
-            body = {
-                "model": model,
-                "instructions": INSTRUCTIONS,
-                "input": history,
-                "max_output_tokens": answer_tokens,
-                "temperature": 0,
-                "store": False,
-                "stream": True,
-            }
-            started = time.perf_counter()
-            first = None
-            final: dict[str, Any] = {}
-            async with http.stream("POST", "/responses", json=body) as answer:
-                if answer.status_code != 200:
-                    raise RuntimeError(f"vLLM /v1/responses answered {answer.status_code}")
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    event = json.loads(line[5:])
-                    if event.get("type") == "response.output_text.delta" and first is None:
-                        first = time.perf_counter()
-                    if event.get("type") in TERMINAL:
-                        final = event["response"]
-            ended = time.perf_counter()
-            said = "".join(
-                part.get("text", "")
-                for item in final.get("output", [])
-                if item.get("type") == "message"
-                for part in item.get("content", [])
+def calls(output: Items) -> Items:
+    return [item for item in output if item.get("type") == "function_call"]
+
+
+def follow_up(output: Items, text: str) -> Items:
+    """The next turn's new items: the tool's output for the model's call, else as a message."""
+    made = calls(output)
+    if made:
+        return [
+            {"type": "function_call_output", "call_id": call["call_id"], "output": text}
+            for call in made
+        ]
+    return [{"role": "user", "content": f"Tool output:\n{text}"}]
+
+
+def as_input(output: Items) -> Items:
+    """A turn's output items as the next request's input (the fields every endpoint takes)."""
+    items: Items = []
+    for item in output:
+        if item.get("type") == "function_call":
+            items.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+        elif item.get("type") == "message":
+            text = "".join(p.get("text", "") for p in item.get("content", []))
+            items.append({"role": "assistant", "content": text})
+    return items
+
+
+async def _sse(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Said:
+    """One streamed `POST .../responses`, timed."""
+    raw = json.dumps(body).encode()
+    started = time.perf_counter()
+    first = None
+    final: dict[str, Any] | None = None
+    headers = {"content-type": "application/json"}
+    async with http.stream("POST", url, content=raw, headers=headers) as answer:
+        if answer.status_code != 200:
+            text = (await answer.aread())[:300].decode(errors="replace")
+            raise RuntimeError(f"{url} answered {answer.status_code}: {text}")
+        async for line in answer.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if event.get("type") in OUTPUT and first is None:
+                first = time.perf_counter()
+            if event.get("type") in TERMINAL:
+                final = event["response"]
+    ended = time.perf_counter()
+    if final is None:
+        raise RuntimeError(f"{url}'s stream ended without a terminal event")
+    if final.get("status") == "failed":
+        raise RuntimeError(f"{url} failed: {final.get('error')}")
+    ttft, took = (first or ended) - started, ended - started
+    return Said(final["id"], final["output"], _usage(final), ttft, took, len(raw))
+
+
+async def _frames(
+    ws: WebSocketConnection, message: dict[str, Any]
+) -> tuple[dict[str, Any], float, float, int]:
+    """Send one frame; the segment's last event, TTFT, turn time and the frame's size."""
+    frame = json.dumps(message)
+    started = time.perf_counter()
+    await ws.send_message(frame)
+    first = None
+    while True:
+        event = json.loads(await ws.get_message())
+        if event["type"] in OUTPUT and first is None:
+            first = time.perf_counter()
+        if event["type"] in {"response.done", "error", *TERMINAL}:
+            break
+    ended = time.perf_counter()
+    if event["type"] == "error" or event["response"].get("status") == "failed":
+        raise RuntimeError(f"proto-server refused the turn: {event}")
+    return event, (first or ended) - started, ended - started, len(frame.encode())
+
+
+Send = Callable[[Items, str], Awaitable[Said]]
+
+
+def _request(model: str, instructions: str, tool_choice: str) -> dict[str, Any]:
+    """What every path's turn asks for (greedy, the one tool, at most one call)."""
+    return {
+        "model": model,
+        "instructions": instructions,
+        "tools": [TOOL],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+
+
+@asynccontextmanager
+async def _path(
+    path: str, proto_url: str, engine_url: str, model: str, instructions: str, answer_tokens: int
+) -> AsyncIterator[Send]:
+    """The client of one path: `await send(new items, tool_choice)` runs one turn."""
+    ask = partial(_request, model, instructions)
+    if path in (PROTOTYPE, LAUNCHED):
+        ws_url = proto_url.replace("http://", "ws://", 1) + "/responses"
+        if path == PROTOTYPE:
+            ws_url += "?dialect=prototype"
+        async with open_websocket_url(ws_url, max_message_size=64 * 1024 * 1024) as ws:
+            yield (_prototype if path == PROTOTYPE else _launched)(ws, ask)
+        return
+    base = proto_url if path == HTTP else engine_url
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        # vLLM's endpoint is told the answer's length; proto-server's is started with it
+        cap = {"max_output_tokens": answer_tokens} if path in THEIRS else {}
+        yield (_chained if path == CHAINED else _stateless)(http, ask, cap)
+
+
+def _prototype(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) -> Send:
+    """One Response: each call suspends it (`response.done`), an append resumes it."""
+    before = (0, 0, 0)
+    seen: set[str] = set()
+
+    async def send(new: Items, tool_choice: str) -> Said:
+        nonlocal before
+        if not seen:
+            message = {"type": "response.create", "input": new, **ask(tool_choice)}
+        else:
+            message = {"type": "response.append", "input": new, "tool_choice": tool_choice}
+        event, ttft, took, sent = await _frames(ws, message)
+        response = event["response"]
+        now = _usage(response)  # the Response's usage so far
+        usage = (now[0] - before[0], now[1] - before[1], now[2] - before[2])
+        before = now
+        output = [item for item in response["output"] if item["id"] not in seen]
+        seen.update(item["id"] for item in response["output"])
+        return Said(response["id"], output, usage, ttft, took, sent)
+
+    return send
+
+
+def _launched(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) -> Send:
+    """A Response per turn, chained by `previous_response_id` on one connection."""
+    previous: list[str] = []
+
+    async def send(new: Items, tool_choice: str) -> Said:
+        message = {"type": "response.create", "input": new, "store": False, **ask(tool_choice)}
+        if previous:
+            message["previous_response_id"] = previous[-1]
+        event, ttft, took, sent = await _frames(ws, message)
+        response = event["response"]
+        previous.append(response["id"])
+        return Said(response["id"], response["output"], _usage(response), ttft, took, sent)
+
+    return send
+
+
+def _stateless(
+    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: dict[str, Any]
+) -> Send:
+    """The whole history every turn, `store: false`."""
+    history: Items = []
+
+    async def send(new: Items, tool_choice: str) -> Said:
+        history.extend(new)
+        body = {"input": history, "store": False, "stream": True, **ask(tool_choice), **cap}
+        said = await _sse(http, "/responses", body)
+        history.extend(as_input(said.output))
+        return said
+
+    return send
+
+
+def _chained(
+    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: dict[str, Any]
+) -> Send:
+    """vLLM's endpoint chained by `previous_response_id`: its store keeps the history."""
+    previous: list[str] = []
+
+    async def send(new: Items, tool_choice: str) -> Said:
+        body = {"input": new, "store": True, "stream": True, **ask(tool_choice), **cap}
+        if previous:
+            body["previous_response_id"] = previous[-1]
+        said = await _sse(http, "/responses", body)
+        previous.append(said.id)
+        return said
+
+    return send
+
+
+@attrs.frozen
+class Setup:
+    """Where the front ends are and what the loop is."""
+
+    proto_url: str
+    proto_pid: int
+    engine_url: str
+    engine_pid: int
+    model: str
+    turns: int
+    answer_tokens: int
+
+
+async def run_path(
+    path: str, setup: Setup, outputs: Sequence[str], nonce: str, progress: Progress
+) -> list[Turn]:
+    """The loop through one path: turn 1 asks, each later turn adds a tool output; every turn
+    but the last forces a call, the last answers (`tool_choice: none`)."""
+    results: list[Turn] = []
+    # the path's own instructions: nothing of its prompts is in the cache from another path
+    instructions = f"[{nonce} {path}] {INSTRUCTIONS}"
+    root = setup.engine_url.removesuffix("/v1")
+    async with (
+        httpx.AsyncClient(base_url=root, timeout=30) as engine,
+        _path(
+            path, setup.proto_url, setup.engine_url, setup.model, instructions, setup.answer_tokens
+        ) as send,
+    ):
+        new: Items = [{"role": "user", "content": ASK}]
+        finished, decoded = await engine_decode_total(engine)
+        meter = CpuMeter(setup.proto_pid, setup.engine_pid)
+        for turn in range(1, setup.turns + 1):
+            said = await send(new, "required" if turn < setup.turns else "none")
+            proto_cpu, api_cpu = meter.mark()
+            before = decoded
+            finished, decoded = await engine_decode_after(engine, finished)
+            meter.mark()  # the API server's answer to /metrics is no turn's
+            result = Turn(path, turn, *said.usage, bool(calls(said.output)), said.ttft_s,
+                          said.turn_s, decoded - before, said.client_bytes, proto_cpu,
+                          api_cpu)  # fmt: skip
+            results.append(result)
+            progress(
+                f"{path}, turn {turn}/{setup.turns}: prompt {result.prompt_tokens}, cached "
+                f"{result.cached_tokens}, TTFT {result.ttft_s * 1e3:.0f} ms, front-end CPU "
+                f"{result.front_end_cpu_ms:.0f} ms"
             )
-            history.append({"role": "assistant", "content": said})
-            results.append(
-                TurnTiming(
-                    "vllm /v1/responses",
-                    turn,
-                    *_usage(final),
-                    (first or ended) - started,
-                    ended - started,
-                )
-            )
+            if turn < setup.turns:
+                new = follow_up(said.output, outputs[turn - 1])
     return results
 
 
-async def proto_loop(
-    ws_url: str, model: str, inputs: Sequence[str], answer_tokens: int
-) -> list[TurnTiming]:
-    """The loop through proto-server: one WebSocket, each turn chained to the last."""
-    results = []
-    previous = None
-    async with open_websocket_url(ws_url, max_message_size=16 * 1024 * 1024) as ws:
-        for turn, text in enumerate(inputs, 1):
-            create: dict[str, Any] = {
-                "type": "response.create",
-                "model": model,
-                "instructions": INSTRUCTIONS,
-                "input": text,
-                "max_output_tokens": answer_tokens,
-                "temperature": 0,
-                "store": False,
-            }
-            if previous is not None:
-                create["previous_response_id"] = previous
-            started = time.perf_counter()
-            await ws.send_message(json.dumps(create))
-            first = None
-            while True:
-                event = json.loads(await ws.get_message())
-                if event["type"] == "response.output_text.delta" and first is None:
-                    first = time.perf_counter()
-                if event["type"] in TERMINAL or event["type"] == "error":
-                    break
-            ended = time.perf_counter()
-            if event["type"] == "error":
-                raise RuntimeError(f"proto-server refused turn {turn}: {event['error']}")
-            status = event["response"]["status"]
-            if status != "completed" and turn < len(inputs):
-                raise RuntimeError(
-                    f"turn {turn} ended {status}; a chained turn needs a completed one: allow "
-                    "more --answer-tokens"
-                )
-            previous = event["response"]["id"]
-            results.append(
-                TurnTiming(
-                    "proto-server ws",
-                    turn,
-                    *_usage(event["response"]),
-                    (first or ended) - started,
-                    ended - started,
-                )
-            )
-    return results
+async def start_proto_server(engine_url: str, answer_tokens: int) -> tuple[trio.Process, str]:
+    """proto-server as a process of its own in front of the engine, and its HTTP base URL."""
+    command = [
+        sys.executable, "-m", "proto_server", "serve", "--port", "0", "--host", "127.0.0.1",
+        "--store", ":memory:", "--generator", "vllm", "--engine-url", engine_url,
+        "--max-tokens", str(answer_tokens), "--log-level", "error",
+    ]  # fmt: skip
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    line = b""
+    with trio.fail_after(120):
+        while not line.endswith(b"\n"):
+            part = await process.stdout.receive_some(1)
+            if not part:
+                raise RuntimeError(f"proto-server exited ({await process.wait()}) before listening")
+            line += part
+    text = line.decode()
+    if "listening on " not in text:
+        raise RuntimeError(f"proto-server said {text!r}")
+    return process, text.split("listening on ")[1].split(" ")[0]
 
 
 async def measure(
-    generator: VllmGenerator,
     *,
+    engine_url: str,
+    engine_pid: int,
+    model: str,
+    tokenizer: Any,
     turns: int,
     tool_output_tokens: int,
     answer_tokens: int,
-    nonce: str = "",
-) -> list[TurnTiming]:
-    """Both loops on the same turns, proto-server's first; each turn's input is new to the
-    engine's cache (`nonce` makes a run's inputs its own)."""
-    inputs = [f"{nonce}Find the failing test in this repository.{ASK_SHORT}"] + [
-        f"{nonce}{tool_output(turn, tool_output_tokens, generator.tokenizer)}{ASK_SHORT}"
-        for turn in range(2, turns + 1)
+    nonce: str,
+    progress: Progress = lambda line: None,
+) -> dict[str, list[Turn] | str]:
+    """Every path's turns (or why it failed), one path after another on the same engine."""
+    outputs = [
+        tool_output(turn, size, tokenizer)
+        for turn, size in enumerate(output_sizes(turns, tool_output_tokens), 2)
     ]
-    server = ProtoServer(generator, ServerConfig(port=0, default_model=generator.name))
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(server.serve)
-        proto = await proto_loop(address.ws_url, generator.name, inputs, answer_tokens)
-        nursery.cancel_scope.cancel()
-    # the engine's own endpoint on a cache that has not seen these exact prompts' tails
-    engine = await engine_loop(
-        generator.url, generator.name, [f"~{text}" for text in inputs], answer_tokens
-    )
-    return [*proto, *engine]
+    process, proto_url = await start_proto_server(engine_url, answer_tokens)
+    setup = Setup(proto_url, process.pid, engine_url, engine_pid, model, turns, answer_tokens)
+    results: dict[str, list[Turn] | str] = {}
+    try:
+        for path in PATHS:
+            try:
+                results[path] = await run_path(path, setup, outputs, nonce, progress)
+            except (
+                RuntimeError,
+                OSError,
+                httpx.HTTPError,
+                HandshakeError,
+                ConnectionClosed,
+            ) as exc:
+                results[path] = f"{exc.__class__.__name__}: {exc}"
+                progress(f"{path} failed: {results[path]}")
+    finally:
+        process.terminate()
+        with trio.move_on_after(30):
+            await process.wait()
+    return results
 
 
-def table(results: Sequence[TurnTiming]) -> str:
-    """A Markdown table: per turn, each path's prompt, cached tokens, TTFT and total time."""
-    by_path: dict[str, dict[int, TurnTiming]] = {}
-    for result in results:
-        by_path.setdefault(result.path, {})[result.turn] = result
-    proto, engine = by_path.get("proto-server ws", {}), by_path.get("vllm /v1/responses", {})
+# -- what a run says -----------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _by_turn(results: dict[str, list[Turn] | str]) -> dict[str, dict[int, Turn]]:
+    return {
+        path: {t.turn: t for t in turns}
+        for path, turns in results.items()
+        if isinstance(turns, list)
+    }
+
+
+def summarize(results: dict[str, list[Turn] | str]) -> dict[str, Any]:
+    """Per path, medians over turns 2..N; per proto-server path, its ratios to each of vLLM's
+    and whether each goal holds at every turn."""
+    turns = _by_turn(results)
+    paths: dict[str, Any] = {}
+    for path, by in turns.items():
+        later = [by[t] for t in sorted(by) if t > 1]
+        cpu = [t.front_end_cpu_ms for t in later]
+        half = len(cpu) // 2
+        paths[path] = {
+            "ttft_ms": _median([t.ttft_s * 1e3 for t in later]),
+            "first_token_ms": _median([t.first_token_s * 1e3 for t in later]),
+            "turn_ms": _median([t.turn_s * 1e3 for t in later]),
+            "front_end_cpu_ms": _median(cpu),
+            "api_server_cpu_ms": _median([t.api_server_cpu_ms for t in later]),
+            "cached_share": _median([t.cached_share for t in later]),
+            "client_bytes": _median([float(t.client_bytes) for t in later]),
+            # the later half of the turns against the earlier half: 1.0 is flat with history
+            "cpu_growth": _median(cpu[half:]) / max(_median(cpu[:half] or cpu), 1e-9),
+            "cpu_growth_ms": _median(cpu[half:]) - _median(cpu[:half] or cpu),
+            "calls": sum(t.called for t in by.values()),
+        }
+    theirs = [turns[p] for p in THEIRS if p in turns]
+    goals: dict[str, Any] = {}
+    for path in OURS:
+        if path not in turns or not theirs:
+            continue
+        ours = turns[path]
+        common = [t for t in sorted(ours) if all(t in other for other in theirs)]
+        rest = [t for t in common if t > 1]
+        vllm_cpu = min(paths[p]["front_end_cpu_ms"] for p in THEIRS if p in turns)
+        goals[path] = {
+            "ratios": {
+                other: {
+                    "ttft": _median([turns[other][t].ttft_s / ours[t].ttft_s for t in rest]),
+                    "first_token": _median(
+                        [turns[other][t].first_token_s / ours[t].first_token_s for t in rest]
+                    ),
+                    "front_end_cpu": paths[other]["front_end_cpu_ms"]
+                    / max(paths[path]["front_end_cpu_ms"], 1e-9),
+                    "cached_share": paths[path]["cached_share"]
+                    / max(paths[other]["cached_share"], 1e-9),
+                }
+                for other in THEIRS
+                if other in turns
+            },
+            "cached_at_least_vllm": all(
+                ours[t].cached_tokens >= max(o[t].cached_tokens for o in theirs) for t in common
+            ),
+            "ttft_worse_turns": [
+                t for t in rest if ours[t].ttft_s > min(o[t].ttft_s for o in theirs)
+            ],
+            "first_token_worse_turns": [
+                t for t in rest if ours[t].first_token_s > min(o[t].first_token_s for o in theirs)
+            ],
+            # within 1.5x, or within one clock tick (/proc counts CPU in ticks, 10 ms)
+            "cpu_flat": paths[path]["cpu_growth"] <= 1.5
+            or paths[path]["cpu_growth_ms"] <= 1e3 / os.sysconf("SC_CLK_TCK"),
+            "cpu_at_most_a_fifth": paths[path]["front_end_cpu_ms"] <= vllm_cpu / 5,
+        }
+    failed = {path: why for path, why in results.items() if isinstance(why, str)}
+    return {"paths": paths, "goals": goals, "failed": failed}
+
+
+def _holds(failing: Sequence[int]) -> str:
+    return "holds" if not failing else f"does not hold (turns {', '.join(map(str, failing))})"
+
+
+def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str:
+    """Markdown: a row per turn and path, the medians, the ratios and the goals."""
     lines = [
-        "| turn | proto-server: prompt / cached / out | TTFT ms | total ms "
-        "| vLLM /v1/responses: prompt / cached / out | TTFT ms | total ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| turn | path | prompt | cached | out | call | TTFT ms | first token ms | turn ms "
+        "| client bytes | proto-server CPU ms | vLLM API server CPU ms |",
+        "|---:|---|---:|---:|---:|:-:|---:|---:|---:|---:|---:|---:|",
     ]
-
-    def cells(t: TurnTiming | None) -> str:
-        if t is None:
-            return "| |"
-        return (
-            f"{t.input_tokens} / {t.cached_tokens} / {t.output_tokens} | {t.ttft_s * 1e3:.0f} "
-            f"| {t.total_s * 1e3:.0f}"
+    turns = _by_turn(results)
+    for turn in sorted({t for by in turns.values() for t in by}):
+        for path, by in turns.items():
+            if turn in by:
+                t = by[turn]
+                lines.append(
+                    f"| {turn} | {path} | {t.prompt_tokens} | {t.cached_tokens} | "
+                    f"{t.output_tokens} | {'yes' if t.called else 'no'} | {t.ttft_s * 1e3:.0f} | "
+                    f"{t.first_token_s * 1e3:.0f} | {t.turn_s * 1e3:.0f} | {t.client_bytes} | "
+                    f"{t.proto_cpu_ms:.0f} | "
+                    f"{t.api_server_cpu_ms:.0f} |"
+                )
+    lines += [
+        "",
+        "Medians over turns 2..N (front-end CPU: proto-server's process for its paths, vLLM's "
+        "API server process for vLLM's, in clock ticks of "
+        f"{1e3 / os.sysconf('SC_CLK_TCK'):g} ms; CPU growth: the later half of the turns "
+        "against the earlier half):",
+        "",
+        "| path | TTFT ms | first token ms | turn ms | front-end CPU ms | CPU growth "
+        "| vLLM API server CPU ms | cached share | client bytes | calls |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for path, row in summary["paths"].items():
+        lines.append(
+            f"| {path} | {row['ttft_ms']:.0f} | {row['first_token_ms']:.0f} | "
+            f"{row['turn_ms']:.0f} | "
+            f"{row['front_end_cpu_ms']:.0f} | {row['cpu_growth']:.2f}x | "
+            f"{row['api_server_cpu_ms']:.0f} | {row['cached_share']:.0%} | "
+            f"{row['client_bytes']:.0f} | {row['calls']} |"
         )
+    for path, why in summary["failed"].items():
+        lines.append(f"\n{path} failed: {why}")
+    for path, goal in summary["goals"].items():
+        lines.append(f"\n{path}:")
+        for other, ratio in goal["ratios"].items():
+            lines.append(
+                f"- against {other}: median TTFT ratio {ratio['ttft']:.2f}x, first-token ratio "
+                f"{ratio['first_token']:.2f}x, front-end CPU "
+                f"ratio {ratio['front_end_cpu']:.1f}x, cached share ratio "
+                f"{ratio['cached_share']:.2f}x (above 1: proto-server better)"
+            )
 
-    for turn in sorted(proto):
-        lines.append(f"| {turn} | {cells(proto[turn])} | {cells(engine.get(turn))} |")
-    later = [t for t in sorted(proto) if t > 1 and t in engine]
-    if later:
-        ratio = statistics.median(engine[t].ttft_s / proto[t].ttft_s for t in later)
-        lines.append(f"\nmedian TTFT ratio (vLLM / proto-server) over turns 2+: {ratio:.2f}x")
+        lines += [
+            f"- cached tokens at every turn at least vLLM's: "
+            f"{'holds' if goal['cached_at_least_vllm'] else 'does not hold'}",
+            f"- TTFT (first output seen) no worse than vLLM's at any turn: "
+            f"{_holds(goal['ttft_worse_turns'])}",
+            f"- first token (turn less the engine's decode) no worse than vLLM's at any turn: "
+            f"{_holds(goal['first_token_worse_turns'])}",
+            "- front-end CPU flat with history: "
+            + ("holds" if goal["cpu_flat"] else "does not hold"),
+            f"- front-end CPU at most a fifth of vLLM's API server's: "
+            f"{'holds' if goal['cpu_at_most_a_fifth'] else 'does not hold'}",
+        ]
     return "\n".join(lines)
+
+
+def write_files(
+    results: dict[str, list[Turn] | str], summary: dict[str, Any], directory: Path
+) -> list[Path] | str:
+    """bench-vllm.json and the PNGs, or why there are no plots (matplotlib is the `bench`
+    extra)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = {
+        path: turns if isinstance(turns, str) else [attrs.asdict(t) for t in turns]
+        for path, turns in results.items()
+    }
+    (directory / "bench-vllm.json").write_text(json.dumps({**summary, "turns": raw}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    written = []
+    fields: list[tuple[str, str, str, Callable[[Turn], float]]] = [
+        (PLOTS[0], "Time to first output seen by the client per turn (measured)", "ms",
+         lambda t: t.ttft_s * 1e3),
+        (PLOTS[1], "Cached share of the prompt per turn (engine's count)", "share",
+         lambda t: t.cached_share),
+        (PLOTS[2], "Front-end CPU per turn (proto-server / vLLM API server)", "ms",
+         lambda t: t.front_end_cpu_ms),
+    ]  # fmt: skip
+    for filename, title, ylabel, field in fields:
+        figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
+        for (path, by), style in zip(
+            _by_turn(results).items(), ("-", "--", "-.", ":", "-"), strict=False
+        ):
+            xs = sorted(by)
+            axes.plot(xs, [field(by[x]) for x in xs], style, marker=".", label=path)
+        axes.set(title=title, xlabel="turn", ylabel=ylabel)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(directory / filename)
+        plt.close(figure)
+        written.append(directory / filename)
+    return written
