@@ -288,7 +288,8 @@ def test_an_error_must_answer_a_frame_that_could_earn_it() -> None:
 
 def test_a_forced_tool_call_may_be_refused_by_a_model_that_cannot_force_one() -> None:
     checker = StreamChecker()
-    checker.sent({"type": "response.create", "tool_choice": "required"})
+    tools = [{"type": "function", "name": "exec_command"}]
+    checker.sent({"type": "response.create", "tool_choice": "required", "tools": tools})
     checker.received(error("unsupported_tool_choice", 0))
     checker.finish()
     checker = StreamChecker()

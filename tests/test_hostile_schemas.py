@@ -443,3 +443,16 @@ def test_a_forced_call_a_generator_cannot_make_is_refused_on_arrival(choice: Any
         "tool_choice",
     )
     server.check_create(attrs.evolve(create_event, tool_choice="none"))
+
+
+def test_a_call_demanded_of_no_function_tool_is_refused() -> None:
+    """As OpenAI's API does; a generator forced to call with nothing to call cannot (vLLM was
+    sent an impossible schema)."""
+    create = converter.structure({"tool_choice": "required", "tools": [{"type": "web_search"}]},
+                                 ResponseCreate)  # fmt: skip
+    with pytest.raises(ProtocolError) as refused:
+        check_create(create)
+    assert (refused.value.detail.code, refused.value.detail.param) == (
+        "invalid_field",
+        "tool_choice",
+    )

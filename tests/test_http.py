@@ -485,8 +485,7 @@ async def test_a_refused_upgrade_is_closed_and_frees_its_place(start_server: Sta
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer
             await stream.aclose()
-        while running.server.open_connections:
-            await trio.sleep(0.01)
+        await running.server.wait_idle()
         async with httpx.AsyncClient() as http:
             health = await http.get(f"http://127.0.0.1:{running.address.port}/healthz")
         assert health.status_code == 200

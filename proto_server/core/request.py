@@ -60,6 +60,13 @@ def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
     choice = parse_tool_choice(value)
     name = choice.name
     offered = [tool.name for tool in function_tools(tools)]
+    if choice.mode == "required" and not offered:
+        raise ProtocolError(
+            "invalid_field",
+            "`tool_choice` demands a call, but the request offers no function tool this server "
+            'can call; offer one, or send "auto".',
+            param="tool_choice",
+        )
     if name is not None and name not in offered:
         raise ProtocolError(
             "invalid_field",

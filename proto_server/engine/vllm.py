@@ -183,7 +183,7 @@ def error_for_body(status: int, body: Any) -> EngineError:
     """What an engine's refusal means for the Response: a prompt over the model's context is
     `context_length_exceeded`; anything else the engine could not do is `engine_error`."""
     message = _message(body)
-    if status == 400 and "context length" in message:
+    if status == 400 and ("context length" in message or "maximum model length" in message):
         return EngineError(
             CONTEXT_LENGTH_EXCEEDED,
             f"the conversation no longer fits the model's context ({message}); start a new "
@@ -485,8 +485,8 @@ class VllmSession:
                 ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
                 f"the engine's stream ended before the segment did (finish reason {finish!r})",
             )
-        if forced is not None and not parser.called:
-            chunks = parser.feed(CLOSE, 0)
+        if forced is not None and not parser.called and finish == "stop":
+            chunks = parser.feed(CLOSE, 0)  # the stop string; cut short, the call stays text
         held, leftover = parser.finish()
         for chunk in [*chunks, *held]:
             await send.send(chunk)
