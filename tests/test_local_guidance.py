@@ -23,7 +23,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
-from proto_server.engine.chunks import Chunk, TextDelta, ToolCallBegin
+from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
@@ -116,6 +116,48 @@ async def test_required_makes_a_valid_call_to_an_offered_tool(tokenizer: Any) ->
     (call,) = calls(outputs(chunks))
     assert call.name in SCHEMAS
     assert not [chunk for chunk in chunks if isinstance(chunk, TextDelta)]
+    await session.aclose()
+
+
+class Recording:
+    """A send channel that notes how many tokens had been chosen when each chunk came."""
+
+    def __init__(self, chooser: Any) -> None:
+        self.chooser = chooser
+        self.sent: list[tuple[Chunk, int]] = []
+
+    async def send(self, chunk: Chunk) -> None:
+        self.sent.append((chunk, self.chooser.count))
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> int:
+        self.count += 1
+        return greedy(logits, generated)
+
+
+@pytest.mark.parametrize("name", ["exec_command", "pick"])
+async def test_a_forced_call_streams_as_it_decodes(tokenizer: Any, name: str) -> None:
+    """Under the grammar the call is valid from its first token: its begin and argument pieces
+    go out as they decode, not at the close of the block."""
+    chooser = Counting()
+    generator = make(tokenizer, chooser, max_tokens=200)
+    session = open_session(generator)
+    recording = Recording(chooser)
+    with trio.fail_after(60):
+        await session.generate(
+            recording, GenerationLimits(tool_choice=ToolChoice("required", name))
+        )  # type: ignore[arg-type]
+    (call,) = calls(outputs([chunk for chunk, _ in recording.sent]))
+    assert call.name == name
+    begin = next(at for chunk, at in recording.sent if isinstance(chunk, ToolCallBegin))
+    deltas = [at for chunk, at in recording.sent if isinstance(chunk, ToolCallArgumentsDelta)]
+    assert len(deltas) > 1
+    assert begin < deltas[-1] and len(set(deltas)) > 1, "pieces went out at different steps"
+    assert deltas[0] < chooser.count - 2  # well before `}]</tool_call>` was decoded
     await session.aclose()
 
 
@@ -242,6 +284,12 @@ async def test_a_forced_call_over_the_server_suspends_and_resumes(
                 if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"
             ]
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+            types = [e["type"] for e in first]
+            done = types.index("response.output_item.done")
+            deltas = [
+                i for i, t in enumerate(types) if t == "response.function_call_arguments.delta"
+            ]
+            assert len(deltas) > 1 and deltas[-1] < done  # the arguments streamed, then the item
             output = {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}
             await client.send({"type": "response.append", "input": [output]})
             second = await client.until(*TERMINAL)

@@ -33,10 +33,13 @@ class Parsed:
 
 
 def parse(
-    pieces: list[str], names: tuple[str, ...] = NAMES, max_calls: int | None = None
+    pieces: list[str],
+    names: tuple[str, ...] = NAMES,
+    max_calls: int | None = None,
+    forced: bool = False,
 ) -> Parsed:
     """Feed each piece as one token; check the chunk grammar and that every token is counted."""
-    parser = ToolCallParser(names, max_calls=max_calls)
+    parser = ToolCallParser(names, max_calls=max_calls, forced=forced)
     chunks: list[Chunk] = []
     for piece in pieces:
         chunks += parser.feed(piece, 1)
@@ -228,6 +231,7 @@ def test_any_output_parses_without_crashing_and_keeps_every_token(
     text = "".join(fragments)
     points = sorted({min(cut, len(text)) for cut in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in itertools.pairwise(points)]
+    parse(pieces, forced=True)  # no grammar held it: still every begin ends, every token counts
     parsed = parse(pieces)
     if not parsed.calls:  # the text as written, except an answer that is only whitespace
         assert parsed.text == (text if text.strip(" \n") else "")
@@ -260,3 +264,139 @@ def test_the_tools_are_described_with_their_schemas() -> None:
         }
     ]
     assert "<tool_call>[{" in text
+
+
+# -- forced blocks (under a grammar) stream --------------------------------------------------------
+
+TWO = (
+    '<tool_call>[{"name": "read_file", "arguments": {"path": "a}\\"{.py", "n": [1, {"x": "]"}]}}, '
+    '{"name": "exec_command", "arguments": {"cmd": "echo \\\\\\"}\\""}}]</tool_call>'
+)
+
+
+def feed_all(
+    pieces: list[str],
+    *,
+    forced: bool,
+    tokens: list[int] | None = None,
+    max_calls: int | None = None,
+) -> tuple[list[list[Chunk]], int, bool]:
+    """The chunks each piece gave (finish's last), the tokens finish returned, and `called`."""
+    parser = ToolCallParser(NAMES, max_calls=max_calls, forced=forced)
+    out = [parser.feed(piece, tokens[i] if tokens else 1) for i, piece in enumerate(pieces)]
+    rest, leftover = parser.finish()
+    return [*out, rest], leftover, parser.called
+
+
+def flat(per_piece: list[list[Chunk]]) -> list[Chunk]:
+    return [chunk for chunks in per_piece for chunk in chunks]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        CALL,
+        TWO,
+        "  \n" + TWO + " after",
+        '<tool_call>{"name": "read_file", "arguments": {}}</tool_call>',
+    ],
+)
+def test_a_forced_block_gives_the_held_chunks_split_anywhere(block: str) -> None:
+    for pieces in [*splits(block), *(list(p) for p in [block])]:
+        held = feed_all(pieces, forced=False)
+        streamed = feed_all(pieces, forced=True)
+        assert flat(streamed[0]) == flat(held[0]), pieces
+        assert streamed[1:] == held[1:]
+    for pieces in splits(block)[::7]:  # several tokens per piece, and pieces of no text
+        tokens = [len(piece) % 3 for piece in pieces]
+        assert flat(feed_all(pieces, forced=True, tokens=tokens)[0]) == flat(
+            feed_all(pieces, forced=False, tokens=tokens)[0]
+        )
+
+
+def test_a_forced_call_streams_its_arguments_before_they_close() -> None:
+    pieces = list(TWO)  # one character a token
+    per_piece, leftover, called = feed_all(pieces, forced=True)
+    assert called
+    first_close = TWO.index('"]"}]}') + 6  # the first call's arguments close here
+    begin_at = next(
+        i for i, cs in enumerate(per_piece) if any(isinstance(c, ToolCallBegin) for c in cs)
+    )
+    deltas_before = [
+        c for cs in per_piece[:first_close] for c in cs if isinstance(c, ToolCallArgumentsDelta)
+    ]
+    assert begin_at == TWO.index('"arguments": {') + len('"arguments": ')
+    assert len(deltas_before) > 10
+    parsed = parse(pieces)  # what the held path makes of it: the same calls
+    arguments = "".join(c.delta for c in deltas_before)
+    assert parsed.calls[0][1].startswith(arguments)
+    chunks = flat(per_piece)
+    assert [c.name for c in chunks if isinstance(c, ToolCallBegin)] == ["read_file", "exec_command"]
+    assert sum(getattr(c, "tokens", 0) for c in chunks) + leftover == len(pieces)
+
+
+def test_a_forced_block_in_another_shape_is_held() -> None:
+    """Arguments before the name (a grammar that lets the order vary): held, then valid."""
+    block = '<tool_call>[{"arguments": {"cmd": "ls"}, "name": "exec_command"}]</tool_call>'
+    for pieces in splits(block):
+        per_piece, _, called = feed_all(pieces, forced=True)
+        assert called and flat(per_piece) == flat(feed_all(pieces, forced=False)[0])
+        assert not any(per_piece[:-2]) or len(pieces) == 2
+
+
+def test_a_forced_block_past_the_allowed_calls_and_one_cut_short() -> None:
+    for pieces in splits(TWO)[::5]:
+        assert flat(feed_all(pieces, forced=True, max_calls=1)[0]) == flat(
+            feed_all(pieces, forced=False, max_calls=1)[0]
+        )
+    cut = TWO[: TWO.index("exec_command") + 30]  # max_output_tokens mid-arguments
+    per_piece, leftover, called = feed_all(list(cut), forced=True)
+    chunks = flat(per_piece)
+    assert called
+    assert chunks.count(ToolCallEnd()) == 2 and isinstance(chunks[-1], ToolCallEnd)
+    assert sum(getattr(c, "tokens", 0) for c in chunks) + leftover == len(cut)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(NAMES),
+            st.dictionaries(
+                st.text(max_size=4),
+                st.recursive(
+                    st.text(max_size=5) | st.integers(),
+                    lambda v: (
+                        st.lists(v, max_size=2)
+                        | st.dictionaries(st.text(max_size=3), v, max_size=2)
+                    ),
+                    max_leaves=4,
+                ),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=40),
+    st.booleans(),
+)
+def test_any_forced_call_list_streams_as_it_would_be_held(
+    calls: list[tuple[str, dict[str, object]]], cuts: list[int], compact: bool
+) -> None:
+    separators = (",", ":") if compact else (", ", ": ")  # vLLM's and the local grammar's
+    listed = json.dumps(
+        [{"name": name, "arguments": arguments} for name, arguments in calls],
+        separators=separators,
+    )
+    text = OPEN_TAG + listed + "</tool_call>"
+    points = sorted({min(cut, len(text)) for cut in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(points)]
+    streamed, held = feed_all(pieces, forced=True), feed_all(pieces, forced=False)
+    assert flat(streamed[0]) == flat(held[0])
+    assert streamed[1:] == held[1:]
+    assert parse(pieces).calls == [
+        (name, json.dumps(arguments, separators=separators)) for name, arguments in calls
+    ]
+
+
+OPEN_TAG = "<tool_call>"

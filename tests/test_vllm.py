@@ -177,6 +177,37 @@ async def test_a_prototype_rollout_forced_twice_then_free_is_served_warm(
     assert vllm_engine.metric(RUNNING) == 0
 
 
+async def test_a_forced_call_streams_before_the_segment_ends(start_vllm: StartVllm) -> None:
+    """Under structured outputs the call cannot be invalid: its item opens at the arguments and
+    they stream as the engine decodes them, instead of all at the segment's end (issue 11)."""
+    served = await start_vllm()
+    arrivals: list[tuple[float, dict[str, Any]]] = []
+    with trio.fail_after(120):
+        async with connect(served.prototype_url) as client:
+            await client.send(
+                {
+                    "type": "response.create",
+                    "input": ASK,
+                    "tools": [TOOL],
+                    "tool_choice": {"type": "function", "name": RUN},
+                    "temperature": 0,
+                }
+            )
+            while not arrivals or arrivals[-1][1]["type"] not in ("response.done", *TERMINAL):
+                event = await client.receive()
+                arrivals.append((trio.current_time(), event))
+    events = [event for _, event in arrivals]
+    assert events[-1]["type"] == "response.done", events[-1]
+    (call,) = calls_of(events)
+    jsonschema.validate(json.loads(call["arguments"]), TOOL["parameters"])
+    added = next(at for at, e in arrivals if e["type"] == "response.output_item.added")
+    deltas = [at for at, e in arrivals if e["type"] == "response.function_call_arguments.delta"]
+    done = arrivals[-1][0]
+    print(f"call opened {done - added:.3f} s before the segment's end, {len(deltas)} deltas")
+    assert len(deltas) > 1
+    assert done - added > 0.05 and deltas[0] < done - 0.05  # not all at once at the end
+
+
 def sdk_chain(http_url: str, turns: int) -> list[Any]:
     """Four turns through the official SDK's WebSocket: each a `response.create` chained by
     `previous_response_id`, the tool's output as the next input."""

@@ -56,8 +56,8 @@ STATELESS, CHAINED = "vLLM /v1/responses", "vLLM /v1/responses chained"
 PATHS = (PROTOTYPE, LAUNCHED, HTTP, STATELESS, CHAINED)
 OURS, THEIRS = PATHS[:3], PATHS[3:]
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
-#: The first of these is the first output the client sees (proto-server holds a call until
-#: its block is whole, so on a call turn that is the whole call).
+#: The first of these is the first output the client sees (on a forced call turn proto-server's
+#: is the call's item, opened at its arguments' `{`).
 OUTPUT = {
     "response.output_item.added",
     "response.output_text.delta",

@@ -215,7 +215,10 @@ class LocalSession:
         constraint: Constraint | None,
     ) -> None:
         generator = self._generator
-        parser = ToolCallParser(self._tool_names, max_calls=limits.max_calls)
+        # under a grammar every block is a valid call: it streams as it decodes
+        parser = ToolCallParser(
+            self._tool_names, max_calls=limits.max_calls, forced=constraint is not None
+        )
         text = _Detokenizer(generator.tokenizer)
         generated: list[int] = []
         stop_tokens = 0

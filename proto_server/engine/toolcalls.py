@@ -10,6 +10,12 @@ and returns chunks. Text streams as it comes; a block is held until `</tool_call
 calls only if all of it is valid (JSON, offered names, object arguments); anything else is
 released as the text the model wrote. Every token fed is carried by exactly one chunk (or
 returned by `finish`), so usage counts stay exact.
+
+A block decoded under a grammar (`forced=True`: a forced call, or a call the grammar took over)
+cannot be invalid, so holding it would only delay the client: it streams instead, `ToolCallBegin`
+at the arguments' `{` and their text piece by piece, with the same chunks, texts and tokens the
+held path would give at the close (the last piece of each call waits for the `,` or `]` after it,
+which decides whether the tokens after the arguments go to it or to the next call's begin).
 """
 
 from __future__ import annotations
@@ -176,6 +182,42 @@ def _open_tag_prefix(text: str) -> int:
     return 0
 
 
+def _string_end(text: str, index: int) -> int:
+    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
+    escaped = False
+    for at in range(index + 1, len(text)):
+        char = text[at]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return at + 1
+    return -1
+
+
+@attrs.define
+class _Stream:
+    """Where a forced block's incremental scan stands (`ToolCallParser._scan_stream`)."""
+
+    phase: str = "open"
+    pos: int = 0  # scanned up to here in the block
+    listed: bool = True  # a list of calls, not one bare object
+    name: str = ""
+    a_start: int = 0
+    sent: int = 0  # the arguments' text is out up to here
+    depth: int = 0  # brace depth inside the arguments, and its string state
+    in_string: bool = False
+    escaped: bool = False
+    pending: tuple[str, int] | None = None  # a call's last arguments piece, and its tokens
+    begun: int = 0  # calls whose begin went out
+    kept: int = 0  # calls whose object closed
+
+
+class _Deviation(Exception):
+    """The forced block is not in the expected shape."""
+
+
 class ToolCallParser:
     """Turns a model's streamed text into text deltas and complete tool calls.
 
@@ -184,12 +226,18 @@ class ToolCallParser:
     end of the model's turn. Whitespace before anything was said is held, and dropped if a call
     follows, so a call does not open an empty message. With `max_calls`, a block holding more
     calls keeps the first ones (what the request allows), their tokens going to the last kept;
-    `max_calls=0` makes tags plain text, as when no tool is offered.
+    `max_calls=0` makes tags plain text, as when no tool is offered. `forced`: a grammar makes
+    every block valid, so blocks stream (module docstring); one in another shape than
+    `[{"name": ..., "arguments": {...}}, ...]` is held as without it.
     """
 
-    def __init__(self, tool_names: Collection[str], *, max_calls: int | None = None) -> None:
+    def __init__(
+        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
+    ) -> None:
         self._names = frozenset(tool_names) if max_calls != 0 else frozenset()
         self._max_calls = max_calls
+        self._forced = forced
+        self._stream: _Stream | None = None
         self._text = ""  # held text: a possible start of the open tag, or leading whitespace
         self._tokens = 0  # tokens fed and not yet carried by a chunk
         self._block: str | None = None  # text after the open tag, while inside a block
@@ -206,7 +254,7 @@ class ToolCallParser:
         if self._block is not None:
             self._marks.append((len(self._block), tokens))
             self._block += text
-            return self._scan_block()
+            return self._scan_stream() if self._stream is not None else self._scan_block()
         self._tokens += tokens
         self._text += text
         return self._scan_text()
@@ -214,7 +262,9 @@ class ToolCallParser:
     def finish(self) -> tuple[list[Chunk], int]:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
         chunks: list[Chunk] = []
-        if self._block is not None:
+        if self._stream is not None and self._stream.begun:
+            chunks += self._cut_stream()
+        elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)
         if self._text.strip(_WHITESPACE) or (self._spoke and self._text):
             chunks += self._emit_text(self._text)
@@ -238,6 +288,7 @@ class ToolCallParser:
             self._lead = before
         self._text = ""
         self._block = ""
+        self._stream = _Stream() if self._forced else None
         self._marks = [(0, self._tokens)]
         self._tokens = 0
         return chunks + self.feed(rest, 0)
@@ -284,6 +335,7 @@ class ToolCallParser:
     def _rescan(self, text: str) -> list[Chunk]:
         """Text after a block ends, or a block's text once it proved not to be one."""
         self._block = None
+        self._stream = None
         self._text = text
         return self._scan_text() if text else []
 
@@ -292,6 +344,7 @@ class ToolCallParser:
         self._tokens += sum(tokens for _, tokens in self._marks)
         self._marks = []
         self._block = None
+        self._stream = None
         lead, self._lead = self._lead, ""
         return self._emit_text(lead + text)
 
@@ -325,4 +378,191 @@ class ToolCallParser:
                 chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
             chunks.append(ToolCallEnd())
             boundary = a_end
+        return chunks
+
+    # -- a forced block, streamed ------------------------------------------------------------------
+
+    def _scan_stream(self) -> list[Chunk]:
+        """Scan what came; out go the begins and argument pieces that are certain."""
+        stream = self._stream
+        block = self._block
+        assert stream is not None and block is not None
+        chunks: list[Chunk] = []
+        try:
+            while self._step(stream, block, chunks):
+                if self._block is None:  # the block closed; `chunks` holds what came after
+                    return chunks
+        except _Deviation:
+            if not stream.begun:  # nothing out yet: hold it as an unforced block
+                self._stream = None
+                return self._scan_block()
+            chunks += self._cut_stream()  # not under a grammar after all: end the calls
+            return chunks + self._rescan(block[stream.pos :])
+        if stream.phase == "args":
+            chunks += self._deltas(self._pieces(stream, len(block)))
+        return chunks
+
+    def _step(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
+        """Advance the scan one syntax element; False when more text is needed."""
+        phase = stream.phase
+        if phase == "args":
+            return self._scan_arguments(stream, block, chunks)
+        if phase == "tail":
+            end = block.find(CLOSE, stream.pos)
+            if end < 0:
+                return False
+            chunks += self._end_call(stream, everything=True)
+            self.calls += stream.kept
+            self._lead = ""
+            self._spoke = False
+            chunks += self._rescan(block[end + len(CLOSE) :])
+            return True
+        at = _skip(block, stream.pos)
+        if at >= len(block):
+            return False
+        char = block[at]
+        expected = {
+            "open": "[{",
+            "call": "{",
+            "name_colon": ":",
+            "comma": ",",
+            "args_colon": ":",
+            "args_start": "{",
+            "call_end": "}",
+            "after_call": ",]",
+        }.get(phase)
+        if expected is None:  # a string: a key or the name
+            if char != '"':
+                raise _Deviation
+            end = _string_end(block, at)
+            if end < 0:
+                return False
+            value = json.loads(block[at:end])
+            if phase == "name_key" and value == "name":
+                stream.phase = "name_colon"
+            elif phase == "name" and value in self._names:
+                stream.name, stream.phase = value, "comma"
+            elif phase == "args_key" and value == "arguments":
+                stream.phase = "args_colon"
+            else:
+                raise _Deviation
+            stream.pos = end
+            return True
+        if char not in expected:
+            raise _Deviation
+        stream.pos = at + 1
+        if phase == "open":
+            stream.listed = char == "["
+            stream.pos = at + 1 if stream.listed else at
+            stream.phase = "call"
+        elif phase == "call":
+            stream.phase = "name_key"
+        elif phase == "name_colon":
+            stream.phase = "name"
+        elif phase == "comma":
+            stream.phase = "args_key"
+        elif phase == "args_colon":
+            stream.phase = "args_start"
+        elif phase == "args_start":
+            begin = sum(tokens for offset, tokens in self._marks if offset < at)
+            self._marks = [(o, t) for o, t in self._marks if o >= at]
+            chunks.append(ToolCallBegin(stream.name, begin))
+            stream.begun += 1
+            stream.a_start = stream.sent = at
+            stream.depth = 1
+            stream.phase = "args"
+            self._lead = ""  # a call it is: the whitespace before it opens no message
+        elif phase == "call_end":
+            stream.kept += 1
+            stream.phase = "after_call" if stream.listed else "tail"
+        elif char == "," and (self._max_calls is None or stream.kept < self._max_calls):
+            chunks += self._end_call(stream, everything=False)
+            stream.phase = "call"
+        else:  # the list ends, or holds more calls than allowed: they are dropped
+            stream.phase = "tail"
+        return True
+
+    def _scan_arguments(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
+        """Follow the arguments' braces (outside strings) to the `}` that closes them."""
+        for at in range(stream.pos, len(block)):
+            char = block[at]
+            if stream.in_string:
+                if stream.escaped:
+                    stream.escaped = False
+                elif char == "\\":
+                    stream.escaped = True
+                elif char == '"':
+                    stream.in_string = False
+            elif char == '"':
+                stream.in_string = True
+            elif char in "{[":
+                stream.depth += 1
+            elif char in "}]":
+                stream.depth -= 1
+                if stream.depth == 0:
+                    pieces = self._pieces(stream, at + 1)
+                    chunks += self._deltas(pieces[:-1])
+                    stream.pending = pieces[-1]
+                    stream.pos = at + 1
+                    stream.phase = "call_end"
+                    return True
+        stream.pos = len(block)
+        return False
+
+    def _pieces(self, stream: _Stream, limit: int) -> list[tuple[str, int]]:
+        """The arguments' text from what was sent up to `limit`, cut where the model's pieces
+        start, each with the tokens of the pieces starting there (`_call_chunks`' cuts)."""
+        block = self._block
+        assert block is not None
+        pieces: list[tuple[str, int]] = []
+        left, tokens = stream.sent, 0
+        while self._marks and self._marks[0][0] < limit:
+            offset, count = self._marks.pop(0)
+            if offset > left:
+                pieces.append((block[left:offset], tokens))
+                left, tokens = offset, 0
+            tokens += count
+        if left < limit:
+            pieces.append((block[left:limit], tokens))
+        else:  # no text yet for those tokens: they wait for it
+            self._marks[:0] = [(left, tokens)] if tokens else []
+        stream.sent = limit
+        return pieces
+
+    @staticmethod
+    def _deltas(pieces: list[tuple[str, int]]) -> list[Chunk]:
+        return [ToolCallArgumentsDelta(text, tokens) for text, tokens in pieces]
+
+    def _end_call(self, stream: _Stream, *, everything: bool) -> list[Chunk]:
+        """The call's last piece and its end; `everything`: it is the last call, so it also
+        carries every token still held (what came after its arguments)."""
+        assert stream.pending is not None
+        text, tokens = stream.pending
+        stream.pending = None
+        if everything:
+            tokens += sum(count for _, count in self._marks)
+            self._marks = []
+        return [ToolCallArgumentsDelta(text, tokens), ToolCallEnd()]
+
+    def _cut_stream(self) -> list[Chunk]:
+        """A streamed block that stopped short (or left its shape): its open call ends with
+        what it has, so every begin has its end; the calls so far count."""
+        stream = self._stream
+        assert stream is not None
+        chunks: list[Chunk] = []
+        if stream.phase == "args":
+            assert self._block is not None
+            chunks += self._deltas(self._pieces(stream, len(self._block)))
+            chunks.append(ToolCallEnd())
+            stream.kept += 1
+        elif stream.pending is not None:
+            chunks += self._end_call(stream, everything=True)
+            if stream.phase == "call_end":
+                stream.kept += 1
+        self._tokens += sum(count for _, count in self._marks)
+        self._marks = []
+        self.calls += stream.kept
+        self._stream = None
+        self._block = None
+        self._lead = ""
         return chunks

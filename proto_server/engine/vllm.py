@@ -12,7 +12,8 @@ engine's own count, `usage.prompt_tokens_details.cached_tokens`, is what the Res
 
 A forced call (`tool_choice` required or named) opens the call in the prompt (`<tool_call>`)
 and constrains the rest to a JSON list of calls of the allowed tools with vLLM's structured
-outputs; an unforced one streams through the same parser as the local model's.
+outputs; both go through the same parser as the local model's, the forced one streamed as it
+decodes (it cannot be invalid), an unforced one held until its block closes.
 
 Every failure of the engine becomes an `EngineError` with a code (`engine_unavailable`,
 `engine_error`, `engine_timeout`, `context_length_exceeded`), raised here and turned into
@@ -437,7 +438,7 @@ class VllmSession:
         context = generator.model.max_model_len
         if context is not None and len(prompt) < context:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
-        parser = ToolCallParser(names, max_calls=limits.max_calls)
+        parser = ToolCallParser(names, max_calls=limits.max_calls, forced=forced is not None)
         if most <= 0:
             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
             await send.send(SegmentEnd(incomplete="max_output_tokens"))
@@ -485,8 +486,8 @@ class VllmSession:
                 ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
                 f"the engine's stream ended before the segment did (finish reason {finish!r})",
             )
-        if forced is not None and not parser.called and finish == "stop":
-            chunks = parser.feed(CLOSE, 0)  # the stop string; cut short, the call stays text
+        if forced is not None and not parser.called and finish != "length":
+            chunks = parser.feed(CLOSE, 0)  # the list is complete: the engine stops at its `]`
         held, leftover = parser.finish()
         for chunk in [*chunks, *held]:
             await send.send(chunk)
