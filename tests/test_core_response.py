@@ -87,6 +87,17 @@ def test_a_partial_append_keeps_it_suspended_and_the_last_answer_resumes() -> No
     assert m.status is Status.IN_PROGRESS
 
 
+def test_an_append_sets_its_tool_choice_only_if_it_is_taken() -> None:
+    m, (a,) = suspended_with(1)
+    before = m.template.tool_choice
+    with pytest.raises(ProtocolError):
+        m.append([output("call_unknown")], tool_choice="none")
+    assert m.template.tool_choice == before
+    (resumed,) = m.append([output(a)], tool_choice="none")
+    assert m.template.tool_choice == "none"
+    assert resumed.response.tool_choice == "none"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("items", "code"),
     [

@@ -328,10 +328,6 @@ class ResponseMachine:
 
     # -- what the client sent --------------------------------------------------------------------
 
-    def change_tool_choice(self, tool_choice: Any) -> None:
-        """A `response.append` set a new `tool_choice` (already checked) for what follows."""
-        self._template = attrs.evolve(self._template, tool_choice=tool_choice)
-
     def check_append(self, items: Sequence[Item]) -> None:
         """Raise the `ProtocolError` that `append(items)` would raise, changing nothing."""
         if self.status.terminal:
@@ -389,15 +385,21 @@ class ResponseMachine:
             )
 
     def append(
-        self, items: Sequence[Item], rendered: RenderedItems | None = None
+        self,
+        items: Sequence[Item],
+        rendered: RenderedItems | None = None,
+        *,
+        tool_choice: Any = None,
     ) -> list[ServerEvent]:
         """Record tool outputs (and messages); resume once no call awaits output.
 
         `rendered`: the items already rendered (`render_items`, off the event loop for large
-        ones). Returns the events that announce the resumption, or nothing while calls are
-        pending.
+        ones). `tool_choice` (already checked), if set, holds for the rest of the Response.
+        Returns the events that announce the resumption, or nothing while calls are pending.
         """
         self.check_append(items)
+        if tool_choice is not None:
+            self._template = attrs.evolve(self._template, tool_choice=tool_choice)
         for item in items:
             if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
                 del self.pending_calls[item.call_id]

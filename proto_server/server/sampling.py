@@ -122,14 +122,12 @@ class SamplingLoop:
         call, wake the sampling loop. What they add must fit the rollout's memory budget.
         `tool_choice` (checked by the caller), if set, holds for the rest of the Response."""
         self._refuse_if_ending("appended to it")
-        self.machine.check_append(items)
         if rendered is None:
+            self.machine.check_append(items)  # before the work of rendering them
             rendered = render_items(self.rollout.conversation.renderer, items)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
-        if tool_choice is not None:
-            self.machine.change_tool_choice(tool_choice)
-        self._resume_events = self.machine.append(items, rendered)
+        self._resume_events = self.machine.append(items, rendered, tool_choice=tool_choice)
         self.rollout.account()
         if self._observer is not None:
             self._observer.rendered()
