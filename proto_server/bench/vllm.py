@@ -16,8 +16,8 @@ and to the terminal event; token counts are what each path reports in `usage`.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -106,29 +106,33 @@ class Turn:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def process_cpu_s(pid: int) -> float:
-    """User and system CPU of one process, its threads included and its children not."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """The CPU time of each live thread of a process so far, in ns: the scheduler's own count
+    (`/proc/PID/task/TID/schedstat`), not clock ticks, which are 10 ms, a turn's whole cost."""
+    times = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            times[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+    return times
 
 
 class CpuMeter:
-    """CPU of both front ends between consecutive marks (no CPU falls between two turns)."""
+    """CPU of both front ends between consecutive marks (no CPU falls between two turns), summed
+    over their threads; a thread that ends between two marks takes its last share with it."""
 
     def __init__(self, proto_pid: int, api_server_pid: int) -> None:
         self.pids = (proto_pid, api_server_pid)
-        self.last = self.read()
-
-    def read(self) -> tuple[float, float]:
-        proto, api = (process_cpu_s(pid) for pid in self.pids)
-        return proto, api
+        self.last = [thread_cpu_ns(pid) for pid in self.pids]
 
     def mark(self) -> tuple[float, float]:
-        now = self.read()
-        # whole clock ticks, in ms, without the float noise of the division
-        delta = (round((now[0] - self.last[0]) * 1e3, 3), round((now[1] - self.last[1]) * 1e3, 3))
+        """The CPU of each front end since the last mark, in ms."""
+        now = [thread_cpu_ns(pid) for pid in self.pids]
+        proto, api = (
+            sum(ns - last.get(tid, 0) for tid, ns in times.items()) / 1e6
+            for times, last in zip(now, self.last, strict=True)
+        )
         self.last = now
-        return delta
+        return proto, api
 
 
 async def engine_decode_total(http: httpx.AsyncClient) -> tuple[float, float]:
@@ -554,9 +558,8 @@ def summarize(results: dict[str, list[Turn] | str]) -> dict[str, Any]:
             "first_token_worse_turns": [
                 t for t in rest if ours[t].first_token_s > min(o[t].first_token_s for o in theirs)
             ],
-            # within 1.5x, or within one clock tick (/proc counts CPU in ticks, 10 ms)
-            "cpu_flat": paths[path]["cpu_growth"] <= 1.5
-            or paths[path]["cpu_growth_ms"] <= 1e3 / os.sysconf("SC_CLK_TCK"),
+            # within 1.5x, or within 1 ms (this machine's noise between two turns)
+            "cpu_flat": paths[path]["cpu_growth"] <= 1.5 or paths[path]["cpu_growth_ms"] <= 1.0,
             "cpu_at_most_a_fifth": paths[path]["front_end_cpu_ms"] <= vllm_cpu / 5,
         }
     failed = {path: why for path, why in results.items() if isinstance(why, str)}
@@ -583,15 +586,13 @@ def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str
                     f"| {turn} | {path} | {t.prompt_tokens} | {t.cached_tokens} | "
                     f"{t.output_tokens} | {'yes' if t.called else 'no'} | {t.ttft_s * 1e3:.0f} | "
                     f"{t.first_token_s * 1e3:.0f} | {t.turn_s * 1e3:.0f} | {t.client_bytes} | "
-                    f"{t.proto_cpu_ms:.0f} | "
-                    f"{t.api_server_cpu_ms:.0f} |"
+                    f"{t.proto_cpu_ms:.1f} | {t.api_server_cpu_ms:.1f} |"
                 )
     lines += [
         "",
         "Medians over turns 2..N (front-end CPU: proto-server's process for its paths, vLLM's "
-        "API server process for vLLM's, in clock ticks of "
-        f"{1e3 / os.sysconf('SC_CLK_TCK'):g} ms; CPU growth: the later half of the turns "
-        "against the earlier half):",
+        "API server process for vLLM's, each summed over its threads as the scheduler counts "
+        "it; CPU growth: the later half of the turns against the earlier half):",
         "",
         "| path | TTFT ms | first token ms | turn ms | front-end CPU ms | CPU growth "
         "| vLLM API server CPU ms | cached share | client bytes | calls |",
@@ -601,8 +602,8 @@ def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str
         lines.append(
             f"| {path} | {row['ttft_ms']:.0f} | {row['first_token_ms']:.0f} | "
             f"{row['turn_ms']:.0f} | "
-            f"{row['front_end_cpu_ms']:.0f} | {row['cpu_growth']:.2f}x | "
-            f"{row['api_server_cpu_ms']:.0f} | {row['cached_share']:.0%} | "
+            f"{row['front_end_cpu_ms']:.1f} | {row['cpu_growth']:.2f}x | "
+            f"{row['api_server_cpu_ms']:.1f} | {row['cached_share']:.0%} | "
             f"{row['client_bytes']:.0f} | {row['calls']} |"
         )
     for path, why in summary["failed"].items():
