@@ -22,9 +22,16 @@ import pytest
 import trio
 
 from proto_server.engine.model_files import LoadedTokenizer, load_tokenizer
-from proto_server.engine.vllm import VllmGenerator, discover
+from proto_server.engine.vllm import (
+    VllmGenerator,
+    discover,
+    forced_call_format,
+    forced_call_head,
+    strict_call_format,
+)
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.wire.tools import FunctionTool
 
 from .engine import BLOCK_SIZE, SERVED_NAME, Engine
 from .test_cli import read_line
@@ -122,6 +129,15 @@ def calls_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
 def assert_warm(segments: list[tuple[int, int, int]]) -> None:
     """Every resumed segment found the previous segment's prompt in the engine's cache (the
     engine counts whole blocks: at most one block short of it)."""
@@ -208,6 +224,140 @@ async def test_a_forced_call_streams_before_the_segment_ends(start_vllm: StartVl
     assert done - added > 0.05 and deltas[0] < done - 0.05  # not all at once at the end
 
 
+CITIES = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+#: One call already in the history: SmolLM2 then calls again on its own, under `auto`.
+WEATHER_HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"type": "function_call", "call_id": "c1", "name": "get_weather",
+     "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "c1", "output": "Sunny, 21 C."},
+    {"role": "assistant", "content": "It is sunny in Paris, 21 C."},
+    {"role": "user", "content": "And what is the weather in Berlin?"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("strict", [True, False])
+async def test_a_strict_tool_under_auto_is_called_within_its_schema(
+    start_vllm: StartVllm, strict: bool
+) -> None:
+    """Under `auto` the model chooses whether to call; a call it opens to a `strict` tool is
+    held to the tool's schema by the engine (a structural tag): asked for Berlin, it can only
+    name a city the schema allows. Without `strict` it names Berlin: the grammar did that."""
+    served = await start_vllm()
+    tool = {"type": "function", "name": "get_weather", "description": "Get the weather of a city.",
+            "parameters": CITIES, "strict": strict}  # fmt: skip
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(120):
+            answer = await http.post(
+                "/responses",
+                json={"model": SERVED_NAME, "input": WEATHER_HISTORY, "tools": [tool],
+                      "tool_choice": "auto", "temperature": 0},
+            )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    (call,) = [item for item in answer.json()["output"] if item["type"] == "function_call"]
+    arguments = json.loads(call["arguments"])
+    if strict:
+        jsonschema.validate(arguments, CITIES)
+    else:
+        assert arguments == {"city": "Berlin"}
+
+
+#: Runs in the engine's own Python: its grammar library, as vLLM compiles what it is sent.
+ACCEPTS = """
+import json, sys
+import xgrammar
+from transformers import AutoTokenizer
+
+cases = json.load(sys.stdin)
+info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(sys.argv[1]))
+compiler = xgrammar.GrammarCompiler(info)
+print(json.dumps([
+    [xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(structure)))
+     .accept_string(text) for text in texts]
+    for structure, texts in cases
+]))
+"""
+
+
+def test_the_call_structures_accept_exactly_the_calls_allowed(vllm_engine: Engine) -> None:
+    """What follows a forced call's head, and a block under `auto`, as the engine's xgrammar
+    reads the structures this server sends: valid calls pass, others do not."""
+    weather = FunctionTool(name="get_weather", parameters=CITIES, strict=True)
+    run = FunctionTool(name=RUN, parameters=TOOL["parameters"])
+    call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    cases = [  # (structure, [(text, accepted)])
+        (forced_call_format([weather], None), [
+            (' {"city": "Paris"}}]</tool_call>', True),
+            (f' {{"city": "Paris"}}}}, {call}]</tool_call>', True),
+            (' {"city": "Berlin"}}]</tool_call>', False),
+            (' {"city": "Paris"}]</tool_call>', False),
+        ]),
+        (forced_call_format([weather], 1), [
+            (' {"city": "Paris"}}]</tool_call>', True),
+            (f' {{"city": "Paris"}}}}, {call}]</tool_call>', False),
+        ]),
+        (forced_call_format([weather, run], 2), [
+            (f'{RUN}", "arguments": {{"cmd": "ls"}}}}]</tool_call>', True),
+            (f'{RUN}", "arguments": {{"cmd": "ls"}}}}, {call}]</tool_call>', True),
+            (f'{RUN}", "arguments": {{"cwd": "/"}}}}]</tool_call>', False),
+            ('read_file", "arguments": {}}]</tool_call>', False),
+        ]),
+        (strict_call_format([weather, run], None), [
+            ("No call, only text.", True),
+            (f"Let me look. <tool_call>[{call}]</tool_call>", True),
+            ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>',
+             False),
+            (f'<tool_call>[{{"name": "{RUN}", "arguments": {{"any": 1}}}}]</tool_call>', True),
+        ]),
+    ]  # fmt: skip
+    assert forced_call_head([weather]) == '<tool_call>[{"name": "get_weather", "arguments":'
+    assert forced_call_head([weather, run]) == '<tool_call>[{"name": "'
+    stdin = json.dumps([(structure, [text for text, _ in texts]) for structure, texts in cases])
+    result = subprocess.run(
+        [str(vllm_engine.python), "-c", ACCEPTS, str(vllm_engine.model_dir)],
+        input=stdin, capture_output=True, text=True, timeout=120, check=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    accepted = json.loads(result.stdout.splitlines()[-1])
+    assert accepted == [[want for _, want in texts] for _, texts in cases]
+
+
+async def test_an_evicted_suspended_response_holds_nothing_on_the_engine(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    """A suspended Response has no request on the engine (its state is the engine's prefix
+    cache); evicting it past `--max-suspended` ends it `incomplete` and leaves the engine idle,
+    and the Response that took its place resumes warm."""
+    served = await start_vllm(max_suspended_rollouts=1)
+    create = {"type": "response.create", "input": ASK, "tools": [TOOL],
+              "tool_choice": "required", "temperature": 0}  # fmt: skip
+    with trio.fail_after(180):
+        async with connect(served.prototype_url) as first, connect(served.prototype_url) as second:
+            await first.send(create)
+            assert (await first.until("response.done", *TERMINAL))[-1]["type"] == "response.done"
+            await second.send({**create, "input": f"{ASK} Then read README.md."})
+            segment = await second.until("response.done", *TERMINAL)
+            assert segment[-1]["type"] == "response.done"
+            evicted = (await first.until(*TERMINAL))[-1]
+            assert evicted["type"] == "response.incomplete"
+            assert evicted["response"]["incomplete_details"] == {
+                "reason": "suspended_rollout_limit"
+            }
+            assert vllm_engine.metric(RUNNING) == 0
+            outputs = [{"type": "function_call_output", "call_id": c["call_id"], "output": "ok"}
+                       for c in calls_of(segment)]  # fmt: skip
+            await second.send({"type": "response.append", "input": outputs, "tool_choice": "none"})
+            rest = await second.until(*TERMINAL)
+    assert rest[-1]["type"] in ("response.completed", "response.incomplete"), rest[-1]
+    assert_warm(segment_usage([*segment, *rest]))
+    assert vllm_engine.metric(RUNNING) == 0
+
+
 def sdk_chain(http_url: str, turns: int) -> list[Any]:
     """Four turns through the official SDK's WebSocket: each a `response.create` chained by
     `previous_response_id`, the tool's output as the next input."""
@@ -290,6 +440,8 @@ async def test_stateless_http_turns_reuse_the_engine_cache_and_readyz_says_ready
                 lines = [line async for line in second.aiter_lines() if line.startswith("data:")]
     events = [json.loads(line[5:]) for line in lines]
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    texts = [output_text(body), output_text(events[-1]["response"])]
+    assert all(texts) and not any("<|im_end|>" in text for text in texts), texts
     usage = [body["usage"], events[-1]["response"]["usage"]]
     print("stateless turns:", usage)
     assert usage[0]["input_tokens_details"]["cached_tokens"] == 0

@@ -30,7 +30,7 @@ from proto_server.engine.vllm import (
     discover,
     error_for_exception,
     error_for_status,
-    forced_call_schema,
+    forced_call_format,
     parse_models,
     parse_sse,
     tokenizer_source,
@@ -149,22 +149,16 @@ def test_a_request_sends_the_prompt_as_ids_with_the_sampling_it_was_given() -> N
     assert "stop" not in free and "temperature" not in free and "seed" not in free
 
 
-def test_a_forced_call_is_a_schema_of_the_allowed_calls() -> None:
-    schema = forced_call_schema(TOOLS, 1)
-    assert schema["minItems"] == 1 and schema["maxItems"] == 1
-    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
-        {"type": "string", "enum": ["exec_command"]},
-        {"type": "string", "enum": ["read_file"]},
-    ]
-    named = forced_call_schema(TOOLS[:1], None)
-    assert "maxItems" not in named
-    assert named["items"]["properties"]["arguments"] == EXEC_COMMAND["parameters"]
+def test_a_structure_goes_to_the_engine_as_a_structural_tag() -> None:
+    """What the engine must follow (tests/test_vllm.py checks what it accepts) goes as a
+    structural tag, and the block still stops at its close."""
+    structure = forced_call_format(TOOLS, 1)
     body = completion_request(
         model="m", prompt=[1], max_tokens=8, limits=GenerationLimits(),
-        stop_token_ids=(), stop_at_call=True, forced=named,
+        stop_token_ids=(), stop_at_call=True, structure=structure,
     )  # fmt: skip
-    assert body["structured_outputs"] == {"json": named, "disable_any_whitespace": True}
-    assert "stop" not in body  # the schema ends the call
+    assert json.loads(body["structured_outputs"]["structural_tag"]) == structure
+    assert body["stop"] == ["</tool_call>"]
 
 
 def test_the_model_is_picked_from_what_the_engine_serves() -> None:

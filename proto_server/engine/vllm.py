@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
+import orjson
 import trio
 
 from proto_server.core.conversation import Conversation
@@ -49,6 +50,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 #: How much of an engine's error body is read to say what went wrong.
 ERROR_BODY_BYTES = 64 * 1024
+#: A streamed completion is read as raw bytes (`sse_lines`): nothing may encode it.
+STREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 #: How long start-up and `/readyz` wait for the engine to list its models.
 PROBE_TIMEOUT_S = 5.0
 log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
@@ -132,22 +135,24 @@ def choose_model(models: Sequence[ServedModel], wanted: str | None, url: str) ->
     return models[0]
 
 
-def parse_sse(line: str) -> Piece | EngineUsage | None:
+def parse_sse(line: bytes | str) -> Piece | EngineUsage | None:
     """One line of the engine's event stream: a piece of output, the final usage, or nothing
     (blank lines, comments, `[DONE]`). An error the engine streams raises `EngineError`."""
-    if not line.startswith("data:"):
+    if isinstance(line, str):
+        line = line.encode()
+    if not line.startswith(b"data:"):
         return None
-    data = line[len("data:") :].strip()
-    if data == "[DONE]" or not data:
+    data = line[len(b"data:") :].strip()
+    if data == b"[DONE]" or not data:
         return None
     try:
-        event = json.loads(data)
-    except ValueError as exc:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
         raise EngineError(
-            ENGINE_ERROR, f"the engine streamed something not JSON: {data[:200]}"
+            ENGINE_ERROR, f"the engine streamed something not JSON: {data[:200]!r}"
         ) from exc
     if not isinstance(event, dict):
-        raise EngineError(ENGINE_ERROR, f"the engine streamed an unexpected value: {data[:200]}")
+        raise EngineError(ENGINE_ERROR, f"the engine streamed an unexpected value: {data[:200]!r}")
     if "error" in event:
         raise error_for_body(500, event)
     choices = event.get("choices") or []
@@ -167,6 +172,18 @@ def parse_sse(line: str) -> Piece | EngineUsage | None:
             details.get("cached_tokens") if isinstance(details, dict) else None,
         )
     return None
+
+
+async def sse_lines(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of an event stream as the engine sends it (plain bytes: it is asked for no
+    encoding), without the text decoding httpx's own line reader does for every piece."""
+    pending = b""
+    async for part in parts:
+        *lines, pending = (pending + part).split(b"\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
 
 
 def _message(body: Any) -> str:
@@ -219,30 +236,87 @@ def error_for_exception(exc: httpx.HTTPError, url: str) -> EngineError:
 # -- what is sent to the engine -----------------------------------------------------------------
 
 
-def forced_call_schema(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
-    """The JSON schema of what follows `<tool_call>` when a call is forced: a list of one or
-    more calls (at most `max_calls`) of `tools`, each `{"name": ..., "arguments": {...}}` with
-    arguments valid against the tool's parameters, as `call_text` renders a call."""
+#: The arguments of a call that is not `strict` under `auto`: any object, as the model wrote it.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+#: How many whitespace characters may follow one another in constrained arguments: enough for
+#: `json.dumps`'s `", "` and `": "`, too few for a runaway model to pad forever.
+MAX_WHITESPACE = 1
+
+
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def _sequence(*elements: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _arguments(tool: FunctionTool, constrained: bool) -> dict[str, Any]:
+    schema = (tool.parameters or ANY_OBJECT) if constrained else ANY_OBJECT
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+
+
+def _named(tools: Sequence[FunctionTool], constrained: bool) -> dict[str, Any]:
+    """The rest of a call after `{"name": "`: one of `tools`' names, then its arguments."""
     calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [tool.name]},
-                "arguments": tool.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
+        _sequence(
+            _const(f'{tool.name}", "arguments": '),
+            _arguments(tool, constrained or bool(tool.strict)),
+        )
         for tool in tools
     ]
-    schema: dict[str, Any] = {
-        "type": "array",
-        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-        "minItems": 1,
+    return _sequence(
+        calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}, _const("}")
+    )
+
+
+def _more_calls(
+    tools: Sequence[FunctionTool], max_calls: int | None, constrained: bool
+) -> list[dict[str, Any]]:
+    """The calls after the first in one block, as many as the request still allows."""
+    if max_calls == 1:
+        return []
+    call = _sequence(_const(', {"name": "'), _named(tools, constrained))
+    most = -1 if max_calls is None else max_calls - 1
+    return [{"type": "repeat", "min": 0, "max": most, "content": call}]
+
+
+def forced_call_head(tools: Sequence[FunctionTool]) -> str:
+    """What a forced call is sure to start with, put in the prompt rather than decoded: the
+    block's opening up to the name, and with one tool allowed, up to its arguments. Decoding
+    it would cost a step per token before the arguments, the client seeing nothing meanwhile."""
+    head = f'{OPEN}[{{"name": "'
+    return f'{head}{tools[0].name}", "arguments":' if len(tools) == 1 else head
+
+
+def forced_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
+    """vLLM's structured output (an xgrammar structural tag) for what follows
+    `forced_call_head`: the first call's rest, more calls up to `max_calls`, the block's close;
+    every call's arguments valid against its tool's parameters."""
+    if len(tools) == 1:
+        first = _sequence(_const(" "), _arguments(tools[0], True), _const("}"))
+    else:
+        first = _named(tools, True)
+    return {
+        "type": "structural_tag",
+        "format": _sequence(first, *_more_calls(tools, max_calls, True), _const(f"]{CLOSE}")),
     }
-    if max_calls is not None:
-        schema["maxItems"] = max_calls
-    return schema
+
+
+def strict_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
+    """The structured output under `auto` when a tool is `strict`: text is free, and a block the
+    model opens holds calls of the offered tools, a `strict` one's arguments valid against its
+    parameters (the others' any object)."""
+    block = {
+        "type": "tag",
+        "begin": f'{OPEN}[{{"name": "',
+        "content": _sequence(_named(tools, False), *_more_calls(tools, max_calls, False)),
+        "end": f"]{CLOSE}",
+    }
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": [block]},
+    }
 
 
 def completion_request(
@@ -253,13 +327,13 @@ def completion_request(
     limits: GenerationLimits,
     stop_token_ids: Collection[int],
     stop_at_call: bool,
-    forced: dict[str, Any] | None = None,
+    structure: dict[str, Any] | None = None,
     stream: bool = True,
 ) -> dict[str, Any]:
     """The body of one `/v1/completions` request: the prompt as token ids, streamed with its
     ids and usage; the request's sampling passed through; stopping at the model's end of turn
-    and (`stop_at_call`) at the close of a tool call; `forced`: a JSON schema the output must
-    follow (the calls after a forced `<tool_call>`)."""
+    and (`stop_at_call`) at the close of a tool call; `structure`: a structural tag the output
+    must follow (`forced_call_format`, `strict_call_format`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -275,11 +349,11 @@ def completion_request(
         value = getattr(limits, name)
         if value is not None:
             body[name] = value
-    if stop_at_call and forced is None:
+    if stop_at_call:
         body["stop"] = [CLOSE]
         body["include_stop_str_in_output"] = True
-    if forced is not None:
-        body["structured_outputs"] = {"json": forced, "disable_any_whitespace": True}
+    if structure is not None:
+        body["structured_outputs"] = {"structural_tag": json.dumps(structure)}
     return body
 
 
@@ -343,10 +417,11 @@ class VllmGenerator:
         self.tokenizer = tokenizer.tokenizer
         self.renderer = ChatTemplateRenderer(self.tokenizer)
         self.stop_ids = stop_ids(self.tokenizer, tokenizer.eos_token_id)
+        #: What the engine writes for each: the end of the model's turn is no text of its own.
+        self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
         self.max_tokens = max_tokens
         self.connections = connections
         self.timeout_s = timeout_s
-        self.open_tag = list(self.tokenizer.encode(OPEN, add_special_tokens=False))
         self._client: httpx.AsyncClient | None = None
 
     @property
@@ -426,19 +501,22 @@ class VllmSession:
         generator = self._generator
         prompt = [*self._conversation.tokens, *generator.renderer.generation_prompt]
         names = [tool.name for tool in self._tools]
-        forced = None
+        head, structure = "", None
         if limits.must_call:
             choice = limits.tool_choice
             allowed = [t for t in self._tools if choice.name in (None, t.name)]
-            forced = forced_call_schema(allowed, limits.max_calls)
-            prompt += generator.open_tag
+            head = forced_call_head(allowed)
+            structure = forced_call_format(allowed, limits.max_calls)
+            prompt += generator.tokenizer.encode(head, add_special_tokens=False)
+        elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
+            structure = strict_call_format(self._tools, limits.max_calls)
         most = generator.max_tokens
         if limits.max_output_tokens is not None:
             most = min(most, limits.max_output_tokens)
         context = generator.model.max_model_len
         if context is not None and len(prompt) < context:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
-        parser = ToolCallParser(names, max_calls=limits.max_calls, forced=forced is not None)
+        parser = ToolCallParser(names, max_calls=limits.max_calls, forced=structure is not None)
         if most <= 0:
             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
             await send.send(SegmentEnd(incomplete="max_output_tokens"))
@@ -450,15 +528,17 @@ class VllmSession:
             limits=limits,
             stop_token_ids=generator.stop_ids,
             stop_at_call=bool(names) and limits.max_calls != 0,
-            forced=forced,
+            structure=structure,
         )
         generated: list[int] = []
         finish: str | None = None
         usage: EngineUsage | None = None
-        chunks: list[Chunk] = parser.feed(OPEN, 0) if forced is not None else []
+        chunks: list[Chunk] = parser.feed(head, 0) if head else []
         prefilled = False
         try:
-            async with generator.client.stream("POST", "/completions", json=body) as answer:
+            async with generator.client.stream(
+                "POST", "/completions", content=orjson.dumps(body), headers=STREAM_HEADERS
+            ) as answer:
                 if answer.status_code != 200:
                     raw = b""
                     async for part in answer.aiter_bytes():
@@ -466,7 +546,7 @@ class VllmSession:
                         if len(raw) >= ERROR_BODY_BYTES:
                             break
                     raise error_for_status(answer.status_code, raw)
-                async for line in answer.aiter_lines():
+                async for line in sse_lines(answer.aiter_raw()):
                     event = parse_sse(line)
                     if isinstance(event, EngineUsage):
                         usage = event
@@ -476,7 +556,10 @@ class VllmSession:
                             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
                         generated.extend(event.token_ids)
                         finish = event.finish_reason or finish
-                        for chunk in [*chunks, *parser.feed(event.text, len(event.token_ids))]:
+                        text = event.text
+                        if event.token_ids and event.token_ids[-1] in generator.stop_ids:
+                            text = text.removesuffix(generator.stop_texts[event.token_ids[-1]])
+                        for chunk in [*chunks, *parser.feed(text, len(event.token_ids))]:
                             await send.send(chunk)
                         chunks = []
         except httpx.HTTPError as exc:
@@ -486,10 +569,8 @@ class VllmSession:
                 ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
                 f"the engine's stream ended before the segment did (finish reason {finish!r})",
             )
-        if forced is not None and not parser.called and finish != "length":
-            chunks = parser.feed(CLOSE, 0)  # the list is complete: the engine stops at its `]`
         held, leftover = parser.finish()
-        for chunk in [*chunks, *held]:
+        for chunk in held:
             await send.send(chunk)
         cached = usage.cached_tokens if usage is not None else None
         self._record(prompt, [*prompt, *generated], cached)
