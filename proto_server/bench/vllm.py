@@ -1,17 +1,18 @@
 """proto-server in front of vLLM against vLLM's own `/v1/responses`, turn by turn, measured.
 
 One agent loop (forced tool calls, a tool output of 300-500 tokens appended after each, a final
-answer) runs through five paths on the same engine: proto-server's prototype WebSocket (one
-Response, suspended on each call), its launched WebSocket (turns chained by
-`previous_response_id`), its stateless HTTP (the whole history each turn), vLLM's own
-`/v1/responses` with the whole history (`store: false`) and chained by `previous_response_id`
-(the engine started with `VLLM_ENABLE_RESPONSES_API_STORE=1`). proto-server runs as a process of
-its own so that its CPU, like that of vLLM's API server process (its engine core is a child
-process and is not counted), is read from `/proc/PID/stat` at each turn's end. Whatever the
-model said, every path's client appends the same tool output each turn: as the output of the
-model's call when it made one, else as a user message (vLLM's own endpoint without a tool
-parser answers in text). Times are wall-clock on the client: to the first output delta (TTFT)
-and to the terminal event; token counts are what each path reports in `usage`.
+answer) runs through five paths on the same engine, interleaved turn by turn: proto-server's
+prototype WebSocket (one Response, suspended on each call), its launched WebSocket (turns
+chained by `previous_response_id`), its stateless HTTP (the whole history each turn), vLLM's
+own `/v1/responses` with the whole history (`store: false`) and chained by
+`previous_response_id` (the engine started with `VLLM_ENABLE_RESPONSES_API_STORE=1`).
+proto-server runs as a process of its own so that its CPU, like that of vLLM's API server
+process (its engine core is a child process and is not counted), is read from `/proc` (each
+thread's scheduler time) at each turn's end. Whatever the model said, every path's client
+appends the same tool output each turn: as the output of the model's call when it made one,
+else as a user message (vLLM's own endpoint without a tool parser answers in text). Times are
+wall-clock on the client: to the first output delta (TTFT) and to the terminal event; token
+counts are what each path reports in `usage`.
 """
 
 from __future__ import annotations
@@ -388,42 +389,62 @@ class Setup:
     answer_tokens: int
 
 
-async def run_path(
-    path: str, setup: Setup, outputs: Sequence[str], nonce: str, progress: Progress
-) -> list[Turn]:
-    """The loop through one path: turn 1 asks, each later turn adds a tool output; every turn
-    but the last forces a call, the last answers (`tool_choice: none`)."""
-    results: list[Turn] = []
-    # the path's own instructions: nothing of its prompts is in the cache from another path
-    instructions = f"[{nonce} {path}] {INSTRUCTIONS}"
+#: What ends one path's run (and only its own): it is reported, and the other paths go on.
+PATH_FAILURES = (RuntimeError, OSError, httpx.HTTPError, HandshakeError, ConnectionClosed)
+
+
+async def run_paths(
+    setup: Setup, outputs: Sequence[str], nonce: str, progress: Progress
+) -> dict[str, list[Turn] | str]:
+    """Every path's loop, interleaved turn by turn (turn 1 on each path, then turn 2, ...), so
+    that whatever else this machine does falls on all of them alike. Turn 1 asks, each later
+    turn adds a tool output; every turn but the last forces a call, the last answers
+    (`tool_choice: none`). A path that fails keeps why, and the others go on."""
+    results: dict[str, list[Turn] | str] = {}
+    sends: dict[str, Send] = {}
     root = setup.engine_url.removesuffix("/v1")
-    async with (
-        httpx.AsyncClient(base_url=root, timeout=30) as engine,
-        _path(
-            path, setup.proto_url, setup.engine_url, setup.model, instructions, setup.answer_tokens
-        ) as send,
-    ):
-        new: Items = [{"role": "user", "content": ASK}]
-        finished, decoded = await engine_decode_total(engine)
-        meter = CpuMeter(setup.proto_pid, setup.engine_pid)
-        for turn in range(1, setup.turns + 1):
-            said = await send(new, "required" if turn < setup.turns else "none")
-            proto_cpu, api_cpu = meter.mark()
-            before = decoded
-            finished, decoded = await engine_decode_after(engine, finished)
-            meter.mark()  # the API server's answer to /metrics is no turn's
-            result = Turn(path, turn, *said.usage, bool(calls(said.output)), said.ttft_s,
-                          said.turn_s, decoded - before, said.client_bytes, proto_cpu,
-                          api_cpu)  # fmt: skip
-            results.append(result)
-            progress(
-                f"{path}, turn {turn}/{setup.turns}: prompt {result.prompt_tokens}, cached "
-                f"{result.cached_tokens}, TTFT {result.ttft_s * 1e3:.0f} ms, front-end CPU "
-                f"{result.front_end_cpu_ms:.0f} ms"
-            )
-            if turn < setup.turns:
-                new = follow_up(said.output, outputs[turn - 1])
-    return results
+    with contextlib.suppress(*PATH_FAILURES):  # closing a path that failed
+        async with contextlib.AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(httpx.AsyncClient(base_url=root, timeout=30))
+            for path in PATHS:
+                # the path's own instructions: nothing of its prompts is in the cache from another
+                instructions = f"[{nonce} {path}] {INSTRUCTIONS}"
+                opened = _path(path, setup.proto_url, setup.engine_url, setup.model, instructions,
+                               setup.answer_tokens)  # fmt: skip
+                try:
+                    sends[path] = await stack.enter_async_context(opened)
+                except PATH_FAILURES as exc:
+                    results[path] = f"{exc.__class__.__name__}: {exc}"
+            new: dict[str, Items] = {path: [{"role": "user", "content": ASK}] for path in sends}
+            turns: dict[str, list[Turn]] = {path: [] for path in sends}
+            finished, decoded = await engine_decode_total(engine)
+            meter = CpuMeter(setup.proto_pid, setup.engine_pid)
+            for turn in range(1, setup.turns + 1):
+                for path, send in list(sends.items()):
+                    try:
+                        said = await send(new[path], "required" if turn < setup.turns else "none")
+                    except PATH_FAILURES as exc:
+                        results[path] = f"{exc.__class__.__name__}: {exc}"
+                        progress(f"{path} failed: {results[path]}")
+                        del sends[path]
+                        continue
+                    proto_cpu, api_cpu = meter.mark()
+                    before = decoded
+                    finished, decoded = await engine_decode_after(engine, finished)
+                    meter.mark()  # the API server's answer to /metrics is no turn's
+                    result = Turn(path, turn, *said.usage, bool(calls(said.output)), said.ttft_s,
+                                  said.turn_s, decoded - before, said.client_bytes, proto_cpu,
+                                  api_cpu)  # fmt: skip
+                    turns[path].append(result)
+                    progress(
+                        f"turn {turn}/{setup.turns}, {path}: prompt {result.prompt_tokens}, "
+                        f"cached {result.cached_tokens}, TTFT {result.ttft_s * 1e3:.0f} ms, "
+                        f"front-end CPU {result.front_end_cpu_ms:.1f} ms"
+                    )
+                    if turn < setup.turns:
+                        new[path] = follow_up(said.output, outputs[turn - 1])
+            results.update({path: turns[path] for path in sends})
+    return {path: results[path] for path in PATHS if path in results}
 
 
 async def start_proto_server(engine_url: str, answer_tokens: int) -> tuple[trio.Process, str]:
@@ -460,32 +481,19 @@ async def measure(
     nonce: str,
     progress: Progress = lambda line: None,
 ) -> dict[str, list[Turn] | str]:
-    """Every path's turns (or why it failed), one path after another on the same engine."""
+    """Every path's turns (or why it failed), interleaved on the same engine."""
     outputs = [
         tool_output(turn, size, tokenizer)
         for turn, size in enumerate(output_sizes(turns, tool_output_tokens), 2)
     ]
     process, proto_url = await start_proto_server(engine_url, answer_tokens)
     setup = Setup(proto_url, process.pid, engine_url, engine_pid, model, turns, answer_tokens)
-    results: dict[str, list[Turn] | str] = {}
     try:
-        for path in PATHS:
-            try:
-                results[path] = await run_path(path, setup, outputs, nonce, progress)
-            except (
-                RuntimeError,
-                OSError,
-                httpx.HTTPError,
-                HandshakeError,
-                ConnectionClosed,
-            ) as exc:
-                results[path] = f"{exc.__class__.__name__}: {exc}"
-                progress(f"{path} failed: {results[path]}")
+        return await run_paths(setup, outputs, nonce, progress)
     finally:
         process.terminate()
         with trio.move_on_after(30):
             await process.wait()
-    return results
 
 
 # -- what a run says -----------------------------------------------------------------------------
