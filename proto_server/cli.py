@@ -24,6 +24,7 @@ from proto_server.engine.base import TokenGenerator
 from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.model_files import INSTALL_HINT, ModelError
+from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS, PrefixCache
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
@@ -178,6 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="vllm: a segment whose engine sends nothing for this long (prefill included) "
         "fails with engine_timeout",
+    )
+    serve.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="simulated: no prefix cache shared across requests (on by default, as a real "
+        "engine's: a stateless request is charged prefill only past what another left cached)",
+    )
+    serve.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=PREFIX_CACHE_TOKENS,
+        metavar="N",
+        help=f"simulated: tokens the prefix cache holds before it evicts the least recently "
+        f"used (at least one {BLOCK_TOKENS}-token block)",
     )
     serve.add_argument(
         "--decode-rate",
@@ -499,6 +515,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ScriptError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
+    if args.prefix_cache_tokens < BLOCK_TOKENS:
+        print(
+            f"proto-server: --prefix-cache-tokens: must be at least {BLOCK_TOKENS} (one block), "
+            f"got {args.prefix_cache_tokens}",
+            file=sys.stderr,
+        )
+        return 2
+    cache = PrefixCache(capacity_tokens=args.prefix_cache_tokens) if args.prefix_cache else None
     try:
         keys = api_keys(args.api_key, os.environ)
     except ValueError as exc:
@@ -570,7 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = attrs.evolve(config, default_model=local.name)
     else:
         model = f"script {args.script}" if args.script else "the built-in default model"
-        generator, what = SimulatedGenerator(planner, timing), f"simulated GPU with {model}"
+        generator = SimulatedGenerator(planner, timing, prefix_cache=cache)
+        what = f"simulated GPU with {model}"
     server = ProtoServer(generator, config, store=store, compaction_secret=secret)
     # What start-up loaded (a tokenizer, transformers, torch: millions of objects) lives as long
     # as the process; frozen, the cyclic collector stops re-scanning it at every full collection,

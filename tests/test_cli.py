@@ -105,6 +105,49 @@ async def test_keys_from_the_environment_turn_auth_on(nursery: trio.Nursery) -> 
     assert served.status_code == 200
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+async def test_serve_charges_a_stateless_repeat_only_past_its_shared_prefix(
+    nursery: trio.Nursery, cache: bool
+) -> None:
+    """As a real engine would: the second stateless request resends the first's history, and
+    the simulated GPU of `serve` finds its blocks in the prefix cache, unless it has none."""
+    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:"]
+    if not cache:
+        command.append("--no-prefix-cache")
+    history = [{"role": "user", "content": "word " * 300}]
+    with trio.fail_after(30):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert process.stdout is not None
+        http_url = (await read_line(process.stdout)).split("listening on ")[1].split(" ")[0]
+        usage = []
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(2):
+                body = {"model": "m", "input": history, "store": False}
+                answer = await http.post(f"{http_url}/responses", json=body)
+                assert answer.status_code == 200, answer.text
+                usage.append(answer.json()["usage"])
+                history = [*history, *answer.json()["output"], {"role": "user", "content": "more"}]
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+    first, second = (u["input_tokens_details"]["cached_tokens"] for u in usage)
+    assert first == 0
+    if cache:  # whole 64-token blocks of what the first request sent, and of its answer
+        assert second % 64 == 0 and usage[0]["input_tokens"] - 64 <= second
+        assert second <= usage[1]["input_tokens"]
+    else:
+        assert second == 0
+
+
+def test_a_prefix_cache_smaller_than_a_block_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert "--prefix-cache-tokens: must be at least 64" in serve_refusal(
+        capsys, "--prefix-cache-tokens", "10"
+    )
+
+
 def serve_refusal(capsys: pytest.CaptureFixture[str], *flags: str, store: str = ":memory:") -> str:
     """`proto-server serve` with `flags` must refuse to start (exit 2); what it said."""
     from proto_server.cli import main

@@ -17,6 +17,8 @@ import collections
 from array import array
 
 BLOCK_TOKENS = 64
+#: What the cache holds by default: a large GPU's KV cache of a small model, in tokens.
+PREFIX_CACHE_TOKENS = 4_000_000
 
 
 class BlockHashes:
@@ -45,7 +47,7 @@ class PrefixCache:
     """Block names in least-recently-used order, at most `capacity_tokens` worth of them."""
 
     def __init__(
-        self, *, block_tokens: int = BLOCK_TOKENS, capacity_tokens: int = 4_000_000
+        self, *, block_tokens: int = BLOCK_TOKENS, capacity_tokens: int = PREFIX_CACHE_TOKENS
     ) -> None:
         if block_tokens <= 0 or capacity_tokens < block_tokens:
             raise ValueError(
