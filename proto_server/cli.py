@@ -31,7 +31,13 @@ from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
 from proto_server.server.secret import load_or_create_secret, secret_path_for_store
-from proto_server.server.store import SQLiteStore
+from proto_server.server.store import (
+    ResponseStore,
+    SQLiteStore,
+    StoreError,
+    is_postgres_url,
+    redact,
+)
 
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
@@ -61,10 +67,14 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
 
 
 def _store_location(text: str) -> str:
-    """`:memory:` or a file path; a URL is refused before anything is created."""
+    """`:memory:`, a file path or a PostgreSQL URL; another URL is refused before anything is
+    created."""
+    if is_postgres_url(text):
+        return text
     if scheme := re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text):
         raise argparse.ArgumentTypeError(
-            f"{scheme[1]}:// URLs are not supported by this build; pass a file path or :memory:"
+            f"{scheme[1]}:// URLs are not supported; pass a file path, :memory: or a "
+            "postgresql:// URL"
         )
     if not text:
         raise argparse.ArgumentTypeError("must not be empty; pass a file path or :memory:")
@@ -554,27 +564,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
+    retention = {
+        "max_responses": args.store_max_responses,
+        "max_age_s": args.store_max_age * 24 * 3600,
+        "timeout_s": args.store_timeout,
+    }
+    store: ResponseStore
     try:
-        if args.store != ":memory:":
-            Path(args.store).parent.mkdir(parents=True, exist_ok=True)
-        store = SQLiteStore(
-            args.store,
-            max_responses=args.store_max_responses,
-            max_age_s=args.store_max_age * 24 * 3600,
-            timeout_s=args.store_timeout,
-        )
+        if is_postgres_url(args.store):
+            try:
+                from proto_server.server.postgres import PostgresStore
+            except ImportError as exc:
+                print(f"proto-server: a postgresql:// store needs psycopg ({exc}); "
+                      "pip install 'proto-server[postgresql]'", file=sys.stderr)  # fmt: skip
+                return 2
+            store = shared = PostgresStore(args.store, **retention)
+        else:
+            if args.store != ":memory:":
+                Path(args.store).parent.mkdir(parents=True, exist_ok=True)
+            store, shared = SQLiteStore(args.store, **retention), None
     except ValueError as exc:  # what argparse let through (nan, inf)
         print(f"proto-server: {exc} (--store-max-age, --store-timeout)", file=sys.stderr)
         return 2
-    except (OSError, sqlite3.Error) as exc:
-        print(f"proto-server: cannot open the store {args.store}: {exc}; pass another --store",
-              file=sys.stderr)  # fmt: skip
+    except (OSError, sqlite3.Error, StoreError) as exc:
+        print(f"proto-server: cannot open the store {redact(args.store)}: {exc}; start it or "
+              "pass another --store", file=sys.stderr)  # fmt: skip
         return 2
     secret_file = args.compaction_secret_file or (
-        None if args.store == ":memory:" else secret_path_for_store(args.store)
+        None if args.store == ":memory:" or shared else secret_path_for_store(args.store)
     )
     try:
-        secret = None if secret_file is None else load_or_create_secret(Path(secret_file))
+        # a shared store keeps one secret for all its servers, unless a file is given
+        secret = shared.secret if shared and secret_file is None else None
+        if secret_file is not None:
+            secret = load_or_create_secret(Path(secret_file))
     except (OSError, ValueError) as exc:
         print(f"proto-server: cannot use the compaction secret: {exc}; pass another "
               "--compaction-secret-file", file=sys.stderr)  # fmt: skip

@@ -113,3 +113,4 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
 
 
 from .engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)
+from .postgres import pg_url, postgres  # noqa: E402, F401  (a throwaway PostgreSQL cluster)

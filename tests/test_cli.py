@@ -196,8 +196,8 @@ def test_store_limits_that_would_delete_everything_refuse_to_start(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("url", ["postgresql://user@db.example/responses", "sqlite:///x.db"])
-def test_a_store_url_is_refused_and_creates_nothing(
+@pytest.mark.parametrize("url", ["sqlite:///x.db", "mysql://user@db.example/responses"])
+def test_a_store_url_other_than_postgresql_is_refused_and_creates_nothing(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
@@ -206,9 +206,20 @@ def test_a_store_url_is_refused_and_creates_nothing(
     monkeypatch.chdir(tmp_path)
     err = serve_refusal(capsys, store=url)
     scheme = url.split(":")[0]
-    assert f"argument --store: {scheme}:// URLs are not supported by this build" in err
-    assert "pass a file path or :memory:" in err
+    assert f"argument --store: {scheme}:// URLs are not supported" in err
+    assert "pass a file path, :memory: or a postgresql:// URL" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_postgresql_store_that_does_not_answer_stops_start_up_and_hides_the_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from .engine import free_port
+
+    url = f"postgresql://proto:s3cret@127.0.0.1:{free_port()}/proto"
+    err = serve_refusal(capsys, "--store-timeout", "1", store=url)
+    assert "cannot open the store postgresql://proto:***@127.0.0.1:" in err
+    assert "s3cret" not in err and "start it or pass another --store" in err
 
 
 BAD_FLAGS = [

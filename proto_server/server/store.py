@@ -1,8 +1,9 @@
 """The persisted store: `store: true` responses, so a chain survives a reconnect or a restart.
 
-Behind a small interface (`ResponseStore`) so a shared store can serve several server processes
-later. The default is embedded SQLite in WAL mode, one transaction per write, so a crash in the
-middle of a write leaves the previous state intact. Its blocking calls run in worker threads.
+Behind a small interface (`ResponseStore`), so that a shared store (postgres.py) can serve
+several server processes. The default is embedded SQLite in WAL mode, one transaction per
+write, so a crash in the middle of a write leaves the previous state intact. Its blocking calls
+run in worker threads.
 
 A stored response belongs to its owner (the API key that created it, as an opaque id; with auth
 off, one anonymous owner): a lookup by another owner finds nothing. Every failure of the store,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +50,20 @@ def owner_id(key: str) -> str:
     return "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+class StoreError(Exception):
+    """The store could not be opened at start-up (a database that does not answer, a schema
+    from a newer server): the server does not start."""
+
+
+def is_postgres_url(text: str) -> bool:
+    return text.startswith(("postgresql://", "postgres://"))
+
+
+def redact(location: str) -> str:
+    """A store's location as it may be printed: a URL's password left out."""
+    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", location)
+
+
 class StoreUnavailable(ServerFault):
     """The store failed or did not answer within its timeout (locked, full, gone)."""
 
@@ -65,6 +81,35 @@ class StoredResponse:
     items: tuple[Item, ...]
     #: Who may read it back: `owner_id` of the key that created it, or `ANONYMOUS`.
     owner: str = ANONYMOUS
+
+
+def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
+    """The stored form of a response and its items (JSON), the same in every store."""
+    return (
+        orjson.dumps(converter.unstructure(stored.response)),
+        orjson.dumps(converter.unstructure(stored.items)),
+    )
+
+
+def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
+    return StoredResponse(
+        response=converter.structure(orjson.loads(response), Response),
+        items=tuple(converter.structure(orjson.loads(items), list[Item])),  # type: ignore[arg-type,unused-ignore]
+        owner=owner,
+    )
+
+
+def check_retention(max_responses: int, max_age_s: float, timeout_s: float) -> None:
+    """A store's limits, refused (ValueError) where they would make no sense."""
+    # a limit of zero or less would delete each response in the transaction that writes it
+    if isinstance(max_responses, bool) or not isinstance(max_responses, int):
+        raise ValueError(f"max_responses must be a positive integer, got {max_responses!r}")
+    if max_responses <= 0:
+        raise ValueError(f"max_responses must be a positive integer, got {max_responses}")
+    if not (max_age_s > 0):
+        raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+    if not (0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
 
 
 class ResponseStore(Protocol):
@@ -134,15 +179,7 @@ class SQLiteStore:
         timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        # a limit of zero or less would delete each response in the transaction that writes it
-        if isinstance(max_responses, bool) or not isinstance(max_responses, int):
-            raise ValueError(f"max_responses must be a positive integer, got {max_responses!r}")
-        if max_responses <= 0:
-            raise ValueError(f"max_responses must be a positive integer, got {max_responses}")
-        if not (max_age_s > 0):
-            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
-        if not (0 < timeout_s < math.inf):
-            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+        check_retention(max_responses, max_age_s, timeout_s)
         self.path = str(path)
         self._clock = clock
         self.max_responses = max_responses
@@ -226,8 +263,7 @@ class SQLiteStore:
             response.previous_response_id,
             response.created_at,
             self._clock(),
-            orjson.dumps(converter.unstructure(response)),
-            orjson.dumps(converter.unstructure(stored.items)),
+            *encode_row(stored),
             stored.owner,
         )
         with db:  # one transaction: all of it, or none of it
@@ -252,13 +288,7 @@ class SQLiteStore:
             "SELECT response, items FROM responses WHERE id = ? AND owner = ?",
             (response_id, owner),
         ).fetchone()
-        if row is None:
-            return None
-        return StoredResponse(
-            response=converter.structure(orjson.loads(row[0]), Response),
-            items=tuple(converter.structure(orjson.loads(row[1]), list[Item])),  # type: ignore[arg-type,unused-ignore]
-            owner=owner,
-        )
+        return None if row is None else decode_row(row[0], row[1], owner)
 
     @classmethod
     def _chain(

@@ -1,0 +1,250 @@
+"""The PostgreSQL store: one store shared by every server process, on one machine or many.
+
+Same interface and guarantees as the embedded SQLite store (store.py): one transaction per
+response written (the row and the retention pruning together), owners kept apart, every
+failure or overrun of `--store-timeout` a `StoreUnavailable` for that Response or lookup only.
+
+psycopg 3 with its connection pool, each blocking call on a trio worker thread: psycopg's async
+mode runs on asyncio only, while a thread per call leaves trio in charge of every deadline and
+cancellation, as for SQLite (a call past its deadline is abandoned; the server's statement
+timeout ends it on the database's side). The pool reconnects by itself in its own threads, and
+checks a connection before lending it, so when the database comes back the next call works.
+
+The schema is created or migrated at start-up under an advisory lock, so processes starting
+together migrate once; `proto_server_schema` holds the version. The compaction secret lives in
+the database too: every process sealing and opening compacted histories must share it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+import trio
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from proto_server.server.store import (
+    ANONYMOUS,
+    StoredResponse,
+    StoreError,
+    StoreUnavailable,
+    check_retention,
+    decode_row,
+    encode_row,
+)
+
+T = TypeVar("T")
+
+#: Connections of one process to the database (each call holds one for its duration).
+CONNECTIONS = 4
+#: Any key: the advisory lock that makes concurrent start-ups migrate one at a time.
+_MIGRATION_LOCK = 0x70726F746F  # "proto"
+_RESPONSES = "proto_server_responses"
+
+#: Schema changes in order; `proto_server_schema.version` counts those a database has had.
+_MIGRATIONS = (
+    f"""CREATE TABLE {_RESPONSES} (
+        id text PRIMARY KEY,
+        previous_response_id text,
+        owner text NOT NULL,
+        created_at bigint NOT NULL,
+        stored_at double precision NOT NULL,
+        response bytea NOT NULL,
+        items bytea NOT NULL
+    )""",
+    f"CREATE INDEX {_RESPONSES}_stored_at ON {_RESPONSES} (stored_at)",
+    "CREATE TABLE proto_server_secret (id integer PRIMARY KEY, secret bytea NOT NULL)",
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+_CHAIN = f"""
+WITH RECURSIVE chain AS (
+    SELECT id, previous_response_id, response, items, 0 AS depth
+      FROM {_RESPONSES} WHERE id = %(id)s AND owner = %(owner)s
+    UNION ALL
+    SELECT r.id, r.previous_response_id, r.response, r.items, c.depth + 1
+      FROM {_RESPONSES} r JOIN chain c ON r.id = c.previous_response_id
+     WHERE r.owner = %(owner)s AND c.depth < %(longest)s
+)
+SELECT previous_response_id, response, items FROM chain ORDER BY depth DESC
+"""
+
+
+class PostgresStore:
+    """Responses in a PostgreSQL database, pruned to a retention limit; opened (and migrated)
+    when made, before the server listens, so a database that is not there stops start-up."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_responses: int = 100_000,
+        max_age_s: float = 30 * 24 * 3600,
+        timeout_s: float = 5.0,
+        connections: int = CONNECTIONS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_retention(max_responses, max_age_s, timeout_s)
+        self.max_responses = max_responses
+        self.max_age_s = max_age_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._limiter = trio.CapacityLimiter(connections)
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=connections,
+            timeout=timeout_s,
+            open=False,
+            check=ConnectionPool.check_connection,
+            reconnect_timeout=math.inf,  # a database that is away is waited for, not given up
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": max(1, math.ceil(timeout_s)),
+                "options": f"-c statement_timeout={math.ceil(timeout_s * 1000)}",
+            },
+        )
+        try:
+            self._pool.open(wait=True, timeout=timeout_s)
+            with self._pool.connection() as conn:
+                self.secret = _migrate(conn)
+        except (psycopg.Error, PoolTimeout) as exc:
+            self._pool.close()
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StoreError(why) from exc
+        except BaseException:
+            self._pool.close()
+            raise
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(connection, *args)` on a worker thread within `timeout_s`, the wait for a
+        connection included; every way it can fail becomes a `StoreUnavailable` here."""
+
+        def run() -> T:
+            with self._pool.connection(timeout=self.timeout_s) as conn:
+                return fn(conn, *args)
+
+        try:
+            with trio.fail_after(self.timeout_s):
+                return await trio.to_thread.run_sync(
+                    run, limiter=self._limiter, abandon_on_cancel=True
+                )
+        except (trio.TooSlowError, PoolTimeout, psycopg.errors.QueryCanceled):
+            raise StoreUnavailable(
+                f"The response store did not answer within {self.timeout_s:g} s "
+                f"(--store-timeout), so {what}."
+            ) from None
+        except psycopg.Error as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StoreUnavailable(f"The response store failed ({why}), so {what}.") from exc
+
+    # -- blocking bodies, run in a worker thread -------------------------------------------
+
+    def _put(self, conn: psycopg.Connection[Any], stored: StoredResponse) -> None:
+        response_blob, items_blob = encode_row(stored)
+        response = stored.response
+        now = self._clock()
+        with conn.transaction():  # all of it, or none of it
+            conn.execute(
+                f"INSERT INTO {_RESPONSES} (id, previous_response_id, owner, created_at, "
+                "stored_at, response, items) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET previous_response_id = EXCLUDED."
+                "previous_response_id, owner = EXCLUDED.owner, created_at = EXCLUDED."
+                "created_at, stored_at = EXCLUDED.stored_at, response = EXCLUDED.response, "
+                "items = EXCLUDED.items",
+                (response.id, response.previous_response_id, stored.owner, response.created_at,
+                 now, response_blob, items_blob),
+            )  # fmt: skip
+            conn.execute(f"DELETE FROM {_RESPONSES} WHERE stored_at < %s", (now - self.max_age_s,))
+            conn.execute(
+                f"DELETE FROM {_RESPONSES} WHERE id IN (SELECT id FROM {_RESPONSES} "
+                "ORDER BY stored_at DESC OFFSET %s)",
+                (self.max_responses,),
+            )
+
+    @staticmethod
+    def _get(conn: psycopg.Connection[Any], response_id: str, owner: str) -> StoredResponse | None:
+        row = conn.execute(
+            f"SELECT response, items FROM {_RESPONSES} WHERE id = %s AND owner = %s",
+            (response_id, owner),
+        ).fetchone()
+        return None if row is None else decode_row(row[0], row[1], owner)
+
+    def _chain(
+        self, conn: psycopg.Connection[Any], response_id: str, owner: str
+    ) -> list[StoredResponse] | None:
+        rows = conn.execute(
+            _CHAIN, {"id": response_id, "owner": owner, "longest": self.max_responses}
+        ).fetchall()
+        if not rows or rows[0][0] is not None:  # not there, or a link of it is missing
+            return None
+        return [decode_row(response, items, owner) for _, response, items in rows]
+
+    # -- the interface --------------------------------------------------------------------------
+
+    async def put(self, stored: StoredResponse) -> None:
+        await self._call(
+            "the response could not be stored; retry, or send it with store: false",
+            self._put,
+            stored,
+        )
+
+    async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
+        return await self._call(
+            f"response {response_id!r} could not be looked up; retry shortly",
+            self._get,
+            response_id,
+            owner,
+        )
+
+    async def chain(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> list[StoredResponse] | None:
+        return await self._call(
+            f"previous response {response_id!r} could not be looked up; retry shortly, or "
+            "resend the full history without previous_response_id",
+            self._chain,
+            response_id,
+            owner,
+        )
+
+    async def count(self) -> int:
+        def count(conn: psycopg.Connection[Any]) -> int:
+            row = conn.execute(f"SELECT count(*) FROM {_RESPONSES}").fetchone()
+            return int(row[0]) if row is not None else 0
+
+        return await self._call("the responses could not be counted", count)
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self._pool.close)
+
+
+def _migrate(conn: psycopg.Connection[Any]) -> bytes:
+    """Bring the schema to `SCHEMA_VERSION` (once, whoever starts first); the shared secret."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS proto_server_schema (version integer NOT NULL)")
+        row = conn.execute("SELECT version FROM proto_server_schema").fetchone()
+        version = 0 if row is None else int(row[0])
+        if version > SCHEMA_VERSION:
+            raise psycopg.errors.FeatureNotSupported(
+                f"the store has schema version {version}, written by a newer proto-server "
+                f"(this one knows {SCHEMA_VERSION})"
+            )
+        for statement in _MIGRATIONS[version:]:
+            conn.execute(statement)
+        if row is None:
+            conn.execute("INSERT INTO proto_server_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+        else:
+            conn.execute("UPDATE proto_server_schema SET version = %s", (SCHEMA_VERSION,))
+        conn.execute(
+            "INSERT INTO proto_server_secret (id, secret) VALUES (1, %s) ON CONFLICT DO NOTHING",
+            (secrets.token_bytes(32),),
+        )
+        secret = conn.execute("SELECT secret FROM proto_server_secret WHERE id = 1").fetchone()
+    assert secret is not None
+    return bytes(secret[0])
