@@ -447,6 +447,7 @@ class ProtoServer:
             response=response,
             conversation=conversation,
             suspend_on_tool_calls=suspend_on_tool_calls,
+            clock=lambda: int(time.time()),
         )
 
         async def persist(machine: ResponseMachine) -> None:

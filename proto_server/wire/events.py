@@ -45,6 +45,8 @@ class ResponseCreate:
     # carried through to the Response object, not interpreted
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     reasoning: Any = None
     text: Any = None
     truncation: str | None = None

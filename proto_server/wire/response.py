@@ -15,6 +15,8 @@ from proto_server.wire.tools import Tool
 @attrs.frozen(kw_only=True)
 class InputTokensDetails:
     cached_tokens: int = 0
+    #: OpenAI's API requires it (openai-python 3.57); this server writes no cache it bills.
+    cache_write_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +40,8 @@ class Response:
     id: str
     object: str = "response"
     created_at: int
+    #: When it completed (unix seconds); null unless `status` is `completed`.
+    completed_at: int | None = None
     status: str
     background: bool = False
     error: ErrorDetail | None = None
@@ -48,6 +52,8 @@ class Response:
     model: str
     output: tuple[Item, ...] = ()
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
     reasoning: Any = None
