@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import attrs
 import orjson
 
 Transport = Literal["websocket", "sse"]
@@ -35,14 +36,49 @@ Transport = Literal["websocket", "sse"]
 SPEC_PATH = Path(__file__).with_name("open-responses-openapi.json")
 _URI = "urn:open-responses"
 
-#: This project's server events outside the published schema: type -> (status its `response`
-#: has, why it exists). Each is checked as `{type, sequence_number, response: ResponseResource}`.
-EXTENSION_EVENTS: Mapping[str, tuple[str, str]] = {
-    "response.done": (
-        "in_progress",
-        "prototype dialect: a segment ended on tool calls; the Response is suspended, not over",
+
+@attrs.frozen
+class Extension:
+    """An event of this project's that the published document does not define: why it exists,
+    and the JSON schema it is held to instead (its `$ref`s may name the document's components,
+    e.g. `ref("ResponseResource")`)."""
+
+    why: str
+    schema: Mapping[str, Any]
+
+
+def ref(component: str) -> dict[str, str]:
+    """A `$ref` to one of the document's `components.schemas`."""
+    return {"$ref": f"{_URI}#/components/schemas/{component}"}
+
+
+def response_event(kind: str, status: str) -> dict[str, Any]:
+    """The schema of an event shaped as the published Response events are: `{type,
+    sequence_number, response}`, its `response` a `ResponseResource` of `status`."""
+    return {
+        "type": "object",
+        "required": ["type", "sequence_number", "response"],
+        "properties": {
+            "type": {"const": kind},
+            "sequence_number": {"type": "integer", "minimum": 0},
+            "response": {
+                "allOf": [ref("ResponseResource"), {"properties": {"status": {"const": status}}}]
+            },
+        },
+    }
+
+
+#: This project's server events outside the published schema, the only ones: each is held to
+#: its own schema (README, "The published schema").
+EXTENSION_EVENTS: Mapping[str, Extension] = {
+    "response.done": Extension(
+        why="prototype dialect: a segment ended on tool calls; the Response is suspended",
+        schema=response_event("response.done", "in_progress"),
     ),
-    "response.cancelled": ("cancelled", "the answer to this project's response.cancel"),
+    "response.cancelled": Extension(
+        why="the answer to this project's response.cancel",
+        schema=response_event("response.cancelled", "cancelled"),
+    ),
 }
 
 #: This project's client events outside the published schema (the server accepts them; the
@@ -66,30 +102,12 @@ _CARRIED_TOOL = {
 _HTTP_ERROR = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {"$ref": f"{_URI}#/components/schemas/ErrorPayload"}},
+    "properties": {"error": ref("ErrorPayload")},
 }
 
 
 class SchemaViolation(AssertionError):
     """What a server sent does not validate; the message names the schema and every path."""
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"{_URI}#/components/schemas/{name}"}
-
-
-def _extension_event(kind: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": ["type", "sequence_number", "response"],
-        "properties": {
-            "type": {"const": kind},
-            "sequence_number": {"type": "integer", "minimum": 0},
-            "response": {
-                "allOf": [_ref("ResponseResource"), {"properties": {"status": {"const": status}}}]
-            },
-        },
-    }
 
 
 def _overlaid(document: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,16 +151,13 @@ class WireSchema:
             return Draft202012Validator(schema, registry=registry)
 
         self.events: dict[str, Any] = {
-            kind: validator(_ref(name)) for kind, name in _event_components(doc).items()
+            kind: validator(ref(name)) for kind, name in _event_components(doc).items()
         }
-        self.websocket_error = validator(_ref("WebSocketErrorEvent"))
-        self.extensions = {
-            kind: validator(_extension_event(kind, status))
-            for kind, (status, _) in EXTENSION_EVENTS.items()
-        }
-        self.response = validator(_ref("ResponseResource"))
-        self.item = validator(_ref("ItemField"))
-        self.compaction = validator(_ref("CompactResource"))
+        self.websocket_error = validator(ref("WebSocketErrorEvent"))
+        self.extensions = {kind: validator(e.schema) for kind, e in EXTENSION_EVENTS.items()}
+        self.response = validator(ref("ResponseResource"))
+        self.item = validator(ref("ItemField"))
+        self.compaction = validator(ref("CompactResource"))
         self.http_error = validator(_HTTP_ERROR)
 
     # -- what is wrong (empty: nothing) ----------------------------------------------------------
