@@ -150,7 +150,37 @@ async def test_http_paths_validate(start_server: StartServer) -> None:
                 SCHEMA.check_body(path, answer.status_code, answer.json())
 
 
-# -- the validator fails what it should -------------------------------------------------------
+JSON_FORMAT = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "echoed"),
+    [
+        ({"reasoning": {"summary": "auto"}}, ("reasoning", {"effort": None, "summary": "auto"})),
+        (
+            {"reasoning": {"effort": "minimal"}},
+            ("reasoning", {"effort": "minimal", "summary": None}),
+        ),
+        (
+            {"text": {"format": JSON_FORMAT}},
+            ("text", {"format": {**JSON_FORMAT, "description": None, "strict": False}}),
+        ),
+        ({"tool_choice": {"type": "custom", "name": "apply_patch"}}, None),
+        ({"truncation": "auto", "service_tier": "flex", "top_logprobs": 3}, None),
+        ({"presence_penalty": 0.5, "frequency_penalty": -0.5}, ("presence_penalty", 0.5)),
+    ],
+)
+async def test_what_a_create_asks_for_is_echoed_as_the_schema_has_it(
+    start_server: StartServer, fields: dict[str, Any], echoed: tuple[str, Any] | None
+) -> None:
+    """Codex sends half a `reasoning` and a `text` without `format`; the echo is whole."""
+    running = await start_server({"segments": [{"text": ANSWER}]})
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as client:
+            await client.send(create(**fields))
+            response = (await valid_until(client, "response.completed"))[-1]["response"]
+    if echoed is not None:
+        assert response[echoed[0]] == echoed[1]
 
 
 def response_object() -> dict[str, Any]:
@@ -195,6 +225,21 @@ def test_items_and_tools_are_checked() -> None:
     for bad in ("bare_name", {"type": "function", "name": "f"}):  # a function tool is checked
         with pytest.raises(SchemaViolation, match=r"tools\[0\]"):
             SCHEMA.check_response({**good, "tools": [bad]})
+
+
+def test_the_errata_are_narrow() -> None:
+    """What the overlay settles lets in what the document meant, not anything."""
+    good = response_object()
+    SCHEMA.check_response({**good, "reasoning": {"effort": "minimal", "summary": None}})
+    with pytest.raises(SchemaViolation, match="effort"):
+        SCHEMA.check_response({**good, "reasoning": {"effort": "maximal", "summary": None}})
+    form = {**JSON_FORMAT, "description": None, "strict": True}
+    SCHEMA.check_response({**good, "text": {"format": form}})
+    with pytest.raises(SchemaViolation, match="schema"):
+        SCHEMA.check_response({**good, "text": {"format": {**form, "schema": "an object"}}})
+    SCHEMA.check_response({**good, "tool_choice": {"type": "custom", "name": "apply_patch"}})
+    with pytest.raises(SchemaViolation, match="tool_choice"):
+        SCHEMA.check_response({**good, "tool_choice": {"type": "allowed_tools"}})
 
 
 def test_events_outside_the_schema_are_exactly_the_listed_extensions() -> None:

@@ -136,10 +136,16 @@ def echoed_reasoning(reasoning: Any) -> Any:
 
 def echoed_text(text: Any) -> Any:
     """`text` as the API echoes it: a `format` always (`text` unless one was asked), so a
-    create sending only `{"verbosity": "low"}`, as Codex does, gets a complete object back."""
+    create sending only `{"verbosity": "low"}`, as Codex does, gets a complete object back; a
+    `json_schema` format with all of its fields."""
     if not isinstance(text, Mapping):
         return text
-    return {"format": {"type": "text"}, **text}
+    echoed = {"format": {"type": "text"}, **text}
+    form = echoed["format"]
+    if isinstance(form, Mapping) and form.get("type") == "json_schema":
+        # as the API echoes a JSON schema format: every field, null or false when not sent
+        echoed["format"] = {"description": None, "schema": None, "strict": False, **form}
+    return echoed
 
 
 def response_template(

@@ -6,7 +6,7 @@ define the Response object, the items and every streamed event. `WireSchema` val
 them with `jsonschema` (draft 2020-12; `$ref`s resolved through one `referencing` registry,
 built once), so a strict client's parser would accept what passes.
 
-Three overlays on the published document, each explicit here and in the README:
+Four overlays on the published document, each explicit here and in the README:
 
 - `EXTENSION_EVENTS`: this project's events that the schema does not define (`response.done`,
   `response.cancelled`), checked against schemas of their own whose `response` is still a
@@ -15,7 +15,11 @@ Three overlays on the published document, each explicit here and in the README:
   `ResponseUsage` requires `input_tokens_details.cache_write_tokens`).
 - Carried tools: the document's `Tool` is only `FunctionTool`; tools of other types a client
   sends (`custom`, `web_search`, `namespace`...) are echoed exactly as sent, so in a Response's
-  `tools` an object whose `type` is not `function` passes. A function tool is checked in full.
+  `tools` an object whose `type` is not `function` passes. A function tool is checked in full;
+  likewise a `tool_choice` naming such a tool (`{"type": "custom", "name": ...}`).
+- `ERRATA`: two places where the document contradicts itself: `ReasoningEffortEnum` describes
+  `minimal` but does not list it; `JsonSchemaResponseFormat.schema` admits only null, though
+  the request's format (`JsonSchemaResponseFormatParam`) requires an object there.
 
 Needs the `jsonschema` package (the dev extra), imported only when a `WireSchema` is built.
 """
@@ -93,10 +97,22 @@ OPENAI_REQUIRES: Mapping[str, Mapping[str, Any]] = {
     "InputTokensDetails": {"cache_write_tokens": {"type": "integer", "minimum": 0}},
 }
 
+#: Where the document contradicts itself, and how the overlay settles it.
+ERRATA: Mapping[str, str] = {
+    "ReasoningEffortEnum": "`minimal` is described in x-enumDescriptions but not in `enum`",
+    "JsonSchemaResponseFormat": "`schema` allows only null; the request's format needs an object",
+}
+
 _CARRIED_TOOL = {
     "type": "object",
     "required": ["type"],
     "properties": {"type": {"type": "string", "not": {"const": "function"}}},
+}
+
+_CARRIED_CHOICE = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string", "not": {"enum": ["function", "allowed_tools"]}}},
 }
 
 _HTTP_ERROR = {
@@ -118,6 +134,16 @@ def _overlaid(document: Mapping[str, Any]) -> dict[str, Any]:
         schemas[name]["properties"].update(extra)
         schemas[name]["required"] = [*schemas[name]["required"], *extra]
     schemas["Tool"] = {"oneOf": [*schemas["Tool"]["oneOf"], _CARRIED_TOOL]}
+    choice = schemas["ResponseResource"]["properties"]["tool_choice"]
+    choice["oneOf"] = [*choice["oneOf"], _CARRIED_CHOICE]
+    effort = schemas["ReasoningEffortEnum"]
+    effort["enum"] = [
+        *effort["enum"],
+        *sorted(set(effort["x-enumDescriptions"]) - set(effort["enum"])),
+    ]
+    schemas["JsonSchemaResponseFormat"]["properties"]["schema"] = {
+        "anyOf": [{"type": "object"}, {"type": "null"}]
+    }
     return doc
 
 
