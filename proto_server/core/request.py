@@ -50,9 +50,16 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 
 def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
-    function. Run when a create is accepted, before anything is built for it."""
+    function, a `truncation` the Response can echo. Run when a create is accepted, before
+    anything is built for it."""
     check_tool_schemas(create.tools)
     check_tool_choice(create.tool_choice, create.tools)
+    if create.truncation not in (None, "auto", "disabled"):
+        raise ProtocolError(
+            "invalid_field",
+            f'`truncation` is {quoted(create.truncation)}; send "auto" or "disabled".',
+            param="truncation",
+        )
 
 
 def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
@@ -126,20 +133,18 @@ def echoed_tool(tool: Tool) -> Tool:
     )
 
 
-def echoed_reasoning(reasoning: Any) -> Any:
+def echoed_reasoning(reasoning: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """`reasoning` as the API echoes it: both `effort` and `summary`, null when not asked
     (Codex sends only one of them; a strict client's parser requires both)."""
-    if not isinstance(reasoning, Mapping):
-        return reasoning
+    if reasoning is None:
+        return None
     return {"effort": None, "summary": None, **reasoning}
 
 
-def echoed_text(text: Any) -> Any:
+def echoed_text(text: Mapping[str, Any]) -> Mapping[str, Any]:
     """`text` as the API echoes it: a `format` always (`text` unless one was asked), so a
     create sending only `{"verbosity": "low"}`, as Codex does, gets a complete object back; a
     `json_schema` format with all of its fields."""
-    if not isinstance(text, Mapping):
-        return text
     echoed = {"format": {"type": "text"}, **text}
     form = echoed["format"]
     if isinstance(form, Mapping) and form.get("type") == "json_schema":
@@ -182,9 +187,9 @@ def response_template(
         max_output_tokens=create.max_output_tokens,
         max_tool_calls=create.max_tool_calls,
         reasoning=echoed_reasoning(create.reasoning),
+        text=Response.DEFAULT_TEXT if create.text is None else echoed_text(create.text),
         user=create.user,
         prompt_cache_key=create.prompt_cache_key,
         safety_identifier=create.safety_identifier,
         **optional,
-        **({} if create.text is None else {"text": echoed_text(create.text)}),
     )

@@ -47,8 +47,10 @@ class ResponseCreate:
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    reasoning: Any = None
-    text: Any = None
+    #: Objects, as the Response echoes them (a string or a number here is refused).
+    reasoning: Mapping[str, Any] | None = None
+    text: Mapping[str, Any] | None = None
+    #: `auto` or `disabled` (checked by `check_create`).
     truncation: str | None = None
     user: str | None = None
     service_tier: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -37,6 +37,9 @@ class Usage:
 class Response:
     """Every field the published Responses API schema requires; nullable ones as null."""
 
+    #: What `text` is when a request sets none.
+    DEFAULT_TEXT: ClassVar[Mapping[str, Any]] = {"format": {"type": "text"}}
+
     id: str
     object: str = "response"
     created_at: int
@@ -61,7 +64,7 @@ class Response:
     service_tier: str = "default"
     store: bool = True
     temperature: float = 1.0
-    text: Any = attrs.field(factory=lambda: {"format": {"type": "text"}})
+    text: Any = attrs.field(factory=lambda: dict(Response.DEFAULT_TEXT))
     tool_choice: Any = "auto"
     tools: tuple[Tool, ...] = ()
     top_logprobs: int = 0
