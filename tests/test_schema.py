@@ -290,3 +290,15 @@ def test_a_document_can_be_given() -> None:
     document["components"]["schemas"]["Usage"]["required"].append("tool_usage")
     with pytest.raises(SchemaViolation, match="tool_usage"):
         WireSchema(document).check_response(response_object())
+
+
+def test_the_net_fails_a_test_for_what_a_server_sent_off_the_schema() -> None:
+    net = SchemaNet()  # not installed: fed by hand
+    net.event(orjson.dumps(event("response.created", {"id": "resp_1"})).decode(), "websocket")
+    net.body("/v1/responses/compact", 200, b'{"object": "response.compaction"}')
+    net.body("", 500, b'{"error": {"message": "no type, no code"}}')
+    found = net.validate()
+    assert len(found) == 3
+    assert "response.created at $.response" in found[0] and "CompactResource" in found[1]
+    with pytest.raises(pytest.fail.Exception, match="3 things the server sent"):
+        net.verdict()
