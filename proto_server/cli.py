@@ -319,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker threads that decode and render large requests off the event loop",
     )
     serve.add_argument(
+        "--permessage-deflate",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.permessage_deflate,
+        help="compress WebSocket frames (RFC 7692) when the client offers it, as Codex does",
+    )
+    serve.add_argument(
         "--no-merge-deltas",
         dest="merge_deltas",
         action="store_false",
@@ -546,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_connections": args.max_connections,
         "max_queued_requests": args.max_queued_requests,
         "merge_deltas": args.merge_deltas,
+        "permessage_deflate": args.permessage_deflate,
         "api_keys": keys,
         "store_timeout_s": args.store_timeout,
         "handshake_timeout_s": args.handshake_timeout,

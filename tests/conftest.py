@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +14,19 @@ from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import ANONYMOUS, ResponseStore, StoredResponse
+
+from .published import SchemaNet
+
+
+@pytest.fixture(autouse=True)
+def published_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[SchemaNet]:
+    """Every event and body the servers of a test send must validate against the published
+    schema (tests/published.py); the test fails at teardown if one did not."""
+    net = SchemaNet()
+    net.install(monkeypatch)
+    yield net
+    net.verdict()
+
 
 #: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
 FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)

@@ -59,3 +59,21 @@ def test_a_reduced_bench_runs_and_reports(
 def test_bench_refuses_a_rollout_without_a_tool_round(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--turns", "1"]) == 2
     assert "--turns must be at least 2" in capsys.readouterr().err
+
+
+async def test_the_deflate_bench_measures_both_side_by_side() -> None:
+    import trio
+
+    from proto_server.bench.deflate import measure, report
+
+    with trio.fail_after(60):
+        results = await measure(repeats=2, rounds=2, seed=0)
+    plain, deflated = results["ws-launched"], results["ws-launched-deflate"]
+    assert len(plain) == len(deflated) == 2
+    for off, on in zip(plain, deflated, strict=True):
+        assert on["turns"] == off["turns"] == 3
+        assert on["bytes_down"] < off["bytes_down"] / 4  # the extension was really used
+        assert on["bytes_up"] < off["bytes_up"]
+        assert off["server_cpu_ms"] > 0 and on["server_cpu_ms"] > 0
+    table = report(results)
+    assert "server_cpu_ms" in table and "ratio" in table

@@ -287,3 +287,45 @@ def test_a_queue_of_minus_one_is_refused_by_the_real_command() -> None:
     )
     assert done.returncode == 2
     assert done.stderr == "proto-server: --max-queued-requests: must be at least 1, got -1\n"
+
+
+def test_permessage_deflate_is_one_flag_both_ways() -> None:
+    from proto_server.cli import build_parser
+    from proto_server.server.config import ServerConfig
+
+    def parsed(*flags: str) -> bool:
+        return bool(build_parser().parse_args(["serve", *flags]).permessage_deflate)
+
+    assert parsed() is ServerConfig().permessage_deflate is False  # off: see the README
+    assert parsed("--permessage-deflate") is True
+    assert parsed("--permessage-deflate", "--no-permessage-deflate") is False
+    with pytest.raises(SystemExit):
+        parsed("--permessage-deflate=yes")
+
+
+async def test_serve_with_permessage_deflate_compresses_for_a_client_that_offers_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    from proto_server.bench.transports import CountingStream, open_websocket
+
+    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
+    command += ["--permessage-deflate", "--store", ":memory:"]
+    with trio.fail_after(30):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert process.stdout is not None
+        port = int((await read_line(process.stdout)).split("127.0.0.1:")[1].split("/")[0])
+        stream = CountingStream(await trio.open_tcp_stream("127.0.0.1", port))
+        ws = await open_websocket(nursery, stream, "127.0.0.1", "/v1/responses", deflate=True)
+        await ws.send_message(json.dumps({"type": "response.create", "input": "hi"}))
+        decoded = 0
+        while True:
+            message = await ws.get_message()
+            decoded += len(message)
+            if json.loads(message)["type"] == "response.completed":
+                break
+        assert stream.received < decoded / 2  # the Response objects, compressed
+        await ws.aclose()
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0

@@ -85,12 +85,13 @@ async def codex_rollout(
     features: str = "",
     websockets: bool = True,
     parallel: bool = True,
+    **config: Any,
 ) -> Running:
     """Serve `three_files`, run `codex exec` against it, and check Codex really ran the calls."""
     command = codex(version)
     out = tmp_path / "out"
     out.mkdir()
-    running = await start_server(three_files(out, parallel=parallel))
+    running = await start_server(three_files(out, parallel=parallel), **config)
     caplog.set_level(logging.DEBUG, logger="proto_server")
     home = tmp_path / "codex-home"
     home.mkdir()
@@ -140,12 +141,16 @@ async def test_codex_0107_runs_a_whole_rollout_as_one_response(
     assert record.cached_tokens > 0
 
 
+@pytest.mark.parametrize("deflate", [False, True], ids=["plain", "permessage-deflate"])
 async def test_codex_0171_chains_turns_on_one_websocket(
-    start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_server: StartServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, deflate: bool
 ) -> None:
-    running = await codex_rollout(start_server, "0.171", tmp_path, caplog)
+    """Codex offers permessage-deflate: it chains alike whether the server takes it or not."""
+    running = await codex_rollout(
+        start_server, "0.171", tmp_path, caplog, permessage_deflate=deflate
+    )
     opened = log_lines(caplog, "connection.opened")
-    assert [r.dialect for r in opened] == ["launched"]
+    assert [(r.dialect, r.deflate) for r in opened] == [("launched", deflate)]
     assert [r.type for r in log_lines(caplog, "client.event")] == ["response.create"] * 4
     warmup, *turns = running.server.turns
     # the warm-up built the state; every turn after it chained from the previous response

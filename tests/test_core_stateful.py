@@ -29,6 +29,7 @@ from proto_server.core.request import input_items, response_template
 from proto_server.core.response import IllegalTransition, ResponseMachine, Status
 from proto_server.core.sequence import Sequencer
 from proto_server.testing import StreamChecker
+from proto_server.testing.schema import wire_schema
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
@@ -59,7 +60,8 @@ class Connection(RuleBasedStateMachine):
 
     @initialize()
     def connect(self) -> None:
-        self.checker = StreamChecker(count_tokens=len)  # the chunks below count 1 token a char
+        # the chunks below count 1 token a char; every event is held to the published schema
+        self.checker = StreamChecker(count_tokens=len, schema=wire_schema())
         self.sequencer = Sequencer()
         self.machine: ResponseMachine | None = None
         self.segment_begun = False

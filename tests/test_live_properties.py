@@ -22,6 +22,7 @@ from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.testing import CheckedClient, StreamChecker, connect_checked
+from proto_server.testing.schema import wire_schema
 
 from .conftest import EXEC_COMMAND, FAST, CheckpointStore
 
@@ -141,7 +142,8 @@ async def drive(url: str, script_actions: list[Action]) -> int:
     while True:
         dropped = False
         with trio.CancelScope() as gone:
-            async with connect_checked(url) as client, trio.open_nursery() as nursery:
+            checked = connect_checked(url, schema=wire_schema())
+            async with checked as client, trio.open_nursery() as nursery:
                 nursery.start_soon(read_all, client)
                 while remaining:
                     action = remaining.pop(0)

@@ -202,6 +202,7 @@ class ServerSettings:
     prefill_rate: float
     prefix_cache: bool
     profile_dir: str | None = None
+    permessage_deflate: bool = False
 
 
 @attrs.frozen
@@ -244,7 +245,9 @@ async def _serve(conn: Connection, settings: ServerSettings) -> None:
         # a store on disk, as `proto-server serve` keeps one by default
         store = SQLiteStore(Path(directory) / "responses.sqlite3")
         server = ProtoServer(
-            SimulatedGenerator(RolloutScript(())), ServerConfig(port=0), store=store
+            SimulatedGenerator(RolloutScript(())),
+            ServerConfig(port=0, permessage_deflate=settings.permessage_deflate),
+            store=store,
         )
         server.observer = probe
         async with trio.open_nursery() as nursery:

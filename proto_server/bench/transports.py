@@ -24,7 +24,10 @@ import attrs
 import h11
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
+from trio_websocket import ConnectionClosed, WebSocketConnection
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import Request
+from wsproto.extensions import PerMessageDeflate
 
 from proto_server.bench.workload import MODEL, Workload
 
@@ -215,19 +218,42 @@ class HttpPrevious(_Http):
 # -- WebSocket -----------------------------------------------------------------------------------
 
 
+async def open_websocket(
+    nursery: trio.Nursery,
+    stream: trio.abc.Stream,
+    host: str,
+    resource: str,
+    *,
+    deflate: bool = False,
+    receive_buffer_size: int = 65536,
+) -> WebSocketConnection:
+    """trio-websocket's `wrap_client_stream`, offering permessage-deflate if `deflate` (as Codex
+    0.171 does): trio-websocket 0.12 offers no extensions, so its handshake request is replaced
+    by one that does before the connection starts."""
+    ws = WebSocketConnection(
+        stream,
+        WSConnection(ConnectionType.CLIENT),
+        host=host,
+        path=resource,
+        message_queue_size=64,
+        max_message_size=MAX_MESSAGE_BYTES,
+        receive_buffer_size=receive_buffer_size,
+    )
+    if deflate:
+        ws._initial_request = Request(host=host, target=resource, extensions=[PerMessageDeflate()])
+    nursery.start_soon(ws._reader_task)
+    await ws._open_handshake.wait()
+    return ws
+
+
 class _WebSocket(Transport):
     resource: ClassVar[str] = "/v1/responses"
+    deflate: ClassVar[bool] = False
 
     async def _open(self, nursery: trio.Nursery, host: str, port: int) -> None:
         assert self.stream is not None
-        self.ws: WebSocketConnection = await wrap_client_stream(
-            nursery,
-            self.stream,  # type: ignore[arg-type]  # any trio Stream works; it counts bytes
-            host,
-            self.resource,
-            message_queue_size=64,
-            max_message_size=MAX_MESSAGE_BYTES,
-            receive_buffer_size=65536,
+        self.ws: WebSocketConnection = await open_websocket(
+            nursery, self.stream, host, self.resource, deflate=self.deflate
         )
 
     async def exchange(self, frame: dict[str, Any]) -> list[dict[str, Any]]:
@@ -263,6 +289,14 @@ class WsLaunched(_WebSocket):
         events = await self.exchange(frame)
         self.previous = _check(events)["response"]["id"]
         return events
+
+
+class WsLaunchedDeflate(WsLaunched):
+    """`ws-launched` offering permessage-deflate, as Codex 0.171 does (`bench.deflate`)."""
+
+    name = "ws-launched-deflate"
+    label = "WebSocket, launched dialect, permessage-deflate offered"
+    deflate = True
 
 
 class WsPrototype(_WebSocket):

@@ -23,7 +23,7 @@ import orjson
 
 from proto_server.core.ids import new_id
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.items import FunctionCall, Item, Message, UnknownItem
+from proto_server.wire.items import FunctionCall, InputText, Item, Message, UnknownItem
 
 #: Bound into every seal, so a MAC made for anything else never verifies as a compaction.
 _DOMAIN = b"proto-server compaction v1\n"
@@ -95,9 +95,17 @@ def compact(items: Sequence[Item], key: CompactionKey) -> tuple[list[Item], str]
     compaction = UnknownItem(
         {"type": "compaction", "id": new_id("cmp"), "encrypted_content": key.seal(summary)}
     )
-    # the API's output messages carry an id and a status: never null
+    # the API's output messages carry an id, a status and a list of parts: never null, and a
+    # string content (the "easy" input form) becomes its one input_text part
     kept: list[Item] = [
-        attrs.evolve(item, id=item.id or new_id("msg"), status=item.status or "completed")
+        attrs.evolve(
+            item,
+            id=item.id or new_id("msg"),
+            status=item.status or "completed",
+            content=(InputText(text=item.content),)
+            if isinstance(item.content, str)
+            else item.content,
+        )
         for item in items
         if isinstance(item, Message) and item.role == "user"
     ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -20,7 +20,7 @@ from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
-from proto_server.wire.tools import FunctionTool, Tool, function_tools
+from proto_server.wire.tools import FunctionTool, Tool, UnknownTool, function_tools
 
 
 @attrs.frozen
@@ -50,9 +50,16 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 
 def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
-    function. Run when a create is accepted, before anything is built for it."""
+    function, a `truncation` the Response can echo. Run when a create is accepted, before
+    anything is built for it."""
     check_tool_schemas(create.tools)
     check_tool_choice(create.tool_choice, create.tools)
+    if create.truncation not in (None, "auto", "disabled"):
+        raise ProtocolError(
+            "invalid_field",
+            f'`truncation` is {quoted(create.truncation)}; send "auto" or "disabled".',
+            param="truncation",
+        )
 
 
 def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
@@ -126,6 +133,26 @@ def echoed_tool(tool: Tool) -> Tool:
     )
 
 
+def echoed_reasoning(reasoning: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """`reasoning` as the API echoes it: both `effort` and `summary`, null when not asked
+    (Codex sends only one of them; a strict client's parser requires both)."""
+    if reasoning is None:
+        return None
+    return {"effort": None, "summary": None, **reasoning}
+
+
+def echoed_text(text: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`text` as the API echoes it: a `format` always (`text` unless one was asked), so a
+    create sending only `{"verbosity": "low"}`, as Codex does, gets a complete object back; a
+    `json_schema` format with all of its fields."""
+    echoed = {"format": {"type": "text"}, **text}
+    form = echoed["format"]
+    if isinstance(form, Mapping) and form.get("type") == "json_schema":
+        # as the API echoes a JSON schema format: every field, null or false when not sent
+        echoed["format"] = {"description": None, "schema": None, "strict": False, **form}
+    return echoed
+
+
 def response_template(
     create: ResponseCreate, *, response_id: str, created_at: int, default_model: str
 ) -> Response:
@@ -133,7 +160,8 @@ def response_template(
     optional = {
         name: value
         for name in (
-            "temperature", "top_p", "text", "truncation", "service_tier", "top_logprobs", "seed",
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "truncation",
+            "service_tier", "top_logprobs", "seed",
         )
         if (value := getattr(create, name)) is not None
     }  # fmt: skip
@@ -143,7 +171,12 @@ def response_template(
         status="in_progress",
         model=create.model or default_model,
         instructions=create.instructions,
-        tools=tuple(echoed_tool(tool) for tool in create.tools),
+        # a tool named by a bare string is served, but no schema has such a tool: not echoed
+        tools=tuple(
+            echoed_tool(tool)
+            for tool in create.tools
+            if not (isinstance(tool, UnknownTool) and isinstance(tool.raw, str))
+        ),
         tool_choice=create.tool_choice,
         parallel_tool_calls=(
             True if create.parallel_tool_calls is None else create.parallel_tool_calls
@@ -153,7 +186,8 @@ def response_template(
         metadata=create.metadata or {},
         max_output_tokens=create.max_output_tokens,
         max_tool_calls=create.max_tool_calls,
-        reasoning=create.reasoning,
+        reasoning=echoed_reasoning(create.reasoning),
+        text=Response.DEFAULT_TEXT if create.text is None else echoed_text(create.text),
         user=create.user,
         prompt_cache_key=create.prompt_cache_key,
         safety_identifier=create.safety_identifier,

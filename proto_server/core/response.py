@@ -16,7 +16,7 @@ of the server, which fails the Response).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -114,8 +114,13 @@ class ResponseMachine:
         response: Response,
         conversation: Conversation,
         suspend_on_tool_calls: bool = True,
+        clock: Callable[[], int] | None = None,
     ) -> None:
+        """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
+        its `created_at`, so the machine stays deterministic where no clock is given."""
         self.id = response.id
+        self._clock = clock or (lambda: response.created_at)
+        self.completed_at: int | None = None
         self.suspend_on_tool_calls = suspend_on_tool_calls
         self._template = response
         self.conversation = conversation
@@ -171,6 +176,7 @@ class ResponseMachine:
                 {"reason": self.incomplete_reason} if self.incomplete_reason is not None else None
             ),
             usage=self.usage(),
+            completed_at=self.completed_at if self.status is Status.COMPLETED else None,
         )
 
     # -- the Response's life -----------------------------------------------------------------
@@ -208,6 +214,7 @@ class ResponseMachine:
             self._move(Status.SUSPENDED)
             return [*events, ResponseDone(response=self.snapshot())]
         self._move(Status.COMPLETED)
+        self.completed_at = self._clock()
         return [*events, ResponseCompleted(response=self.snapshot())]
 
     def fail(self, error: ErrorDetail) -> list[ServerEvent]:

@@ -44,6 +44,7 @@ from proto_server.server.handshake import (
     BadRequestHead,
     ReplayStream,
     RequestHead,
+    accept_upgrade,
     read_request_head,
     upgrade_refusal,
 )
@@ -70,13 +71,18 @@ from proto_server.wire.items import Item
 
 RESPONSES_PATH = "/v1/responses"
 PROTOTYPE_BETA = "responses_websockets=2026-02-04"
+#: What Codex 0.171 sends: the launched protocol (also what a client with no beta header gets).
+LAUNCHED_BETA = "responses_websockets=2026-02-06"
+#: Codex 0.171 reads the largest frame the server takes from this upgrade-response header.
+MAX_MESSAGE_BYTES_HEADER = b"x-codex-websocket-max-message-bytes"
 DialectName = Literal["prototype", "launched"]
 
 
 def select_dialect(head: RequestHead) -> DialectName:
-    """Prototype if the client opts in: Codex's beta header, or this project's own opt-in."""
-    beta = head.header(b"openai-beta") or ""
-    if PROTOTYPE_BETA in beta.replace(" ", "").split(","):
+    """Prototype if the client opts in: Codex 0.107's beta header, or this project's own opt-in.
+    Anything else is launched: Codex 0.171's `LAUNCHED_BETA`, no header, an unknown beta."""
+    betas = (head.header(b"openai-beta") or "").replace(" ", "").split(",")
+    if PROTOTYPE_BETA in betas:
         return "prototype"
     if (head.header(b"x-proto-dialect") or "").lower() == "prototype":
         return "prototype"
@@ -318,7 +324,11 @@ class ProtoServer:
                 await _reject(request, nursery, refusal)
                 return
             dialect_name = select_dialect(head)
-            ws = await request.accept()
+            ws, deflated = await accept_upgrade(
+                request,
+                extra_headers=[(MAX_MESSAGE_BYTES_HEADER, b"%d" % self.config.max_message_bytes)],
+                deflate=self.config.permessage_deflate,
+            )
             connection = Connection(
                 ws,
                 budget=self.connection_budget(),
@@ -329,7 +339,12 @@ class ProtoServer:
             )
             log.info(
                 "connection.opened",
-                extra={"connection": connection.id, "dialect": dialect_name, "path": head.target},
+                extra={
+                    "connection": connection.id,
+                    "dialect": dialect_name,
+                    "path": head.target,
+                    "deflate": deflated,
+                },
             )
             dialect: Dialect
             if dialect_name == "prototype":
@@ -447,6 +462,7 @@ class ProtoServer:
             response=response,
             conversation=conversation,
             suspend_on_tool_calls=suspend_on_tool_calls,
+            clock=lambda: int(time.time()),
         )
 
         async def persist(machine: ResponseMachine) -> None:

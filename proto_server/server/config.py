@@ -37,6 +37,8 @@ class ServerConfig:
     client_queue_events: int = attrs.field(default=256, validator=at_least(1))
     #: When a writer falls behind its client, send the deltas that piled up as one frame.
     merge_deltas: bool = True
+    #: Compress frames with permessage-deflate when the client offers it (Codex 0.171 does).
+    permessage_deflate: bool = False
     #: Chunks the generator may run ahead of the sampling loop.
     chunk_queue: int = attrs.field(default=64, validator=at_least(1))
     #: Time a new connection has to send its request head.

@@ -9,6 +9,9 @@ from __future__ import annotations
 import attrs
 import h11
 import trio
+from trio_websocket import WebSocketConnection, WebSocketRequest
+from wsproto.events import AcceptConnection
+from wsproto.extensions import PerMessageDeflate
 
 from proto_server.wire.errors import ProtocolError
 
@@ -118,3 +121,27 @@ def upgrade_refusal(head: RequestHead) -> ProtocolError | None:
     if (head.header(b"sec-websocket-version") or "").strip() != "13":
         return refuse("this server speaks `Sec-WebSocket-Version: 13` only", status=426)
     return None
+
+
+async def accept_upgrade(
+    request: WebSocketRequest,
+    *,
+    extra_headers: list[tuple[bytes, bytes]],
+    deflate: bool,
+) -> tuple[WebSocketConnection, bool]:
+    """Accept a WebSocket upgrade, with permessage-deflate (RFC 7692) if `deflate` and the
+    client offers it (wsproto negotiates it; a client that does not offer it gets none).
+    Returns the connection and whether its frames are compressed.
+
+    trio-websocket 0.12 takes no extensions on accept, so with `deflate` this does what its
+    `WebSocketRequest.accept` does, with wsproto's `PerMessageDeflate` added to the answer.
+    """
+    if not deflate:
+        return await request.accept(extra_headers=extra_headers), False
+    extension = PerMessageDeflate()
+    connection = request._connection
+    connection._subprotocol = None
+    connection._path = request._event.target
+    await connection._send(AcceptConnection(extra_headers=extra_headers, extensions=[extension]))
+    connection._open_handshake.set()
+    return connection, extension.enabled()

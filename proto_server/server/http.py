@@ -36,6 +36,7 @@ from proto_server.wire.converter import converter, decode_request_body, encode_s
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
+from proto_server.wire.response import Usage
 
 if TYPE_CHECKING:
     from proto_server.server.app import ProtoServer
@@ -441,13 +442,13 @@ class _Exchange:
                 "created_at": int(time.time()),
                 "model": create.model,
                 "output": converter.unstructure(output),
-                "usage": {
-                    "input_tokens": input_tokens,
-                    "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens": output_tokens,
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": input_tokens + output_tokens,
-                },
+                "usage": converter.unstructure(
+                    Usage(
+                        input_tokens=input_tokens,
+                        output_tokens=output_tokens,
+                        total_tokens=input_tokens + output_tokens,
+                    )
+                ),
             },
         )
         log.debug("http.compact", extra={"items": len(items), "summary": summary})

@@ -3,7 +3,9 @@
 `StreamChecker` follows one connection: feed it every frame the client sent (`sent`) and every
 event the server sent (`received`), in the order the client saw them, and it raises
 `InvariantViolation` at the first event that breaks the protocol's ordering promises.
-`CheckedClient` is a small WebSocket client that does the feeding for you.
+`CheckedClient` is a small WebSocket client that does the feeding for you. `wire_schema()`
+validates events and bodies against the published Open Responses schema (needs `jsonschema`);
+give it to a checker (`schema=`) to hold a stream to it too.
 """
 
 from proto_server.testing.checker import (
@@ -13,12 +15,16 @@ from proto_server.testing.checker import (
     o200k_count,
 )
 from proto_server.testing.client import CheckedClient, connect_checked
+from proto_server.testing.schema import SchemaViolation, WireSchema, wire_schema
 
 __all__ = [
     "INVARIANTS",
     "CheckedClient",
     "InvariantViolation",
+    "SchemaViolation",
     "StreamChecker",
+    "WireSchema",
     "connect_checked",
     "o200k_count",
+    "wire_schema",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import attrs
 import orjson
@@ -34,6 +34,9 @@ from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
 from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
+
+if TYPE_CHECKING:
+    from proto_server.testing.schema import Transport, WireSchema
 
 Dialect = Literal["prototype", "launched"]
 
@@ -45,6 +48,7 @@ INVARIANTS: Mapping[int, str] = {
     5: "every answered call_id belonged to a call that was emitted and not yet answered",
     6: "usage adds up",
     7: "every client frame gets its effect or exactly one error; a refused frame changes nothing",
+    8: "every event validates against the published schema (checked when a schema is given)",
 }
 
 TERMINAL_EVENTS: Mapping[str, str] = {
@@ -167,10 +171,16 @@ class StreamChecker:
         dialect: Dialect = "prototype",
         count_tokens: Callable[[str], int] | None = None,
         unsolicited_errors: Iterable[str] = ("websocket_connection_limit_reached",),
+        schema: WireSchema | None = None,
+        transport: Transport = "websocket",
     ) -> None:
         """`count_tokens` (e.g. `o200k_count`) makes `output_tokens` checked exactly;
-        `unsolicited_errors` are error codes the server may send without a frame asking."""
+        `unsolicited_errors` are error codes the server may send without a frame asking;
+        `schema` (`proto_server.testing.schema.wire_schema()`, needs `jsonschema`) checks every
+        event against the published schema too (invariant 8), as sent over `transport`."""
         self.dialect = dialect
+        self.schema = schema
+        self.transport: Transport = transport
         self.count_tokens = count_tokens
         self.unsolicited_errors = frozenset(unsolicited_errors)
         self.next_sequence = 0
@@ -219,6 +229,10 @@ class StreamChecker:
         """An event the server sent, as its frame text or decoded into a JSON object."""
         obj: Mapping[str, Any] = orjson.loads(event) if isinstance(event, str | bytes) else event
         self._event = obj
+        if self.schema is not None:
+            errors = self.schema.event_errors(obj, transport=self.transport)
+            if errors:
+                self._fail(8, "; ".join(errors[:3]))
         number = obj.get("sequence_number")
         if number != self.next_sequence:
             self._fail(1, f"expected sequence_number {self.next_sequence}, got {number!r}")

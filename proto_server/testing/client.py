@@ -10,6 +10,7 @@ import orjson
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from proto_server.testing.checker import TERMINAL_EVENTS, Dialect, StreamChecker, o200k_count
+from proto_server.testing.schema import WireSchema
 
 #: What ends a segment from the client's side: a suspension, the Response's end, or an error.
 SEGMENT_END = frozenset({"response.done", "error", *TERMINAL_EVENTS})
@@ -54,15 +55,17 @@ async def connect_checked(
     dialect: Dialect = "prototype",
     count_tokens: Callable[[str], int] | None = o200k_count,
     headers: Sequence[tuple[str, str]] = (),
+    schema: WireSchema | None = None,
     **options: Any,
 ) -> AsyncIterator[CheckedClient]:
     """Connect to `url`; on a clean exit the checker's `finish()` runs (every frame answered,
     unless the server closed the connection).
 
     `count_tokens=None` skips the exact `output_tokens` check (for servers with another
-    tokenizer); `options` go to trio-websocket's `open_websocket_url`.
+    tokenizer); `schema` (`wire_schema()`) checks every event against the published schema;
+    `options` go to trio-websocket's `open_websocket_url`.
     """
-    checker = StreamChecker(dialect=dialect, count_tokens=count_tokens)
+    checker = StreamChecker(dialect=dialect, count_tokens=count_tokens, schema=schema)
     encoded = [(name.encode(), value.encode()) for name, value in headers]
     async with open_websocket_url(url, extra_headers=encoded, **options) as ws:
         client = CheckedClient(ws, checker)

@@ -45,8 +45,12 @@ class ResponseCreate:
     # carried through to the Response object, not interpreted
     temperature: float | None = None
     top_p: float | None = None
-    reasoning: Any = None
-    text: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    #: Objects, as the Response echoes them (a string or a number here is refused).
+    reasoning: Mapping[str, Any] | None = None
+    text: Mapping[str, Any] | None = None
+    #: `auto` or `disabled` (checked by `check_create`).
     truncation: str | None = None
     user: str | None = None
     service_tier: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -15,6 +15,8 @@ from proto_server.wire.tools import Tool
 @attrs.frozen(kw_only=True)
 class InputTokensDetails:
     cached_tokens: int = 0
+    #: OpenAI's API requires it (openai-python 3.57); this server writes no cache it bills.
+    cache_write_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -35,9 +37,14 @@ class Usage:
 class Response:
     """Every field the published Responses API schema requires; nullable ones as null."""
 
+    #: What `text` is when a request sets none.
+    DEFAULT_TEXT: ClassVar[Mapping[str, Any]] = {"format": {"type": "text"}}
+
     id: str
     object: str = "response"
     created_at: int
+    #: When it completed (unix seconds); null unless `status` is `completed`.
+    completed_at: int | None = None
     status: str
     background: bool = False
     error: ErrorDetail | None = None
@@ -48,6 +55,8 @@ class Response:
     model: str
     output: tuple[Item, ...] = ()
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
     reasoning: Any = None
@@ -55,7 +64,7 @@ class Response:
     service_tier: str = "default"
     store: bool = True
     temperature: float = 1.0
-    text: Any = attrs.field(factory=lambda: {"format": {"type": "text"}})
+    text: Any = attrs.field(factory=lambda: dict(Response.DEFAULT_TEXT))
     tool_choice: Any = "auto"
     tools: tuple[Tool, ...] = ()
     top_logprobs: int = 0
