@@ -8,12 +8,13 @@ import gc
 import os
 import re
 import signal
+import socket
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
@@ -38,6 +39,8 @@ from proto_server.server.store import (
     is_postgres_url,
     redact,
 )
+
+E = TypeVar("E", bound=BaseException)
 
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
@@ -246,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
     )
+    serve.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="server processes on one port, supervised (a worker that dies is started again); "
+        "each keeps its own connections, warm rollouts and suspended Responses, and every "
+        "limit (--max-connections, --max-memory, --max-suspended-rollouts, ...) is per worker",
+    )
+    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument(
         "--max-connections",
         type=int,
@@ -571,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
+    if args.workers > 1 and args.listen_fd is None:
+        return _supervise(args, list(sys.argv[1:] if argv is None else argv))
     retention = {
         "max_responses": args.store_max_responses,
         "max_age_s": args.store_max_age * 24 * 3600,
@@ -626,7 +641,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator = SimulatedGenerator(planner, timing, prefix_cache=cache)
         what = f"simulated GPU with {model}"
-    server = ProtoServer(generator, config, store=store, compaction_secret=secret)
+    listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    server = ProtoServer(
+        generator, config, store=store, compaction_secret=secret, listener=listener
+    )
     # What start-up loaded (a tokenizer, transformers, torch: millions of objects) lives as long
     # as the process; frozen, the cyclic collector stops re-scanning it at every full collection,
     # which was 40% of the server's CPU per turn in front of vLLM.
@@ -641,6 +659,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--workers N`: bind the port here, run N workers on it (workers.py)."""
+    from proto_server.server.workers import Supervisor, WorkerFailed, bind
+
+    try:
+        listener = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; pick "
+              "another --port (0 picks a free one)", file=sys.stderr)  # fmt: skip
+        return 1
+
+    def command(fd: int) -> list[str]:  # the same serve, one worker on the inherited socket
+        return [sys.executable, "-m", "proto_server", *argv, "--workers", "1", "--listen-fd",
+                str(fd)]  # fmt: skip
+
+    supervisor = Supervisor(command, args.workers, listener)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            address: BoundAddress = await nursery.start(supervisor.run)
+            print(f"proto-server listening on {address.http_url} (WebSocket {address.ws_url}; "
+                  f"{args.workers} workers of {args.generator})", flush=True)  # fmt: skip
+
+    failed: list[WorkerFailed] = []
+    try:
+        trio.run(run)
+    except* WorkerFailed as group:
+        failed += _leaves(group, WorkerFailed)
+    finally:
+        listener.close()
+    if failed:
+        print(f"proto-server: a worker could not start (exit {failed[0].status}); see what it "
+              "said above", file=sys.stderr)  # fmt: skip
+        return failed[0].status or 1
+    return supervisor.status
+
+
+def _leaves(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
+    """The exceptions of `kind` in a (nested) exception group."""
+    found: list[E] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found += _leaves(exc, kind)
+        elif isinstance(exc, kind):
+            found.append(exc)
+    return found
 
 
 def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hmac
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -115,8 +116,11 @@ class ProtoServer:
         renderer: Renderer | None = None,
         store: ResponseStore | None = None,
         compaction_secret: bytes | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        #: A socket bound by someone else (the supervisor of `--workers`): accept on it instead.
+        self._listener = listener
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
         self.store: ResponseStore = store or SQLiteStore(
@@ -199,6 +203,12 @@ class ProtoServer:
     ) -> None:
         config = self.config
         with self._listening:  # cancelled: the listening sockets close, connections go on
+            if self._listener is not None:
+                listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._listener))
+                await trio.serve_listeners(
+                    self._handle, [listener], handler_nursery=handlers, task_status=task_status
+                )
+                return
             await trio.serve_tcp(
                 self._handle,
                 config.port,
