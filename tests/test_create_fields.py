@@ -294,6 +294,8 @@ async def test_a_turn_over_its_threshold_is_compacted_then_served_and_chained_wa
     end_2 = compacted + tokens(r2["output"][1:])
     assert r3["usage"]["input_tokens_details"]["cached_tokens"] == end_2
     assert [t.source for t in running.server.turns] == ["fresh", "compacted", "cache"]
+    # what the server rendered: the new input, then the compacted prompt
+    assert running.server.turns[1].rendered_input_tokens == tokens(answers(first)) + compacted
     await running.server.wait_idle()
 
 

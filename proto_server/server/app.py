@@ -427,11 +427,13 @@ class ProtoServer:
             size=size + 1024 * len(history),
         )
         compaction = None
+        discarded = 0  # tokens rendered for a prompt that compaction replaced: work all the same
         threshold = compaction_threshold(create)
         warm = rollout.conversation.token_count if rollout is not None else 0
         if threshold is not None and warm + prepared.tokens > threshold:
             # the prompt is over the client's threshold: served from its compaction, cold
             items = rollout.conversation.items if rollout is not None else prepared.history.items
+            discarded = prepared.tokens
             prepared, compaction = await self.offload.run(
                 compact_turn,
                 self.renderer,
@@ -447,7 +449,7 @@ class ProtoServer:
         budget.check(prepared.nbytes, "This request")
         if rollout is None:
             rollout = self.new_rollout(create, budget, prepared.prefix)
-            rendered_mark = 0
+            rendered_mark = -discarded
             rollout.conversation.extend_rendered(prepared.history)
         else:
             rendered_mark = rollout.conversation.rendered_tokens
