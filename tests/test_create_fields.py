@@ -362,9 +362,14 @@ async def test_a_non_streamed_compacted_response_and_a_compacted_warm_up(
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     url = f"{running.address.http_url}/responses"
+    prompt = prefix_tokens() + tokens([USER])
     with trio.fail_after(20):
         async with httpx.AsyncClient() as http:
-            answer = await http.post(url, json=body(context_management=compaction(COMPACT_AT)))
+            # a prompt of exactly the threshold has not passed it
+            at = (await http.post(url, json=body(context_management=compaction(prompt)))).json()
+            assert [i["type"] for i in at["output"]] == ["message", "function_call"]
+            assert at["usage"]["input_tokens"] == prompt
+            answer = await http.post(url, json=body(context_management=compaction(prompt - 1)))
             response = answer.json()
             assert [i["type"] for i in response["output"]] == [
                 "compaction",
