@@ -17,6 +17,7 @@ import hashlib
 import hmac
 from collections import Counter
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import attrs
 import orjson
@@ -71,8 +72,12 @@ class CompactionKey:
     def _tag(self, body: bytes) -> bytes:
         return hmac.new(self.secret, _DOMAIN + body, hashlib.sha256).digest()
 
-    def seal(self, summary: str) -> str:
-        body = orjson.dumps({"summary": summary})
+    def seal(self, summary: str, *, model_turns: int = 0, tool_outputs: int = 0) -> str:
+        """`model_turns`, `tool_outputs`: what the summarized items counted, so a model that
+        plans from those counts (a rollout script) goes on where the history was."""
+        body = orjson.dumps(
+            {"summary": summary, "model_turns": model_turns, "tool_outputs": tool_outputs}
+        )
         return f"{_b64(body)}.{_b64(self._tag(body))}"
 
     def open(self, sealed: object) -> str | None:
@@ -89,11 +94,16 @@ def summarize(items: Sequence[Item]) -> str:
     return f"Compacted {len(items)} earlier items; tools used: {used}."
 
 
-def compact(items: Sequence[Item], key: CompactionKey) -> tuple[list[Item], str]:
-    """The compacted history (user messages kept, the rest summarized) and the summary."""
+def compact(
+    items: Sequence[Item], key: CompactionKey, *, model_turns: int = 0, tool_outputs: int = 0
+) -> tuple[list[Item], str]:
+    """The compacted history (user messages kept, the rest summarized) and the summary;
+    `model_turns` and `tool_outputs` (what `items` count, see `conversation.counted`) are
+    sealed with it."""
     summary = summarize(items)
+    sealed = key.seal(summary, model_turns=model_turns, tool_outputs=tool_outputs)
     compaction = UnknownItem(
-        {"type": "compaction", "id": new_id("cmp"), "encrypted_content": key.seal(summary)}
+        {"type": "compaction", "id": new_id("cmp"), "encrypted_content": sealed}
     )
     # the API's output messages carry an id, a status and a list of parts: never null, and a
     # string content (the "easy" input form) becomes its one input_text part
@@ -112,10 +122,20 @@ def compact(items: Sequence[Item], key: CompactionKey) -> tuple[list[Item], str]
     return [*kept, compaction], summary
 
 
+def is_compaction(item: Item) -> TypeGuard[UnknownItem]:
+    return isinstance(item, UnknownItem) and item.type == "compaction"
+
+
+def compacted_prompt(output: Sequence[Item]) -> bool:
+    """Whether a Response with this `output` was served from a compacted history: server-side
+    compaction makes a compaction item its first output (a client's are only ever input)."""
+    return bool(output) and is_compaction(output[0])
+
+
 def check_compactions(items: Sequence[Item], key: CompactionKey, *, field: str = "input") -> None:
     """Refuse any compaction item among a client's `items` whose seal does not verify."""
     for index, item in enumerate(items):
-        if not (isinstance(item, UnknownItem) and item.type == "compaction"):
+        if not is_compaction(item):
             continue
         if key.open(item.raw.get("encrypted_content")) is None:
             raise ProtocolError(
@@ -132,3 +152,20 @@ def summary_of(item: UnknownItem) -> str | None:
     """The summary a sealed compaction item carries (its seal was checked where it entered)."""
     parts = _body(item.raw.get("encrypted_content"))
     return None if parts is None else _summary(parts[0])
+
+
+def counts_of(item: UnknownItem) -> tuple[int, int]:
+    """The model turns and tool outputs a sealed compaction item stands for (0, 0 if it says
+    nothing: items sealed before it did)."""
+    parts = _body(item.raw.get("encrypted_content"))
+    try:
+        data = orjson.loads(parts[0]) if parts is not None else None
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        return 0, 0
+    turns, outputs = data.get("model_turns"), data.get("tool_outputs")
+    return (
+        turns if isinstance(turns, int) and turns > 0 else 0,
+        outputs if isinstance(outputs, int) and outputs > 0 else 0,
+    )

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import orjson
 
+from proto_server.core.compaction import counts_of, is_compaction
 from proto_server.core.render import Renderer
 from proto_server.wire.items import (
     CustomToolCall,
@@ -122,6 +123,10 @@ def render_items(renderer: Renderer, items: Iterable[Item]) -> RenderedItems:
             model_end = len(tokens)
         elif isinstance(item, FunctionCallOutput | CustomToolCallOutput):
             tool_outputs += 1
+        elif is_compaction(item):  # it stands for the turns and outputs it summarized
+            turns, outputs = counts_of(item)
+            model_runs += turns
+            tool_outputs += outputs
         previous = model
     return RenderedItems(
         kept,
@@ -133,6 +138,23 @@ def render_items(renderer: Renderer, items: Iterable[Item]) -> RenderedItems:
         last_is_model=previous,
         model_end=model_end,
     )
+
+
+def counted(items: Iterable[Item]) -> tuple[int, int]:
+    """The model turns (runs of model items) and the tool outputs among `items`, as a
+    Conversation holding them counts them; what a compaction of them seals."""
+    turns = outputs = 0
+    previous = False
+    for item in items:
+        model = is_model_item(item)
+        turns += model and not previous
+        if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+            outputs += 1
+        elif is_compaction(item):
+            more_turns, more_outputs = counts_of(item)
+            turns, outputs = turns + more_turns, outputs + more_outputs
+        previous = model
+    return turns, outputs
 
 
 class Conversation:

@@ -7,9 +7,11 @@ from typing import Any, Literal
 
 import attrs
 
+from proto_server.core.compaction import CompactionKey, compact, is_compaction
 from proto_server.core.conversation import (
     TOKEN_BYTES,
     RenderedItems,
+    counted,
     item_bytes,
     prefix_bytes,
     render_items,
@@ -18,7 +20,8 @@ from proto_server.core.render import Renderer
 from proto_server.core.tool_schema import check_tool_schemas
 from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
-from proto_server.wire.items import Item, Message
+from proto_server.wire.items import Item, Message, UnknownItem
+from proto_server.wire.options import PromptCacheOptions
 from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool, function_tools
 
@@ -50,16 +53,120 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 
 def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
-    function, a `truncation` the Response can echo. Run when a create is accepted, before
+    function, the values of `prompt_cache_options` and `context_management`, `conversation`
+    (refused), a `truncation` the Response can echo. Run when a create is accepted, before
     anything is built for it."""
     check_tool_schemas(create.tools)
     check_tool_choice(create.tool_choice, create.tools)
+    check_prompt_cache_options(create.prompt_cache_options)
+    compaction_threshold(create)
+    check_conversation(create)
     if create.truncation not in (None, "auto", "disabled"):
         raise ProtocolError(
             "invalid_field",
             f'`truncation` is {quoted(create.truncation)}; send "auto" or "disabled".',
             param="truncation",
         )
+
+
+#: What `prompt_cache_options` may say beyond `prewarm` (the API's values).
+CACHE_TTLS = ("30m", "12h")
+CACHE_MODES = ("implicit", "explicit")
+
+
+def check_prompt_cache_options(options: PromptCacheOptions | None) -> None:
+    """`ttl` and `mode` hold one of the API's values. They ask nothing this server must do (its
+    warm state lives as long as the connection, or the store's retention), so they are only
+    checked; `prewarm` is read by `warmup_field`."""
+    if options is None:
+        return
+    for name, value, allowed in (
+        ("ttl", options.ttl, CACHE_TTLS),
+        ("mode", options.mode, CACHE_MODES),
+    ):
+        if value is not None and value not in allowed:
+            raise ProtocolError(
+                "invalid_field",
+                f"`prompt_cache_options.{name}` is {quoted(value)}; it must be one of "
+                f"{', '.join(map(repr, allowed))}.",
+                param=f"prompt_cache_options.{name}",
+            )
+
+
+def warmup_field(create: ResponseCreate) -> str | None:
+    """The field that makes `create` a warm-up (state built and prefilled, nothing generated),
+    or None: `prompt_cache_options.prewarm: true`, which overrides `generate`, or
+    `generate: false`."""
+    options = create.prompt_cache_options
+    if options is not None and options.prewarm:
+        return "prompt_cache_options.prewarm"
+    return "generate" if create.generate is False else None
+
+
+def is_warmup(create: ResponseCreate) -> bool:
+    return warmup_field(create) is not None
+
+
+def compaction_threshold(create: ResponseCreate) -> int | None:
+    """The prompt size in tokens past which this turn is compacted before the model reads it
+    (`context_management: [{"type": "compaction", "compact_threshold": N}]`), or None; raises
+    for an entry this server cannot honour, so no request for compaction is silently dropped."""
+    threshold = None
+    for index, entry in enumerate(create.context_management or ()):
+        param = f"context_management[{index}]"
+        if entry.type != "compaction":
+            raise ProtocolError(
+                "invalid_field",
+                f"`{param}.type` is {quoted(entry.type)}; the only context management this "
+                'server does is "compaction".',
+                param=f"{param}.type",
+            )
+        if threshold is not None:
+            raise ProtocolError(
+                "invalid_field",
+                f"`{param}` is a second compaction entry; send one.",
+                param=param,
+            )
+        if entry.compact_threshold is None or entry.compact_threshold < 1:
+            got = "missing" if entry.compact_threshold is None else str(entry.compact_threshold)
+            raise ProtocolError(
+                "invalid_field",
+                f"`{param}.compact_threshold` is {got}; it must be a positive number of tokens "
+                "(this server knows no context window to derive one from).",
+                param=f"{param}.compact_threshold",
+            )
+        threshold = entry.compact_threshold
+    return threshold
+
+
+#: Why the prototype dialect refuses `context_management`.
+PROTOTYPE_COMPACTION = (
+    "its one Response keeps the model's state warm across tool calls, and compacting would "
+    "replace that state in the middle of it; compact between Responses with "
+    "POST /v1/responses/compact"
+)
+
+
+def check_conversation(create: ResponseCreate) -> None:
+    """`conversation` is refused: this server keeps chains of Responses, not Conversation
+    objects (there is no /v1/conversations to make one), so an id names nothing here, and a
+    create that asked to be added to one must not be served as if it had been."""
+    conversation = create.conversation
+    if conversation is None:
+        return
+    valid = isinstance(conversation, str) or (
+        isinstance(conversation, dict) and isinstance(conversation.get("id"), str)
+    )
+    if not valid:
+        problem = 'must be a conversation id or {"id": ID}'
+    elif create.previous_response_id is not None:
+        problem = "cannot be used together with `previous_response_id`"
+    else:
+        problem = (
+            "is not supported by this server: it stores chains of responses, not conversations. "
+            "Chain with `previous_response_id` (store: true), or send the history in `input`"
+        )
+    raise ProtocolError("invalid_field", f"`conversation` {problem}.", param="conversation")
 
 
 def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
@@ -100,10 +207,14 @@ class PreparedInput:
     input: RenderedItems
 
     @property
+    def tokens(self) -> int:
+        """The tokens it adds to a conversation."""
+        return len(self.prefix or ()) + len(self.history.tokens) + len(self.input.tokens)
+
+    @property
     def nbytes(self) -> int:
         """About how much memory it adds to a conversation (items and tokens)."""
-        tokens = len(self.prefix or ()) + len(self.history.tokens) + len(self.input.tokens)
-        return self.history.nbytes + self.input.nbytes + TOKEN_BYTES * tokens
+        return self.history.nbytes + self.input.nbytes + TOKEN_BYTES * self.tokens
 
 
 def request_bytes(create: ResponseCreate) -> int:
@@ -120,6 +231,28 @@ def prepare_input(
     return PreparedInput(
         prefix, render_items(renderer, history), render_items(renderer, input_items(create))
     )
+
+
+def prepare_compacted(
+    renderer: Renderer, create: ResponseCreate, history: Sequence[Item]
+) -> PreparedInput:
+    """Render a compacted history, cold (the prompt changed, so nothing of it is warm); the
+    create's input is inside it already."""
+    prefix = renderer.render_prefix(create.instructions, create.tools)
+    return PreparedInput(prefix, render_items(renderer, history), render_items(renderer, ()))
+
+
+def compact_turn(
+    renderer: Renderer, create: ResponseCreate, items: Sequence[Item], key: CompactionKey
+) -> tuple[PreparedInput, UnknownItem]:
+    """Server-side compaction of a turn whose prompt holds `items` (history and new input):
+    what /v1/responses/compact would return for them (the user's messages, then a sealed
+    compaction item), rendered cold, and that item. Pure, so it may run on a worker thread."""
+    turns, outputs = counted(items)
+    history, _ = compact(items, key, model_turns=turns, tool_outputs=outputs)
+    item = history[-1]
+    assert is_compaction(item)
+    return prepare_compacted(renderer, create, history), item
 
 
 def echoed_tool(tool: Tool) -> Tool:

@@ -25,6 +25,7 @@ from proto_server.core.conversation import Conversation, RenderedItems
 from proto_server.core.ids import new_id
 from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
 from proto_server.wire.events import (
+    CompactionCompacting,
     ContentPartAdded,
     ContentPartDone,
     FunctionCallArgumentsDelta,
@@ -49,6 +50,7 @@ from proto_server.wire.items import (
     Item,
     Message,
     OutputText,
+    UnknownItem,
 )
 from proto_server.wire.response import InputTokensDetails, Response, Usage
 
@@ -115,12 +117,16 @@ class ResponseMachine:
         conversation: Conversation,
         suspend_on_tool_calls: bool = True,
         clock: Callable[[], int] | None = None,
+        compaction: UnknownItem | None = None,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
-        its `created_at`, so the machine stays deterministic where no clock is given."""
+        its `created_at`, so the machine stays deterministic where no clock is given.
+        `compaction`: the item of a server-side compaction that made `conversation` (which
+        holds it already); `start` streams it as the first output item."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self.completed_at: int | None = None
+        self._compaction = compaction
         self.suspend_on_tool_calls = suspend_on_tool_calls
         self._template = response
         self.conversation = conversation
@@ -183,7 +189,21 @@ class ResponseMachine:
 
     def start(self) -> list[ServerEvent]:
         snapshot = self.snapshot()
-        return [ResponseCreated(response=snapshot), ResponseInProgress(response=snapshot)]
+        events: list[ServerEvent] = [
+            ResponseCreated(response=snapshot),
+            ResponseInProgress(response=snapshot),
+        ]
+        item, self._compaction = self._compaction, None
+        if item is not None:  # in the conversation already: only the output gets it
+            index = len(self._output)
+            self._output.append(item)
+            item_id = str(item.raw.get("id"))
+            events += [
+                OutputItemAdded(output_index=index, item=item),
+                CompactionCompacting(item_id=item_id, output_index=index),
+                OutputItemDone(output_index=index, item=item),
+            ]
+        return events
 
     def begin_segment(self, *, prompt_tokens: int, cached_tokens: int) -> None:
         """The generator prefilled a prompt of which `cached_tokens` were already warm."""

@@ -31,6 +31,8 @@ from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
     ToolChoice,
     check_create,
+    compact_turn,
+    compaction_threshold,
     input_items,
     parse_tool_choice,
     prepare_input,
@@ -449,15 +451,36 @@ class ProtoServer:
             history,
             size=size + 1024 * len(history),
         )
+        compaction = None
+        discarded = 0  # tokens rendered for a prompt that compaction replaced: work all the same
+        threshold = compaction_threshold(create)
+        warm = rollout.conversation.token_count if rollout is not None else 0
+        if threshold is not None and warm + prepared.tokens > threshold:
+            # the prompt is over the client's threshold: served from its compaction, cold
+            items = rollout.conversation.items if rollout is not None else prepared.history.items
+            discarded = prepared.tokens
+            prepared, compaction = await self.offload.run(
+                compact_turn,
+                self.renderer,
+                create,
+                [*items, *prepared.input.items],
+                self.compaction_key,
+                size=size + 1024 * len(items),
+            )
+            source = "compacted"
+            if rollout is not None:
+                await rollout.aclose()  # its state is of a prompt no longer served
+                rollout = None
         budget.check(prepared.nbytes, "This request")
         if rollout is None:
             rollout = self.new_rollout(create, budget, prepared.prefix)
-            rendered_mark = 0
+            rendered_mark = -discarded
             rollout.conversation.extend_rendered(prepared.history)
         else:
             rendered_mark = rollout.conversation.rendered_tokens
         conversation = rollout.conversation
-        first_item = len(conversation.items)
+        # a compacted Response stores the history it was served from: a chain restarts there
+        first_item = 0 if compaction is not None else len(conversation.items)
         conversation.extend_rendered(prepared.input)
         rollout.account()
         if self.observer is not None:
@@ -473,6 +496,7 @@ class ProtoServer:
             conversation=conversation,
             suspend_on_tool_calls=suspend_on_tool_calls,
             clock=lambda: int(time.time()),
+            compaction=compaction,
         )
 
         async def persist(machine: ResponseMachine) -> None:

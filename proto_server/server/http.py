@@ -22,10 +22,10 @@ import orjson
 import trio
 
 from proto_server.core.compaction import check_compactions, compact
-from proto_server.core.conversation import Conversation
+from proto_server.core.conversation import Conversation, counted
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
-from proto_server.core.request import input_items
+from proto_server.core.request import input_items, is_warmup
 from proto_server.engine.base import ProbedGenerator
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
@@ -343,7 +343,7 @@ class _Exchange:
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_run_and_release, loop, create.generate is False)
+            nursery.start_soon(_run_and_release, loop, is_warmup(create))
             async with receive:
                 if create.stream:
                     await self._stream_events(receive)
@@ -425,7 +425,10 @@ class _Exchange:
         new_items = input_items(create)
         check_compactions(new_items, self.server.compaction_key)
         items = [*await self._history(create.previous_response_id), *new_items]
-        output, summary = compact(items, self.server.compaction_key)
+        turns, outputs = counted(items)
+        output, summary = compact(
+            items, self.server.compaction_key, model_turns=turns, tool_outputs=outputs
+        )
         input_tokens, output_tokens = await self.server.offload.run(
             _count_tokens,
             self.server.renderer,

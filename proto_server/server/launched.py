@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from proto_server.core.request import is_warmup
 from proto_server.core.response import Status
 from proto_server.server.logs import log
 from proto_server.server.rollout import Rollout
@@ -152,7 +153,7 @@ class LaunchedDialect:
         self.current = loop
         completed = False
         try:
-            if create.generate is False:
+            if is_warmup(create):
                 await loop.run_warmup()
             else:
                 await loop.run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
-from proto_server.core.request import check_tool_choice
+from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
@@ -97,11 +97,13 @@ class PrototypeDialect:
             raise _unsupported(
                 "previous_response_id", "a prototype Response continues with response.append"
             )
-        if create.generate is False:
-            raise _unsupported("generate", "warm-ups belong to the launched dialect")
+        if (warmup := warmup_field(create)) is not None:
+            raise _unsupported(warmup, "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
         await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
+        if create.context_management:  # valid (checked above), and not for this dialect
+            raise _unsupported("context_management", PROTOTYPE_COMPACTION)
         loop = await self._server.begin_response(
             create,
             self._connection.events,

@@ -27,6 +27,7 @@ import attrs
 import orjson
 import trio
 
+from proto_server.core.compaction import compacted_prompt
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.items import Item
@@ -353,4 +354,10 @@ class SQLiteStore:
 
 
 def chain_items(chain: Sequence[StoredResponse]) -> list[Item]:
-    return [item for stored in chain for item in stored.items]
+    """The history a chain holds: its items in order, from its latest Response served from a
+    compacted history (which stored that history) on."""
+    start = max(
+        (index for index, stored in enumerate(chain) if compacted_prompt(stored.response.output)),
+        default=0,
+    )
+    return [item for stored in chain[start:] for item in stored.items]

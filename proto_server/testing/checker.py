@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import attrs
 import orjson
 
-from proto_server.core.request import check_create, input_items, parse_tool_choice
+from proto_server.core.request import check_create, input_items, is_warmup, parse_tool_choice
 from proto_server.wire.converter import decode_client_event, unstructure
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
@@ -631,7 +631,9 @@ class StreamChecker:
         if isinstance(event, ResponseCreate):
             if view.phase != "none":
                 return "concurrent_request"
-            if event.previous_response_id is not None or event.generate is False:
+            if event.previous_response_id is not None or is_warmup(event):
+                return "invalid_field"
+            if event.context_management:
                 return "invalid_field"
             return "invalid_field" if event.background else _refusal(event)
         if view.phase in ("none", "ending"):

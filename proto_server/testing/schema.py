@@ -6,11 +6,13 @@ define the Response object, the items and every streamed event. `WireSchema` val
 them with `jsonschema` (draft 2020-12; `$ref`s resolved through one `referencing` registry,
 built once), so a strict client's parser would accept what passes.
 
-Four overlays on the published document, each explicit here and in the README:
+Five overlays on the published document, each explicit here and in the README:
 
 - `EXTENSION_EVENTS`: this project's events that the schema does not define (`response.done`,
   `response.cancelled`), checked against schemas of their own whose `response` is still a
-  published `ResponseResource`. They are the only events outside the schema.
+  published `ResponseResource`. They are the only events outside the schema, beside
+- `OPENAI_EVENTS`: OpenAI's own events the document does not define yet
+  (`response.compaction.compacting`), held to the shape OpenAI documents.
 - `OPENAI_REQUIRES`: what OpenAI's own API requires beyond the document (openai-python 3.57's
   `ResponseUsage` requires `input_tokens_details.cache_write_tokens`).
 - Carried tools: the document's `Tool` is only `FunctionTool`; tools of other types a client
@@ -82,6 +84,24 @@ EXTENSION_EVENTS: Mapping[str, Extension] = {
     "response.cancelled": Extension(
         why="the answer to this project's response.cancel",
         schema=response_event("response.cancelled", "cancelled"),
+    ),
+}
+
+#: OpenAI's own server events that the Open Responses document does not define yet (PROTOCOL.md
+#: section 7, openai-python 3.57's types): held to their shape as OpenAI documents it.
+OPENAI_EVENTS: Mapping[str, Extension] = {
+    "response.compaction.compacting": Extension(
+        why="context_management compaction began (openai-python ResponseCompactionCompactingEvent)",
+        schema={
+            "type": "object",
+            "required": ["type", "sequence_number", "item_id", "output_index"],
+            "properties": {
+                "type": {"const": "response.compaction.compacting"},
+                "sequence_number": {"type": "integer", "minimum": 0},
+                "item_id": {"type": "string"},
+                "output_index": {"type": "integer", "minimum": 0},
+            },
+        },
     ),
 }
 
@@ -180,7 +200,9 @@ class WireSchema:
             kind: validator(ref(name)) for kind, name in _event_components(doc).items()
         }
         self.websocket_error = validator(ref("WebSocketErrorEvent"))
-        self.extensions = {kind: validator(e.schema) for kind, e in EXTENSION_EVENTS.items()}
+        self.extensions = {
+            kind: validator(e.schema) for kind, e in {**EXTENSION_EVENTS, **OPENAI_EVENTS}.items()
+        }
         self.response = validator(ref("ResponseResource"))
         self.item = validator(ref("ItemField"))
         self.compaction = validator(ref("CompactResource"))

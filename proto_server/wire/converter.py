@@ -14,6 +14,7 @@ from typing import Any, TypeVar, get_args, get_origin
 
 import orjson
 from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
+from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
 
 from proto_server.wire.errors import ProtocolError, quoted
@@ -35,6 +36,7 @@ from proto_server.wire.items import (
     UnknownItem,
     UnknownPart,
 )
+from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
 
 T = TypeVar("T")
@@ -147,6 +149,11 @@ def _structure_input(value: Any, _: Any) -> str | tuple[Item, ...]:
     return _structure_items(value, None)
 
 
+def _of_object(structure: Callable[[Any, Any], T]) -> Callable[[Any, Any], T]:
+    """`structure`, for a JSON object only (cattrs would read any value without the keys)."""
+    return lambda value, kind: structure(_object(value), kind)
+
+
 def _structure_tool(value: Any, _: Any) -> Tool:
     if isinstance(value, str):
         return UnknownTool(value)  # a tool named only, as some clients and captures abbreviate
@@ -170,6 +177,10 @@ converter.register_structure_hook_func(_is_array_type, _structure_array)
 converter.register_structure_hook_func(lambda t: t == tuple[Item, ...], _structure_items)
 converter.register_structure_hook_func(lambda t: t == str | tuple[Item, ...], _structure_input)
 converter.register_structure_hook_func(lambda t: t == Tool, _structure_tool)
+for options in (PromptCacheOptions, ContextManagement):  # all-optional: "yes" is no object
+    converter.register_structure_hook(
+        options, _of_object(make_dict_structure_fn(options, converter))
+    )
 for carried in (UnknownItem, UnknownPart, UnknownTool):
     converter.register_unstructure_hook(carried, lambda obj: obj.raw)
 converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)

@@ -13,6 +13,7 @@ import attrs
 
 from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.items import Item, OutputText
+from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
 
@@ -60,6 +61,10 @@ class ResponseCreate:
     top_logprobs: int | None = None
     #: Sampling seed, passed to an engine that takes one (the vLLM generator); carried.
     seed: int | None = None
+    # read by core/request.py: a warm-up, server-side compaction, and a refused `conversation`
+    prompt_cache_options: PromptCacheOptions | None = None
+    context_management: tuple[ContextManagement, ...] | None = None
+    conversation: Any = None
 
 
 @attrs.frozen(kw_only=True)
@@ -229,6 +234,16 @@ class CustomToolCallInputDone:
 
 
 @attrs.frozen(kw_only=True)
+class CompactionCompacting:
+    """Server-side compaction (`context_management`) is making the `compaction` item at
+    `output_index`, between its `output_item.added` and `.done`; it carries no summary."""
+
+    type: str = "response.compaction.compacting"
+    item_id: str
+    output_index: int
+
+
+@attrs.frozen(kw_only=True)
 class ErrorEvent:
     """A client frame was refused; `status` is HTTP-like. The connection stays open."""
 
@@ -257,6 +272,7 @@ ItemEvent = (
     | FunctionCallArgumentsDone
     | CustomToolCallInputDelta
     | CustomToolCallInputDone
+    | CompactionCompacting
 )
 ServerEvent = ResponseEvent | ItemEvent | ErrorEvent
 
@@ -280,6 +296,7 @@ SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
         FunctionCallArgumentsDone,
         CustomToolCallInputDelta,
         CustomToolCallInputDone,
+        CompactionCompacting,
         ErrorEvent,
     )
 }
