@@ -7,10 +7,12 @@ import argparse
 import gc
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -676,7 +678,8 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
         return [sys.executable, "-m", "proto_server", *argv, "--workers", "1", "--listen-fd",
                 str(fd)]  # fmt: skip
 
-    supervisor = Supervisor(command, args.workers, listener)
+    metrics_dir = tempfile.mkdtemp(prefix="proto-server-metrics-")
+    supervisor = Supervisor(command, args.workers, listener, metrics_dir)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
@@ -691,6 +694,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
         failed += _leaves(group, WorkerFailed)
     finally:
         listener.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     if failed:
         print(f"proto-server: a worker could not start (exit {failed[0].status}); see what it "
               "said above", file=sys.stderr)  # fmt: skip

@@ -41,6 +41,7 @@ from proto_server.core.request import (
 )
 from proto_server.core.response import ResponseMachine
 from proto_server.engine.base import TokenGenerator
+from proto_server.server import metrics
 from proto_server.server.config import ServerConfig
 from proto_server.server.connection import CLOSE_WAIT_S, Connection, Dialect
 from proto_server.server.handshake import (
@@ -125,8 +126,9 @@ class ProtoServer:
         self._listener = listener
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
-        self.store: ResponseStore = store or SQLiteStore(
-            ":memory:", timeout_s=self.config.store_timeout_s
+        # every call timed into the metrics (proto_server_store_seconds)
+        self.store: ResponseStore = metrics.TimedStore(
+            store or SQLiteStore(":memory:", timeout_s=self.config.store_timeout_s)
         )
         #: Seals compaction items; without a kept secret they live as long as this process.
         self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
@@ -155,6 +157,8 @@ class ProtoServer:
         self._changed = trio.Event()
 
     def _count(self, *, connections: int = 0, rollouts: int = 0) -> None:
+        if connections:
+            metrics.CONNECTIONS.inc(connections)
         self.open_connections += connections
         self.open_rollouts += rollouts
         self._changed.set()
@@ -348,6 +352,7 @@ class ProtoServer:
                 queue_events=self.config.client_queue_events,
                 merge_deltas=self.config.merge_deltas,
                 observer=self.observer,
+                dialect=dialect_name,
             )
             log.info(
                 "connection.opened",
@@ -444,6 +449,7 @@ class ProtoServer:
         adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
         `rollout` stays its caller's to close). Stored, it belongs to `owner`.
         """
+        arrived_at = trio.current_time()
         prepared = await self.offload.run(
             partial(prepare_input, cold=rollout is None),
             self.renderer,
@@ -513,10 +519,23 @@ class ProtoServer:
             source=source,
             rendered_mark=rendered_mark,
             persist=persist if response.store else None,
-            on_end=self.turns.append,
+            on_end=self._turn_ended,
             observer=self.observer,
             suspensions=self.suspensions,
             suspend_timeout_s=self.config.suspend_timeout_s,
+            arrived_at=arrived_at,
+        )
+
+    def _turn_ended(self, record: TurnRecord) -> None:
+        self.turns.append(record)
+        metrics.turn_ended(
+            source=record.source,
+            rendered=record.rendered_input_tokens,
+            prompt=record.prompt_tokens,
+            cached=record.cached_tokens,
+            prepare_s=record.prepare_s,
+            decode_s=record.decode_s,
+            first_event_s=record.first_event_s,
         )
 
 

@@ -13,12 +13,14 @@ connection reaches its lifetime limit, it stops reading, lets what is streaming 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Protocol
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from proto_server.core.sequence import Sequencer
+from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
@@ -65,8 +67,11 @@ class Connection:
         queue_events: int,
         merge_deltas: bool = True,
         observer: ServerObserver | None = None,
+        dialect: str = "launched",
     ) -> None:
         self.id = next(_ids)
+        #: How the metrics name this connection's Responses.
+        self.dialect = dialect
         self.ws = ws
         #: What the server keeps for this connection (its rollouts, its queued requests).
         self.budget = budget
@@ -172,7 +177,12 @@ class Connection:
         try:
             async with self._outbox:
                 async for event, merged in Outbox(self._outbox, merge=self._merge_deltas):
-                    await self.ws.send_message(encode_server_event(event, self.sequencer.next()))
+                    frame = encode_server_event(event, self.sequencer.next())
+                    started = time.perf_counter()
+                    await self.ws.send_message(frame)
+                    metrics.sent(event, dialect=self.dialect, transport="websocket",
+                                 size=metrics.encoded_size(frame),
+                                 seconds=time.perf_counter() - started)  # fmt: skip
                     if self._observer is not None:
                         self._observer.sent(event, merged)
         except ConnectionClosed:

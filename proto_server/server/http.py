@@ -5,6 +5,7 @@
     POST /v1/responses/compact    a compacted history to start a new chain from
     GET  /healthz                 liveness
     GET  /readyz                  readiness: 503 while the generator's engine does not answer
+    GET  /metrics                 the Prometheus scrape (metrics.py), behind auth when it is on
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
 again; `previous_response_id` is served from the persisted store, which answers each API key
@@ -27,6 +28,7 @@ from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
 from proto_server.core.request import input_items, is_warmup
 from proto_server.engine.base import ProbedGenerator
+from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
@@ -59,6 +61,8 @@ def unauthorized() -> ProtocolError:
 
 
 def error_body(error: ProtocolError | ServerFault) -> bytes:
+    """The body of an HTTP error (every one goes out through here, so it is counted here)."""
+    metrics.ERRORS.labels(error.detail.code).inc()
     return orjson.dumps({"error": converter.unstructure(error.detail)})
 
 
@@ -71,11 +75,15 @@ def _body_is_read(conn: h11.Connection) -> bool:
 
 
 async def send_json(
-    stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    status: int,
+    body: bytes,
+    content_type: tuple[str, str] = JSON,
 ) -> None:
     """Answer with `body`; a request whose body is not read (refused before it, or too large)
     is answered `Connection: close` and its body is never read: that could be 100 GB."""
-    headers = [JSON, ("content-length", str(len(body)))]
+    headers = [content_type, ("content-length", str(len(body)))]
     if not _body_is_read(conn):
         headers.append(("connection", "close"))
     await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
@@ -251,7 +259,12 @@ class _Exchange:
         if owner is None:
             raise unauthorized()
         self.owner = owner
-        if route == ("POST", "/v1/responses"):
+        if route == ("GET", "/metrics"):  # behind auth when auth is on, like the API
+            body = await trio.to_thread.run_sync(metrics.exposition)
+            await send_json(
+                self.stream, self.conn, 200, body, ("content-type", metrics.CONTENT_TYPE)
+            )
+        elif route == ("POST", "/v1/responses"):
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
             await self._compact()
@@ -361,7 +374,10 @@ class _Exchange:
             data = encode_server_event(event, sequence)
             sequence += 1
             frame = f"event: {event.type}\ndata: {data}\n\n".encode()
+            started = time.perf_counter()
             await self.stream.send_all(self.conn.send(h11.Data(data=frame)) or b"")
+            metrics.sent(event, dialect="http", transport="sse", size=len(frame),
+                         seconds=time.perf_counter() - started)  # fmt: skip
             if observer is not None:
                 observer.sent(event, merged)
             if isinstance(event, TERMINAL_EVENTS):
@@ -383,7 +399,11 @@ class _Exchange:
             watching.cancel_scope.cancel()
         if not isinstance(final, TERMINAL_EVENTS):
             return
-        await self._json(200, converter.unstructure(final.response))
+        body = orjson.dumps(converter.unstructure(final.response))
+        started = time.perf_counter()
+        await send_json(self.stream, self.conn, 200, body)
+        metrics.sent(final, dialect="http", transport="json", size=len(body),
+                     seconds=time.perf_counter() - started)  # fmt: skip
         if self.server.observer is not None:
             self.server.observer.sent(final, 1)
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.wire.errors import ProtocolError
 
@@ -130,6 +131,7 @@ class MemoryBudget:
         while self.used + nbytes > self.limit and self._idle:
             holder = next(iter(self._idle))
             self.evicted += 1
+            metrics.EVICTIONS.labels(MEMORY_LIMIT).inc()
             log.warning(
                 "memory.evicted",
                 extra={

@@ -62,6 +62,11 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int
     status: str
+    #: From the request's arrival: to the generator's first start, and to the first event out.
+    prepare_s: float | None = None
+    first_event_s: float | None = None
+    #: The generator's segments, summed.
+    decode_s: float = 0.0
 
 
 class SamplingLoop:
@@ -79,8 +84,13 @@ class SamplingLoop:
         observer: ServerObserver | None = None,
         suspensions: Suspensions | None = None,
         suspend_timeout_s: float = math.inf,
+        arrived_at: float | None = None,
     ) -> None:
         self.machine = machine
+        self._arrived_at = trio.current_time() if arrived_at is None else arrived_at
+        self._prepare_s: float | None = None
+        self._first_event_s: float | None = None
+        self._decode_s = 0.0
         self.rollout = rollout
         self._events = events
         self._chunk_queue = chunk_queue
@@ -255,6 +265,9 @@ class SamplingLoop:
             prompt_tokens=usage.input_tokens,
             cached_tokens=usage.input_tokens_details.cached_tokens,
             status=machine.status.value,
+            prepare_s=self._prepare_s,
+            first_event_s=self._first_event_s,
+            decode_s=self._decode_s,
         )
         log.debug("response.ended", extra=attrs.asdict(record))
         if self._on_end is not None:
@@ -302,6 +315,9 @@ class SamplingLoop:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """The GPU: runs one segment of the session into the chunk channel."""
+        started = trio.current_time()
+        if self._prepare_s is None:
+            self._prepare_s = started - self._arrived_at
         async with send:
             with trio.CancelScope() as self._generator_scope:
                 try:
@@ -319,6 +335,7 @@ class SamplingLoop:
                         "generator_error", f"the token generator failed: {exc!r}"
                     )
             self._generator_scope = None
+        self._decode_s += trio.current_time() - started
 
     def _limits(self) -> GenerationLimits:
         """What the client's limits leave to the next segment of this Response."""
@@ -361,6 +378,8 @@ class SamplingLoop:
         raise IllegalTransition(f"unknown chunk {chunk!r}")
 
     async def _emit(self, events: list[ServerEvent]) -> None:
+        if events and self._first_event_s is None:
+            self._first_event_s = trio.current_time() - self._arrived_at
         for event in events:
             if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
                 event = await self._stored(event)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import trio
 
+from proto_server.server import metrics
 from proto_server.server.logs import log
 
 EVICTED = "suspended_rollout_limit"
@@ -41,9 +42,13 @@ class Suspensions:
 
     def add(self, rollout: Suspended) -> None:
         """`rollout` just suspended; if that makes one too many, end the one idle longest."""
+        if rollout not in self._idle_since:
+            metrics.SUSPENDED.inc()
         self._idle_since[rollout] = trio.current_time()
         while len(self._idle_since) > self.limit:
             oldest, since = self._idle_since.popitem(last=False)
+            metrics.SUSPENDED.dec()
+            metrics.EVICTIONS.labels(EVICTED).inc()
             self.evicted += 1
             log.warning(
                 "rollout.evicted",
@@ -63,4 +68,5 @@ class Suspensions:
             self._idle_since[rollout] = trio.current_time()
 
     def discard(self, rollout: Suspended) -> None:
-        self._idle_since.pop(rollout, None)
+        if self._idle_since.pop(rollout, None) is not None:
+            metrics.SUSPENDED.dec()

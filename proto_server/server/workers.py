@@ -2,7 +2,8 @@
 
     supervisor (trio; loads no model, holds no connection)
      ├─ the listening socket, bound once and inherited by every worker
-     ├─ worker 1..N: `proto-server serve ... --listen-fd FD`, each a whole server
+     ├─ worker 1..N: `proto-server serve ... --listen-fd FD`, each a whole server, its metrics
+ │   in a directory they share (a scrape of any one sums them all)
      └─ signals: SIGINT/SIGTERM passed on to every worker (a second one too: stop at once)
 
 The kernel hands each new connection to one worker, and it lives there: warm rollouts,
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import attrs
 import trio
 
+from proto_server.server import metrics
 from proto_server.server.app import BoundAddress
 from proto_server.server.logs import log
 
@@ -49,6 +51,8 @@ class Supervisor:
     command: Callable[[int], Sequence[str]]
     workers: int
     listener: socket.socket
+    #: Where the workers keep their metrics, so a scrape of any one sums all (metrics.py).
+    metrics_dir: str
     processes: dict[int, trio.Process] = attrs.field(factory=dict)
     restarts: int = 0
     stopping: bool = False
@@ -103,6 +107,7 @@ class Supervisor:
                 stdout=subprocess.PIPE,
                 pass_fds=(self.listener.fileno(),),
                 start_new_session=True,
+                env={**os.environ, metrics.MULTIPROC_ENV: self.metrics_dir},
             )
             self.processes[index] = process
             try:
@@ -120,6 +125,7 @@ class Supervisor:
                         process.kill()
                         await process.wait()
             del self.processes[index]
+            metrics.worker_gone(process.pid, self.metrics_dir)
             if self.stopping:
                 statuses.append(status)
                 return

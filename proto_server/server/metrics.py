@@ -1,0 +1,166 @@
+"""What an operator scrapes: `GET /metrics` in the Prometheus text format (`prometheus_client`).
+
+The metrics are the process's own, module-level, as Prometheus clients keep them. Under
+`--workers` the supervisor gives every worker one directory (`PROMETHEUS_MULTIPROC_DIR`) before
+it starts, so each worker's values live in files there and a scrape of any worker adds up all
+of them (`prometheus_client`'s multi-process mode: counters and histograms summed, the open
+connections and suspended Responses summed over the workers alive).
+
+Counted where it happens, each at one place: connections (app.py), the events and bytes each
+connection writes and the Responses they end (`sent`, from the WebSocket writer and the SSE
+writer), turns with their tokens and phases (`turn_ended`, from the sampling loop's record),
+suspensions and evictions (suspension.py, memory.py), store calls (`TimedStore`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from proto_server.server.store import ANONYMOUS, ResponseStore, StoredResponse
+from proto_server.wire.events import ErrorEvent, ServerEvent
+
+#: Set by the supervisor of `--workers` for its workers: their shared directory of values.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+CONNECTIONS = Gauge(
+    "proto_server_connections_open", "Open connections (WebSocket and HTTP)",
+    multiprocess_mode="livesum",
+)  # fmt: skip
+SUSPENDED = Gauge(
+    "proto_server_suspended_responses", "Prototype Responses suspended on tool calls",
+    multiprocess_mode="livesum",
+)  # fmt: skip
+RESPONSES = Counter(
+    "proto_server_responses", "Responses ended, by dialect and final status",
+    ["dialect", "status"],
+)  # fmt: skip
+EVICTIONS = Counter("proto_server_evictions", "Responses or caches let go, by reason", ["reason"])
+TURNS = Counter(
+    "proto_server_turns",
+    "Turns by where their state came from (fresh, cache, store, rebuilt, append, compacted)",
+    ["source"],
+)
+TOKENS = Counter(
+    "proto_server_tokens",
+    "Tokens: rendered by the server, in prompts, of those already cached",
+    ["kind"],
+)
+PHASE = Histogram(
+    "proto_server_phase_seconds",
+    "Per turn: prepare (request in to the generator starting), decode (the generator's "
+    "segments), first_event (request in to its first event handed to the writer)",
+    ["phase"],
+    buckets=_SLOW,
+)
+WRITE = Histogram(
+    "proto_server_event_write_seconds", "Writing one event to the client's socket",
+    ["transport"], buckets=_FAST,
+)  # fmt: skip
+FRAMES = Counter("proto_server_frames_out", "Events written, by transport", ["transport"])
+BYTES = Counter("proto_server_bytes_out", "Bytes of events written, by transport", ["transport"])
+ERRORS = Counter("proto_server_errors", "Error events and failed Responses sent, by code", ["code"])
+STORE = Histogram(
+    "proto_server_store_seconds", "Calls to the persisted store, by operation and outcome",
+    ["operation", "outcome"], buckets=_FAST + _SLOW[-6:],
+)  # fmt: skip
+
+_TERMINAL = {
+    "response.completed": "completed",
+    "response.incomplete": "incomplete",
+    "response.failed": "failed",
+    "response.cancelled": "cancelled",
+}
+
+
+def sent(event: ServerEvent, *, dialect: str, transport: str, size: int, seconds: float) -> None:
+    """One event went to a client: `size` bytes in `seconds`."""
+    FRAMES.labels(transport).inc()
+    BYTES.labels(transport).inc(size)
+    WRITE.labels(transport).observe(seconds)
+    status = _TERMINAL.get(event.type)
+    if status is not None:
+        RESPONSES.labels(dialect, status).inc()
+        error = getattr(getattr(event, "response", None), "error", None)
+        if error is not None:
+            ERRORS.labels(error.code).inc()
+    elif isinstance(event, ErrorEvent):
+        ERRORS.labels(event.error.code).inc()
+
+
+def encoded_size(frame: str) -> int:
+    """The UTF-8 size of an encoded event (ASCII, nearly always: its length)."""
+    return len(frame) if frame.isascii() else len(frame.encode())
+
+
+def turn_ended(
+    *, source: str, rendered: int, prompt: int, cached: int, prepare_s: float | None,
+    decode_s: float, first_event_s: float | None,
+) -> None:  # fmt: skip
+    TURNS.labels(source).inc()
+    TOKENS.labels("rendered").inc(rendered)
+    TOKENS.labels("prompt").inc(prompt)
+    TOKENS.labels("cached").inc(cached)
+    for phase, seconds in (("prepare", prepare_s), ("decode", decode_s),
+                           ("first_event", first_event_s)):  # fmt: skip
+        if seconds is not None:
+            PHASE.labels(phase).observe(seconds)
+
+
+def exposition() -> bytes:
+    """The scrape: this process's metrics, or every worker's under `--workers`."""
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return prometheus_client.generate_latest(registry)
+    return prometheus_client.generate_latest()
+
+
+def worker_gone(pid: int, directory: str) -> None:
+    """A worker ended: its live gauges no longer count (its counters still do)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+class TimedStore:
+    """A store whose every call is timed into `proto_server_store_seconds`."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.inner = store
+
+    @contextmanager
+    def _timed(self, operation: str) -> Iterator[None]:
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            STORE.labels(operation, outcome).observe(time.perf_counter() - started)
+
+    async def put(self, stored: StoredResponse) -> None:
+        with self._timed("put"):
+            await self.inner.put(stored)
+
+    async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
+        with self._timed("get"):
+            return await self.inner.get(response_id, owner=owner)
+
+    async def chain(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> list[StoredResponse] | None:
+        with self._timed("chain"):
+            return await self.inner.chain(response_id, owner=owner)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
