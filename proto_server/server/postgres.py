@@ -29,12 +29,15 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from proto_server.server.store import (
     ANONYMOUS,
+    PUT_FAILED,
     StoredResponse,
     StoreError,
     StoreUnavailable,
+    chain_failed,
     check_retention,
     decode_row,
     encode_row,
+    get_failed,
 )
 
 T = TypeVar("T")
@@ -187,30 +190,15 @@ class PostgresStore:
     # -- the interface --------------------------------------------------------------------------
 
     async def put(self, stored: StoredResponse) -> None:
-        await self._call(
-            "the response could not be stored; retry, or send it with store: false",
-            self._put,
-            stored,
-        )
+        await self._call(PUT_FAILED, self._put, stored)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
-        return await self._call(
-            f"response {response_id!r} could not be looked up; retry shortly",
-            self._get,
-            response_id,
-            owner,
-        )
+        return await self._call(get_failed(response_id), self._get, response_id, owner)
 
     async def chain(
         self, response_id: str, *, owner: str = ANONYMOUS
     ) -> list[StoredResponse] | None:
-        return await self._call(
-            f"previous response {response_id!r} could not be looked up; retry shortly, or "
-            "resend the full history without previous_response_id",
-            self._chain,
-            response_id,
-            owner,
-        )
+        return await self._call(chain_failed(response_id), self._chain, response_id, owner)
 
     async def count(self) -> int:
         def count(conn: psycopg.Connection[Any]) -> int:

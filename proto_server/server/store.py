@@ -113,6 +113,21 @@ def check_retention(max_responses: int, max_age_s: float, timeout_s: float) -> N
         raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
 
 
+#: What a failed call of any store could not do, as its `StoreUnavailable` says.
+PUT_FAILED = "the response could not be stored; retry, or send it with store: false"
+
+
+def get_failed(response_id: str) -> str:
+    return f"response {response_id!r} could not be looked up; retry shortly"
+
+
+def chain_failed(response_id: str) -> str:
+    return (
+        f"previous response {response_id!r} could not be looked up; retry shortly, or resend "
+        "the full history without previous_response_id"
+    )
+
+
 class ResponseStore(Protocol):
     async def put(self, stored: StoredResponse) -> None: ...
 
@@ -313,32 +328,15 @@ class SQLiteStore:
     # -- the interface --------------------------------------------------------------------------
 
     async def put(self, stored: StoredResponse) -> None:
-        await self._call(
-            self._write_limiter,
-            "the response could not be stored; retry, or send it with store: false",
-            self._db,
-            self._put,
-            stored,
-        )
+        await self._call(self._write_limiter, PUT_FAILED, self._db, self._put, stored)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
-        return await self._read(
-            f"response {response_id!r} could not be looked up; retry shortly",
-            self._get,
-            response_id,
-            owner,
-        )
+        return await self._read(get_failed(response_id), self._get, response_id, owner)
 
     async def chain(
         self, response_id: str, *, owner: str = ANONYMOUS
     ) -> list[StoredResponse] | None:
-        return await self._read(
-            f"previous response {response_id!r} could not be looked up; retry shortly, or "
-            "resend the full history without previous_response_id",
-            self._chain,
-            response_id,
-            owner,
-        )
+        return await self._read(chain_failed(response_id), self._chain, response_id, owner)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM responses").fetchone()[0])
