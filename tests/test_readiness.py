@@ -3,11 +3,17 @@ shutting down; a draining server says so at once yet still accepts for `drain_de
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+from functools import partial
+
 import httpx
 import pytest
 import trio
 
 from .conftest import CheckpointStore, StartServer
+from .test_cli import read_line
 
 
 class DownStore(CheckpointStore):
@@ -72,3 +78,32 @@ async def test_a_draining_server_is_unready_at_once_and_accepts_until_its_delay_
     assert unready.json()["error"]["code"] == "server_shutting_down"
     assert served.status_code == 200 and served.json()["status"] == "completed"
     assert alive.status_code == 200
+
+
+async def test_serve_drains_on_sigterm_and_a_second_signal_stops_it_at_once(
+    nursery: trio.Nursery,
+) -> None:
+    """`--drain-delay`: after SIGTERM `/readyz` is 503 and the port still open; a second signal
+    during the delay does not wait it out."""
+    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:",
+               "--drain-delay", "60"]  # fmt: skip
+    with trio.fail_after(30):
+        process: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    check=False)
+        )  # fmt: skip
+        assert process.stdout is not None and process.stderr is not None
+        root = (await read_line(process.stdout)).split("listening on ")[1].split(" ")[0]
+        root = root.removesuffix("/v1")
+        async with httpx.AsyncClient(base_url=root, timeout=5) as http:
+            assert (await http.get("/readyz")).status_code == 200
+            process.send_signal(signal.SIGTERM)
+            err = await read_line(process.stderr)
+            unready = await http.get("/readyz")
+        process.send_signal(signal.SIGTERM)
+        started = trio.current_time()
+        assert await process.wait() == 0
+        assert trio.current_time() - started < 10
+    assert "SIGTERM, stopping: no new connections after 60 s, not ready meanwhile" in err
+    assert unready.status_code == 503
+    assert unready.json()["error"]["code"] == "server_shutting_down"
