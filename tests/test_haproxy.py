@@ -235,10 +235,13 @@ class CodexRollout:
         return [opening[:1], opening[1:]]
 
     def create(self, new_items: list[dict[str, Any]], warmup: bool) -> dict[str, Any]:
+        session = f"rollout-{self.index}"
         frame: dict[str, Any] = {
-            "type": "response.create", "model": MODEL, "tools": list(self.workload.tools),
-            "tool_choice": "auto", "parallel_tool_calls": True, "store": True,
-            "prompt_cache_key": f"rollout-{self.index}", "input": new_items,
+            "type": "response.create", "model": MODEL, "stream": True, "input": new_items,
+            "tools": list(self.workload.tools), "tool_choice": "auto",
+            "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": session,
+            "client_metadata": {"session_id": session, "thread_id": session},
         }  # fmt: skip
         if warmup:
             frame["generate"] = False
@@ -320,7 +323,8 @@ async def test_a_killed_process_behind_haproxy_loses_nothing_its_clients_finish_
                 victims = [r for r in rollouts if r.server == "one"]
                 done_before = {r.index: len(r.turns) for r in rollouts}
                 deployment.servers["one"].process.kill()  # SIGKILL: no drain, no goodbye
-        assert await deployment.servers["one"].process.wait() == -signal.SIGKILL
+        with trio.fail_after(10):
+            assert await deployment.servers["one"].process.wait() == -signal.SIGKILL
         async with httpx.AsyncClient(
             base_url=deployment.http, headers={"authorization": f"Bearer {KEY}"}, timeout=10
         ) as http:
@@ -338,8 +342,9 @@ async def test_a_killed_process_behind_haproxy_loses_nothing_its_clients_finish_
                     stateless.append(await http.post("/v1/responses", json=body))
         store = PostgresStore(pg_url)
         try:
-            chains = [await store.chain(r.turns[-1].response["id"], owner=owner_id(KEY))
-                      for r in rollouts]  # fmt: skip
+            with trio.fail_after(30):
+                chains = [await store.chain(r.turns[-1].response["id"], owner=owner_id(KEY))
+                          for r in rollouts]  # fmt: skip
         finally:
             await store.aclose()
     assert victims and len(victims) < len(rollouts)  # leastconn spread them over both
@@ -350,7 +355,9 @@ async def test_a_killed_process_behind_haproxy_loses_nothing_its_clients_finish_
         final = rollout.turns[-1].response
         assert final["output"][-1]["content"][0]["text"] == workload.final
         if rollout in victims:
-            assert rollout.drops >= 1
+            # one drop, and its reconnect went through at once: a connection HAProxy still
+            # sent to the dead process (not yet marked down) was refused and redispatched
+            assert rollout.drops == 1
             assert rollout.turns[-1].server == "two"
             # the first turn after the drop chained to the last completed one, rebuilt cold
             (after,) = [t for t in rollout.turns if t.rebuilt]
