@@ -302,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
         "every open Response ends (response.incomplete, reason server_shutdown), close 1001",
     )
     serve.add_argument(
+        "--drain-delay",
+        type=float,
+        default=defaults.drain_delay_s,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: /readyz answers 503 at once, but the server goes on "
+        "accepting and serving this long before it stops listening (and its grace begins), so "
+        "a balancer's health check takes it out of rotation first; set it above the "
+        "balancer's check interval times its fall count (deploy/haproxy.cfg: 3); 0-3600",
+    )
+    serve.add_argument(
         "--max-queued-requests",
         type=int,
         default=defaults.max_queued_requests,
@@ -574,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suspend_timeout_s": args.suspend_timeout,
         "max_suspended_rollouts": args.max_suspended_rollouts,
         "shutdown_grace_s": args.shutdown_grace,
+        "drain_delay_s": args.drain_delay,
         "max_memory_bytes": args.max_memory * MiB,
         "max_connection_memory_bytes": args.max_connection_memory * MiB,
         "prepare_threads": args.prepare_threads,
@@ -852,14 +863,15 @@ async def _listen(server: ProtoServer, what: str) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if server.stopping is not None:
+                if server.draining:
                     print(f"proto-server: {name} again, stopping now", file=sys.stderr)
                     nursery.cancel_scope.cancel()
                     break
-                grace = server.config.shutdown_grace_s
+                grace, delay = server.config.shutdown_grace_s, server.config.drain_delay_s
+                after = f" after {delay:g} s, not ready meanwhile" if delay else ""
                 print(
-                    f"proto-server: {name}, stopping: no new connections; streaming segments "
-                    f"have {grace:g} s to finish (send it again to stop at once)",
+                    f"proto-server: {name}, stopping: no new connections{after}; streaming "
+                    f"segments have {grace:g} s to finish (send it again to stop at once)",
                     file=sys.stderr,
                     flush=True,
                 )

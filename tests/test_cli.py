@@ -234,6 +234,8 @@ BAD_FLAGS = [
     ("--suspend-timeout", "-3", "must be positive, got -3.0"),
     ("--max-suspended-rollouts", "0", "must be at least 1, got 0"),
     ("--shutdown-grace", "0", "must be positive, got 0.0"),
+    ("--drain-delay", "-1", "must be between 0 and 3600, got -1.0"),
+    ("--drain-delay", "nan", "must be between 0 and 3600, got nan"),
     ("--decode-rate", "0", "must be positive, got 0.0"),
     ("--prefill-rate", "-1", "must be positive, got -1.0"),
     ("--burst-rate", "0", "must be positive, got 0.0"),

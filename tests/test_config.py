@@ -28,6 +28,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "suspend_timeout_s", 0, "positive"),
     (ServerConfig, "max_suspended_rollouts", 0, "at least 1"),
     (ServerConfig, "shutdown_grace_s", -1, "positive"),
+    (ServerConfig, "drain_delay_s", math.inf, "between 0 and 3600"),
     (ServerConfig, "max_queued_requests", 0, "at least 1"),
     (ServerConfig, "max_queued_requests", -1, "at least 1"),
     (ServerConfig, "max_memory_bytes", 1000, "at least 1048576"),

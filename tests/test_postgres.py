@@ -204,3 +204,34 @@ async def test_with_the_database_down_store_true_is_refused_and_store_false_serv
                     break
                 await trio.sleep(0.2)
     assert again.status_code == 200 and again.json()["status"] == "completed", again.text
+
+
+async def test_readyz_says_store_unavailable_while_the_database_is_down(
+    two_servers: tuple[str, str], postgres: Cluster
+) -> None:
+    """A balancer's check (`/readyz`) takes a process whose database is gone out of rotation;
+    `/healthz` (liveness) still answers, and readiness comes back with the database."""
+    root = two_servers[0].removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+        with trio.fail_after(10):
+            assert (await http.get("/readyz")).status_code == 200
+        await trio.to_thread.run_sync(postgres.stop)
+        try:
+            with trio.fail_after(10):
+                started = trio.current_time()
+                down = await http.get("/readyz")
+                waited = trio.current_time() - started
+                alive = await http.get("/healthz")
+        finally:
+            await trio.to_thread.run_sync(postgres.start)
+        with trio.fail_after(30):
+            for _ in range(100):  # the pool reconnects by itself
+                back = await http.get("/readyz")
+                if back.status_code == 200:
+                    break
+                await trio.sleep(0.2)
+    assert down.status_code == 503, down.text
+    assert down.json()["error"]["code"] == "store_unavailable"
+    assert waited < 2 + 1  # PROBE_TIMEOUT_S (--store-timeout 2 here), not the balancer's patience
+    assert alive.status_code == 200
+    assert back.status_code == 200 and back.json() == {"status": "ready"}

@@ -143,7 +143,10 @@ class ProtoServer:
         )
         #: Decodes and renders large requests on worker threads (see server/offload.py).
         self.offload = Offload(self.config.prepare_threads)
-        #: Set by `shutdown()`: when streaming segments must have finished.
+        #: Set at the very start of `shutdown()`: from then on `/readyz` answers 503, while the
+        #: server still accepts for `drain_delay_s` (so a balancer stops sending first).
+        self.draining = False
+        #: Set by `shutdown()` once it stops listening: when streaming segments must have finished.
         self.stopping: float | None = None
         #: Kept-alive HTTP connections waiting for their next request (shutdown ends them).
         self.idle_http: set[trio.CancelScope] = set()
@@ -224,11 +227,18 @@ class ProtoServer:
             )
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """Stop gracefully: accept no more connections; let streaming segments finish within
-        `grace_s` (default `shutdown_grace_s`); end every open Response with
-        `response.incomplete` (reason `server_shutdown`) and close its WebSocket with 1001;
-        return once every connection is closed, and `serve()` returns too."""
+        """Stop gracefully: first be not ready (`/readyz` 503) while still accepting and
+        serving for `drain_delay_s`, so a balancer's health check takes this process out of
+        rotation before its port closes (a client the balancer still sends meanwhile is served);
+        then accept no more connections; let streaming segments finish within `grace_s`
+        (default `shutdown_grace_s`); end every open Response with `response.incomplete` (reason
+        `server_shutdown`) and close its WebSocket with 1001; return once every connection is
+        closed, and `serve()` returns too."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.draining = True
+        if self.config.drain_delay_s > 0:
+            log.info("server.draining", extra={"delay_s": self.config.drain_delay_s})
+            await trio.sleep(self.config.drain_delay_s)
         log.info(
             "server.stopping",
             extra={"grace_s": grace, "connections": self.open_connections},

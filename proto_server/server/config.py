@@ -59,6 +59,10 @@ class ServerConfig:
     max_suspended_rollouts: int = attrs.field(default=10_000, validator=at_least(1))
     #: On SIGTERM/SIGINT: how long streaming segments may take to finish before they are cut.
     shutdown_grace_s: float = attrs.field(default=10.0, validator=positive)
+    #: On SIGTERM/SIGINT: how long the server goes on serving and accepting, answering `/readyz`
+    #: 503, before it stops listening, so a balancer's health check takes it out of rotation
+    #: while it still accepts (0: stop listening at once, for a server with no balancer).
+    drain_delay_s: float = attrs.field(default=0.0, validator=between(0, 3600))
     #: Launched dialect: `response.create` frames that may wait behind the one in flight.
     max_queued_requests: int = attrs.field(default=8, validator=at_least(1))
     #: What the whole process keeps for its clients (rollouts, queued and in-preparation

@@ -4,7 +4,8 @@
     GET  /v1/responses/{id}       a stored Response
     POST /v1/responses/compact    a compacted history to start a new chain from
     GET  /healthz                 liveness
-    GET  /readyz                  readiness: 503 while the generator's engine does not answer
+    GET  /readyz                  readiness: 503 while shutting down, or the store or engine
+                                  does not answer
     GET  /metrics                 the Prometheus scrape (metrics.py), behind auth when it is on
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
@@ -33,7 +34,7 @@ from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import Outbox
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
-from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
+from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -279,14 +280,24 @@ class _Exchange:
             )
 
     async def _ready(self) -> None:
-        """200 when the generator can serve now (an engine answers), else 503 saying why."""
-        generator = self.server.generator
-        problem = await generator.readiness() if isinstance(generator, ProbedGenerator) else None
-        if problem is None:
+        """200 when this process should get new clients: it is not shutting down, the store
+        answers and the generator's engine answers; else 503 saying why (the first code)."""
+        server = self.server
+        problems: list[tuple[str, str]] = []
+        if server.draining:
+            problems.append(("server_shutting_down", "the server is shutting down"))
+        else:
+            store, generator = server.store, server.generator
+            if isinstance(store, ProbedStore) and (problem := await store.readiness()):
+                problems.append(("store_unavailable", problem))
+            if isinstance(generator, ProbedGenerator) and (problem := await generator.readiness()):
+                problems.append(("engine_unavailable", problem))
+        if not problems:
             await self._json(200, {"status": "ready"})
             return
+        message = "; ".join(why for _, why in problems)
         unready = ProtocolError(
-            "engine_unavailable", problem, error_type="server_error", status=503
+            problems[0][0], f"Not ready: {message}.", error_type="server_error", status=503
         )
         await send_json(self.stream, self.conn, 503, error_body(unready))
 

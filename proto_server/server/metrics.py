@@ -23,7 +23,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proto_server.server.store import ANONYMOUS, ResponseStore, StoredResponse
+from proto_server.server.store import ANONYMOUS, ProbedStore, ResponseStore, StoredResponse
 from proto_server.wire.events import ErrorEvent, ServerEvent
 
 #: Set by the supervisor of `--workers` for its workers: their shared directory of values.
@@ -161,6 +161,11 @@ class TimedStore:
     ) -> list[StoredResponse] | None:
         with self._timed("chain"):
             return await self.inner.chain(response_id, owner=owner)
+
+    async def readiness(self) -> str | None:
+        """The inner store's answer to `/readyz`, if it has one (else it is as ready as this)."""
+        inner = self.inner
+        return await inner.readiness() if isinstance(inner, ProbedStore) else None
 
     async def aclose(self) -> None:
         await self.inner.aclose()

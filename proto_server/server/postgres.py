@@ -44,6 +44,9 @@ T = TypeVar("T")
 
 #: Connections of one process to the database (each call holds one for its duration).
 CONNECTIONS = 4
+#: The longest `/readyz` waits for `SELECT 1` (or `--store-timeout`, if shorter): a balancer's
+#: check must get its answer well within its own timeout.
+PROBE_TIMEOUT_S = 2.0
 #: Any key: the advisory lock that makes concurrent start-ups migrate one at a time.
 _MIGRATION_LOCK = 0x70726F746F  # "proto"
 _RESPONSES = "proto_server_responses"
@@ -206,6 +209,22 @@ class PostgresStore:
             return int(row[0]) if row is not None else 0
 
         return await self._call("the responses could not be counted", count)
+
+    async def readiness(self) -> str | None:
+        """None when the database answers `SELECT 1` through the pool in time; else why not."""
+        limit = min(PROBE_TIMEOUT_S, self.timeout_s)
+
+        def select_one(conn: psycopg.Connection[Any]) -> None:
+            conn.execute("SELECT 1").fetchone()
+
+        try:
+            with trio.fail_after(limit):
+                await self._call("this server is not ready", select_one)
+        except trio.TooSlowError:
+            return f"the response store did not answer SELECT 1 within {limit:g} s"
+        except StoreUnavailable as exc:
+            return str(exc).rstrip(".")
+        return None
 
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self._pool.close)

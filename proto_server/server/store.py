@@ -21,7 +21,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import orjson
@@ -141,6 +141,16 @@ class ResponseStore(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ProbedStore(Protocol):
+    """A store outside the process (a database server) that may be down while the server is
+    up: `/readyz` asks it. An embedded SQLite file is as ready as the process holding it."""
+
+    async def readiness(self) -> str | None:
+        """None when the store answers now, within a short timeout; otherwise why not."""
+        ...
 
 
 _SCHEMA = (
