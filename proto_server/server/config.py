@@ -57,8 +57,13 @@ class ServerConfig:
     max_suspended_rollouts: int = attrs.field(default=10_000, validator=at_least(1))
     #: On SIGTERM/SIGINT: how long streaming segments may take to finish before they are cut.
     shutdown_grace_s: float = attrs.field(default=10.0, validator=positive)
-    #: Launched dialect: `response.create` frames that may wait behind the one in flight.
+    #: Launched dialect: `response.create` frames that may wait behind the one in flight on
+    #: each lane (the default lane and every named one); one more is `concurrent_request`.
     max_queued_requests: int = attrs.field(default=8, validator=at_least(1))
+    #: Named lanes (`stream_id`s) one WebSocket may use over its life (the default lane is not
+    #: counted; OpenAI's service allows 32); a create naming one more is refused with
+    #: `websocket_stream_limit_reached`. Each keeps its last Response warm.
+    max_lanes: int = attrs.field(default=32, validator=at_least(1))
     #: What the whole process keeps for its clients (rollouts, queued and in-preparation
     #: requests); past it the idlest cached or suspended rollouts are let go, then requests are
     #: refused with `server_busy` (503).

@@ -3,12 +3,14 @@
 `StreamChecker` follows one connection: feed it every frame the client sent (`sent`) and every
 event the server sent (`received`), in the order the client saw them, and it raises
 `InvariantViolation` at the first event that breaks the protocol's ordering promises.
-`CheckedClient` is a small WebSocket client that does the feeding for you.
+`LaneChecker` does the same for a connection with lanes (`stream_id`): a `StreamChecker` per
+lane. `CheckedClient` is a small WebSocket client that does the feeding for you.
 """
 
 from proto_server.testing.checker import (
     INVARIANTS,
     InvariantViolation,
+    LaneChecker,
     StreamChecker,
     o200k_count,
 )
@@ -18,6 +20,7 @@ __all__ = [
     "INVARIANTS",
     "CheckedClient",
     "InvariantViolation",
+    "LaneChecker",
     "StreamChecker",
     "connect_checked",
     "o200k_count",

@@ -20,6 +20,9 @@ from proto_server.wire.tools import Tool
 PositiveInt = NewType("PositiveInt", int)
 #: An integer of zero or more (`max_tool_calls`); the converter refuses anything else.
 NonNegativeInt = NewType("NonNegativeInt", int)
+#: A lane of a WebSocket connection: 1-256 of `[A-Za-z0-9_.-]`, as the SDKs allow; the
+#: converter refuses anything else with `invalid_stream_id`.
+StreamId = NewType("StreamId", str)
 
 # -- client events ---------------------------------------------------------------------------
 
@@ -56,6 +59,16 @@ class ResponseCreate:
     top_logprobs: int | None = None
     #: Sampling seed, passed to an engine that takes one (the vLLM generator); carried.
     seed: int | None = None
+    #: WebSocket: the lane this Response runs on (None: the default lane). Creates on one lane
+    #: are served in order, lanes run concurrently, and every event of the Response echoes it.
+    stream_id: StreamId | None = None
+    #: The multi-agent beta: `{"enabled": true}` makes a Response that calls client tools wait,
+    #: still `in_progress`, for their outputs by `response.inject` (one Response per rollout).
+    multi_agent: Mapping[str, Any] | None = None
+
+    @property
+    def waits_for_injects(self) -> bool:
+        return isinstance(self.multi_agent, Mapping) and self.multi_agent.get("enabled") is True
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +82,8 @@ class ResponseAppend:
     type: str = "response.append"
     input: tuple[Item, ...]
     tool_choice: Any = None
+    #: The lane whose open Response this answers (None: the default lane).
+    stream_id: StreamId | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -77,14 +92,30 @@ class ResponseCancel:
 
     type: str = "response.cancel"
     response_id: str | None = None
+    #: The lane whose open Response to cancel (None: the default lane).
+    stream_id: StreamId | None = None
 
 
-ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel
+@attrs.frozen(kw_only=True)
+class ResponseInject:
+    """The multi-agent beta (`OpenAI-Beta: responses_multi_agent=v1`): tool outputs for the
+    named Response, which waits on them; committed atomically or refused with the input back.
+
+    `raw_input` is the input as the client sent it, for `response.inject.failed` to return."""
+
+    type: str = "response.inject"
+    response_id: str
+    input: tuple[Item, ...]
+    raw_input: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject
 
 CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
     "response.append": ResponseAppend,
     "response.cancel": ResponseCancel,
+    "response.inject": ResponseInject,
 }
 
 # -- server events: the Response's life ------------------------------------------------------
@@ -93,6 +124,15 @@ CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
 @attrs.frozen(kw_only=True)
 class ResponseCreated:
     type: str = "response.created"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseQueued:
+    """A create waits behind another Response on its lane; its `response.created` follows,
+    with the same id, when its turn comes."""
+
+    type: str = "response.queued"
     response: Response
 
 
@@ -134,6 +174,33 @@ class ResponseCancelled:
 
     type: str = "response.cancelled"
     response: Response
+
+
+# -- server events: the multi-agent beta's answers to response.inject --------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectCreated:
+    """Every injected item was validated and committed to the Response."""
+
+    type: str = "response.inject.created"
+    response_id: str
+
+
+@attrs.frozen(kw_only=True)
+class InjectError:
+    code: str  # response_not_found | response_already_completed
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectFailed:
+    """Nothing was committed; `input` is what the client sent, to retry elsewhere."""
+
+    type: str = "response.inject.failed"
+    response_id: str
+    error: InjectError
+    input: tuple[Any, ...]
 
 
 # -- server events: items and their deltas ---------------------------------------------------
@@ -235,6 +302,7 @@ class ErrorEvent:
 
 ResponseEvent = (
     ResponseCreated
+    | ResponseQueued
     | ResponseInProgress
     | ResponseDone
     | ResponseCompleted
@@ -254,12 +322,14 @@ ItemEvent = (
     | CustomToolCallInputDelta
     | CustomToolCallInputDone
 )
-ServerEvent = ResponseEvent | ItemEvent | ErrorEvent
+InjectEvent = ResponseInjectCreated | ResponseInjectFailed
+ServerEvent = ResponseEvent | ItemEvent | InjectEvent | ErrorEvent
 
 SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
     attrs.fields(cls).type.default: cls
     for cls in (
         ResponseCreated,
+        ResponseQueued,
         ResponseInProgress,
         ResponseDone,
         ResponseCompleted,
@@ -276,6 +346,8 @@ SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
         FunctionCallArgumentsDone,
         CustomToolCallInputDelta,
         CustomToolCallInputDone,
+        ResponseInjectCreated,
+        ResponseInjectFailed,
         ErrorEvent,
     )
 }
