@@ -7,11 +7,15 @@ from collections import defaultdict
 from typing import Any
 
 import trio
+import trio.testing
 
-from proto_server.engine.simulated import TimingModel
+from proto_server.engine.script import parse_script
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
 from proto_server.testing.checker import LaneChecker
 
-from .conftest import THREE_SEGMENTS, StartServer
+from .conftest import FAST, THREE_SEGMENTS, StartServer
 from .test_launched import END, create
 from .test_prototype_rollout import answers
 from .test_prototype_rollout import create as prototype_create
@@ -345,3 +349,58 @@ async def test_inject_is_refused_without_the_beta_and_after_the_end(
             "response.inject.failed", "response_not_found"
         )  # fmt: skip
         assert "stream_id" not in unknown
+
+
+class GatedSession:
+    """A simulated session whose segment, once said, waits at `gate` before it returns: the
+    Response has suspended, its sampling loop is not yet waiting."""
+
+    def __init__(self, inner: Any, gate: trio.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    async def generate(self, send: Any, limits: Any) -> None:
+        await self._inner.generate(send, limits)
+        await self._gate.wait()
+
+    async def prefill(self) -> Any:
+        return await self._inner.prefill()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class GatedGenerator:
+    """The simulated GPU, its sessions gated (above)."""
+
+    def __init__(self, inner: SimulatedGenerator, gate: trio.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+        self.renderer = inner.renderer
+        self.forces_tool_calls = inner.forces_tool_calls
+
+    def open_session(self, conversation: Any) -> GatedSession:
+        return GatedSession(self._inner.open_session(conversation), self._gate)
+
+
+async def test_outputs_that_come_as_the_segment_ends_still_resume_it_announced(
+    nursery: trio.Nursery,
+) -> None:
+    """The race of the beta (no response.done to wait for): the last call's output arrives
+    after the Response suspended but before its loop waits. It must resume, saying so."""
+    gate = trio.Event()
+    generator = GatedGenerator(SimulatedGenerator(parse_script(THREE_SEGMENTS), FAST), gate)
+    server = ProtoServer(generator, ServerConfig(port=0))  # type: ignore[arg-type]
+    address = await nursery.start(server.serve)
+    with trio.fail_after(20):
+        async with connect(address.ws_url, **BETA) as raw:
+            client = Checked(raw)
+            await client.send(create(multi_agent={"enabled": True}))
+            events = await client.until_lane(None, "response.output_item.done")
+            events += await client.until_lane(None, "response.output_item.done")
+            await trio.testing.wait_all_tasks_blocked()  # suspended; the loop waits at the gate
+            await client.send(inject(events[0]["response"]["id"], answers(events)))
+            events += await client.until_lane(None, "response.inject.created")
+            gate.set()
+            more = await client.until_lane(None, "response.output_item.added")
+    assert more[0]["type"] == "response.in_progress"

@@ -221,7 +221,8 @@ class SamplingLoop:
         machine = self.machine
         announce = machine.start()  # sent once the segment's generator has started
         while not machine.status.terminal:
-            if machine.status is Status.SUSPENDED:
+            # resume events pending: outputs came between the segment's end and its wait
+            if machine.status is Status.SUSPENDED or self._resume_events:
                 await self._suspend()
                 self._settled = trio.Event()
                 announce, self._resume_events = self._resume_events, []
@@ -244,8 +245,8 @@ class SamplingLoop:
             return  # told to end while its last segment streamed
         if machine.holds_injected:  # outputs injected while the segment streamed
             self._resume_events = machine.release_held()
-            if machine.status is Status.IN_PROGRESS:
-                return  # they answered every call: no wait at all
+        if machine.status is not Status.SUSPENDED:
+            return  # every call was answered before it could wait: no wait at all
         self._wake = trio.Event()
         self._settled.set()
         if self._suspensions is not None:
@@ -303,6 +304,7 @@ class SamplingLoop:
             await self._emit(announce)
             return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
+        ended = False  # the machine ended the segment (suspended or ended the Response)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
@@ -317,10 +319,12 @@ class SamplingLoop:
                         break
                     await self._emit(events)
                     if self.machine.status is not Status.IN_PROGRESS:
+                        ended = True
                         break
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
-        if self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
+        # ended: it may be in progress again already, resumed by outputs that came meanwhile
+        if ended or self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
             return
         if self.expired is not None:
             return
