@@ -63,7 +63,8 @@ class Checked:
 async def test_two_lanes_stream_concurrently_each_numbered_from_zero(
     start_server: StartServer,
 ) -> None:
-    running = await start_server(THREE_SEGMENTS, timing=SLOW)
+    # about a second of decoding per Response: a lane's create is served long before it ends
+    running = await start_server({"segments": [{"text": "word " * 200}]}, timing=SLOW)
     with trio.fail_after(20):
         async with connect(running.address.ws_url) as raw:
             client = Checked(raw)

@@ -217,7 +217,9 @@ class ResponseMachine:
         events = self._close_message()
         if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
-            if not self.announce_suspension:
+            if not self.announce_suspension or self.pending_calls.keys() <= self._held_ids:
+                # silent: a beta client waits on no response.done, and a Response whose every
+                # call was injected already resumes at once (`release_held`), waiting for nobody
                 return events
             return [*events, ResponseDone(response=self.snapshot())]
         self._move(Status.COMPLETED)

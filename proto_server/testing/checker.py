@@ -140,6 +140,7 @@ class _Response:
     last_prompt: int | None = None
     told_ended: int | None = None  # a frame refused as too late while it still streamed
     waits: bool = False  # multi-agent beta: it waits silently on its calls for injects
+    injected: bool = False  # outputs were injected while this segment streamed
 
     @property
     def terminal(self) -> bool:
@@ -334,7 +335,7 @@ class StreamChecker:
         elif r.phase != "streaming":
             self._fail(2, f"response.in_progress while Response {r.id} is {r.phase}")
         elif r.items:  # not the announcement of a new Response: a silent suspension resumed
-            if not r.waits:
+            if not (r.waits or r.injected):
                 self._fail(2, f"response.in_progress inside a segment of Response {r.id}")
             segment = r.items[r.segment_start :]
             if not segment or segment[-1].type not in CALL_TYPES:
@@ -344,6 +345,7 @@ class StreamChecker:
                 self._fail(4, f"Response {r.id} resumed while calls still await output: {waiting}")
             self._close_segment(r, obj)
             r.segment_start = len(r.items)
+            r.injected = False
         self._check_snapshot(r, obj, "in_progress")
 
     def _resume(self, r: _Response) -> None:
@@ -359,6 +361,7 @@ class StreamChecker:
             self._fail(4, f"Response {r.id} resumed while calls still await output: {waiting}")
         self._confirm(len(self.frames))
         r.phase = "streaming"
+        r.injected = False
         r.segment_start = len(r.items)
         r.segment_base = r.usage[:2]
         self._state_changed()
@@ -478,6 +481,8 @@ class StreamChecker:
             r.answered.add(call_id)
         frame.outcome = "accepted"
         self._confirm(frame.number)
+        if r.phase == "streaming":
+            r.injected = True
         if r.phase == "suspended" and not r.pending:
             r.phase = "resuming"
         self._state_changed()
