@@ -42,6 +42,17 @@ async def until_lane(client: Client, lane: str | None, *kinds: str) -> list[dict
             return events
 
 
+async def until_each(client: Client, *names: str | None) -> dict[str | None, dict[str, Any]]:
+    """The next end (terminal or error) of each lane in `names`, in whatever order they come."""
+    ends: dict[str | None, dict[str, Any]] = {}
+    while len(ends) < len(names):
+        event = await client.receive()
+        lane = event.get("stream_id")
+        if lane in names and lane not in ends and event["type"] in END:
+            ends[lane] = event
+    return ends
+
+
 class Checked:
     """A client whose every frame and event goes through a `LaneChecker`."""
 
@@ -71,10 +82,10 @@ async def test_two_lanes_stream_concurrently_each_numbered_from_zero(
             await client.send(create(stream_id="a"))
             await client.send(create(stream_id="b"))
             await client.send(create())  # the default lane
-            events = await client.until_lane("a", *END)
-            events += await client.until_lane("b", *END)
-            if not any(e["type"] in END and "stream_id" not in e for e in events):
-                events += await client.until_lane(None, *END)
+            events: list[dict[str, Any]] = []
+            for lane in ("a", "b", None):  # whichever ends first: wait for each lane's end
+                if not any(e["type"] in END and e.get("stream_id") == lane for e in events):
+                    events += await client.until_lane(lane, *END)
             client.checker.finish()
     by_lane = lanes(events)
     assert set(by_lane) == {"a", "b", None}
@@ -90,7 +101,7 @@ async def test_two_lanes_stream_concurrently_each_numbered_from_zero(
 
 
 async def test_creates_on_one_lane_queue_in_order_and_say_so(start_server: StartServer) -> None:
-    running = await start_server(TWO_WORDS, timing=SLOW)
+    running = await start_server({"segments": [{"text": "word " * 100}]}, timing=SLOW)
     with trio.fail_after(20):
         async with connect(running.address.ws_url) as raw:
             client = Checked(raw)
@@ -192,7 +203,7 @@ async def test_lane_limits_and_names_are_typed_errors_on_their_lane(
         await client.send(create(tools=[]))  # the default lane is not counted, nor queued
         default = await until_lane(client, None, "response.completed")
         assert default[-1]["type"] == "response.completed"
-        seen = full + default
+        seen = refused + full + default
         while sum(e.get("stream_id") == "one" and e["type"] in END for e in seen) < 2:
             seen += await until_lane(client, "one", "response.completed")
     assert sum(e["type"] == "response.queued" for e in seen) == 1
@@ -206,7 +217,11 @@ async def test_prototype_lanes_each_hold_a_suspended_response(start_server: Star
             await client.send(prototype_create(stream_id="a"))
             await client.send(prototype_create(stream_id="b"))
             a = await client.until_lane("a", "response.done")
-            b = await client.until_lane("b", "response.done")
+            b = (
+                []
+                if any(e.get("stream_id") == "b" and e["type"] == "response.done" for e in a)
+                else (await client.until_lane("b", "response.done"))
+            )
             # a second create on a lane whose Response is open is refused, on that lane
             await client.send(prototype_create(stream_id="a"))
             refused = await client.until_lane("a", "error")
@@ -233,23 +248,32 @@ async def test_prototype_lanes_each_hold_a_suspended_response(start_server: Star
         assert len(ids) == 1  # ONE Response per lane's rollout
 
 
-async def test_each_lanes_warm_cache_is_charged_and_let_go_under_memory_pressure(
+async def test_each_lanes_warm_cache_is_charged_and_the_idlest_let_go_under_pressure(
     start_server: StartServer,
 ) -> None:
-    running = await start_server(THREE_SEGMENTS)
-    async with connect(running.address.ws_url) as client:
+    script = {"segments": [{"text": "one two"}, {"text": "three"}]}
+    running = await start_server(script, max_connection_memory_bytes=1024 * 1024)
+    big = "lorem ipsum " * 12_000  # ~140 KB of text, ~240 KB held once rendered
+    async with connect(running.address.ws_url, max_message_size=4 * 1024 * 1024) as client:
+        ids = {}
         for lane in ("a", "b"):
-            await client.send(create(stream_id=lane))
-            await until_lane(client, lane, *END)
-        # both lanes' last Responses are held warm, and counted
-        process = running.server.memory
-        assert process.used > 0
-        held = process.used
-        idle = list(process._idle)
-        assert len(idle) == 2
-        # let one go as a budget would: its lane's follow-up is refused (store off)
-        idle[0].evict("memory_limit")
-        assert process.used < held
+            await client.send(create(tools=[], stream_id=lane, input=big))
+            ended = await until_lane(client, lane, *END)
+            assert ended[-1]["type"] == "response.completed", ended[-1]
+            ids[lane] = ended[-1]["response"]["id"]
+        held = running.server.memory.used
+        assert held > 2 * len(big)  # both lanes' rollouts are kept warm, and counted
+        # a third lane needs three times that: the idlest lane's cache (a's) is let go, b's stays
+        await client.send(create(tools=[], stream_id="c", input=big * 3))
+        third = await until_lane(client, "c", *END)
+        assert third[-1]["type"] == "response.completed", third[-1]
+        for lane in ("a", "b"):
+            frame = create(tools=[], stream_id=lane, previous_response_id=ids[lane], input="more")
+            await client.send(frame)
+        ends = await until_each(client, "a", "b")
+    assert ends["a"]["error"]["code"] == "previous_response_not_found"  # evicted; store: false
+    assert ends["b"]["type"] == "response.completed"
+    assert running.server.turns[-1].source == "cache"
 
 
 BETA = {"OpenAI-Beta": "responses_multi_agent=v1"}
@@ -405,3 +429,24 @@ async def test_outputs_that_come_as_the_segment_ends_still_resume_it_announced(
             gate.set()
             more = await client.until_lane(None, "response.output_item.added")
     assert more[0]["type"] == "response.in_progress"
+
+
+async def test_a_client_that_vanishes_mid_lanes_leaves_nothing_behind(
+    start_server: StartServer,
+) -> None:
+    running = await start_server({"segments": [{"text": "word " * 100}]}, timing=SLOW)
+    with trio.fail_after(20):
+        with trio.CancelScope() as gone:
+            async with connect(running.address.ws_url) as client:
+                for lane in ("a", "b", "c"):
+                    await client.send(create(tools=[], stream_id=lane))
+                await client.send(create(tools=[], stream_id="a", input="queued"))
+                await client.send(
+                    create(tools=[], stream_id="d", input="short", max_output_tokens=1)
+                )
+                await until_lane(client, "d", *END)  # lane d's Response is cached, the rest stream
+                await until_lane(client, "a", "response.output_text.delta")
+                await client.ws._stream.aclose()  # no close frame: the TCP just drops
+                gone.cancel()
+        await running.server.wait_idle()  # every lane's rollout, cached or streaming, released
+    assert running.server.memory.used == 0

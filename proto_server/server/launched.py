@@ -138,6 +138,7 @@ class LaunchedDialect:
         self._idle = trio.Event()
         self._idle.set()
         self._expired: str | None = None
+        self._gone = False
         nursery.start_soon(self._keep)
 
     # -- the default lane, as before lanes (tests and callers read these) ----------------------
@@ -309,7 +310,7 @@ class LaunchedDialect:
         finally:
             lane.current = None
             self._ended.add(loop.machine.id, lane.stream_id)
-            if completed:
+            if completed and not self._gone:  # once the connection closed, nothing is kept
                 lane.cached = (loop.machine.id, loop.rollout)
                 self._connection.budget.idle(lane)
             else:
@@ -376,6 +377,7 @@ class LaunchedDialect:
         return None
 
     async def close(self) -> None:
+        self._gone = True  # a lane's turn that ends after this closes its rollout itself
         for lane in self._lanes.values():
             self._connection.budget.busy(lane)
             cached, lane.cached = lane.cached, None
