@@ -245,6 +245,7 @@ class SamplingLoop:
             return  # told to end while its last segment streamed
         if machine.holds_injected:  # outputs injected while the segment streamed
             self._resume_events = machine.release_held()
+            self.rollout.account()
         if machine.status is not Status.SUSPENDED:
             return  # every call was answered before it could wait: no wait at all
         self._wake = trio.Event()
