@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
+from trio_websocket import ConnectionClosed
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
@@ -15,7 +17,7 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.testing.checker import LaneChecker
 
-from .conftest import FAST, THREE_SEGMENTS, StartServer
+from .conftest import FAST, THREE_SEGMENTS, CheckpointStore, StartServer
 from .test_launched import END, create
 from .test_prototype_rollout import answers
 from .test_prototype_rollout import create as prototype_create
@@ -450,3 +452,31 @@ async def test_a_client_that_vanishes_mid_lanes_leaves_nothing_behind(
                 gone.cancel()
         await running.server.wait_idle()  # every lane's rollout, cached or streaming, released
     assert running.server.memory.used == 0
+
+
+async def test_a_stopping_server_ends_what_waits_on_a_lane_rather_than_drop_it(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        {"segments": [{"text": "word " * 1000}]},
+        timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=10),
+        store=CheckpointStore(),
+    )
+    async with connect(running.address.ws_url) as raw, trio.open_nursery() as nursery:
+        client = Checked(raw)
+        await client.send(create(tools=[], stream_id="a"))
+        await client.send(create(tools=[], stream_id="a", input="next"))
+        events = await client.until_lane("a", "response.queued")
+        queued = events[-1]["response"]["id"]
+        nursery.start_soon(running.server.shutdown, 2)
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                events += await client.until_lane("a", *END)
+    assert closed.value.reason.code == 1001
+    ends = [(e["type"], e["response"]["id"]) for e in events if e["type"] in END]
+    first = events[0]["response"]["id"] if events[0]["type"] == "response.created" else None
+    assert [kind for kind, _ in ends] == ["response.incomplete", "response.incomplete"]
+    assert ends[1][1] == queued != first
+    reasons = {e["response"]["incomplete_details"]["reason"] for e in events if e["type"] in END}
+    assert reasons == {"server_shutdown"}
+    client.checker.finish(closed=True)

@@ -49,6 +49,8 @@ from proto_server.wire.events import (
     ResponseAppend,
     ResponseCancel,
     ResponseCreate,
+    ResponseCreated,
+    ResponseIncomplete,
     ResponseInject,
     ResponseQueued,
 )
@@ -275,8 +277,10 @@ class LaunchedDialect:
             while lane.queue:
                 queued = lane.queue.popleft()
                 self._connection.budget.charge(-queued.waiting)  # the rollout is charged instead
-                if self._expired is None:  # else the connection is closing: queued turns end
+                if self._expired is None:
                     await self._serve_turn(lane, queued)
+                else:  # the connection is closing: what still waits is told it ends unserved
+                    await self._end_unserved(lane, queued, self._expired)
                 del queued  # an idle lane holds no request: only its cache, if any
         finally:
             for queued in lane.queue:  # cancelled: what still waited is no longer counted
@@ -286,6 +290,20 @@ class LaunchedDialect:
             self._serving -= 1
             if not self._serving:
                 self._idle.set()
+
+    async def _end_unserved(self, lane: _Lane, queued: _Queued, reason: str) -> None:
+        """A create that waited and will never be served (the server stops): it becomes a
+        Response that ends at once, `response.incomplete` with `reason`, so no create that
+        was accepted goes unanswered."""
+        template = response_template(
+            queued.create,
+            response_id=queued.response_id or new_id("resp"),
+            created_at=int(time.time()),
+            default_model=self._server.config.default_model,
+        )
+        await lane.sink.send(ResponseCreated(response=template))
+        ended = attrs.evolve(template, status="incomplete", incomplete_details={"reason": reason})
+        await lane.sink.send(ResponseIncomplete(response=ended))
 
     async def _serve_turn(self, lane: _Lane, queued: _Queued) -> None:
         """One turn; the rollout goes to its lane's cache if it completed. Nothing of the turn
