@@ -50,7 +50,7 @@ async def until_each(client: Client, *names: str | None) -> dict[str | None, dic
     while len(ends) < len(names):
         event = await client.receive()
         lane = event.get("stream_id")
-        if lane in names and lane not in ends and event["type"] in END:
+        if lane in names and lane not in ends and event["type"] in (*END, "response.cancelled"):
             ends[lane] = event
     return ends
 
@@ -480,3 +480,19 @@ async def test_a_stopping_server_ends_what_waits_on_a_lane_rather_than_drop_it(
     reasons = {e["response"]["incomplete_details"]["reason"] for e in events if e["type"] in END}
     assert reasons == {"server_shutdown"}
     client.checker.finish(closed=True)
+
+
+async def test_a_cancel_names_the_lane_whose_response_it_ends(start_server: StartServer) -> None:
+    running = await start_server({"segments": [{"text": "word " * 100}]}, timing=SLOW)
+    for url in (running.address.ws_url, running.prototype_url):
+        with trio.fail_after(20):
+            async with connect(url) as client:
+                await client.send(create(tools=[], stream_id="keep"))
+                await client.send(create(tools=[], stream_id="stop"))
+                await until_lane(client, "stop", "response.output_text.delta")
+                await client.send({"type": "response.cancel", "stream_id": "stop"})
+                await client.send({"type": "response.cancel", "stream_id": "idle"})
+                ends = await until_each(client, "keep", "stop", "idle")
+        assert ends["stop"]["type"] == "response.cancelled"
+        assert ends["keep"]["type"] == "response.completed"
+        assert ends["idle"]["error"]["code"] == "no_open_response"
