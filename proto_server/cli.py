@@ -315,7 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=int,
         default=defaults.max_queued_requests,
-        help="launched dialect: response.create frames that may wait behind the one in flight",
+        help="launched dialect: response.create frames that may wait behind the one in flight "
+        "on each lane; one more is refused with concurrent_request",
+    )
+    serve.add_argument(
+        "--max-lanes",
+        type=int,
+        default=defaults.max_lanes,
+        metavar="N",
+        help="named lanes (stream_id) one WebSocket may use; one more is refused with "
+        "websocket_stream_limit_reached (the default lane is not counted)",
     )
     # the two memory flags are in MiB, the settings in bytes: their range is checked in MiB here
     serve.add_argument(
@@ -576,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_connection_lifetime_s": args.max_connection_lifetime,
         "max_connections": args.max_connections,
         "max_queued_requests": args.max_queued_requests,
+        "max_lanes": args.max_lanes,
         "merge_deltas": args.merge_deltas,
         "permessage_deflate": args.permessage_deflate,
         "api_keys": keys,

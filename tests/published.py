@@ -64,20 +64,20 @@ class SchemaNet:
         exchange_json = http._Exchange._json
         error_body = http.error_body
 
-        def websocket_event(event: Any, sequence_number: int) -> str:
-            text = encode(event, sequence_number)
+        def websocket_event(event: Any, sequence_number: int, stream_id: Any = None) -> str:
+            text = encode(event, sequence_number, stream_id)
             self.event(text, "websocket")
             return text
 
-        def sse_event(event: Any, sequence_number: int) -> str:
-            text = encode(event, sequence_number)
+        def sse_event(event: Any, sequence_number: int, stream_id: Any = None) -> str:
+            text = encode(event, sequence_number, stream_id)
             self.event(text, "sse")
             return text
 
-        async def json_body(exchange: Any, status: int, body: Any) -> None:
+        async def json_body(exchange: Any, status: int, body: Any) -> int:
             if exchange.path.startswith("/v1/"):
                 self.body(exchange.path, status, orjson.dumps(body))
-            await exchange_json(exchange, status, body)
+            return await exchange_json(exchange, status, body)  # type: ignore[no-any-return]
 
         def checked_error_body(error: Any) -> bytes:
             body = error_body(error)

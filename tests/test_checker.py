@@ -381,3 +381,104 @@ def test_a_suspension_that_expires_reopens_the_appends_it_had_not_confirmed() ->
     checker.received(incomplete)
     checker.received(error("no_open_response", checker.next_sequence))
     checker.finish()
+
+
+# -- lanes and inject ---------------------------------------------------------------------------
+
+
+def on_lane(obj: dict[str, Any], lane: str | None, number: int) -> dict[str, Any]:
+    laned = {**obj, "sequence_number": number}
+    if lane is not None:
+        laned["stream_id"] = lane
+    return laned
+
+
+def lane_stream(lane: str | None, rid: str) -> list[dict[str, Any]]:
+    response = {"id": rid, "status": "in_progress", "output": []}
+    done = {**response, "status": "completed"}
+    return [
+        on_lane({"type": "response.created", "response": response}, lane, 0),
+        on_lane({"type": "response.in_progress", "response": response}, lane, 1),
+        on_lane({"type": "response.completed", "response": done}, lane, 2),
+    ]
+
+
+def test_lanes_interleave_each_numbered_from_zero() -> None:
+    from proto_server.testing import LaneChecker
+
+    checker = LaneChecker(dialect="launched")
+    checker.sent({**CREATE, "stream_id": "a"})
+    checker.sent(CREATE)
+    a, default = lane_stream("a", "resp_a"), lane_stream(None, "resp_d")
+    for pair in zip(a, default, strict=True):
+        for event in pair:
+            checker.received(event)
+    checker.finish()
+
+
+def test_an_event_on_another_lanes_numbering_or_of_another_lanes_response_is_caught() -> None:
+    from proto_server.testing import LaneChecker
+
+    checker = LaneChecker(dialect="launched")
+    checker.sent({**CREATE, "stream_id": "a"})
+    checker.sent({**CREATE, "stream_id": "b"})
+    checker.received(lane_stream("a", "resp_a")[0])
+    with pytest.raises(InvariantViolation) as caught:  # numbered as if the lanes were one
+        checker.received(on_lane(lane_stream("b", "resp_b")[0], "b", 1))
+    assert caught.value.invariant == 1
+    checker = LaneChecker(dialect="launched")
+    checker.sent({**CREATE, "stream_id": "a"})
+    checker.sent({**CREATE, "stream_id": "b"})
+    checker.received(lane_stream("a", "resp_a")[0])
+    with pytest.raises(InvariantViolation) as caught:  # lane a's Response on lane b
+        checker.received(lane_stream("b", "resp_a")[0])
+    assert caught.value.invariant == 8
+
+
+def test_a_queued_create_must_be_created_with_the_id_it_was_queued_as() -> None:
+    checker = StreamChecker(dialect="launched")
+    checker.sent(CREATE)
+    checker.sent(CREATE)
+    first = lane_stream(None, "resp_1")
+    checker.received(first[0])
+    queued = {"id": "resp_2", "status": "queued", "output": []}
+    checker.received(on_lane({"type": "response.queued", "response": queued}, None, 1))
+    checker.received(on_lane(first[1], None, 2))
+    checker.received(on_lane(first[2], None, 3))
+    impostor = {"id": "resp_3", "status": "in_progress", "output": []}
+    with pytest.raises(InvariantViolation, match="queued as resp_2"):
+        checker.received(on_lane({"type": "response.created", "response": impostor}, None, 4))
+
+
+def test_an_inject_must_answer_waiting_calls_and_a_refusal_must_return_its_input() -> None:
+    checker = StreamChecker(dialect="prototype")
+    rec = Recorder()
+    checker.sent(CREATE)
+    rec.emit(rec.m.start())
+    (call,) = rec.segment("Let me look.", calls=('{"cmd":"ls"}',))  # it ends suspended
+    for _, event in rec.steps:
+        checker.received(event)
+    answer = [{"type": "function_call_output", "call_id": call, "output": "ok"}]
+    checker.sent({"type": "response.inject", "response_id": "resp_1", "input": answer})
+    wrong = {"type": "response.inject", "response_id": "resp_1", "input": answer}
+    checker.sent({**wrong, "input": [{**answer[0], "call_id": "call_other"}]})
+    n = rec.sequencer.sent
+    failed = {
+        "type": "response.inject.failed",
+        "response_id": "resp_1",
+        "error": {"code": "response_already_completed", "message": "late"},
+        "input": answer,  # not the input of the frame it answers
+    }
+    created = {"type": "response.inject.created", "response_id": "resp_1"}
+    checker.received({**created, "sequence_number": n})
+    with pytest.raises(InvariantViolation, match="input as it was sent") as caught:
+        checker.received({**failed, "sequence_number": n + 1})
+    assert caught.value.invariant == 7
+    checker = StreamChecker(dialect="prototype")
+    checker.sent(CREATE)
+    for _, event in rec.steps:
+        checker.received(event)
+    checker.sent({**wrong, "input": [{**answer[0], "call_id": "call_other"}]})
+    with pytest.raises(InvariantViolation) as caught:  # committed an output no call awaits
+        checker.received({**created, "sequence_number": n})
+    assert caught.value.invariant == 5

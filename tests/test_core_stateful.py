@@ -2,7 +2,9 @@
 
 A hypothesis `RuleBasedStateMachine` plays both sides of a connection, synchronously: the
 generator (text, tool calls, parallel calls, stops, faults, illegal chunks) and the client
-(create, valid, partial, unknown, duplicate and late appends, cancel, disconnect). Client frames
+(create, valid, partial, unknown, duplicate and late appends, cancel, disconnect; injects of the
+multi-agent beta, while the segment streams or once it suspended, to a live, ended or unknown
+Response). Client frames
 go through the real decoder and the machine's own checks, as the dialect does; every event the
 machine returns is numbered as the writer would and fed to `StreamChecker`, so invariants 1-7
 are checked after every step, and the machine's own bookkeeping after every rule.
@@ -34,9 +36,13 @@ from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
     ErrorEvent,
+    InjectError,
     ResponseAppend,
     ResponseCancel,
     ResponseCreate,
+    ResponseInject,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
     ServerEvent,
 )
 from proto_server.wire.items import FunctionCall
@@ -98,6 +104,9 @@ class Connection(RuleBasedStateMachine):
             self.segment_begun = self.warm = False
             self.emit(self.machine.start())
             return
+        if isinstance(event, ResponseInject):
+            self.inject(event)
+            return
         if m is None or m.status.terminal:
             raise ProtocolError("no_open_response", "nothing is open")
         if isinstance(event, ResponseCancel):
@@ -106,6 +115,25 @@ class Connection(RuleBasedStateMachine):
             self.emit(m.append(event.input))
             if m.status is Status.IN_PROGRESS:
                 self.segment_begun = False
+
+    def inject(self, event: ResponseInject) -> None:
+        """As `serve_inject` does: the named Response commits the outputs, or it is refused
+        whole with the input handed back."""
+        m = self.machine
+        if m is None or m.id != event.response_id or m.status.terminal:
+            ended = m is not None and m.id == event.response_id
+            code = "response_already_completed" if ended else "response_not_found"
+            error = InjectError(code=code, message="no")
+            failed = ResponseInjectFailed(
+                response_id=event.response_id, error=error, input=event.raw_input
+            )
+            self.emit([failed])
+            return
+        m.check_inject(event.input)
+        resumed = m.inject(event.input)
+        self.emit([ResponseInjectCreated(response_id=m.id), *resumed])
+        if m.status is Status.IN_PROGRESS and resumed:
+            self.segment_begun = False
 
     def state(self) -> tuple[Any, ...]:
         m = self.machine
@@ -119,6 +147,7 @@ class Connection(RuleBasedStateMachine):
             m.usage(),
             m.conversation.token_count,
             len(m.conversation.items),
+            set(m._held_ids),
         )
 
     def streaming(self) -> bool:
@@ -208,6 +237,26 @@ class Connection(RuleBasedStateMachine):
     def append_what_append_does_not_take(self, item: dict[str, Any] | None) -> None:
         self.send({"type": "response.append", "input": [item] if item else []})
 
+    @precondition(lambda self: self.machine is not None and self.machine.pending_calls)
+    @rule(data=st.data())
+    def inject_outputs(self, data: st.DataObject) -> None:
+        """Outputs for calls made, while the segment streams (held) or once it suspended."""
+        waiting = sorted(self.m.pending_calls.keys() - self.m._held_ids) or ["call_none"]
+        some = data.draw(st.lists(st.sampled_from(waiting), min_size=1, unique=True))
+        frame = {"type": "response.inject", "response_id": self.m.id}
+        self.send({**frame, "input": [output(c) for c in some]})
+
+    @rule(response_id=st.sampled_from(["resp_nowhere", "current"]), text=texts)
+    def inject_what_inject_does_not_take(self, response_id: str, text: str) -> None:
+        """A message, or outputs for a Response that is not there (or ended)."""
+        rid = (
+            self.machine.id
+            if self.machine is not None and response_id == "current"
+            else response_id
+        )
+        items = [user(text)] if rid != "resp_nowhere" else [output("call_x")]
+        self.send({"type": "response.inject", "response_id": rid, "input": items})
+
     @rule()
     def cancel(self) -> None:
         self.send({"type": "response.cancel"})
@@ -260,6 +309,8 @@ class Connection(RuleBasedStateMachine):
     def stop(self) -> None:
         self.prefill()
         self.emit(self.m.end_segment())
+        if self.m.status is Status.SUSPENDED and self.m.holds_injected:
+            self.emit(self.m.release_held())  # as the sampling loop does before it waits
         self.end_of_segment()
 
     @precondition(lambda self: self.streaming())

@@ -21,7 +21,7 @@ from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.testing import CheckedClient, StreamChecker, connect_checked
+from proto_server.testing import CheckedClient, LaneChecker, StreamChecker, connect_checked
 from proto_server.testing.schema import wire_schema
 
 from .conftest import EXEC_COMMAND, FAST, CheckpointStore
@@ -213,4 +213,104 @@ async def test_any_client_against_any_script_keeps_every_promise(
             address = await nursery.start(server.serve)
             await drive(f"{address.ws_url}?dialect=prototype", plan)
             await server.wait_idle()  # every connection and rollout released its state
+            nursery.cancel_scope.cancel()
+
+
+# -- lanes and inject -----------------------------------------------------------------------------
+
+LANES = [None, "a", "b"]
+
+
+@attrs.frozen
+class LaneAction:
+    kind: str
+    lane: str | None = None
+    wait: bool = True
+
+
+lane_actions = st.builds(
+    LaneAction,
+    st.sampled_from(
+        ["create", "answer_all", "answer_some", "inject_all", "inject_unknown", "cancel", "wait"]
+    ),
+    st.sampled_from(LANES),
+    st.booleans(),
+)
+
+
+def lane_checker(client: CheckedClient, lane: str | None) -> StreamChecker:
+    checker = client.checker
+    assert isinstance(checker, LaneChecker)
+    return checker.lane(lane)
+
+
+async def perform_on_lane(client: CheckedClient, action: LaneAction) -> None:
+    checker = lane_checker(client, action.lane)
+    named = {} if action.lane is None else {"stream_id": action.lane}
+    waiting = pending(checker)
+    match action.kind:
+        case "create":
+            tools = [EXEC_COMMAND, READ_FILE]
+            await client.send({"type": "response.create", "input": "go", "tools": tools, **named})
+        case "answer_all" | "answer_some":
+            calls = waiting if action.kind == "answer_all" else waiting[:1]
+            await client.send({**outputs(calls or ["call_none"]), **named})
+        case "inject_all":
+            current = checker.current
+            rid = current.id if current is not None else "resp_none"
+            frame = {**outputs(waiting or ["call_none"]), "type": "response.inject"}
+            await client.send({**frame, "response_id": rid})
+        case "inject_unknown":
+            frame = {**outputs(["call_x"]), "type": "response.inject"}
+            await client.send({**frame, "response_id": "resp_unknown"})
+        case "cancel":
+            await client.send({"type": "response.cancel", **named})
+        case "wait":
+            pass
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(script=scripts, plan=st.lists(lane_actions, max_size=12))
+@example(  # two lanes suspended at once, one answered by append, one by inject
+    script={"segments": [{"tool_calls": [{"name": "exec_command"}] * 2}, {"text": "ok"}]},
+    plan=[
+        LaneAction("create", "a"),
+        LaneAction("create", "b"),
+        LaneAction("answer_all", "a"),
+        LaneAction("inject_all", "b"),
+    ],
+)
+@example(  # an inject that races the segment it answers
+    script={"segments": [{"tool_calls": [{"name": "read_file"}] * 3}, {"text": "ok"}]},
+    plan=[LaneAction("create", None, wait=False), LaneAction("inject_all", None)],
+)
+async def test_any_client_on_lanes_with_inject_keeps_every_promise(
+    script: dict[str, Any], plan: list[LaneAction]
+) -> None:
+    server = ProtoServer(
+        SimulatedGenerator(parse_script(script), FAST),
+        ServerConfig(port=0, default_model="m"),
+        store=CheckpointStore(),
+    )
+    beta = [("OpenAI-Beta", "responses_multi_agent=v1")]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve)
+            url = f"{address.ws_url}?dialect=prototype"
+            async with (
+                connect_checked(url, headers=beta, lanes=True) as client,
+                trio.open_nursery() as reading,
+            ):
+                reading.start_soon(read_all, client)
+                for action in plan:
+                    await perform_on_lane(client, action)
+                    if action.wait:
+                        await quiet()
+                await quiet()
+                reading.cancel_scope.cancel()
+            await server.wait_idle()
             nursery.cancel_scope.cancel()

@@ -13,7 +13,7 @@ from proto_server.core.merge import merge_deltas
 from proto_server.server.connection import Connection
 from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.offload import Offload
-from proto_server.server.outbox import Outbox
+from proto_server.server.outbox import Outbox, Outgoing
 from proto_server.wire.events import (
     ClientEvent,
     FunctionCallArgumentsDelta,
@@ -49,11 +49,11 @@ def test_deltas_of_one_item_merge_and_nothing_else_does() -> None:
 
 
 async def drain(events: list[ServerEvent], merge: bool) -> list[tuple[ServerEvent, int]]:
-    send, receive = trio.open_memory_channel[ServerEvent](len(events))
+    send, receive = trio.open_memory_channel[Outgoing](len(events))
     for event in events:
-        send.send_nowait(event)
+        send.send_nowait(Outgoing(event))
     send.close()
-    return [pair async for pair in Outbox(receive, merge=merge)]
+    return [(outgoing.event, merged) async for outgoing, merged in Outbox(receive, merge=merge)]
 
 
 async def test_an_outbox_merges_runs_of_pending_deltas_and_keeps_order() -> None:

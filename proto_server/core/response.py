@@ -89,6 +89,9 @@ TRANSITIONS: Mapping[Status, frozenset[Status]] = {
 }
 
 
+_OUTPUTS = (FunctionCallOutput, CustomToolCallOutput)
+
+
 class IllegalTransition(Exception):
     """The generator drove the machine somewhere it cannot go: a server bug, never the client's."""
 
@@ -118,6 +121,7 @@ class ResponseMachine:
         suspend_on_tool_calls: bool = True,
         clock: Callable[[], int] | None = None,
         compaction: UnknownItem | None = None,
+        announce_suspension: bool = True,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
@@ -128,6 +132,13 @@ class ResponseMachine:
         self.completed_at: int | None = None
         self._compaction = compaction
         self.suspend_on_tool_calls = suspend_on_tool_calls
+        #: Prototype: a suspension says `response.done`. The multi-agent beta says nothing: its
+        #: clients act on each call's `output_item.done` and answer with `response.inject`.
+        self.announce_suspension = announce_suspension
+        #: Outputs injected while the segment that called them still streamed, in order: they
+        #: join the conversation when it suspends (after the calls, never among them).
+        self._held: list[tuple[tuple[Item, ...], RenderedItems | None]] = []
+        self._held_ids: set[str] = set()
         self._template = response
         self.conversation = conversation
         self.status = Status.IN_PROGRESS
@@ -232,6 +243,10 @@ class ResponseMachine:
         events = self._close_message()
         if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
+            if not self.announce_suspension or self.pending_calls.keys() <= self._held_ids:
+                # silent: a beta client waits on no response.done, and a Response whose every
+                # call was injected already resumes at once (`release_held`), waiting for nobody
+                return events
             return [*events, ResponseDone(response=self.snapshot())]
         self._move(Status.COMPLETED)
         self.completed_at = self._clock()
@@ -439,6 +454,77 @@ class ResponseMachine:
             return []
         self._move(Status.IN_PROGRESS)
         return [ResponseInProgress(response=self.snapshot())]
+
+    def check_inject(self, items: Sequence[Item]) -> None:
+        """Raise the `ProtocolError` that `inject(items)` would raise, changing nothing.
+
+        An inject (the multi-agent beta) carries only tool outputs, and, unlike an append, may
+        arrive while the segment still streams: an output for a call already emitted is valid
+        then. An ended Response is `response_already_completed`."""
+        if self.status.terminal:
+            raise ProtocolError(
+                "response_already_completed",
+                f"Response {self.id} already ended ({self.status.value}); nothing can be "
+                "injected into it.",
+            )
+        if not items:
+            raise ProtocolError(
+                "invalid_field", "`input` is empty; inject at least one item.", param="input"
+            )
+        answering: set[str] = set()
+        for index, item in enumerate(items):
+            param = f"input[{index}]"
+            if not isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+                raise ProtocolError(
+                    "invalid_field",
+                    f"`{param}` is a {item.type!r} item; response.inject takes client tool "
+                    "outputs (function_call_output, custom_tool_call_output).",
+                    param=f"{param}.type",
+                )
+            call_id = item.call_id
+            if call_id in answering or call_id in self.answered_calls or call_id in self._held_ids:
+                raise ProtocolError(
+                    "duplicate_call_id",
+                    f"Call {quoted(call_id)} was already answered; send each output once.",
+                    param=f"{param}.call_id",
+                )
+            if call_id not in self.pending_calls:
+                raise ProtocolError(
+                    "unknown_call_id",
+                    f"No call {quoted(call_id)} is awaiting output in response {self.id}; "
+                    f"awaiting: {some_of(self.pending_calls.keys() - self._held_ids)}.",
+                    param=f"{param}.call_id",
+                )
+            answering.add(call_id)
+
+    def inject(
+        self, items: Sequence[Item], rendered: RenderedItems | None = None
+    ) -> list[ServerEvent]:
+        """Commit tool outputs: as an append if the Response is suspended; held until the
+        segment ends if it still streams (`release_held` applies them). Returns the events
+        that announce a resumption, if this answered the last call."""
+        self.check_inject(items)
+        if self.status is Status.SUSPENDED:
+            return self.append(items, rendered)
+        self._held.append((tuple(items), rendered))
+        self._held_ids.update(item.call_id for item in items if isinstance(item, _OUTPUTS))
+        return []
+
+    @property
+    def holds_injected(self) -> bool:
+        return bool(self._held)
+
+    def release_held(self) -> list[ServerEvent]:
+        """At a suspension: what was injected while the segment streamed joins the
+        conversation now; returns the events of a resumption if that answered every call."""
+        if self.status is not Status.SUSPENDED:
+            raise IllegalTransition(f"cannot release injected outputs while {self.status.value}")
+        held, self._held = self._held, []
+        self._held_ids = set()
+        events: list[ServerEvent] = []
+        for items, rendered in held:
+            events = self.append(items, rendered)
+        return events
 
     # -- internals -------------------------------------------------------------------------------
 

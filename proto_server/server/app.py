@@ -53,11 +53,13 @@ from proto_server.server.handshake import (
     upgrade_refusal,
 )
 from proto_server.server.http import LINGER_S, error_body, linger, serve_http, unauthorized
+from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
+from proto_server.server.outbox import EventSink
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
@@ -70,7 +72,7 @@ from proto_server.server.store import (
 )
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ResponseCreate, ServerEvent
+from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import Item
 
 RESPONSES_PATH = "/v1/responses"
@@ -94,6 +96,11 @@ def select_dialect(head: RequestHead) -> DialectName:
     if "dialect=prototype" in query.split("&"):
         return "prototype"
     return "launched"
+
+
+def multi_agent_beta(head: RequestHead) -> bool:
+    """Whether the client opted into the multi-agent beta (`response.inject`)."""
+    return MULTI_AGENT_BETA in beta_values(head.header(b"openai-beta"))
 
 
 @attrs.frozen
@@ -374,10 +381,11 @@ class ProtoServer:
                 },
             )
             dialect: Dialect
+            beta = multi_agent_beta(head)
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery, owner=owner)
+                dialect = PrototypeDialect(self, connection, nursery, owner=owner, multi_agent=beta)
             else:
-                dialect = LaunchedDialect(self, connection, nursery, owner=owner)
+                dialect = LaunchedDialect(self, connection, nursery, owner=owner, multi_agent=beta)
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -441,7 +449,7 @@ class ProtoServer:
     async def begin_response(
         self,
         create: ResponseCreate,
-        events: trio.MemorySendChannel[ServerEvent],
+        events: EventSink,
         *,
         budget: MemoryBudget,
         source: str,
@@ -449,6 +457,8 @@ class ProtoServer:
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
         suspend_on_tool_calls: bool = False,
+        announce_suspension: bool = True,
+        response_id: str | None = None,
         size: int = 0,
     ) -> SamplingLoop:
         """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
@@ -457,7 +467,9 @@ class ProtoServer:
         history and the input on a cold one. Rendering runs off the event loop when the input
         is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
         adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
-        `rollout` stays its caller's to close). Stored, it belongs to `owner`.
+        `rollout` stays its caller's to close). Stored, it belongs to `owner`. `response_id`:
+        the id a `response.queued` already announced; `suspend_on_tool_calls` and
+        `announce_suspension`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
         prepared = await self.offload.run(
@@ -503,7 +515,7 @@ class ProtoServer:
             self.observer.rendered()
         response = response_template(
             create,
-            response_id=new_id("resp"),
+            response_id=response_id or new_id("resp"),
             created_at=int(time.time()),
             default_model=self.config.default_model,
         )
@@ -513,6 +525,7 @@ class ProtoServer:
             suspend_on_tool_calls=suspend_on_tool_calls,
             clock=lambda: int(time.time()),
             compaction=compaction,
+            announce_suspension=announce_suspension,
         )
 
         async def persist(machine: ResponseMachine) -> None:

@@ -63,8 +63,13 @@ class ServerConfig:
     #: 503, before it stops listening, so a balancer's health check takes it out of rotation
     #: while it still accepts (0: stop listening at once, for a server with no balancer).
     drain_delay_s: float = attrs.field(default=0.0, validator=between(0, 3600))
-    #: Launched dialect: `response.create` frames that may wait behind the one in flight.
+    #: Launched dialect: `response.create` frames that may wait behind the one in flight on
+    #: each lane (the default lane and every named one); one more is `concurrent_request`.
     max_queued_requests: int = attrs.field(default=8, validator=at_least(1))
+    #: Named lanes (`stream_id`s) one WebSocket may use over its life (the default lane is not
+    #: counted; OpenAI's service allows 32); a create naming one more is refused with
+    #: `websocket_stream_limit_reached`. Each keeps its last Response warm.
+    max_lanes: int = attrs.field(default=32, validator=at_least(1))
     #: What the whole process keeps for its clients (rollouts, queued and in-preparation
     #: requests); past it the idlest cached or suspended rollouts are let go, then requests are
     #: refused with `server_busy` (503).

@@ -1,7 +1,8 @@
 """One WebSocket client: a reader, a writer, and the nursery its Responses live in.
 
     connection nursery
-     ├─ writer: drains the bounded client channel into the socket, stamping sequence numbers
+     ├─ writer: drains the bounded client channel into the socket, stamping each event with its
+    │  lane's `stream_id` and the lane's next sequence number
      ├─ reader (this task): frames -> decode -> the dialect; a bad frame becomes an `error` event
      └─ what the dialect starts: rollout nurseries (sampling.py), the launched dialect's turns
 
@@ -25,10 +26,10 @@ from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
-from proto_server.server.outbox import Outbox
+from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.wire.converter import decode_client_event, encode_server_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
-from proto_server.wire.events import ClientEvent, ErrorEvent, ServerEvent
+from proto_server.wire.events import ClientEvent, ErrorEvent, ResponseInject
 
 _ids = itertools.count(1)
 
@@ -78,11 +79,27 @@ class Connection:
         self._offload = offload
         self._merge_deltas = merge_deltas
         self._observer = observer
-        self.sequencer = Sequencer()
-        self.events, self._outbox = trio.open_memory_channel[ServerEvent](queue_events)
+        #: Each lane numbers its own events from 0 (None: the default lane); see `lane`.
+        self._sequencers: dict[str | None, Sequencer] = {None: Sequencer()}
+        self._channel, self._outbox = trio.open_memory_channel[Outgoing](queue_events)
+        #: The default lane: connection-level errors and the Responses of creates without one.
+        self.events = LaneSink(self._channel)
         self._written = trio.Event()
         self._reading = trio.CancelScope()
         self._shutdown_deadline: float | None = None
+
+    @property
+    def sequencer(self) -> Sequencer:
+        """The default lane's numbering."""
+        return self._sequencers[None]
+
+    def lane(self, stream_id: str | None) -> LaneSink:
+        """Where the events of lane `stream_id` go: one writer, numbered per lane.
+
+        Per lane, not per connection: the SDK's session helper hands each lane's consumer only
+        that lane's events, so only a per-lane count lets it see that none is missing; a
+        connection with only the default lane numbers exactly as before lanes existed."""
+        return self.events if stream_id is None else LaneSink(self._channel, stream_id)
 
     async def run(self, nursery: trio.Nursery, dialect: Dialect, *, lifetime_s: float) -> None:
         """Serve until the peer goes away or the lifetime ends; then cancel all it started."""
@@ -110,7 +127,7 @@ class Connection:
         with trio.move_on_at(deadline):
             await dialect.drain()
         await dialect.expire(SERVER_SHUTDOWN)
-        self.events.close()
+        self._channel.close()
         # a client that stopped reading cannot hold the server's exit hostage
         with trio.move_on_after(CLOSE_WAIT_S):
             await self._written.wait()
@@ -140,7 +157,8 @@ class Connection:
                         "param": exc.detail.param,
                     },
                 )
-                await self.events.send(ErrorEvent(status=exc.status, error=exc.detail))
+                error = ErrorEvent(status=exc.status, error=exc.detail)
+                await self.lane(exc.stream_id).send(error)
             finally:
                 del message  # waiting for the next frame, an idle connection keeps no old one
 
@@ -155,7 +173,12 @@ class Connection:
         if self._observer is not None:
             self._observer.decoded()
         log.debug("client.event", extra={"connection": self.id, "type": event.type})
-        await dialect.handle(event, size)
+        try:
+            await dialect.handle(event, size)
+        except ProtocolError as exc:
+            if exc.stream_id is None and not isinstance(event, ResponseInject):
+                exc.stream_id = event.stream_id  # refused on the lane the frame named
+            raise
 
     async def _retire(self, dialect: Dialect, lifetime_s: float) -> None:
         log.info("connection.lifetime_reached", extra={"connection": self.id})
@@ -169,22 +192,26 @@ class Connection:
             type="invalid_request_error", code="websocket_connection_limit_reached", message=message
         )
         await self.events.send(ErrorEvent(status=400, error=detail))
-        self.events.close()
+        self._channel.close()
         await self._written.wait()
         await self.ws.aclose(code=1000, reason="connection lifetime limit reached")
 
     async def _write(self) -> None:
         try:
             async with self._outbox:
-                async for event, merged in Outbox(self._outbox, merge=self._merge_deltas):
-                    frame = encode_server_event(event, self.sequencer.next())
+                async for outgoing, merged in Outbox(self._outbox, merge=self._merge_deltas):
+                    lane = outgoing.stream_id
+                    sequencer = self._sequencers.get(lane)
+                    if sequencer is None:  # lanes are few: the dialect bounds them
+                        sequencer = self._sequencers[lane] = Sequencer()
+                    frame = encode_server_event(outgoing.event, sequencer.next(), lane)
                     started = time.perf_counter()
                     await self.ws.send_message(frame)
-                    metrics.sent(event, dialect=self.dialect, transport="websocket",
+                    metrics.sent(outgoing.event, dialect=self.dialect, transport="websocket",
                                  size=metrics.encoded_size(frame),
                                  seconds=time.perf_counter() - started)  # fmt: skip
                     if self._observer is not None:
-                        self._observer.sent(event, merged)
+                        self._observer.sent(outgoing.event, merged)
         except ConnectionClosed:
             # Nothing more can reach this client: end the connection and all it started.
             await self.ws.aclose()

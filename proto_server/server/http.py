@@ -32,7 +32,7 @@ from proto_server.engine.base import ProbedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
-from proto_server.server.outbox import Outbox
+from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
 from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, chain_items
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
@@ -301,8 +301,11 @@ class _Exchange:
         )
         await send_json(self.stream, self.conn, 503, error_body(unready))
 
-    async def _json(self, status: int, body: Any) -> None:
-        await send_json(self.stream, self.conn, status, orjson.dumps(body))
+    async def _json(self, status: int, body: Any) -> int:
+        """Answer with `body` as JSON; the bytes it took."""
+        encoded = orjson.dumps(body)
+        await send_json(self.stream, self.conn, status, encoded)
+        return len(encoded)
 
     async def _body(self) -> bytes:
         config = self.server.config
@@ -353,12 +356,10 @@ class _Exchange:
             )
         await self.server.offload.run(self.server.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
-        send, receive = trio.open_memory_channel[ServerEvent](
-            self.server.config.client_queue_events
-        )
+        send, receive = trio.open_memory_channel[Outgoing](self.server.config.client_queue_events)
         loop = await self.server.begin_response(
             create,
-            send,
+            LaneSink(send),
             budget=self.budget,
             history=history,
             source="store" if history else "fresh",
@@ -374,14 +375,15 @@ class _Exchange:
                 else:
                     await self._final_response(receive, nursery.cancel_scope)
 
-    async def _stream_events(self, receive: trio.MemoryReceiveChannel[ServerEvent]) -> None:
+    async def _stream_events(self, receive: trio.MemoryReceiveChannel[Outgoing]) -> None:
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self.stream.send_all(
             self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
         )
         sequence = 0
         observer = self.server.observer
-        async for event, merged in Outbox(receive, merge=self.server.config.merge_deltas):
+        async for outgoing, merged in Outbox(receive, merge=self.server.config.merge_deltas):
+            event = outgoing.event
             data = encode_server_event(event, sequence)
             sequence += 1
             frame = f"event: {event.type}\ndata: {data}\n\n".encode()
@@ -396,7 +398,7 @@ class _Exchange:
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
     async def _final_response(
-        self, receive: trio.MemoryReceiveChannel[ServerEvent], response: trio.CancelScope
+        self, receive: trio.MemoryReceiveChannel[Outgoing], response: trio.CancelScope
     ) -> None:
         """One JSON body at the end. Until then the socket is watched, as a stream's writes
         watch it: a client that leaves cancels `response` (the model stops, its state is
@@ -404,16 +406,16 @@ class _Exchange:
         final: ServerEvent | None = None
         async with trio.open_nursery() as watching:
             watching.start_soon(self._watch_client, response)
-            async for final in receive:
+            async for outgoing in receive:
+                final = outgoing.event
                 if isinstance(final, TERMINAL_EVENTS):
                     break
             watching.cancel_scope.cancel()
         if not isinstance(final, TERMINAL_EVENTS):
             return
-        body = orjson.dumps(converter.unstructure(final.response))
         started = time.perf_counter()
-        await send_json(self.stream, self.conn, 200, body)
-        metrics.sent(final, dialect="http", transport="json", size=len(body),
+        size = await self._json(200, converter.unstructure(final.response))
+        metrics.sent(final, dialect="http", transport="json", size=size,
                      seconds=time.perf_counter() - started)  # fmt: skip
         if self.server.observer is not None:
             self.server.observer.sent(final, 1)

@@ -8,18 +8,37 @@ else refused with `previous_response_not_found`. A failed turn evicts what it ch
 The store serves only the responses of the connection's owner (its API key); a store that cannot
 answer is an `error` event (`store_unavailable`), and the connection lives on.
 
-Turns run one at a time, in order; further creates wait in a bounded queue.
+Lanes (`stream_id`): each lane serves its creates one at a time, in order (a create that waits
+behind another gets `response.queued`, then its `response.created` when its turn comes), in a
+bounded queue; lanes run concurrently. Each lane keeps its own last Response warm, and a create
+may name another lane's last Response as `previous_response_id`: a fork, rebuilt from that
+Response's items while it stays warm on its own lane (a failed fork evicts nothing).
+
+With the multi-agent beta, a create with `multi_agent: {"enabled": true}` runs as the prototype
+dialect's long-lived Response: on tool calls it waits, still `in_progress`, and
+`response.inject` answers the calls and resumes it (lanes.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections
+import time
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
-from proto_server.core.request import is_warmup
+from proto_server.core.ids import new_id
+from proto_server.core.request import is_warmup, response_template
 from proto_server.core.response import Status
+from proto_server.server.lanes import (
+    EndedResponses,
+    LaneNames,
+    require_beta,
+    serve_inject,
+)
 from proto_server.server.logs import log
+from proto_server.server.outbox import LaneSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
@@ -30,6 +49,10 @@ from proto_server.wire.events import (
     ResponseAppend,
     ResponseCancel,
     ResponseCreate,
+    ResponseCreated,
+    ResponseIncomplete,
+    ResponseInject,
+    ResponseQueued,
 )
 
 if TYPE_CHECKING:
@@ -39,9 +62,10 @@ if TYPE_CHECKING:
 
 def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
     hint = (
-        "it is neither this connection's most recent response nor in the store"
+        "it is neither the most recent response of a lane of this connection nor in the store"
         if store
-        else "with store: false only this connection's most recent response can be continued"
+        else "with store: false only the most recent response of each lane of this "
+        "connection can be continued"
     )
     return ProtocolError(
         "previous_response_not_found",
@@ -49,6 +73,48 @@ def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
         "without previous_response_id.",
         param="previous_response_id",
     )
+
+
+@attrs.frozen
+class _Queued:
+    """A create waiting for its turn on its lane: the bytes it is charged, its frame's size,
+    and the id its `response.queued` announced (None: it did not wait)."""
+
+    create: ResponseCreate
+    waiting: int
+    size: int
+    response_id: str | None
+
+
+class _Lane:
+    """One lane: its creates in order, the one in flight, its last completed Response warm.
+
+    It is what the memory budget lets go of when its cache sits idle (`evict`)."""
+
+    def __init__(self, stream_id: str | None, sink: LaneSink, nursery: trio.Nursery) -> None:
+        self.stream_id = stream_id
+        self.sink = sink
+        self._nursery = nursery
+        self.queue: collections.deque[_Queued] = collections.deque()
+        self.current: SamplingLoop | None = None
+        self.cached: tuple[str, Rollout] | None = None
+        self.serving = False
+
+    @property
+    def busy(self) -> bool:
+        return self.serving or bool(self.queue)
+
+    def evict(self, reason: str) -> None:
+        """A memory budget lets the cached rollout go; a follow-up that names it is served from
+        the store, or refused with `previous_response_not_found`."""
+        cached, self.cached = self.cached, None
+        if cached is not None:
+            log.info(
+                "cache.evicted",
+                extra={"response": cached[0], "reason": reason, "stream_id": self.stream_id},
+            )
+            cached[1].release_budget()
+            self._nursery.start_soon(cached[1].aclose)
 
 
 class LaunchedDialect:
@@ -59,46 +125,42 @@ class LaunchedDialect:
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,
+        multi_agent: bool = False,
     ) -> None:
         self._server = server
         self._connection = connection
         self._owner = owner
-        queued = server.config.max_queued_requests  # at least 1 (ServerConfig)
-        #: creates waiting for their turn, each with the bytes it is charged and its frame's size
-        self._queue, self._queued = trio.open_memory_channel[tuple[ResponseCreate, int, int]](
-            queued
-        )
+        #: The connection opted into the multi-agent beta: `response.inject` is served.
+        self._multi_agent = multi_agent
         self._nursery = nursery
-        self.cached: tuple[str, Rollout] | None = None
-        self.current: SamplingLoop | None = None
-        self._finished = trio.Event()
+        self._lanes: dict[str | None, _Lane] = {}
+        self._names = LaneNames(server.config.max_lanes)
+        self._ended = EndedResponses()
+        self._serving = 0
+        self._idle = trio.Event()
+        self._idle.set()
         self._expired: str | None = None
-        nursery.start_soon(self._serve_turns)
+        self._gone = False
+        nursery.start_soon(self._keep)
+
+    # -- the default lane, as before lanes (tests and callers read these) ----------------------
+
+    @property
+    def cached(self) -> tuple[str, Rollout] | None:
+        lane = self._lanes.get(None)
+        return lane.cached if lane is not None else None
+
+    @property
+    def current(self) -> SamplingLoop | None:
+        lane = self._lanes.get(None)
+        return lane.current if lane is not None else None
+
+    # -- frames ---------------------------------------------------------------------------------
 
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
-                if event.background:
-                    raise ProtocolError(
-                        "invalid_field",
-                        "`background: true` is not supported over a WebSocket; remove it, or "
-                        "POST /v1/responses over HTTP.",
-                        param="background",
-                    )
-                waiting = await self._server.offload.run(
-                    self._server.checked_bytes, event, size=frame_bytes
-                )
-                self._connection.budget.admit(waiting, "This response.create")
-                try:
-                    self._queue.send_nowait((event, waiting, frame_bytes))
-                except trio.WouldBlock:
-                    self._connection.budget.charge(-waiting)
-                    raise ProtocolError(
-                        "concurrent_request",
-                        f"{self._server.config.max_queued_requests} response.create frames are "
-                        "already waiting behind the one in flight; wait for a response.completed "
-                        "before sending more.",
-                    ) from None
+                await self._create(event, frame_bytes)
             case ResponseAppend():
                 raise ProtocolError(
                     "unknown_event_type",
@@ -107,50 +169,155 @@ class LaunchedDialect:
                     "reconnect with the prototype opt-in.",
                     param="type",
                 )
-            case ResponseCancel():
-                current = self.current
+            case ResponseCancel(stream_id=stream_id):
+                lane = self._lanes.get(stream_id)
+                current = lane.current if lane is not None else None
                 if current is None or current.machine.status.terminal:
-                    raise ProtocolError(
-                        "no_open_response", "No response is in flight on this connection."
-                    )
+                    where = "this connection" if stream_id is None else f"lane {stream_id!r}"
+                    raise ProtocolError("no_open_response", f"No response is in flight on {where}.")
                 current.cancel()
+            case ResponseInject():
+                require_beta(self._multi_agent, "response.inject")
+                await serve_inject(
+                    event,
+                    find=self._find,
+                    ended=self._ended,
+                    lane=self._connection.lane,
+                    offload=self._server.offload,
+                    size=frame_bytes,
+                )
+
+    async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
+        if create.background:
+            raise ProtocolError(
+                "invalid_field",
+                "`background: true` is not supported over a WebSocket; remove it, or "
+                "POST /v1/responses over HTTP.",
+                param="background",
+            )
+        if create.waits_for_injects:
+            require_beta(self._multi_agent, "`multi_agent`")
+        self._names.admit(create.stream_id)
+        lane = self._lane(create.stream_id)
+        limit = self._server.config.max_queued_requests  # at least 1 (ServerConfig)
+        if len(lane.queue) >= limit:
+            where = "" if create.stream_id is None else f" on lane {create.stream_id!r}"
+            raise ProtocolError(
+                "concurrent_request",
+                f"{limit} response.create frames are already waiting behind the one in "
+                f"flight{where}; wait for a response.completed before sending more.",
+            )
+        waiting = await self._server.offload.run(
+            self._server.checked_bytes, create, size=frame_bytes
+        )
+        if len(lane.queue) >= limit:  # filled while this one was checked off the event loop
+            raise ProtocolError(
+                "concurrent_request",
+                f"{limit} response.create frames are already waiting; wait for a "
+                "response.completed before sending more.",
+            )
+        self._connection.budget.admit(waiting, "This response.create")
+        response_id = None
+        if lane.busy:  # it waits behind another: say so now, with the id it will have
+            response_id = new_id("resp")
+            template = response_template(
+                create,
+                response_id=response_id,
+                created_at=int(time.time()),
+                default_model=self._server.config.default_model,
+            )
+            lane.queue.append(_Queued(create, waiting, frame_bytes, response_id))
+            await lane.sink.send(ResponseQueued(response=attrs.evolve(template, status="queued")))
+        else:
+            lane.queue.append(_Queued(create, waiting, frame_bytes, None))
+        if not lane.serving:
+            lane.serving = True
+            self._serving += 1
+            self._idle = trio.Event()
+            self._nursery.start_soon(self._serve_lane, lane)
+
+    def _lane(self, stream_id: str | None) -> _Lane:
+        lane = self._lanes.get(stream_id)
+        if lane is None:
+            sink = self._connection.lane(stream_id)
+            lane = self._lanes[stream_id] = _Lane(stream_id, sink, self._nursery)
+        return lane
+
+    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
+        for lane in self._lanes.values():
+            if lane.current is not None and lane.current.machine.id == response_id:
+                return lane.current, lane.sink
+        return None
+
+    # -- the connection's end -----------------------------------------------------------------
 
     async def drain(self) -> None:
         """Serve what is already queued, accept nothing more."""
-        self._queue.close()
-        await self._finished.wait()
+        await self._idle.wait()
 
     async def expire(self, reason: str) -> None:
-        """Start no queued turn; end the one in flight with `response.incomplete`."""
+        """Start no queued turn; end the ones in flight with `response.incomplete`."""
         self._expired = reason
-        self._queue.close()
-        if self.current is not None:
-            self.current.expire(reason)
-        await self._finished.wait()
+        for lane in self._lanes.values():
+            if lane.current is not None:
+                lane.current.expire(reason)
+        await self._idle.wait()
 
-    async def _serve_turns(self) -> None:
+    async def _keep(self) -> None:
+        """Lives as long as the connection; when it ends, every lane's warm state goes."""
         try:
-            async for create, waiting, size in self._queued:
-                self._connection.budget.charge(-waiting)  # the rollout is charged instead
-                if self._expired is None:  # else the connection is closing: queued turns end
-                    await self._serve_turn(create, size)
-                del create  # an idle connection holds no request: only its cache, if any
+            await trio.sleep_forever()
         finally:
             await self.close()
-            self._finished.set()
 
-    async def _serve_turn(self, create: ResponseCreate, size: int) -> None:
-        """One turn; the rollout goes to the cache if it completed. Nothing of the turn is
-        kept once it returns but the cache, which a memory budget can let go."""
+    # -- serving a lane -------------------------------------------------------------------------
+
+    async def _serve_lane(self, lane: _Lane) -> None:
         try:
-            loop = await self._begin(create, size)
+            while lane.queue:
+                queued = lane.queue.popleft()
+                self._connection.budget.charge(-queued.waiting)  # the rollout is charged instead
+                if self._expired is None:
+                    await self._serve_turn(lane, queued)
+                else:  # the connection is closing: what still waits is told it ends unserved
+                    await self._end_unserved(lane, queued, self._expired)
+                del queued  # an idle lane holds no request: only its cache, if any
+        finally:
+            for queued in lane.queue:  # cancelled: what still waited is no longer counted
+                self._connection.budget.charge(-queued.waiting)
+            lane.queue.clear()
+            lane.serving = False
+            self._serving -= 1
+            if not self._serving:
+                self._idle.set()
+
+    async def _end_unserved(self, lane: _Lane, queued: _Queued, reason: str) -> None:
+        """A create that waited and will never be served (the server stops): it becomes a
+        Response that ends at once, `response.incomplete` with `reason`, so no create that
+        was accepted goes unanswered."""
+        template = response_template(
+            queued.create,
+            response_id=queued.response_id or new_id("resp"),
+            created_at=int(time.time()),
+            default_model=self._server.config.default_model,
+        )
+        await lane.sink.send(ResponseCreated(response=template))
+        ended = attrs.evolve(template, status="incomplete", incomplete_details={"reason": reason})
+        await lane.sink.send(ResponseIncomplete(response=ended))
+
+    async def _serve_turn(self, lane: _Lane, queued: _Queued) -> None:
+        """One turn; the rollout goes to its lane's cache if it completed. Nothing of the turn
+        is kept once it returns but the cache, which a memory budget can let go."""
+        create = queued.create
+        try:
+            loop = await self._begin(lane, create, queued.size, queued.response_id)
         except (ProtocolError, StoreUnavailable) as exc:
-            await self._connection.events.send(ErrorEvent(status=exc.status, error=exc.detail))
+            await lane.sink.send(ErrorEvent(status=exc.status, error=exc.detail))
             return
         if self._expired is not None:  # the server began stopping while it prepared
             await loop.rollout.aclose()
             return
-        self.current = loop
+        lane.current = loop
         completed = False
         try:
             if is_warmup(create):
@@ -159,84 +326,78 @@ class LaunchedDialect:
                 await loop.run()
             completed = loop.machine.status is Status.COMPLETED
         finally:
-            self.current = None
-            if completed:
-                self.cached = (loop.machine.id, loop.rollout)
-                self._connection.budget.idle(self)
+            lane.current = None
+            self._ended.add(loop.machine.id, lane.stream_id)
+            if completed and not self._gone:  # once the connection closed, nothing is kept
+                lane.cached = (loop.machine.id, loop.rollout)
+                self._connection.budget.idle(lane)
             else:
                 log.info("cache.evicted", extra={"response": loop.machine.id})
                 await loop.rollout.aclose()
 
-    def evict(self, reason: str) -> None:
-        """A memory budget lets the cached rollout go; a follow-up that names it is served from
-        the store, or refused with `previous_response_not_found`."""
-        cached, self.cached = self.cached, None
-        if cached is not None:
-            log.info("cache.evicted", extra={"response": cached[0], "reason": reason})
-            cached[1].release_budget()
-            self._nursery.start_soon(cached[1].aclose)
-
-    async def _begin(self, create: ResponseCreate, size: int) -> SamplingLoop:
+    async def _begin(
+        self, lane: _Lane, create: ResponseCreate, size: int, response_id: str | None
+    ) -> SamplingLoop:
         server = self._server
-        events = self._connection.events
         budget = self._connection.budget
         owner = self._owner
         previous = create.previous_response_id
-        self._connection.budget.busy(self)
-        cached, self.cached = self.cached, None  # whatever happens, this turn takes it
+
+        async def begin(source: str, **state: Any) -> SamplingLoop:
+            return await server.begin_response(
+                create,
+                lane.sink,
+                budget=budget,
+                source=source,
+                size=size,
+                owner=owner,
+                response_id=response_id,
+                suspend_on_tool_calls=create.waits_for_injects,
+                announce_suspension=False,
+                **state,
+            )
+
+        budget.busy(lane)
+        cached, lane.cached = lane.cached, None  # whatever happens, this turn takes it
         if previous is None:
             if cached is not None:
                 await cached[1].aclose()
-            return await server.begin_response(
-                create, events, budget=budget, source="fresh", size=size, owner=owner
-            )
+            return await begin("fresh")
         if cached is not None and cached[0] == previous:
             rollout = cached[1]
             if rollout.serves(create.instructions, create.tools):
                 try:
-                    return await server.begin_response(
-                        create,
-                        events,
-                        budget=budget,
-                        rollout=rollout,
-                        source="cache",
-                        size=size,
-                        owner=owner,
-                    )
+                    return await begin("cache", rollout=rollout)
                 except BaseException:
                     await rollout.aclose()  # refused (or cancelled): the state goes with it
                     raise
             # new instructions or tools: the rendered prefix changed, so re-render everything
             history = list(rollout.conversation.items)
             await rollout.aclose()
-            return await server.begin_response(
-                create,
-                events,
-                budget=budget,
-                history=history,
-                source="rebuilt",
-                size=size,
-                owner=owner,
-            )
-        self.cached = cached  # a miss leaves the cache as it was
+            return await begin("rebuilt", history=history)
+        lane.cached = cached  # a miss leaves the cache as it was
         if cached is not None:
-            self._connection.budget.idle(self)
+            budget.idle(lane)
+        parent = self._cached_elsewhere(previous, lane)
+        if parent is not None:
+            # a fork: the parent stays warm on its own lane; this one starts from its items
+            return await begin("fork", history=list(parent.conversation.items))
         store = True if create.store is None else create.store
         chain = await server.store.chain(previous, owner=owner) if store else None
         if chain is None:
             raise previous_response_not_found(previous, store)
-        return await server.begin_response(
-            create,
-            events,
-            budget=budget,
-            history=chain_items(chain),
-            source="store",
-            size=size,
-            owner=owner,
-        )
+        return await begin("store", history=chain_items(chain))
+
+    def _cached_elsewhere(self, response_id: str, lane: _Lane) -> Rollout | None:
+        for other in self._lanes.values():
+            if other is not lane and other.cached is not None and other.cached[0] == response_id:
+                return other.cached[1]
+        return None
 
     async def close(self) -> None:
-        self._connection.budget.busy(self)
-        cached, self.cached = self.cached, None
-        if cached is not None:
-            await cached[1].aclose()
+        self._gone = True  # a lane's turn that ends after this closes its rollout itself
+        for lane in self._lanes.values():
+            self._connection.budget.busy(lane)
+            cached, lane.cached = lane.cached, None
+            if cached is not None:
+                await cached[1].aclose()

@@ -1,7 +1,10 @@
 """The prototype dialect: a whole agent rollout is ONE long-lived Response.
 
 `response.create` opens it; on tool calls it suspends (`response.done`); `response.append`
-answers the calls and resumes it; `response.completed` ends it. One Response open at a time.
+answers the calls and resumes it; `response.completed` ends it. One Response open at a time on
+each lane: a create may name a lane (`stream_id`), and appends and cancels name the same lane;
+lanes run concurrently. With the multi-agent beta, `response.inject` answers the calls of the
+Response it names by id, whatever its lane: the same suspension, resumed the same way.
 """
 
 from __future__ import annotations
@@ -10,16 +13,35 @@ from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
+from proto_server.server.lanes import EndedResponses, LaneNames, require_beta, serve_inject
+from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
+from proto_server.wire.events import (
+    ClientEvent,
+    ResponseAppend,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseInject,
+)
 
 if TYPE_CHECKING:
     import trio
 
     from proto_server.server.app import ProtoServer
     from proto_server.server.connection import Connection
+
+
+class _Lane:
+    """A lane's open Response, or the id and final status of its last one once it ended:
+    enough to say so, and nothing of what it held (an idle lane keeps no conversation)."""
+
+    def __init__(self, stream_id: str | None, sink: LaneSink) -> None:
+        self.stream_id = stream_id
+        self.sink = sink
+        self.current: SamplingLoop | None = None
+        self.ended: tuple[str, str] | None = None
 
 
 class PrototypeDialect:
@@ -30,22 +52,29 @@ class PrototypeDialect:
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,
+        multi_agent: bool = False,
     ) -> None:
         self._server = server
         self._connection = connection
         self._nursery = nursery
         self._owner = owner
-        self.current: SamplingLoop | None = None
-        #: The id and final status of the last Response once it ended: enough to say so, and
-        #: nothing of what it held (an idle connection keeps no conversation).
-        self._ended: tuple[str, str] | None = None
+        self._multi_agent = multi_agent
+        self._lanes: dict[str | None, _Lane] = {}
+        self._names = LaneNames(server.config.max_lanes)
+        self._ended_ids = EndedResponses()
+
+    @property
+    def current(self) -> SamplingLoop | None:
+        """The default lane's open Response."""
+        lane = self._lanes.get(None)
+        return lane.current if lane is not None else None
 
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
                 await self._create(event, frame_bytes)
-            case ResponseAppend(input=items, tool_choice=tool_choice):
-                loop = self._open_rollout("append to")
+            case ResponseAppend(input=items, tool_choice=tool_choice, stream_id=stream_id):
+                loop = self._open_rollout(stream_id, "append to")
                 loop.machine.check_append(items)  # before the work of rendering them
                 if tool_choice is not None:  # a new tool_choice for the rest of the Response
                     tools = loop.machine.template.tools
@@ -54,22 +83,47 @@ class PrototypeDialect:
                 rendered = await self._server.offload.run(
                     render_items, renderer, items, size=frame_bytes
                 )
-                self._open_rollout("append to").append(items, rendered, tool_choice=tool_choice)
-            case ResponseCancel():
-                self._open_rollout("cancel").cancel()
+                loop = self._open_rollout(stream_id, "append to")
+                loop.append(items, rendered, tool_choice=tool_choice)
+            case ResponseCancel(stream_id=stream_id):
+                self._open_rollout(stream_id, "cancel").cancel()
+            case ResponseInject():
+                require_beta(self._multi_agent, "response.inject")
+                await serve_inject(
+                    event,
+                    find=self._find,
+                    ended=self._ended_ids,
+                    lane=self._connection.lane,
+                    offload=self._server.offload,
+                    size=frame_bytes,
+                )
 
-    def _open_rollout(self, verb: str) -> SamplingLoop:
-        rollout = self.current
+    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
+        for lane in self._lanes.values():
+            if lane.current is not None and lane.current.machine.id == response_id:
+                return lane.current, lane.sink
+        return None
+
+    def _lane(self, stream_id: str | None) -> _Lane:
+        lane = self._lanes.get(stream_id)
+        if lane is None:
+            self._names.admit(stream_id)
+            lane = self._lanes[stream_id] = _Lane(stream_id, self._connection.lane(stream_id))
+        return lane
+
+    def _open_rollout(self, stream_id: str | None, verb: str) -> SamplingLoop:
+        lane = self._lanes.get(stream_id)
+        where = "this connection" if stream_id is None else f"lane {stream_id!r}"
+        rollout = lane.current if lane is not None else None
         if rollout is not None and not rollout.machine.status.terminal:
             return rollout
-        ended = self._ended
+        ended = lane.ended if lane is not None else None
         if rollout is not None:  # decided, but its terminal event is not out yet
             ended = (rollout.machine.id, rollout.machine.status.value)
         if ended is None:
             raise ProtocolError(
                 "no_open_response",
-                f"There is no open Response to {verb} on this connection; "
-                "start one with response.create.",
+                f"There is no open Response to {verb} on {where}; start one with response.create.",
             )
         raise ProtocolError(
             "no_open_response",
@@ -78,7 +132,8 @@ class PrototypeDialect:
         )
 
     async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
-        current = self.current
+        lane = self._lanes.get(create.stream_id)
+        current = lane.current if lane is not None else None
         if current is not None and not current.ended:
             machine = current.machine
             if machine.status.terminal:  # decided, but its terminal event is not out yet
@@ -91,7 +146,7 @@ class PrototypeDialect:
                 "concurrent_request",
                 f"Response {machine.id} is still open ({machine.status.value}); "
                 "answer it with response.append, or end it with response.cancel, before "
-                "creating another.",
+                "creating another on its lane (or name another stream_id).",
             )
         if create.previous_response_id is not None:
             raise _unsupported(
@@ -101,40 +156,45 @@ class PrototypeDialect:
             raise _unsupported(warmup, "warm-ups belong to the launched dialect")
         if create.background:
             raise _unsupported("background", "background responses are not served over a WebSocket")
+        lane = self._lane(create.stream_id)
         await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
             raise _unsupported("context_management", PROTOTYPE_COMPACTION)
         loop = await self._server.begin_response(
             create,
-            self._connection.events,
+            lane.sink,
             budget=self._connection.budget,
             source="fresh",
             owner=self._owner,
             suspend_on_tool_calls=True,
             size=frame_bytes,
         )
-        self.current = loop
-        self._nursery.start_soon(self._run, loop)
+        lane.current = loop
+        self._nursery.start_soon(self._run, lane, loop)
 
-    async def _run(self, loop: SamplingLoop) -> None:
+    async def _run(self, lane: _Lane, loop: SamplingLoop) -> None:
         """The rollout lives exactly as long as its one Response."""
         try:
             await loop.run()
         finally:
             await loop.rollout.aclose()
-            if self.current is loop:
-                self._ended = (loop.machine.id, loop.machine.status.value)
-                self.current = None
+            self._ended_ids.add(loop.machine.id, lane.stream_id)
+            if lane.current is loop:
+                lane.ended = (loop.machine.id, loop.machine.status.value)
+                lane.current = None
 
     async def drain(self) -> None:
-        if self.current is not None:
-            await self.current.wait_settled()
+        for lane in list(self._lanes.values()):
+            if lane.current is not None:
+                await lane.current.wait_settled()
 
     async def expire(self, reason: str) -> None:
-        current = self.current
-        if current is not None and not current.ended:
-            current.expire(reason)
-            await current.wait_ended()
+        loops = [lane.current for lane in self._lanes.values() if lane.current is not None]
+        for loop in loops:
+            if not loop.ended:
+                loop.expire(reason)
+        for loop in loops:
+            await loop.wait_ended()
 
 
 def _unsupported(field: str, why: str) -> ProtocolError:

@@ -33,6 +33,7 @@ from proto_server.engine.chunks import (
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
+from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.store import StoreUnavailable
 from proto_server.server.suspension import Suspensions
@@ -74,7 +75,7 @@ class SamplingLoop:
         self,
         machine: ResponseMachine,
         rollout: Rollout,
-        events: trio.MemorySendChannel[ServerEvent],
+        events: EventSink,
         *,
         chunk_queue: int,
         source: str,
@@ -111,6 +112,7 @@ class SamplingLoop:
         self._suspensions = suspensions
         self._suspend_timeout_s = suspend_timeout_s
         self._idle: trio.CancelScope | None = None  # the suspension's idle timer
+        self._answered = False  # an inject answered every call; `wake()` resumes
         #: Why the server is ending this Response (response.incomplete), once it decided to.
         self.expired: str | None = None
         self._ended = trio.Event()
@@ -147,6 +149,36 @@ class SamplingLoop:
             self._idle.deadline = trio.current_time() + self._suspend_timeout_s
             if self._suspensions is not None:
                 self._suspensions.touch(self)
+
+    @property
+    def ending(self) -> bool:
+        """Decided to end (its terminal event may not be out yet): nothing more goes in."""
+        return self.machine.status.terminal or self._cancel_requested or self.expired is not None
+
+    def inject(self, items: Sequence[Item], rendered: RenderedItems | None = None) -> None:
+        """The multi-agent beta's `response.inject`: commit tool outputs (checked by the caller
+        with `machine.check_inject`), even while the segment that called them streams (held
+        until it ends). A resumption waits for `wake()`, so the caller can say the inject was
+        committed before the Response's next event."""
+        if rendered is None:
+            rendered = render_items(self.rollout.conversation.renderer, items)
+        tokens = len(rendered.tokens)
+        self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
+        resumed = self.machine.inject(items, rendered)
+        self.rollout.account()
+        if resumed:
+            self._resume_events = resumed
+            self._answered = True
+        elif self._idle is not None:  # a partial answer: the client is alive, the clock restarts
+            self._idle.deadline = trio.current_time() + self._suspend_timeout_s
+            if self._suspensions is not None:
+                self._suspensions.touch(self)
+
+    def wake(self) -> None:
+        """Resume the Response if an inject answered its last call."""
+        if self._answered:
+            self._answered = False
+            self._wake.set()
 
     def cancel(self) -> None:
         if self.machine.status.terminal:
@@ -199,7 +231,8 @@ class SamplingLoop:
         machine = self.machine
         announce = machine.start()  # sent once the segment's generator has started
         while not machine.status.terminal:
-            if machine.status is Status.SUSPENDED:
+            # resume events pending: outputs came between the segment's end and its wait
+            if machine.status is Status.SUSPENDED or self._resume_events:
                 await self._suspend()
                 self._settled = trio.Event()
                 announce, self._resume_events = self._resume_events, []
@@ -220,6 +253,11 @@ class SamplingLoop:
         log.debug("response.suspended", extra={"response": machine.id})
         if self.expired is not None:
             return  # told to end while its last segment streamed
+        if machine.holds_injected:  # outputs injected while the segment streamed
+            self._resume_events = machine.release_held()
+            self.rollout.account()
+        if machine.status is not Status.SUSPENDED:
+            return  # every call was answered before it could wait: no wait at all
         self._wake = trio.Event()
         self._settled.set()
         if self._suspensions is not None:
@@ -280,6 +318,7 @@ class SamplingLoop:
             await self._emit(announce)
             return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
+        ended = False  # the machine ended the segment (suspended or ended the Response)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
@@ -294,10 +333,12 @@ class SamplingLoop:
                         break
                     await self._emit(events)
                     if self.machine.status is not Status.IN_PROGRESS:
+                        ended = True
                         break
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
-        if self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
+        # ended: it may be in progress again already, resumed by outputs that came meanwhile
+        if ended or self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
             return
         if self.expired is not None:
             return

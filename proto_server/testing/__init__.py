@@ -3,7 +3,8 @@
 `StreamChecker` follows one connection: feed it every frame the client sent (`sent`) and every
 event the server sent (`received`), in the order the client saw them, and it raises
 `InvariantViolation` at the first event that breaks the protocol's ordering promises.
-`CheckedClient` is a small WebSocket client that does the feeding for you. `wire_schema()`
+`LaneChecker` does the same for a connection with lanes (`stream_id`): a `StreamChecker` per
+lane. `CheckedClient` is a small WebSocket client that does the feeding for you. `wire_schema()`
 validates events and bodies against the published Open Responses schema (needs `jsonschema`);
 give it to a checker (`schema=`) to hold a stream to it too.
 """
@@ -11,6 +12,7 @@ give it to a checker (`schema=`) to hold a stream to it too.
 from proto_server.testing.checker import (
     INVARIANTS,
     InvariantViolation,
+    LaneChecker,
     StreamChecker,
     o200k_count,
 )
@@ -21,6 +23,7 @@ __all__ = [
     "INVARIANTS",
     "CheckedClient",
     "InvariantViolation",
+    "LaneChecker",
     "SchemaViolation",
     "StreamChecker",
     "WireSchema",

@@ -17,7 +17,14 @@ settled (nothing streaming, no earlier frame in doubt) has exactly one legal ans
 
 Two dialects: `prototype` (one Response per rollout, `response.done` suspends it and an append
 resumes it) and `launched` (many Responses, one at a time, each a plain create-to-terminal run;
-a create sent while one runs is served after it).
+a create sent while one runs is served after it, announced by `response.queued`).
+
+Lanes: `LaneChecker` holds a `StreamChecker` per `stream_id` (a lane is a connection of its own:
+its events are numbered from 0, its Responses one at a time) and routes each frame and event to
+its lane. `response.inject` (the multi-agent beta) is answered by `response.inject.created`,
+whose outputs must answer calls that are waiting, or `response.inject.failed`, which returns the
+input as sent; a Response created with `multi_agent.enabled` waits silently on its calls (no
+`response.done`) and resumes with `response.in_progress` only once every one is answered.
 """
 
 from __future__ import annotations
@@ -30,9 +37,15 @@ import attrs
 import orjson
 
 from proto_server.core.request import check_create, input_items, is_warmup, parse_tool_choice
-from proto_server.wire.converter import decode_client_event, unstructure
+from proto_server.wire.converter import decode_client_event, lane_of, unstructure
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
+from proto_server.wire.events import (
+    ClientEvent,
+    ResponseAppend,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseInject,
+)
 from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
 
 if TYPE_CHECKING:
@@ -49,6 +62,7 @@ INVARIANTS: Mapping[int, str] = {
     6: "usage adds up",
     7: "every client frame gets its effect or exactly one error; a refused frame changes nothing",
     8: "every event validates against the published schema (checked when a schema is given)",
+    9: "each lane's events carry its stream_id, and a Response lives on one lane",
 }
 
 TERMINAL_EVENTS: Mapping[str, str] = {
@@ -58,6 +72,10 @@ TERMINAL_EVENTS: Mapping[str, str] = {
     "response.cancelled": "cancelled",
 }
 CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
+#: The `error` codes a `response.inject` may earn (its other answers are its own events).
+INJECT_ERRORS = frozenset(
+    {"unknown_call_id", "duplicate_call_id", "invalid_field", "unknown_event_type"}
+)
 
 
 class InvariantViolation(AssertionError):
@@ -125,6 +143,8 @@ class _Response:
     segment_base: tuple[int, int] = (0, 0)
     last_prompt: int | None = None
     told_ended: int | None = None  # a frame refused as too late while it still streamed
+    waits: bool = False  # multi-agent beta: it waits silently on its calls for injects
+    injected: bool = False  # outputs were injected while this segment streamed
 
     @property
     def terminal(self) -> bool:
@@ -157,6 +177,8 @@ class _Frame:
     wild: bool = False  # sent while an earlier frame's effect was unknown: any state will do
     outcome: str | None = None  # accepted | refused
     unconfirmed_in: str | None = None  # accepted by prediction; the Response it touched
+    raw: Any = None  # the frame as a JSON value (what an inject.failed must return)
+    queued_as: str | None = None  # the id its response.queued announced
 
     def describe(self) -> str:
         return f"frame #{self.number} ({self.kind})"
@@ -189,9 +211,11 @@ class StreamChecker:
         self.frames: list[_Frame] = []
         self.errors = 0
         self._expected_creates = 0
+        self._accepted_create: _Frame | None = None  # the create predicted accepted, if any
         self._event: Any = None
         self.violation: InvariantViolation | None = None
         self.finished = False
+        self.stream_id: str | None = None  # the lane it checks (LaneChecker sets it)
 
     # -- what the client sent ------------------------------------------------------------------
 
@@ -201,10 +225,11 @@ class StreamChecker:
         try:
             if isinstance(frame, bytes):
                 raise ProtocolError("invalid_frame", "binary frame")
-            if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel):
+            if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject):
                 frame = unstructure(frame)
             text = frame if isinstance(frame, str) else orjson.dumps(frame).decode()
             record.event = decode_client_event(text)
+            record.raw = frame if not isinstance(frame, str) else orjson.loads(frame)
             record.kind = record.event.type
         except ProtocolError as exc:
             record.codes = {exc.detail.code}
@@ -233,6 +258,8 @@ class StreamChecker:
             errors = self.schema.event_errors(obj, transport=self.transport)
             if errors:
                 self._fail(8, "; ".join(errors[:3]))
+        if obj.get("stream_id") != self.stream_id:
+            self._fail(9, f"an event of lane {self.stream_id!r} says {obj.get('stream_id')!r}")
         number = obj.get("sequence_number")
         if number != self.next_sequence:
             self._fail(1, f"expected sequence_number {self.next_sequence}, got {number!r}")
@@ -288,6 +315,9 @@ class StreamChecker:
         rid = response.get("id")
         if not isinstance(rid, str) or rid in self.responses:
             self._fail(2, f"response.created for an id that is missing or not new: {rid!r}")
+        waiting = self._first(lambda f: f.kind == "response.create" and f.can_accept)
+        if waiting is not None and waiting.queued_as not in (None, rid):
+            self._fail(2, f"the create queued as {waiting.queued_as} was created as {rid}")
         current = self.current
         if current is not None and not current.terminal:
             self._fail(2, f"response.created while Response {current.id} is still {current.phase}")
@@ -300,11 +330,15 @@ class StreamChecker:
         self.current = r
         if self._expected_creates:
             self._expected_creates -= 1
+            asked = self._accepted_create
         else:
             frame = self._first(lambda f: f.kind == "response.create" and f.can_accept)
             if frame is None:
                 self._fail(7, "a Response was created that no response.create asked for")
             frame.outcome = "accepted"
+            asked = frame
+        if asked is not None and isinstance(asked.event, ResponseCreate):
+            r.waits = asked.event.waits_for_injects
         self._check_usage(r, response)
         self._state_changed()
 
@@ -314,6 +348,18 @@ class StreamChecker:
             self._resume(r)
         elif r.phase != "streaming":
             self._fail(2, f"response.in_progress while Response {r.id} is {r.phase}")
+        elif r.items:  # not the announcement of a new Response: a silent suspension resumed
+            if not (r.waits or r.injected):
+                self._fail(2, f"response.in_progress inside a segment of Response {r.id}")
+            segment = r.items[r.segment_start :]
+            if not segment or segment[-1].type not in CALL_TYPES:
+                self._fail(4, f"Response {r.id} resumed after a segment that called no tool")
+            if r.pending:
+                waiting = ", ".join(r.pending)
+                self._fail(4, f"Response {r.id} resumed while calls still await output: {waiting}")
+            self._close_segment(r, obj)
+            r.segment_start = len(r.items)
+            r.injected = False
         self._check_snapshot(r, obj, "in_progress")
 
     def _resume(self, r: _Response) -> None:
@@ -329,6 +375,7 @@ class StreamChecker:
             self._fail(4, f"Response {r.id} resumed while calls still await output: {waiting}")
         self._confirm(len(self.frames))
         r.phase = "streaming"
+        r.injected = False
         r.segment_start = len(r.items)
         r.segment_base = r.usage[:2]
         self._state_changed()
@@ -360,7 +407,7 @@ class StreamChecker:
             if r.phase != "streaming":
                 self._fail(4, f"response.completed while Response {r.id} is {r.phase}")
             self._close_segment(r, obj)
-            if self.dialect == "prototype" and r.pending:
+            if (self.dialect == "prototype" or r.waits) and r.pending:
                 self._fail(4, f"Response {r.id} completed with calls awaiting output")
         elif r.open_item is not None:
             self._fail(3, f"Response {r.id} ended with item {r.open_item.id} still open")
@@ -413,6 +460,69 @@ class StreamChecker:
             )
         r.last_prompt = prompt
         r.segment_base = r.usage[:2]
+
+    def _queued(self, obj: Mapping[str, Any]) -> None:
+        """A create waits its turn: the Response it will be, announced with its id."""
+        response = self._response_object(obj)
+        rid = response.get("id")
+        known = {f.queued_as for f in self.frames}
+        if not isinstance(rid, str) or rid in self.responses or rid in known:
+            self._fail(2, f"response.queued for an id that is missing or not new: {rid!r}")
+        if response.get("status") != "queued":
+            self._fail(2, f"response.queued carries status {response.get('status')!r}")
+        waiting = [f for f in self._unanswered() if f.kind == "response.create" and f.can_accept]
+        current = self.current
+        if waiting and (current is None or current.terminal):
+            waiting = waiting[1:]  # the oldest is being served: it waits behind no one
+        frame = next((f for f in waiting if f.queued_as is None), None)
+        if frame is None:
+            self._fail(7, "a Response was queued that no waiting response.create asked for")
+        frame.queued_as = rid
+
+    def _inject_created(self, obj: Mapping[str, Any]) -> None:
+        frame = self._inject_frame(obj)
+        r = self.responses.get(obj["response_id"])
+        if r is None or r.terminal:
+            self._fail(7, f"response.inject.created for a Response not active on this lane: {r}")
+        assert isinstance(frame.event, ResponseInject)
+        for item in frame.event.input:
+            call_id = getattr(item, "call_id", None)
+            if call_id not in r.pending:
+                self._fail(
+                    5, f"an inject committed an output for {call_id!r}, which no call awaits"
+                )
+            del r.pending[call_id]
+            r.answered.add(call_id)
+        frame.outcome = "accepted"
+        self._confirm(frame.number)
+        if r.phase == "streaming":
+            r.injected = True
+        if r.phase == "suspended" and not r.pending:
+            r.phase = "resuming"
+        self._state_changed()
+
+    def _inject_failed(self, obj: Mapping[str, Any]) -> None:
+        frame = self._inject_frame(obj)
+        error = obj.get("error")
+        code = error.get("code") if isinstance(error, Mapping) else None
+        if code not in ("response_not_found", "response_already_completed"):
+            self._fail(7, f"response.inject.failed with code {code!r}")
+        r = self.responses.get(obj["response_id"])
+        if code == "response_not_found" and r is not None:
+            self._fail(7, f"Response {r.id} of this lane was said not to exist")
+        if list(obj.get("input") or ()) != list(frame.raw.get("input", ())):
+            self._fail(7, "response.inject.failed did not return the input as it was sent")
+        frame.outcome = "refused"
+        self._confirm(frame.number)
+
+    def _inject_frame(self, obj: Mapping[str, Any]) -> _Frame:
+        rid = obj.get("response_id")
+        frame = self._first(
+            lambda f: isinstance(f.event, ResponseInject) and f.event.response_id == rid
+        )
+        if frame is None:
+            self._fail(7, f"{obj.get('type')} for {rid!r} answers no response.inject")
+        return frame
 
     # -- events of an item -----------------------------------------------------------------------
 
@@ -598,6 +708,8 @@ class StreamChecker:
 
     def _answers(self, event: ClientEvent, view: _View) -> tuple[bool, frozenset[str]]:
         """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
+        if isinstance(event, ResponseInject):
+            return True, INJECT_ERRORS  # its effect is its own event: inject.created or .failed
         if self.dialect == "prototype":
             code = self._judge(event, view)
             codes = {code} if code else set()
@@ -677,6 +789,7 @@ class StreamChecker:
         r = self.current
         if isinstance(event, ResponseCreate):
             self._expected_creates += 1
+            self._accepted_create = frame
         elif isinstance(event, ResponseCancel) and r is not None:
             r.cancel_frame = frame.number
             frame.unconfirmed_in = r.id
@@ -803,6 +916,9 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
     "response.created": StreamChecker._created,
     "response.in_progress": StreamChecker._in_progress,
     "response.done": StreamChecker._done,
+    "response.queued": StreamChecker._queued,
+    "response.inject.created": StreamChecker._inject_created,
+    "response.inject.failed": StreamChecker._inject_failed,
     **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
     "error": StreamChecker._error,
 }
@@ -835,3 +951,81 @@ def _refusal(create: ResponseCreate) -> str | None:
     except ProtocolError as exc:
         return exc.detail.code
     return None
+
+
+class LaneChecker:
+    """One connection with lanes: a `StreamChecker` per `stream_id` (None: the default lane),
+    each frame and event routed to its lane, and what no lane can see on its own checked here
+    (a Response id is never reused on another lane). An inject goes to the lane of the Response
+    it names, as far as the events have shown it; an unknown one to the default lane."""
+
+    def __init__(
+        self,
+        *,
+        dialect: Dialect = "launched",
+        count_tokens: Callable[[str], int] | None = None,
+        unsolicited_errors: Iterable[str] = ("websocket_connection_limit_reached",),
+        schema: WireSchema | None = None,
+    ) -> None:
+        self._settings: dict[str, Any] = {
+            "dialect": dialect,
+            "count_tokens": count_tokens,
+            "unsolicited_errors": unsolicited_errors,
+            "schema": schema,
+        }
+        self.lanes: dict[str | None, StreamChecker] = {}
+        self._home: dict[str, str | None] = {}  # response id -> its lane
+
+    def lane(self, stream_id: str | None) -> StreamChecker:
+        checker = self.lanes.get(stream_id)
+        if checker is None:
+            checker = self.lanes[stream_id] = StreamChecker(**self._settings)
+            checker.stream_id = stream_id
+        return checker
+
+    def sent(self, frame: Mapping[str, Any] | ClientEvent | str | bytes) -> None:
+        obj: Any = frame
+        if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject):
+            obj = unstructure(frame)
+        elif isinstance(frame, str | bytes):
+            try:
+                obj = orjson.loads(frame)
+            except orjson.JSONDecodeError:
+                obj = None
+        if isinstance(obj, Mapping) and obj.get("type") == "response.inject":
+            rid = obj.get("response_id")
+            stream_id = self._home.get(rid) if isinstance(rid, str) else None
+        else:
+            stream_id = lane_of(dict(obj)) if isinstance(obj, Mapping) else None
+        self.lane(stream_id).sent(frame)
+
+    def received(self, event: Mapping[str, Any] | str | bytes) -> None:
+        obj: Mapping[str, Any] = orjson.loads(event) if isinstance(event, str | bytes) else event
+        stream_id = obj.get("stream_id")
+        if stream_id is not None and not isinstance(stream_id, str):
+            raise InvariantViolation(
+                8, f"stream_id {stream_id!r} is not a string", sequence_number=None, event=obj
+            )
+        response = obj.get("response")
+        if obj.get("type") in ("response.created", "response.queued") and isinstance(
+            response, Mapping
+        ):
+            rid = response.get("id")
+            if isinstance(rid, str):
+                if self._home.get(rid, stream_id) != stream_id:
+                    raise InvariantViolation(
+                        8,
+                        f"Response {rid} of lane {self._home[rid]!r} appeared on {stream_id!r}",
+                        sequence_number=obj.get("sequence_number"),
+                        event=obj,
+                    )
+                self._home[rid] = stream_id
+        self.lane(stream_id).received(obj)
+
+    def finish(self, *, closed: bool = False) -> None:
+        for checker in self.lanes.values():
+            checker.finish(closed=closed)
+
+    @property
+    def violation(self) -> InvariantViolation | None:
+        return next((c.violation for c in self.lanes.values() if c.violation), None)

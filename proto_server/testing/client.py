@@ -1,4 +1,5 @@
-"""A WebSocket client that runs every frame and event through a `StreamChecker`."""
+"""A WebSocket client that runs every frame and event through a `StreamChecker` (or, for a
+connection with lanes, a `LaneChecker`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from typing import Any
 import orjson
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from proto_server.testing.checker import TERMINAL_EVENTS, Dialect, StreamChecker, o200k_count
+from proto_server.testing.checker import (
+    TERMINAL_EVENTS,
+    Dialect,
+    LaneChecker,
+    StreamChecker,
+    o200k_count,
+)
 from proto_server.testing.schema import WireSchema
 
 #: What ends a segment from the client's side: a suspension, the Response's end, or an error.
@@ -17,7 +24,7 @@ SEGMENT_END = frozenset({"response.done", "error", *TERMINAL_EVENTS})
 
 
 class CheckedClient:
-    def __init__(self, ws: WebSocketConnection, checker: StreamChecker) -> None:
+    def __init__(self, ws: WebSocketConnection, checker: StreamChecker | LaneChecker) -> None:
         self.ws = ws
         self.checker = checker
         self.received: list[dict[str, Any]] = []
@@ -56,6 +63,7 @@ async def connect_checked(
     count_tokens: Callable[[str], int] | None = o200k_count,
     headers: Sequence[tuple[str, str]] = (),
     schema: WireSchema | None = None,
+    lanes: bool = False,
     **options: Any,
 ) -> AsyncIterator[CheckedClient]:
     """Connect to `url`; on a clean exit the checker's `finish()` runs (every frame answered,
@@ -63,9 +71,14 @@ async def connect_checked(
 
     `count_tokens=None` skips the exact `output_tokens` check (for servers with another
     tokenizer); `schema` (`wire_schema()`) checks every event against the published schema;
-    `options` go to trio-websocket's `open_websocket_url`.
+    `lanes`: check each `stream_id` on its own (`LaneChecker`); `options` go to
+    trio-websocket's `open_websocket_url`.
     """
-    checker = StreamChecker(dialect=dialect, count_tokens=count_tokens, schema=schema)
+    checker: StreamChecker | LaneChecker
+    if lanes:
+        checker = LaneChecker(dialect=dialect, count_tokens=count_tokens, schema=schema)
+    else:
+        checker = StreamChecker(dialect=dialect, count_tokens=count_tokens, schema=schema)
     encoded = [(name.encode(), value.encode()) for name, value in headers]
     async with open_websocket_url(url, extra_headers=encoded, **options) as ws:
         client = CheckedClient(ws, checker)

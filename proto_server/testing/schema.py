@@ -12,7 +12,8 @@ Five overlays on the published document, each explicit here and in the README:
   `response.cancelled`), checked against schemas of their own whose `response` is still a
   published `ResponseResource`. They are the only events outside the schema, beside
 - `OPENAI_EVENTS`: OpenAI's own events the document does not define yet
-  (`response.compaction.compacting`), held to the shape OpenAI documents.
+  (`response.compaction.compacting`, `response.inject.created` and `.failed`), held to the
+  shape OpenAI documents.
 - `OPENAI_REQUIRES`: what OpenAI's own API requires beyond the document (openai-python 3.57's
   `ResponseUsage` requires `input_tokens_details.cache_write_tokens`).
 - Carried tools: the document's `Tool` is only `FunctionTool`; tools of other types a client
@@ -87,9 +88,43 @@ EXTENSION_EVENTS: Mapping[str, Extension] = {
     ),
 }
 
+
 #: OpenAI's own server events that the Open Responses document does not define yet (PROTOCOL.md
 #: section 7, openai-python 3.57's types): held to their shape as OpenAI documents it.
+def _plain_event(kind: str, required: Mapping[str, Any]) -> dict[str, Any]:
+    """An event of `kind` with `sequence_number` and the `required` properties."""
+    return {
+        "type": "object",
+        "required": ["type", "sequence_number", *required],
+        "properties": {
+            "type": {"const": kind},
+            "sequence_number": {"type": "integer", "minimum": 0},
+            "stream_id": {"type": "string"},
+            **required,
+        },
+    }
+
+
 OPENAI_EVENTS: Mapping[str, Extension] = {
+    "response.inject.created": Extension(
+        why="the multi-agent beta: the injected items were committed (openai-python 3.57)",
+        schema=_plain_event("response.inject.created", {"response_id": {"type": "string"}}),
+    ),
+    "response.inject.failed": Extension(
+        why="the multi-agent beta: nothing was committed; the input comes back",
+        schema=_plain_event(
+            "response.inject.failed",
+            {
+                "response_id": {"type": "string"},
+                "input": {"type": "array"},
+                "error": {
+                    "type": "object",
+                    "required": ["code", "message"],
+                    "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+                },
+            },
+        ),
+    ),
     "response.compaction.compacting": Extension(
         why="context_management compaction began (openai-python ResponseCompactionCompactingEvent)",
         schema={

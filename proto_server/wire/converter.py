@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, get_args, get_origin
 
+import attrs
 import orjson
 from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
 from cattrs.gen import make_dict_structure_fn
@@ -24,7 +25,9 @@ from proto_server.wire.events import (
     ClientEvent,
     NonNegativeInt,
     PositiveInt,
+    ResponseInject,
     ServerEvent,
+    StreamId,
 )
 from proto_server.wire.items import (
     ITEM_TYPES,
@@ -46,6 +49,29 @@ converter = make_converter(forbid_extra_keys=False)
 
 class InvalidValue(ValueError):
     """A value of the wrong shape; the converter adds where it was."""
+
+
+class InvalidStreamId(InvalidValue):
+    """A `stream_id` the SDKs would not send: refused as `invalid_stream_id`."""
+
+
+#: What a lane may be called (the SDK's session helper checks the same before it sends).
+STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
+
+
+def _stream_id(value: Any, _: Any) -> str:
+    if not isinstance(value, str) or STREAM_ID.fullmatch(value) is None:
+        shown = quoted(value) if isinstance(value, str) else _json_kind(value)
+        raise InvalidStreamId(
+            f"must be 1-256 ASCII letters, digits, underscores, hyphens or periods, got {shown}"
+        )
+    return value
+
+
+def lane_of(obj: Any) -> str | None:
+    """The lane a frame names, if it names a valid one: where its refusal is sent."""
+    value = obj.get("stream_id") if isinstance(obj, dict) else None
+    return value if isinstance(value, str) and STREAM_ID.fullmatch(value) else None
 
 
 def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
@@ -169,6 +195,7 @@ converter.register_structure_hook(bool, _strict(bool, "a boolean"))
 converter.register_structure_hook(float, _strict(float, "a number"))
 converter.register_structure_hook(PositiveInt, _at_least(1, "a positive integer"))
 converter.register_structure_hook(NonNegativeInt, _at_least(0, "an integer of 0 or more"))
+converter.register_structure_hook(StreamId, _stream_id)
 converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
@@ -206,17 +233,20 @@ def _structure_or_refuse(obj: Mapping[str, Any], cls: type[T]) -> T:
         return converter.structure(obj, cls)
     except BaseValidationError as exc:
         path, leaf = _locate(exc)
+        code = "invalid_field"
         if isinstance(leaf, KeyError):
             message = "is required but missing"
+        elif isinstance(leaf, InvalidStreamId):
+            code, message = "invalid_stream_id", str(leaf)
         elif isinstance(leaf, InvalidValue):
             message = str(leaf)
         else:
             message = f"is not valid ({leaf})"
-        raise ProtocolError(
-            "invalid_field",
-            f"`{path}` {message}; fix the field and resend the frame.",
-            param=path or None,
-        ) from None
+        error = ProtocolError(
+            code, f"`{path}` {message}; fix the field and resend the frame.", param=path or None
+        )
+        error.stream_id = lane_of(obj)
+        raise error from None
 
 
 #: Client JSON nested deeper than this is refused: the server echoes client values (tools,
@@ -333,7 +363,10 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
             f"Unknown event type {quoted(tag)}; this server accepts {known}.",
             param="type",
         )
-    return _structure_or_refuse(obj, cls)
+    event = _structure_or_refuse(obj, cls)
+    if isinstance(event, ResponseInject):  # refused, it is returned as the client sent it
+        event = attrs.evolve(event, raw_input=tuple(obj["input"]))
+    return event
 
 
 def decode_request_body(body: bytes, cls: type[T]) -> T:
@@ -353,10 +386,15 @@ def decode_request_body(body: bytes, cls: type[T]) -> T:
     return _structure_or_refuse(obj, cls)
 
 
-def encode_server_event(event: ServerEvent, sequence_number: int) -> str:
-    """One server event as the text of one WebSocket frame (or one SSE `data:` line)."""
+def encode_server_event(
+    event: ServerEvent, sequence_number: int, stream_id: str | None = None
+) -> str:
+    """One server event as the text of one WebSocket frame (or one SSE `data:` line); an
+    event of a named lane carries its `stream_id` (the default lane's carry none)."""
     obj = converter.unstructure(event)
     obj["sequence_number"] = sequence_number
+    if stream_id is not None:
+        obj["stream_id"] = stream_id
     return orjson.dumps(obj).decode()
 
 

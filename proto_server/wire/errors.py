@@ -37,6 +37,8 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(type=error_type, code=code, message=message, param=param)
+        #: The WebSocket lane of the frame it refuses (its `error` goes there); None: default.
+        self.stream_id: str | None = None
 
 
 class ServerFault(Exception):

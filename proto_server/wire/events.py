@@ -21,6 +21,9 @@ from proto_server.wire.tools import Tool
 PositiveInt = NewType("PositiveInt", int)
 #: An integer of zero or more (`max_tool_calls`); the converter refuses anything else.
 NonNegativeInt = NewType("NonNegativeInt", int)
+#: A lane of a WebSocket connection: 1-256 of `[A-Za-z0-9_.-]`, as the SDKs allow; the
+#: converter refuses anything else with `invalid_stream_id`.
+StreamId = NewType("StreamId", str)
 
 # -- client events ---------------------------------------------------------------------------
 
@@ -65,6 +68,16 @@ class ResponseCreate:
     prompt_cache_options: PromptCacheOptions | None = None
     context_management: tuple[ContextManagement, ...] | None = None
     conversation: Any = None
+    #: WebSocket: the lane this Response runs on (None: the default lane). Creates on one lane
+    #: are served in order, lanes run concurrently, and every event of the Response echoes it.
+    stream_id: StreamId | None = None
+    #: The multi-agent beta: `{"enabled": true}` makes a Response that calls client tools wait,
+    #: still `in_progress`, for their outputs by `response.inject` (one Response per rollout).
+    multi_agent: Mapping[str, Any] | None = None
+
+    @property
+    def waits_for_injects(self) -> bool:
+        return isinstance(self.multi_agent, Mapping) and self.multi_agent.get("enabled") is True
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +91,8 @@ class ResponseAppend:
     type: str = "response.append"
     input: tuple[Item, ...]
     tool_choice: Any = None
+    #: The lane whose open Response this answers (None: the default lane).
+    stream_id: StreamId | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -86,14 +101,30 @@ class ResponseCancel:
 
     type: str = "response.cancel"
     response_id: str | None = None
+    #: The lane whose open Response to cancel (None: the default lane).
+    stream_id: StreamId | None = None
 
 
-ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel
+@attrs.frozen(kw_only=True)
+class ResponseInject:
+    """The multi-agent beta (`OpenAI-Beta: responses_multi_agent=v1`): tool outputs for the
+    named Response, which waits on them; committed atomically or refused with the input back.
+
+    `raw_input` is the input as the client sent it, for `response.inject.failed` to return."""
+
+    type: str = "response.inject"
+    response_id: str
+    input: tuple[Item, ...]
+    raw_input: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject
 
 CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
     "response.append": ResponseAppend,
     "response.cancel": ResponseCancel,
+    "response.inject": ResponseInject,
 }
 
 # -- server events: the Response's life ------------------------------------------------------
@@ -102,6 +133,15 @@ CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
 @attrs.frozen(kw_only=True)
 class ResponseCreated:
     type: str = "response.created"
+    response: Response
+
+
+@attrs.frozen(kw_only=True)
+class ResponseQueued:
+    """A create waits behind another Response on its lane; its `response.created` follows,
+    with the same id, when its turn comes."""
+
+    type: str = "response.queued"
     response: Response
 
 
@@ -143,6 +183,33 @@ class ResponseCancelled:
 
     type: str = "response.cancelled"
     response: Response
+
+
+# -- server events: the multi-agent beta's answers to response.inject --------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectCreated:
+    """Every injected item was validated and committed to the Response."""
+
+    type: str = "response.inject.created"
+    response_id: str
+
+
+@attrs.frozen(kw_only=True)
+class InjectError:
+    code: str  # response_not_found | response_already_completed
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectFailed:
+    """Nothing was committed; `input` is what the client sent, to retry elsewhere."""
+
+    type: str = "response.inject.failed"
+    response_id: str
+    error: InjectError
+    input: tuple[Any, ...]
 
 
 # -- server events: items and their deltas ---------------------------------------------------
@@ -254,6 +321,7 @@ class ErrorEvent:
 
 ResponseEvent = (
     ResponseCreated
+    | ResponseQueued
     | ResponseInProgress
     | ResponseDone
     | ResponseCompleted
@@ -274,12 +342,14 @@ ItemEvent = (
     | CustomToolCallInputDone
     | CompactionCompacting
 )
-ServerEvent = ResponseEvent | ItemEvent | ErrorEvent
+InjectEvent = ResponseInjectCreated | ResponseInjectFailed
+ServerEvent = ResponseEvent | ItemEvent | InjectEvent | ErrorEvent
 
 SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
     attrs.fields(cls).type.default: cls
     for cls in (
         ResponseCreated,
+        ResponseQueued,
         ResponseInProgress,
         ResponseDone,
         ResponseCompleted,
@@ -297,6 +367,8 @@ SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
         CustomToolCallInputDelta,
         CustomToolCallInputDone,
         CompactionCompacting,
+        ResponseInjectCreated,
+        ResponseInjectFailed,
         ErrorEvent,
     )
 }

@@ -1,0 +1,169 @@
+"""What both WebSocket dialects share about lanes (`stream_id`) and `response.inject`.
+
+A lane is a FIFO of Responses inside one connection: one in flight per lane, lanes run
+concurrently, each lane's events carry its `stream_id` and are numbered from 0 on their own
+(`Connection.lane`). A create without `stream_id` runs on the default lane, as before lanes.
+How many named lanes a connection may use is bounded (`--max-lanes`); each dialect keeps its
+own per-lane state (the launched dialect a queue and a warm cache, the prototype dialect the
+open Response), so steering can later find a Response's lane and successor here too.
+
+`response.inject` (the multi-agent beta, `OpenAI-Beta: responses_multi_agent=v1`) commits tool
+outputs to a Response that waits on them: the prototype dialect's suspension and
+`response.append`, named by response id. `serve_inject` is that one path for both dialects.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+from proto_server.core.conversation import render_items
+from proto_server.server.offload import Offload
+from proto_server.server.outbox import LaneSink
+from proto_server.server.sampling import SamplingLoop
+from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.events import (
+    InjectError,
+    ResponseInject,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
+)
+
+#: The `OpenAI-Beta` value of the multi-agent beta (`client.beta.responses.connect()` users
+#: send it in `extra_headers`; the SDK does not add it by itself).
+MULTI_AGENT_BETA = "responses_multi_agent=v1"
+#: Ended Responses a connection remembers, to answer an inject with `response_already_completed`
+#: rather than `response_not_found`.
+REMEMBERED_ENDED = 256
+
+
+def beta_values(header: str | None) -> list[str]:
+    return (header or "").replace(" ", "").split(",")
+
+
+class LaneNames:
+    """The named lanes a connection has used; one past `limit` is refused. A name stays
+    counted for the connection's life (its lane keeps state), as OpenAI counts them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def admit(self, stream_id: str | None) -> None:
+        if stream_id is None or stream_id in self._seen:
+            return
+        if len(self._seen) >= self.limit:
+            error = ProtocolError(
+                "websocket_stream_limit_reached",
+                f"This connection already uses {self.limit} named lanes (--max-lanes); "
+                f"stream_id {quoted(stream_id)} would be one more. Reuse a lane, or open "
+                "another connection.",
+                param="stream_id",
+            )
+            error.stream_id = stream_id
+            raise error
+        self._seen.add(stream_id)
+
+
+class EndedResponses:
+    """The ids of the Responses that ended on a connection lately, and their lanes."""
+
+    def __init__(self, limit: int = REMEMBERED_ENDED) -> None:
+        self._limit = limit
+        self._ended: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+
+    def add(self, response_id: str, stream_id: str | None) -> None:
+        self._ended[response_id] = stream_id
+        while len(self._ended) > self._limit:
+            self._ended.popitem(last=False)
+
+    def lane_of(self, response_id: str) -> tuple[bool, str | None]:
+        """Whether it ended here, and on which lane."""
+        if response_id in self._ended:
+            return True, self._ended[response_id]
+        return False, None
+
+
+def require_beta(enabled: bool, what: str) -> None:
+    if not enabled:
+        raise ProtocolError(
+            "unknown_event_type" if what == "response.inject" else "invalid_field",
+            f"{what} belongs to the multi-agent beta; connect with the header "
+            f"`OpenAI-Beta: {MULTI_AGENT_BETA}` to use it.",
+            param="type" if what == "response.inject" else "multi_agent",
+        )
+
+
+async def serve_inject(
+    inject: ResponseInject,
+    *,
+    find: Callable[[str], tuple[SamplingLoop, LaneSink] | None],
+    ended: EndedResponses,
+    lane: Callable[[str | None], LaneSink],
+    offload: Offload,
+    size: int,
+) -> None:
+    """Commit `inject` to the Response it names, atomically, or refuse it whole.
+
+    `response.inject.created` on the Response's lane once every item is committed; the
+    Response resumes only after it. `response.inject.failed` (`response_not_found`,
+    `response_already_completed`) returns the input as sent. Items that do not answer the
+    Response's pending calls are an `error` (`unknown_call_id`, `duplicate_call_id`,
+    `invalid_field`) on its lane; nothing was committed."""
+    response_id = inject.response_id
+
+    async def failed(code: str, message: str, sink: LaneSink) -> None:
+        error = InjectError(code=code, message=message)
+        await sink.send(
+            ResponseInjectFailed(response_id=response_id, error=error, input=inject.raw_input)
+        )
+
+    def target() -> tuple[SamplingLoop, LaneSink] | None:
+        found = find(response_id)
+        if found is not None and not found[0].ending:
+            return found
+        return None
+
+    found = find(response_id)
+    if found is None or found[0].ending:
+        known, stream_id = ended.lane_of(response_id)
+        if found is not None or known:
+            sink = found[1] if found is not None else lane(stream_id)
+            message = f"Response {quoted(response_id)} already ended; nothing was committed."
+            await failed("response_already_completed", message, sink)
+        else:
+            message = (
+                f"No active Response {quoted(response_id)} on this connection; nothing was "
+                "committed."
+            )
+            await failed("response_not_found", message, lane(None))
+        return
+    loop, sink = found
+    if not loop.machine.suspend_on_tool_calls:
+        error = ProtocolError(
+            "invalid_field",
+            f"Response {quoted(response_id)} does not wait for injected input; create it with "
+            '`multi_agent: {"enabled": true}` to answer its tool calls by response.inject.',
+            param="response_id",
+        )
+        error.stream_id = sink.stream_id
+        raise error
+    try:
+        loop.machine.check_inject(inject.input)  # before the work of rendering them
+    except ProtocolError as exc:
+        exc.stream_id = sink.stream_id
+        raise
+    renderer = loop.rollout.conversation.renderer
+    rendered = await offload.run(render_items, renderer, inject.input, size=size)
+    if target() is None:  # it ended while the items were rendered
+        message = f"Response {quoted(response_id)} ended; nothing was committed."
+        await failed("response_already_completed", message, sink)
+        return
+    try:
+        loop.machine.check_inject(inject.input)
+        loop.inject(inject.input, rendered)
+    except ProtocolError as exc:
+        exc.stream_id = sink.stream_id
+        raise
+    await sink.send(ResponseInjectCreated(response_id=response_id))
+    loop.wake()
