@@ -496,3 +496,35 @@ async def test_a_cancel_names_the_lane_whose_response_it_ends(start_server: Star
         assert ends["stop"]["type"] == "response.cancelled"
         assert ends["keep"]["type"] == "response.completed"
         assert ends["idle"]["error"]["code"] == "no_open_response"
+
+
+async def test_a_lanes_new_last_response_replaces_the_one_it_kept(
+    start_server: StartServer,
+) -> None:
+    """A fork onto a lane that kept a Response, or a turn rebuilt from the store, becomes the
+    lane's last: the rollout it replaces is closed, not left open and uncounted."""
+    script = {"segments": [{"text": "one"}, {"text": "two"}]}
+    running = await start_server(script, store=CheckpointStore())
+    server = running.server
+    async with connect(running.address.ws_url) as client:
+        for lane in ("a", "b"):
+            await client.send(create(tools=[], stream_id=lane))
+            await until_lane(client, lane, *END)
+        ends = [e for e in client.received if e["type"] == "response.completed"]
+        b_id = ends[1]["response"]["id"]
+        assert server.open_rollouts == 2  # each lane keeps its last
+        await client.send(create(tools=[], stream_id="a", previous_response_id=b_id, input="go"))
+        forked = await until_lane(client, "a", *END)
+        assert forked[-1]["type"] == "response.completed"
+        assert server.turns[-1].source == "fork"
+        assert server.open_rollouts == 2  # a's new last replaced its old one; b's stays
+        # the default lane: its last Response, then a turn rebuilt from the store
+        await client.send(create(tools=[], store=True))
+        stored = (await until_lane(client, None, *END))[-1]["response"]["id"]
+        await client.send(create(tools=[], input="another"))
+        await until_lane(client, None, *END)
+        await client.send(create(tools=[], store=True, previous_response_id=stored, input="go"))
+        await until_lane(client, None, *END)
+        assert server.turns[-1].source == "store"
+        assert server.open_rollouts == 3
+    await server.wait_idle()

@@ -314,3 +314,100 @@ async def test_any_client_on_lanes_with_inject_keeps_every_promise(
                 reading.cancel_scope.cancel()
             await server.wait_idle()
             nursery.cancel_scope.cancel()
+
+
+@attrs.frozen
+class LaunchedAction:
+    kind: str
+    lane: str | None = None
+    source: str | None = None  # chain: the lane whose last Response it continues
+    wait: bool = True
+
+
+launched_actions = st.builds(
+    LaunchedAction,
+    st.sampled_from(["create", "create_waiting", "chain", "inject_all", "cancel", "wait"]),
+    st.sampled_from(LANES),
+    st.sampled_from(LANES),
+    st.booleans(),
+)
+
+
+def last_completed(checker: StreamChecker) -> Any:
+    done = [r for r in checker.responses.values() if r.phase == "completed"]
+    return done[-1] if done else None
+
+
+async def perform_launched(client: CheckedClient, action: LaunchedAction) -> None:
+    checker = lane_checker(client, action.lane)
+    named = {} if action.lane is None else {"stream_id": action.lane}
+    tools = [EXEC_COMMAND, READ_FILE]
+    match action.kind:
+        case "create" | "create_waiting":
+            waits = {"multi_agent": {"enabled": True}} if action.kind == "create_waiting" else {}
+            frame = {"type": "response.create", "input": "go", "tools": tools, "store": False}
+            await client.send({**frame, **named, **waits})
+        case "chain":  # on its own lane, or a fork from another's
+            parent = last_completed(lane_checker(client, action.source))
+            rid = parent.id if parent is not None else "resp_none"
+            calls = outputs(list(parent.pending) if parent is not None else [])["input"]
+            frame = {"type": "response.create", "tools": tools, "store": False, **named}
+            await client.send({**frame, "previous_response_id": rid, "input": calls or "more"})
+        case "inject_all":
+            current = checker.current
+            rid = current.id if current is not None else "resp_none"
+            frame = {**outputs(pending(checker) or ["call_none"]), "type": "response.inject"}
+            await client.send({**frame, "response_id": rid})
+        case "cancel":
+            await client.send({"type": "response.cancel", **named})
+        case "wait":
+            pass
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(script=scripts, plan=st.lists(launched_actions, max_size=12))
+@example(  # a turn on lane a, a fork of it on lane b, lane a going on from it too
+    script={"segments": [{"tool_calls": [{"name": "exec_command"}]}, {"text": "ok"}]},
+    plan=[
+        LaunchedAction("create", "a"),
+        LaunchedAction("chain", "b", "a", wait=False),
+        LaunchedAction("chain", "a", "a"),
+    ],
+)
+@example(  # creates queued behind a waiting Response, which an inject resumes
+    script={"segments": [{"tool_calls": [{"name": "exec_command"}] * 2}, {"text": "ok"}]},
+    plan=[
+        LaunchedAction("create_waiting", None),
+        LaunchedAction("create", None, wait=False),
+        LaunchedAction("inject_all", None),
+    ],
+)
+async def test_any_launched_client_on_lanes_keeps_every_promise(
+    script: dict[str, Any], plan: list[LaunchedAction]
+) -> None:
+    server = ProtoServer(
+        SimulatedGenerator(parse_script(script), FAST),
+        ServerConfig(port=0, default_model="m"),
+        store=CheckpointStore(),
+    )
+    beta = [("OpenAI-Beta", "responses_multi_agent=v1")]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve)
+            async with (
+                connect_checked(address.ws_url, dialect="launched", headers=beta, lanes=True) as c,
+                trio.open_nursery() as reading,
+            ):
+                reading.start_soon(read_all, c)
+                for action in plan:
+                    await perform_launched(c, action)
+                    if action.wait:
+                        await quiet()
+                await quiet()
+                reading.cancel_scope.cancel()
+            await server.wait_idle()
+            nursery.cancel_scope.cancel()

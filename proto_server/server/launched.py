@@ -98,11 +98,16 @@ class _Lane:
         self.queue: collections.deque[_Queued] = collections.deque()
         self.current: SamplingLoop | None = None
         self.cached: tuple[str, Rollout] | None = None
-        self.serving = False
+        self.serving = False  # its task runs (serving the queue's creates one by one)
+        self.preparing = False  # the create at the head is being prepared
 
     @property
     def busy(self) -> bool:
-        return self.serving or bool(self.queue)
+        """Whether a new create waits behind another: one queued, one being prepared, or a
+        Response that has not ended (one whose terminal event is out waits for nothing)."""
+        if self.queue or self.preparing:
+            return True
+        return self.current is not None and not self.current.ended
 
     def evict(self, reason: str) -> None:
         """A memory budget lets the cached rollout go; a follow-up that names it is served from
@@ -309,11 +314,15 @@ class LaunchedDialect:
         """One turn; the rollout goes to its lane's cache if it completed. Nothing of the turn
         is kept once it returns but the cache, which a memory budget can let go."""
         create = queued.create
+        lane.preparing = True
         try:
             loop = await self._begin(lane, create, queued.size, queued.response_id)
         except (ProtocolError, StoreUnavailable) as exc:
+            lane.preparing = False
             await lane.sink.send(ErrorEvent(status=exc.status, error=exc.detail))
             return
+        finally:
+            lane.preparing = False
         if self._expired is not None:  # the server began stopping while it prepared
             await loop.rollout.aclose()
             return
@@ -329,8 +338,12 @@ class LaunchedDialect:
             lane.current = None
             self._ended.add(loop.machine.id, lane.stream_id)
             if completed and not self._gone:  # once the connection closed, nothing is kept
-                lane.cached = (loop.machine.id, loop.rollout)
+                # the lane's last Response replaces what it kept (a miss, a fork or the store
+                # left that in place): the one before goes
+                replaced, lane.cached = lane.cached, (loop.machine.id, loop.rollout)
                 self._connection.budget.idle(lane)
+                if replaced is not None:
+                    await replaced[1].aclose()
             else:
                 log.info("cache.evicted", extra={"response": loop.machine.id})
                 await loop.rollout.aclose()
