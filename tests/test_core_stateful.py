@@ -309,9 +309,9 @@ class Connection(RuleBasedStateMachine):
     def stop(self) -> None:
         self.prefill()
         self.emit(self.m.end_segment())
+        self.segment_begun = False  # outputs released now resume in a segment of its own
         if self.m.status is Status.SUSPENDED and self.m.holds_injected:
             self.emit(self.m.release_held())  # as the sampling loop does before it waits
-        self.end_of_segment()
 
     @precondition(lambda self: self.streaming())
     @rule(code=st.sampled_from(["generator_error", "script_error"]))

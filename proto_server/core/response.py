@@ -392,21 +392,7 @@ class ResponseMachine:
         for index, item in enumerate(items):
             param = f"input[{index}]"
             if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
-                call_id = item.call_id
-                if call_id in answering or call_id in self.answered_calls:
-                    raise ProtocolError(
-                        "duplicate_call_id",
-                        f"Call {quoted(call_id)} was already answered; send each output once.",
-                        param=f"{param}.call_id",
-                    )
-                if call_id not in self.pending_calls:
-                    raise ProtocolError(
-                        "unknown_call_id",
-                        f"No call {quoted(call_id)} is awaiting output in response {self.id}; "
-                        f"awaiting: {some_of(self.pending_calls)}.",
-                        param=f"{param}.call_id",
-                    )
-                answering.add(call_id)
+                self._check_output(item.call_id, param, answering)
             elif isinstance(item, Message) and item.role != "assistant":
                 has_message = True
             else:
@@ -481,21 +467,25 @@ class ResponseMachine:
                     "outputs (function_call_output, custom_tool_call_output).",
                     param=f"{param}.type",
                 )
-            call_id = item.call_id
-            if call_id in answering or call_id in self.answered_calls or call_id in self._held_ids:
-                raise ProtocolError(
-                    "duplicate_call_id",
-                    f"Call {quoted(call_id)} was already answered; send each output once.",
-                    param=f"{param}.call_id",
-                )
-            if call_id not in self.pending_calls:
-                raise ProtocolError(
-                    "unknown_call_id",
-                    f"No call {quoted(call_id)} is awaiting output in response {self.id}; "
-                    f"awaiting: {some_of(self.pending_calls.keys() - self._held_ids)}.",
-                    param=f"{param}.call_id",
-                )
-            answering.add(call_id)
+            self._check_output(item.call_id, param, answering)
+
+    def _check_output(self, call_id: str, param: str, answering: set[str]) -> None:
+        """One output of an append or an inject answers a call that awaits it, once (an output
+        held while its segment streams counts as given); it joins `answering`."""
+        if call_id in answering or call_id in self.answered_calls or call_id in self._held_ids:
+            raise ProtocolError(
+                "duplicate_call_id",
+                f"Call {quoted(call_id)} was already answered; send each output once.",
+                param=f"{param}.call_id",
+            )
+        if call_id not in self.pending_calls:
+            raise ProtocolError(
+                "unknown_call_id",
+                f"No call {quoted(call_id)} is awaiting output in response {self.id}; "
+                f"awaiting: {some_of([c for c in self.pending_calls if c not in self._held_ids])}.",
+                param=f"{param}.call_id",
+            )
+        answering.add(call_id)
 
     def inject(
         self, items: Sequence[Item], rendered: RenderedItems | None = None
