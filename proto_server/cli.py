@@ -664,7 +664,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator = SimulatedGenerator(planner, timing, prefix_cache=cache)
         what = f"simulated GPU with {model}"
-    listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    try:  # a socket the supervisor of --workers bound and passed down
+        listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    except OSError as exc:
+        print(f"proto-server: --listen-fd {args.listen_fd} is no socket ({exc.strerror}); it "
+              "is set by --workers, not by hand", file=sys.stderr)  # fmt: skip
+        return 2
     server = ProtoServer(
         generator, config, store=store, compaction_secret=secret, listener=listener
     )

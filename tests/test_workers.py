@@ -133,3 +133,10 @@ def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str], value: str
     with pytest.raises(SystemExit):
         main(["serve", "--workers", value])
     assert "--workers: must be positive" in capsys.readouterr().err
+
+
+def test_a_listen_fd_that_is_no_socket_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from proto_server.cli import main
+
+    assert main(["serve", "--store", ":memory:", "--listen-fd", "987"]) == 2
+    assert "--listen-fd 987 is no socket" in capsys.readouterr().err
