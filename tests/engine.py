@@ -61,6 +61,9 @@ class Engine:
         self.log_path = log_path
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        # one client for every gauge read: a new one builds an SSL context (~0.1 s, more on a
+        # busy machine), long enough to miss a short request on the engine entirely
+        self.scraper = httpx.Client(timeout=5)
 
     @property
     def url(self) -> str:
@@ -125,7 +128,7 @@ class Engine:
 
     def metric(self, name: str) -> float:
         """A gauge from the engine's Prometheus /metrics (summed over its label sets)."""
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
+        text = self.scraper.get(f"http://127.0.0.1:{self.port}/metrics").text
         values = [
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -156,3 +159,4 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield engine
     finally:
         engine.stop()
+        engine.scraper.close()

@@ -663,7 +663,8 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
 ) -> None:
     """Two Responses at once both complete; with a pool of one connection they run one after
     the other on the engine (its running-requests gauge never reads 2), with two together."""
-    served = await start_vllm(max_tokens=24, connections=connections)
+    # 64 tokens each: long enough for a busy or a fast machine to read the gauge many times
+    served = await start_vllm(max_tokens=64, connections=connections)
     seen: list[float] = []
     done: list[str] = []
 
@@ -682,7 +683,7 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
                     seen.append(await trio.to_thread.run_sync(vllm_engine.metric, RUNNING))
                     await trio.sleep(0.05)
     print("running requests seen:", sorted(set(seen)), "over", len(seen), "samples")
-    assert done == ["incomplete", "incomplete"]  # each decoded its 24 tokens
+    assert done == ["incomplete", "incomplete"]  # each decoded its 64 tokens
     assert max(seen) == connections and seen.count(connections) > 1
 
 
