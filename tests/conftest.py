@@ -1,8 +1,9 @@
-"""Fixtures: a real server on 127.0.0.1 (port 0), started in the test's own nursery."""
+"""Fixtures: a real server on 127.0.0.1 (port 0), started in the test's own nursery; and a
+deadline on every async test, so that none can hang the suite."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -11,11 +12,34 @@ import trio
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.server.store import ANONYMOUS, ResponseStore, StoredResponse
+from proto_server.server.store import ResponseStore
 
+from .helpers import FAST, Running, StartServer, under_deadline
 from .published import SchemaNet
+
+#: Every async test ends within this many seconds (`@pytest.mark.deadline(s)` for more).
+DEADLINE_S = 120.0
+#: On trio's virtual clock a test that waits on nothing jumps straight to its deadline.
+VIRTUAL_DEADLINE_S = 24 * 3600.0
+VIRTUAL_CLOCKS = {"autojump_clock", "mock_clock"}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("trio") is None:
+            continue
+        marker = item.get_closest_marker("deadline")
+        seconds = float(marker.args[0]) if marker is not None else DEADLINE_S
+        if VIRTUAL_CLOCKS & set(item.fixturenames):
+            seconds = VIRTUAL_DEADLINE_S
+        search = getattr(item.obj, "hypothesis", None)
+        if search is not None:  # a hypothesis test: each example under the deadline
+            search.inner_test = under_deadline(search.inner_test, seconds, item.name)
+        else:
+            item.obj = under_deadline(item.obj, seconds, item.name)
 
 
 @pytest.fixture(autouse=True)
@@ -26,77 +50,6 @@ def published_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[SchemaNet]:
     net.install(monkeypatch)
     yield net
     net.verdict()
-
-
-#: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
-FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)
-
-THREE_SEGMENTS = {
-    "segments": [
-        {
-            "text": "Let me look.",
-            "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}],
-        },
-        {
-            "tool_calls": [
-                {"name": "exec_command", "arguments": {"cmd": "cat a.py"}},
-                {"name": "exec_command", "arguments": {"cmd": "cat b.py"}},
-            ]
-        },
-        {"text": "Fixed: the loop was off by one."},
-    ]
-}
-
-EXEC_COMMAND = {
-    "type": "function",
-    "name": "exec_command",
-    "description": "Run a shell command.",
-    "parameters": {
-        "type": "object",
-        "properties": {"cmd": {"type": "string"}},
-        "required": ["cmd"],
-    },
-    "strict": False,
-}
-
-
-class CheckpointStore:
-    """A store in a dict that yields once per call, as a real one would, without a thread
-    (a worker thread would look idle to `wait_all_tasks_blocked` and end `quiet()` early)."""
-
-    def __init__(self) -> None:
-        self.responses: dict[str, StoredResponse] = {}
-
-    async def put(self, stored: StoredResponse) -> None:
-        await trio.lowlevel.checkpoint()
-        self.responses[stored.response.id] = stored
-
-    async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
-        await trio.lowlevel.checkpoint()
-        stored = self.responses.get(response_id)
-        return stored if stored is not None and stored.owner == owner else None
-
-    async def chain(
-        self, response_id: str, *, owner: str = ANONYMOUS
-    ) -> list[StoredResponse] | None:
-        stored = await self.get(response_id, owner=owner)
-        return None if stored is None else [stored]
-
-    async def aclose(self) -> None:
-        pass
-
-
-class Running:
-    def __init__(self, server: ProtoServer, address: BoundAddress) -> None:
-        self.server = server
-        self.address = address
-
-    @property
-    def prototype_url(self) -> str:
-        return f"{self.address.ws_url}?dialect=prototype"
-
-
-StartServer = Callable[..., Any]
 
 
 @pytest.fixture

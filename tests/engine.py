@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from .helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON_ENV = "PROTO_SERVER_VLLM_PYTHON"
@@ -43,13 +44,6 @@ def engine_python() -> Path:
     if os.environ.get("CI"):
         pytest.fail(f"{message} (.ci/run must install it)", pytrace=False)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Engine:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .engine import free_port
+from .helpers import free_port
 
 INSTALL = "apt-get install postgresql (the Debian package: initdb, pg_ctl, postgres)"
 

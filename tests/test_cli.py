@@ -14,17 +14,7 @@ import httpx
 import pytest
 import trio
 
-from .test_prototype_rollout import create
-from .wsclient import connect
-
-
-async def read_line(stream: trio.abc.ReceiveStream) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = await stream.receive_some()
-        assert chunk, "the server exited before printing its address"
-        data += chunk
-    return data.decode()
+from .helpers import connect, create, read_line
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
@@ -214,7 +204,7 @@ def test_a_store_url_other_than_postgresql_is_refused_and_creates_nothing(
 def test_a_postgresql_store_that_does_not_answer_stops_start_up_and_hides_the_password(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from .engine import free_port
+    from .helpers import free_port
 
     url = f"postgresql://proto:s3cret@127.0.0.1:{free_port()}/proto"
     err = serve_refusal(capsys, "--store-timeout", "1", store=url)

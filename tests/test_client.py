@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import orjson
 import pytest
 
 from proto_server.client import Dialect, Rollout, RolloutState, Sent, connect
+from proto_server.client.dialects import rules
 from proto_server.client.state import OutputsRefused
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer
 
 
 async def test_a_prototype_rollout_steps_segment_by_segment_in_one_response(
@@ -274,3 +277,21 @@ async def test_an_http_refusal_is_an_error_event(start_server: StartServer) -> N
         again = await connection.create("fix it", tools=[EXEC_COMMAND])  # the connection lives on
         await again.step()
         assert again.state is RolloutState.SUSPENDED
+
+
+def test_the_client_stands_on_the_wire_alone() -> None:
+    """The client (trio and blocking) imports the wire types and nothing of the server or the
+    engine; hosting a server in-process is `proto_server.hosted`, above both."""
+    probe = (
+        "import sys, proto_server.client, proto_server.client.facade\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('proto_server.'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert {name.split(".")[1] for name in loaded} == {"client", "wire"}, loaded
+
+
+def test_an_unknown_dialect_is_refused_naming_the_three() -> None:
+    with pytest.raises(ValueError, match="use one of prototype, launched, http"):
+        rules("websocket")

@@ -17,8 +17,9 @@ import trio
 from proto_server.client.facade import BlockingClient, ClientStopped
 from proto_server.client.state import RolloutState
 from proto_server.engine.simulated import TimingModel
+from proto_server.hosted import serving
 
-from .conftest import EXEC_COMMAND, FAST, THREE_SEGMENTS
+from .helpers import EXEC_COMMAND, FAST, THREE_SEGMENTS
 
 
 def trio_threads() -> list[threading.Thread]:
@@ -26,7 +27,7 @@ def trio_threads() -> list[threading.Thread]:
 
 
 def test_a_rollout_lives_across_calls_and_close_stops_everything() -> None:
-    client = BlockingClient.serving(THREE_SEGMENTS, timing=FAST)
+    client = serving(THREE_SEGMENTS, timing=FAST)
     rollout = client.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
     first = rollout.step()
     assert first.end == "response.done"
@@ -46,7 +47,7 @@ def test_a_rollout_lives_across_calls_and_close_stops_everything() -> None:
 
 
 def test_closing_a_client_closes_its_connections_on_a_server_it_does_not_own() -> None:
-    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as host:
+    with serving(THREE_SEGMENTS, timing=FAST) as host:
         assert host.server is not None and host.url is not None
         guest = BlockingClient(host.url)
         rollout = guest.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
@@ -64,7 +65,7 @@ def test_closing_a_client_closes_its_connections_on_a_server_it_does_not_own() -
 
 
 def test_a_closed_connection_ends_its_rollout_on_the_server() -> None:
-    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+    with serving(THREE_SEGMENTS, timing=FAST) as client:
         connection = client.connect("prototype")
         connection.create("fix it", tools=[EXEC_COMMAND]).step()
         connection.close()
@@ -79,7 +80,7 @@ def test_a_closed_connection_ends_its_rollout_on_the_server() -> None:
 
 
 def test_the_low_level_door_shows_what_the_server_answers() -> None:
-    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+    with serving(THREE_SEGMENTS, timing=FAST) as client:
         connection = client.connect("prototype")
         connection.send({"type": "response.append", "input": []})
         received = connection.receive()
@@ -90,7 +91,7 @@ def test_the_low_level_door_shows_what_the_server_answers() -> None:
 
 
 def test_a_rollout_shows_its_events_pending_calls_and_timing_chart() -> None:
-    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as client:
+    with serving(THREE_SEGMENTS, timing=FAST) as client:
         rollout = client.connect("prototype").create("fix it", tools=[EXEC_COMMAND])
         segment = rollout.step()
         (call,) = rollout.pending_calls
@@ -119,7 +120,7 @@ def test_the_readme_client_examples_run_as_written(capsys: pytest.CaptureFixture
     trio_example, blocking_example = (
         block for block in python_blocks() if "proto_server.client" in block
     )
-    with BlockingClient.serving() as host:  # the default model, as `proto-server serve` has
+    with serving() as host:  # the default model, as `proto-server serve` has
         assert host.url is not None
         namespace: dict[str, object] = {}
         exec(trio_example.replace("http://127.0.0.1:8000/v1", host.url), namespace)
@@ -134,7 +135,7 @@ def test_the_readme_client_examples_run_as_written(capsys: pytest.CaptureFixture
 
 def test_an_interrupt_cancels_the_call_in_the_clients_thread_too() -> None:
     long_text = {"segments": [{"text": " word" * 5000}]}  # 5 s at 1,000 tokens/s
-    with BlockingClient.serving(long_text, timing=TimingModel()) as client:
+    with serving(long_text, timing=TimingModel()) as client:
         rollout = client.connect("prototype").create("talk")
         main = threading.main_thread().ident
         assert main is not None
@@ -154,7 +155,7 @@ def test_an_interrupt_cancels_the_call_in_the_clients_thread_too() -> None:
 
 def test_interpreter_exit_closes_a_client_left_open() -> None:
     """What a kernel shutdown does: the atexit hook closes the client, silently and promptly."""
-    with BlockingClient.serving(THREE_SEGMENTS, timing=FAST) as host:
+    with serving(THREE_SEGMENTS, timing=FAST) as host:
         assert host.url is not None and host.server is not None
         program = (
             "from proto_server.client.facade import BlockingClient\n"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from .conftest import Running, StartServer
+from .helpers import Running, StartServer
 
 CLIENTS = Path(__file__).resolve().parent / "clients" / "node_modules"
 
@@ -41,7 +41,7 @@ responses_websockets = true
 responses_websockets_v2 = false
 """
 
-pytestmark = pytest.mark.codex
+pytestmark = [pytest.mark.codex, pytest.mark.deadline(240)]  # a Codex run: up to 120 s
 
 
 def codex(version: str) -> list[str]:

@@ -22,12 +22,21 @@ from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import UnknownItem
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_http import body, parse_sse
-from .test_launched import create, prefix_tokens, tokens, turn
-from .test_prototype_rollout import USER, answers
-from .test_prototype_rollout import create as prototype_create
-from .wsclient import connect
+from .helpers import (
+    EXEC_COMMAND,
+    THREE_SEGMENTS,
+    USER,
+    StartServer,
+    answers,
+    body,
+    connect,
+    create,
+    launched_create,
+    parse_sse,
+    prefix_tokens,
+    tokens,
+    turn,
+)
 
 COMPACT_AT = 50  # tokens: every prompt of these tests is longer
 NEVER = 1_000_000
@@ -106,7 +115,7 @@ async def test_a_bad_new_field_is_refused_over_both_dialects_and_http(
             httpx.AsyncClient() as http,
         ):
             for fields, param in BAD:
-                for client, frame in ((launched, create), (prototype, prototype_create)):
+                for client, frame in ((launched, launched_create), (prototype, create)):
                     await client.send(frame(**fields))
                     error = await client.receive()
                     assert (error["type"], error["error"]["code"], error["error"]["param"]) == (
@@ -116,8 +125,8 @@ async def test_a_bad_new_field_is_refused_over_both_dialects_and_http(
                 assert answer.status_code == 400
                 assert answer.json()["error"]["param"] == param
             # the connections live on, and serve what follows
-            assert (await turn(launched, create()))[-1]["type"] == "response.completed"
-            await prototype.send(prototype_create())
+            assert (await turn(launched, launched_create()))[-1]["type"] == "response.completed"
+            await prototype.send(create())
             assert (await prototype.segment())[-1]["type"] == "response.done"
 
 
@@ -132,7 +141,7 @@ async def test_the_prototype_dialect_refuses_prewarm_and_compaction_naming_them(
     with trio.fail_after(10):
         async with connect(running.prototype_url) as client:
             for param, fields in refused.items():
-                await client.send(prototype_create(**fields))
+                await client.send(create(**fields))
                 error = await client.receive()
                 assert (error["error"]["code"], error["error"]["param"]) == (
                     "invalid_field", param

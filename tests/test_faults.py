@@ -27,12 +27,19 @@ from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
-from proto_server.testing import CheckedClient, connect_checked, o200k_count
+from proto_server.testing import WireClient, connect_checked, o200k_count
 
-from .conftest import THREE_SEGMENTS, CheckpointStore, Running, StartServer
-from .test_cli import read_line
-from .test_prototype_errors import RecordingGenerator, server_tasks
-from .test_prototype_rollout import answers, create
+from .helpers import (
+    THREE_SEGMENTS,
+    CheckpointStore,
+    RecordingGenerator,
+    Running,
+    StartServer,
+    answers,
+    create,
+    read_line,
+    server_tasks,
+)
 
 LS = {"name": "exec_command", "arguments": {"cmd": "ls"}}
 ONE_CALL = {"segments": [{"text": "Let me look.", "tool_calls": [LS]}, {"text": "done"}]}
@@ -46,7 +53,7 @@ TWO_CALLS = {
 
 async def suspended(
     running: Running, stack: AsyncExitStack
-) -> tuple[CheckedClient, list[dict[str, Any]]]:
+) -> tuple[WireClient, list[dict[str, Any]]]:
     """A client whose Response is suspended, open until `stack` closes."""
     client = await stack.enter_async_context(connect_checked(running.prototype_url))
     await client.send(create())
@@ -196,7 +203,7 @@ async def test_a_client_that_vanishes_at_any_moment_leaves_nothing_behind(
     running.server.generator = generator  # type: ignore[assignment]
     whole = await whole_rollout(running)
     for point in range(len(whole) + 1):  # before the first event, after each one
-        with trio.CancelScope() as gone, trio.fail_after(5):
+        with trio.fail_after(5):
             async with connect_checked(running.prototype_url) as client:
                 await client.send(create())
                 segment = []
@@ -207,9 +214,7 @@ async def test_a_client_that_vanishes_at_any_moment_leaves_nothing_behind(
                         segment = []
                     if segment and segment[-1]["type"] == "response.completed":
                         break  # a writer that fell behind merged deltas: fewer events this time
-                await client.ws._stream.aclose()  # the TCP drops: no close frame
-                client.checker.finish(closed=True)
-                gone.cancel()  # nor does the client wait to close what is gone (wsclient.py)
+                await client.vanish()  # the TCP drops: no close frame
         with trio.fail_after(5):
             await running.server.wait_idle()
         await trio.testing.wait_all_tasks_blocked()
@@ -235,7 +240,8 @@ async def test_an_idle_suspension_ends_incomplete_and_a_partial_answer_restarts_
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:
     running = await start_server(TWO_CALLS, store=CheckpointStore(), suspend_timeout_s=60)
-    async with connect_checked(running.prototype_url) as client:
+    # on the virtual clock: the client outwaits the server's 60 s timeout
+    async with connect_checked(running.prototype_url, event_timeout_s=600) as client:
         await client.send(create())
         first, second = answers(await client.segment())
         await trio.sleep(50)

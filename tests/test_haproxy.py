@@ -36,10 +36,9 @@ from proto_server.server.postgres import PostgresStore
 from proto_server.server.store import chain_items, owner_id
 from proto_server.wire.converter import converter
 
-from .engine import free_port
-from .test_cli import read_line
+from .helpers import free_port, read_line
 
-pytestmark = [pytest.mark.proxy, pytest.mark.postgres]
+pytestmark = [pytest.mark.proxy, pytest.mark.postgres, pytest.mark.deadline(240)]
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy.cfg"
 INSTALL = "apt-get install haproxy (the Debian package)"

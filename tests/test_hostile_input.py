@@ -36,29 +36,27 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.testing import CheckedClient, connect_checked
+from proto_server.testing import WireClient, connect_checked
 from proto_server.wire.converter import MAX_JSON_DEPTH, decode_client_event, encode_server_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ResponseCreated
 
-from .conftest import EXEC_COMMAND, FAST, THREE_SEGMENTS, CheckpointStore
-from .test_live_properties import quiet, read_all
-from .test_prototype_rollout import answers, create
+from .helpers import (
+    EXEC_COMMAND,
+    FAST,
+    THREE_SEGMENTS,
+    CheckpointStore,
+    answers,
+    create,
+    json_values,
+    quiet,
+    read_all,
+)
 
 DECODER_CODES = {"invalid_json", "invalid_field", "unknown_event_type"}
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LIVE_FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
-json_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(
-    allow_nan=False, allow_infinity=False
-) | st.text(st.characters(exclude_categories=("Cs",)), max_size=20)  # fmt: skip
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=20,
-)
 ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning", "custom_tool_call"]
 items = st.fixed_dictionaries(
     {"type": st.sampled_from(ITEM_TYPES)},
@@ -321,7 +319,7 @@ async def serving(**config: Any) -> AsyncIterator[tuple[ProtoServer, BoundAddres
     assert server.crashed_connections == 0
 
 
-async def full_rollout(client: CheckedClient) -> None:
+async def full_rollout(client: WireClient) -> None:
     await client.send(create())
     events = await client.segment()
     while events[-1]["type"] == "response.done":
@@ -511,7 +509,7 @@ async def test_huge_deep_and_broken_frames_beside_a_bystander() -> None:
                     await client.receive()
                 assert closed.value.reason.code == 1009
             async with connect_checked(url) as client:
-                await client.ws._stream.send_all(masked_text_frame(b"\xff\xfe not utf-8"))
+                await client.send_raw(masked_text_frame(b"\xff\xfe not utf-8"))
                 with pytest.raises(ConnectionClosed) as closed:
                     await client.receive()
                 # wsproto drops the TCP at once (1006) rather than saying 1007 in a close frame

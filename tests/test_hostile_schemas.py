@@ -30,8 +30,7 @@ from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_prototype_rollout import answers, create
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, answers, create
 
 DEADLINE_S = 10
 

@@ -30,10 +30,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.wire.converter import YIELDING_PARSE_BYTES, load_yielding
 
-from .conftest import CheckpointStore
-from .test_cli import read_line
-from .test_hostile_input import json_values
-from .wsclient import connect
+from .helpers import CheckpointStore, connect, json_values, read_line
 
 #: The most any bystander may wait for its next event or its health probe while the big
 #: requests are prepared (before the fix: 1.5-4 s for these sizes).

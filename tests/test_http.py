@@ -19,31 +19,21 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 
-from .conftest import FAST, THREE_SEGMENTS, CheckpointStore, StartServer
-from .test_launched import create, turn
-from .test_prototype_rollout import USER, answers
-from .wsclient import connect
+from .helpers import (
+    FAST,
+    THREE_SEGMENTS,
+    USER,
+    CheckpointStore,
+    StartServer,
+    answers,
+    body,
+    connect,
+    launched_create,
+    sse,
+    turn,
+)
 
 IDS = {"id", "item_id", "call_id", "previous_response_id", "created_at", "sequence_number"}
-
-
-def body(**fields: Any) -> dict[str, Any]:
-    frame = create(**fields)
-    del frame["type"]
-    return frame
-
-
-def parse_sse(text: str) -> list[dict[str, Any]]:
-    events = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        kind, data = block.split("\n")
-        assert kind.startswith("event: ") and data.startswith("data: ")
-        event = orjson.loads(data.removeprefix("data: "))
-        assert event["type"] == kind.removeprefix("event: ")
-        events.append(event)
-    return events
 
 
 def without_ids(value: Any) -> Any:
@@ -55,15 +45,6 @@ def without_ids(value: Any) -> Any:
     return value
 
 
-async def sse(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    async with client.stream("POST", url, json={**payload, "stream": True}) as answer:
-        assert answer.status_code == 200
-        assert answer.headers["content-type"] == "text/event-stream"
-        text = "".join([chunk async for chunk in answer.aiter_text()])
-    assert "\r" not in text
-    return parse_sse(text)
-
-
 async def test_sse_carries_the_same_events_as_the_websocket(start_server: StartServer) -> None:
     # frame for frame: a writer that fell behind would merge deltas, differently on each side
     running = await start_server(THREE_SEGMENTS, merge_deltas=False)
@@ -72,7 +53,7 @@ async def test_sse_carries_the_same_events_as_the_websocket(start_server: StartS
     async with connect(running.address.ws_url) as client:
         previous, new = None, [USER]
         for _ in range(3):
-            events = await turn(client, create(previous_response_id=previous, input=new))
+            events = await turn(client, launched_create(previous_response_id=previous, input=new))
             ws_turns.append(events)
             previous, new = events[-1]["response"]["id"], answers(events)
     async with httpx.AsyncClient() as http:
@@ -211,7 +192,9 @@ async def test_a_store_true_chain_survives_a_restart(nursery: trio.Nursery, tmp_
     _, _, ws_url = await run_server()  # a new process would see the same file
     new = answers([{"type": "response.output_item.done", "item": i} for i in first["output"]])
     async with connect(ws_url) as client:
-        second = await turn(client, create(store=True, previous_response_id=first["id"], input=new))
+        second = await turn(
+            client, launched_create(store=True, previous_response_id=first["id"], input=new)
+        )
     assert second[-1]["type"] == "response.completed"
     assert [i["type"] for i in second[-1]["response"]["output"]] == ["function_call"] * 2
 

@@ -17,11 +17,18 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.testing.checker import LaneChecker
 
-from .conftest import FAST, THREE_SEGMENTS, CheckpointStore, StartServer
-from .test_launched import END, create
-from .test_prototype_rollout import answers
-from .test_prototype_rollout import create as prototype_create
-from .wsclient import Client, connect
+from .helpers import (
+    END,
+    FAST,
+    THREE_SEGMENTS,
+    CheckpointStore,
+    StartServer,
+    WireClient,
+    answers,
+    connect,
+    create,
+    launched_create,
+)
 
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
 TWO_WORDS = {"segments": [{"text": "one two"}]}
@@ -34,7 +41,7 @@ def lanes(events: list[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]
     return by_lane
 
 
-async def until_lane(client: Client, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
+async def until_lane(client: WireClient, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
     """Everything received up to the first event of one of `kinds` on `lane`."""
     events = []
     while True:
@@ -44,7 +51,7 @@ async def until_lane(client: Client, lane: str | None, *kinds: str) -> list[dict
             return events
 
 
-async def until_each(client: Client, *names: str | None) -> dict[str | None, dict[str, Any]]:
+async def until_each(client: WireClient, *names: str | None) -> dict[str | None, dict[str, Any]]:
     """The next end (terminal or error) of each lane in `names`, in whatever order they come."""
     ends: dict[str | None, dict[str, Any]] = {}
     while len(ends) < len(names):
@@ -58,7 +65,7 @@ async def until_each(client: Client, *names: str | None) -> dict[str | None, dic
 class Checked:
     """A client whose every frame and event goes through a `LaneChecker`."""
 
-    def __init__(self, client: Client, dialect: str = "launched") -> None:
+    def __init__(self, client: WireClient, dialect: str = "launched") -> None:
         self.client = client
         self.checker = LaneChecker(dialect=dialect)  # type: ignore[arg-type]
 
@@ -81,9 +88,9 @@ async def test_two_lanes_stream_concurrently_each_numbered_from_zero(
     with trio.fail_after(20):
         async with connect(running.address.ws_url) as raw:
             client = Checked(raw)
-            await client.send(create(stream_id="a"))
-            await client.send(create(stream_id="b"))
-            await client.send(create())  # the default lane
+            await client.send(launched_create(stream_id="a"))
+            await client.send(launched_create(stream_id="b"))
+            await client.send(launched_create())  # the default lane
             events: list[dict[str, Any]] = []
             for lane in ("a", "b", None):  # whichever ends first: wait for each lane's end
                 if not any(e["type"] in END and e.get("stream_id") == lane for e in events):
@@ -107,8 +114,8 @@ async def test_creates_on_one_lane_queue_in_order_and_say_so(start_server: Start
     with trio.fail_after(20):
         async with connect(running.address.ws_url) as raw:
             client = Checked(raw)
-            await client.send(create(tools=[], stream_id="x"))
-            await client.send(create(tools=[], input="second", stream_id="x"))
+            await client.send(launched_create(tools=[], stream_id="x"))
+            await client.send(launched_create(tools=[], input="second", stream_id="x"))
             events = await client.until_lane("x", "response.queued")
             queued = events[-1]["response"]
             assert queued["status"] == "queued"
@@ -140,15 +147,19 @@ async def test_a_fork_starts_from_another_lanes_response_which_stays_warm(
     with trio.fail_after(20):
         async with connect(running.address.ws_url) as raw:
             client = Checked(raw)
-            await client.send(create(stream_id="main"))
+            await client.send(launched_create(stream_id="main"))
             first = await client.until_lane("main", *END)
             parent = first[-1]["response"]["id"]
             outputs = answers(first)
             # the fork: a new lane, lineage from the main lane's Response (store off: not the store)
-            await client.send(create(stream_id="fork", previous_response_id=parent, input=outputs))
+            await client.send(
+                launched_create(stream_id="fork", previous_response_id=parent, input=outputs)
+            )
             forked = await client.until_lane("fork", *END)
             # the main lane goes on from the same parent, still warm
-            await client.send(create(stream_id="main", previous_response_id=parent, input=outputs))
+            await client.send(
+                launched_create(stream_id="main", previous_response_id=parent, input=outputs)
+            )
             main = await client.until_lane("main", *END)
             client.checker.finish()
     for events in (forked, main):
@@ -164,18 +175,22 @@ async def test_a_failed_fork_keeps_the_parent_warm_on_its_lane(start_server: Sta
     # one tool segment, nothing after it: any continuation fails with script_error
     running = await start_server({"segments": [THREE_SEGMENTS["segments"][0]]})
     async with connect(running.address.ws_url) as client:
-        await client.send(create(stream_id="main"))
+        await client.send(launched_create(stream_id="main"))
         first = await until_lane(client, "main", *END)
         parent = first[-1]["response"]["id"]
         outputs = answers(first)
-        await client.send(create(stream_id="fork", previous_response_id=parent, input=outputs))
+        await client.send(
+            launched_create(stream_id="fork", previous_response_id=parent, input=outputs)
+        )
         forked = await until_lane(client, "fork", *END)
         assert forked[-1]["type"] == "response.failed"
         assert forked[-1]["stream_id"] == "fork"
-        await client.send(create(stream_id="main", previous_response_id=parent, input=outputs))
+        await client.send(
+            launched_create(stream_id="main", previous_response_id=parent, input=outputs)
+        )
         await until_lane(client, "main", *END)
         # a missing parent is refused on the lane that named it
-        await client.send(create(stream_id="fork", previous_response_id="resp_nowhere"))
+        await client.send(launched_create(stream_id="fork", previous_response_id="resp_nowhere"))
         refused = await until_lane(client, "fork", *END)
         assert refused[-1]["error"]["code"] == "previous_response_not_found"
     # the failed fork left the parent on its lane: the main lane's turn was served warm
@@ -187,22 +202,24 @@ async def test_lane_limits_and_names_are_typed_errors_on_their_lane(
 ) -> None:
     running = await start_server(TWO_WORDS, timing=SLOW, max_lanes=1, max_queued_requests=1)
     async with connect(running.address.ws_url) as client:
-        await client.send(create(tools=[], stream_id="bad lane!"))
+        await client.send(launched_create(tools=[], stream_id="bad lane!"))
         bad = await client.receive()
         assert (bad["type"], bad["error"]["code"], bad["error"]["param"]) == (
             "error", "invalid_stream_id", "stream_id"
         )  # fmt: skip
         assert "stream_id" not in bad  # not a valid lane: the default lane says so
-        await client.send(create(tools=[], stream_id="one"))
-        await client.send(create(tools=[], stream_id="two"))  # a second named lane: too many
+        await client.send(launched_create(tools=[], stream_id="one"))
+        await client.send(
+            launched_create(tools=[], stream_id="two")
+        )  # a second named lane: too many
         refused = await until_lane(client, "two", "error")
         assert refused[-1]["error"]["code"] == "websocket_stream_limit_reached"
         assert "--max-lanes" in refused[-1]["error"]["message"]
-        await client.send(create(tools=[], stream_id="one", input="2nd"))  # waits: queued
-        await client.send(create(tools=[], stream_id="one", input="3rd"))  # past the queue
+        await client.send(launched_create(tools=[], stream_id="one", input="2nd"))  # waits: queued
+        await client.send(launched_create(tools=[], stream_id="one", input="3rd"))  # past the queue
         full = await until_lane(client, "one", "error")
         assert full[-1]["error"]["code"] == "concurrent_request"
-        await client.send(create(tools=[]))  # the default lane is not counted, nor queued
+        await client.send(launched_create(tools=[]))  # the default lane is not counted, nor queued
         default = await until_lane(client, None, "response.completed")
         assert default[-1]["type"] == "response.completed"
         seen = refused + full + default
@@ -216,8 +233,8 @@ async def test_prototype_lanes_each_hold_a_suspended_response(start_server: Star
     with trio.fail_after(20):
         async with connect(running.prototype_url) as raw:
             client = Checked(raw, "prototype")
-            await client.send(prototype_create(stream_id="a"))
-            await client.send(prototype_create(stream_id="b"))
+            await client.send(create(stream_id="a"))
+            await client.send(create(stream_id="b"))
             a = await client.until_lane("a", "response.done")
             b = (
                 []
@@ -225,7 +242,7 @@ async def test_prototype_lanes_each_hold_a_suspended_response(start_server: Star
                 else (await client.until_lane("b", "response.done"))
             )
             # a second create on a lane whose Response is open is refused, on that lane
-            await client.send(prototype_create(stream_id="a"))
+            await client.send(create(stream_id="a"))
             refused = await client.until_lane("a", "error")
             assert refused[-1]["error"]["code"] == "concurrent_request"
             everything = a + b + refused
@@ -259,18 +276,20 @@ async def test_each_lanes_warm_cache_is_charged_and_the_idlest_let_go_under_pres
     async with connect(running.address.ws_url, max_message_size=4 * 1024 * 1024) as client:
         ids = {}
         for lane in ("a", "b"):
-            await client.send(create(tools=[], stream_id=lane, input=big))
+            await client.send(launched_create(tools=[], stream_id=lane, input=big))
             ended = await until_lane(client, lane, *END)
             assert ended[-1]["type"] == "response.completed", ended[-1]
             ids[lane] = ended[-1]["response"]["id"]
         held = running.server.memory.used
         assert held > 2 * len(big)  # both lanes' rollouts are kept warm, and counted
         # a third lane needs three times that: the idlest lane's cache (a's) is let go, b's stays
-        await client.send(create(tools=[], stream_id="c", input=big * 3))
+        await client.send(launched_create(tools=[], stream_id="c", input=big * 3))
         third = await until_lane(client, "c", *END)
         assert third[-1]["type"] == "response.completed", third[-1]
         for lane in ("a", "b"):
-            frame = create(tools=[], stream_id=lane, previous_response_id=ids[lane], input="more")
+            frame = launched_create(
+                tools=[], stream_id=lane, previous_response_id=ids[lane], input="more"
+            )
             await client.send(frame)
         ends = await until_each(client, "a", "b")
     assert ends["a"]["error"]["code"] == "previous_response_not_found"  # evicted; store: false
@@ -292,7 +311,7 @@ async def test_prototype_inject_resumes_the_response_it_names_on_its_lane(
     with trio.fail_after(20):
         async with connect(running.prototype_url, **BETA) as raw:
             client = Checked(raw, "prototype")
-            await client.send(prototype_create(stream_id="p"))
+            await client.send(create(stream_id="p"))
             first = await client.until_lane("p", "response.done")
             rid = first[0]["response"]["id"]
             wrong = [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]
@@ -317,7 +336,7 @@ async def test_an_inject_while_the_segment_streams_is_held_until_it_ends(
     with trio.fail_after(30):
         async with connect(running.address.ws_url, **BETA) as raw:
             client = Checked(raw)
-            await client.send(create(multi_agent={"enabled": True}))
+            await client.send(launched_create(multi_agent={"enabled": True}))
             events = await client.until_lane(None, "response.output_item.done")
             events += await client.until_lane(None, "response.output_item.done")
             rid = events[0]["response"]["id"]
@@ -354,13 +373,13 @@ async def test_inject_is_refused_without_the_beta_and_after_the_end(
         refused = await client.receive()
         assert refused["error"]["code"] == "unknown_event_type"
         assert "responses_multi_agent=v1" in refused["error"]["message"]
-        await client.send(create(tools=[], multi_agent={"enabled": True}))
+        await client.send(launched_create(tools=[], multi_agent={"enabled": True}))
         refused = await client.receive()
         assert (refused["error"]["code"], refused["error"]["param"]) == (
             "invalid_field", "multi_agent"
         )  # fmt: skip
     async with connect(running.address.ws_url, **BETA) as client:
-        await client.send(create(tools=[], stream_id="s", multi_agent={"enabled": True}))
+        await client.send(launched_create(tools=[], stream_id="s", multi_agent={"enabled": True}))
         ended = await until_lane(client, "s", *END)
         rid = ended[-1]["response"]["id"]
         outputs = [{"type": "function_call_output", "call_id": "call_1", "output": "late"}]
@@ -422,7 +441,7 @@ async def test_outputs_that_come_as_the_segment_ends_still_resume_it_announced(
     with trio.fail_after(20):
         async with connect(address.ws_url, **BETA) as raw:
             client = Checked(raw)
-            await client.send(create(multi_agent={"enabled": True}))
+            await client.send(launched_create(multi_agent={"enabled": True}))
             events = await client.until_lane(None, "response.output_item.done")
             events += await client.until_lane(None, "response.output_item.done")
             await trio.testing.wait_all_tasks_blocked()  # suspended; the loop waits at the gate
@@ -438,18 +457,16 @@ async def test_a_client_that_vanishes_mid_lanes_leaves_nothing_behind(
 ) -> None:
     running = await start_server({"segments": [{"text": "word " * 100}]}, timing=SLOW)
     with trio.fail_after(20):
-        with trio.CancelScope() as gone:
-            async with connect(running.address.ws_url) as client:
-                for lane in ("a", "b", "c"):
-                    await client.send(create(tools=[], stream_id=lane))
-                await client.send(create(tools=[], stream_id="a", input="queued"))
-                await client.send(
-                    create(tools=[], stream_id="d", input="short", max_output_tokens=1)
-                )
-                await until_lane(client, "d", *END)  # lane d's Response is cached, the rest stream
-                await until_lane(client, "a", "response.output_text.delta")
-                await client.ws._stream.aclose()  # no close frame: the TCP just drops
-                gone.cancel()
+        async with connect(running.address.ws_url) as client:
+            for lane in ("a", "b", "c"):
+                await client.send(launched_create(tools=[], stream_id=lane))
+            await client.send(launched_create(tools=[], stream_id="a", input="queued"))
+            await client.send(
+                launched_create(tools=[], stream_id="d", input="short", max_output_tokens=1)
+            )
+            await until_lane(client, "d", *END)  # lane d's Response is cached, the rest stream
+            await until_lane(client, "a", "response.output_text.delta")
+            await client.vanish()  # no close frame: the TCP just drops
         await running.server.wait_idle()  # every lane's rollout, cached or streaming, released
     assert running.server.memory.used == 0
 
@@ -464,8 +481,8 @@ async def test_a_stopping_server_ends_what_waits_on_a_lane_rather_than_drop_it(
     )
     async with connect(running.address.ws_url) as raw, trio.open_nursery() as nursery:
         client = Checked(raw)
-        await client.send(create(tools=[], stream_id="a"))
-        await client.send(create(tools=[], stream_id="a", input="next"))
+        await client.send(launched_create(tools=[], stream_id="a"))
+        await client.send(launched_create(tools=[], stream_id="a", input="next"))
         events = await client.until_lane("a", "response.queued")
         queued = events[-1]["response"]["id"]
         nursery.start_soon(running.server.shutdown, 2)
@@ -487,8 +504,8 @@ async def test_a_cancel_names_the_lane_whose_response_it_ends(start_server: Star
     for url in (running.address.ws_url, running.prototype_url):
         with trio.fail_after(20):
             async with connect(url) as client:
-                await client.send(create(tools=[], stream_id="keep"))
-                await client.send(create(tools=[], stream_id="stop"))
+                await client.send(launched_create(tools=[], stream_id="keep"))
+                await client.send(launched_create(tools=[], stream_id="stop"))
                 await until_lane(client, "stop", "response.output_text.delta")
                 await client.send({"type": "response.cancel", "stream_id": "stop"})
                 await client.send({"type": "response.cancel", "stream_id": "idle"})
@@ -508,22 +525,26 @@ async def test_a_lanes_new_last_response_replaces_the_one_it_kept(
     server = running.server
     async with connect(running.address.ws_url) as client:
         for lane in ("a", "b"):
-            await client.send(create(tools=[], stream_id=lane))
+            await client.send(launched_create(tools=[], stream_id=lane))
             await until_lane(client, lane, *END)
         ends = [e for e in client.received if e["type"] == "response.completed"]
         b_id = ends[1]["response"]["id"]
         assert server.open_rollouts == 2  # each lane keeps its last
-        await client.send(create(tools=[], stream_id="a", previous_response_id=b_id, input="go"))
+        await client.send(
+            launched_create(tools=[], stream_id="a", previous_response_id=b_id, input="go")
+        )
         forked = await until_lane(client, "a", *END)
         assert forked[-1]["type"] == "response.completed"
         assert server.turns[-1].source == "fork"
         assert server.open_rollouts == 2  # a's new last replaced its old one; b's stays
         # the default lane: its last Response, then a turn rebuilt from the store
-        await client.send(create(tools=[], store=True))
+        await client.send(launched_create(tools=[], store=True))
         stored = (await until_lane(client, None, *END))[-1]["response"]["id"]
-        await client.send(create(tools=[], input="another"))
+        await client.send(launched_create(tools=[], input="another"))
         await until_lane(client, None, *END)
-        await client.send(create(tools=[], store=True, previous_response_id=stored, input="go"))
+        await client.send(
+            launched_create(tools=[], store=True, previous_response_id=stored, input="go")
+        )
         await until_lane(client, None, *END)
         assert server.turns[-1].source == "store"
         assert server.open_rollouts == 3

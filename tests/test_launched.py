@@ -3,64 +3,44 @@ connection-local cache, cold from the store, and refused when neither has it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import trio
 import trio.testing
 from trio_websocket import ConnectionClosed, ConnectionRejected
 
-from proto_server.core.render import O200kRenderer
 from proto_server.engine.simulated import TimingModel
-from proto_server.wire.converter import converter
-from proto_server.wire.items import Item
-from proto_server.wire.tools import Tool
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_prototype_rollout import USER, answers
-from .test_prototype_rollout import create as prototype_create
-from .wsclient import Client, connect
+from .helpers import (
+    EXEC_COMMAND,
+    THREE_SEGMENTS,
+    USER,
+    StartServer,
+    answers,
+    connect,
+    launched_create,
+    prefix_tokens,
+    tokens,
+    turn,
+)
 
-END = ("response.completed", "response.failed", "response.incomplete", "error")
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=20)
-
-
-def create(**fields: Any) -> dict[str, Any]:
-    """A launched-dialect turn: the prototype tests' create, with store off unless asked."""
-    return prototype_create(**{"store": False, **fields})
-
-
-async def turn(client: Client, frame: dict[str, Any]) -> list[dict[str, Any]]:
-    await client.send(frame)
-    return await client.until(*END)
-
-
-def tokens(raw_items: list[dict[str, Any]]) -> int:
-    renderer = O200kRenderer()
-    items: list[Item] = [converter.structure(i, Item) for i in raw_items]  # type: ignore[arg-type]
-    return sum(len(renderer.render_item(item)) for item in items)
-
-
-def prefix_tokens() -> int:
-    tools: tuple[Tool, ...] = (converter.structure(EXEC_COMMAND, Tool),)  # type: ignore[arg-type]
-    return len(O200kRenderer().render_prefix("You fix bugs.", tools))
 
 
 async def test_chained_turns_render_only_the_new_items(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
+        first = await turn(client, launched_create())
         r1 = first[-1]["response"]
         assert (r1["status"], [i["type"] for i in r1["output"]]) == (
             "completed", ["message", "function_call"]
         )  # fmt: skip
         new_2 = answers(first)
-        second = await turn(client, create(previous_response_id=r1["id"], input=new_2))
+        second = await turn(client, launched_create(previous_response_id=r1["id"], input=new_2))
         r2 = second[-1]["response"]
         assert r2["previous_response_id"] == r1["id"]
         assert [i["type"] for i in r2["output"]] == ["function_call", "function_call"]
         new_3 = answers(second)
-        third = await turn(client, create(previous_response_id=r2["id"], input=new_3))
+        third = await turn(client, launched_create(previous_response_id=r2["id"], input=new_3))
         r3 = third[-1]["response"]
         assert r3["output"][0]["content"][0]["text"] == "Fixed: the loop was off by one."
 
@@ -91,14 +71,14 @@ async def test_a_warm_up_says_nothing_and_the_next_turn_chains_from_it(
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        warm = await turn(client, create(generate=False))
+        warm = await turn(client, launched_create(generate=False))
         assert [e["type"] for e in warm] == [
             "response.created", "response.in_progress", "response.completed"
         ]  # fmt: skip
         warmed = warm[-1]["response"]
         assert warmed["output"] == []
         assert warmed["usage"]["output_tokens"] == 0
-        nxt = await turn(client, create(previous_response_id=warmed["id"], input=[]))
+        nxt = await turn(client, launched_create(previous_response_id=warmed["id"], input=[]))
         usage = nxt[-1]["response"]["usage"]
         # the warm-up prefilled the prompt: nothing is re-read
         assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"]
@@ -113,7 +93,7 @@ async def test_a_huge_unknown_previous_response_id_earns_a_small_error(
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
         huge = "resp_" + "x" * 100_000
-        await client.send(create(previous_response_id=huge, input=[]))
+        await client.send(launched_create(previous_response_id=huge, input=[]))
         frame = await client.ws.get_message()
     assert len(frame) < 1024 and "previous_response_not_found" in frame
 
@@ -121,8 +101,8 @@ async def test_a_huge_unknown_previous_response_id_earns_a_small_error(
 async def test_a_miss_with_store_false_is_refused(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
-        refused = await turn(client, create(previous_response_id="resp_unknown", input=[]))
+        first = await turn(client, launched_create())
+        refused = await turn(client, launched_create(previous_response_id="resp_unknown", input=[]))
         assert refused[-1]["type"] == "error"
         assert refused[-1]["status"] == 400
         error = refused[-1]["error"]
@@ -131,7 +111,9 @@ async def test_a_miss_with_store_false_is_refused(start_server: StartServer) -> 
         )  # fmt: skip
         # the miss did not disturb the cache: the real previous response still chains warm
         r1 = first[-1]["response"]
-        ok = await turn(client, create(previous_response_id=r1["id"], input=answers(first)))
+        ok = await turn(
+            client, launched_create(previous_response_id=r1["id"], input=answers(first))
+        )
         assert ok[-1]["type"] == "response.completed"
     assert running.server.turns[-1].source == "cache"
 
@@ -139,14 +121,16 @@ async def test_a_miss_with_store_false_is_refused(start_server: StartServer) -> 
 async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create(store=True))
+        first = await turn(client, launched_create(store=True))
         r1 = first[-1]["response"]
         # written before response.completed was sent, not some time after
         assert await running.server.store.get(r1["id"]) is not None
     new = answers(first)
     # a new connection has an empty cache: the chain comes back from the store, cold
     async with connect(running.address.ws_url) as client:
-        second = await turn(client, create(store=True, previous_response_id=r1["id"], input=new))
+        second = await turn(
+            client, launched_create(store=True, previous_response_id=r1["id"], input=new)
+        )
     r2 = second[-1]["response"]
     assert [i["type"] for i in r2["output"]] == ["function_call", "function_call"]
     record = running.server.turns[-1]
@@ -160,16 +144,18 @@ async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: St
 async def test_a_failed_turn_evicts_what_it_chained_from(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
+        first = await turn(client, launched_create())
         r1 = first[-1]["response"]
         # a request that offers no exec_command makes the scripted model fail
         failed = await turn(
             client,
-            create(previous_response_id=r1["id"], input=answers(first),
+            launched_create(previous_response_id=r1["id"], input=answers(first),
                    tools=[{**EXEC_COMMAND, "name": "other"}]),
         )  # fmt: skip
         assert failed[-1]["type"] == "response.failed"
-        again = await turn(client, create(previous_response_id=r1["id"], input=answers(first)))
+        again = await turn(
+            client, launched_create(previous_response_id=r1["id"], input=answers(first))
+        )
         assert again[-1]["error"]["code"] == "previous_response_not_found"
     await running.server.wait_idle()
 
@@ -177,11 +163,13 @@ async def test_a_failed_turn_evicts_what_it_chained_from(start_server: StartServ
 async def test_new_instructions_rebuild_the_prefix(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
+        first = await turn(client, launched_create())
         r1 = first[-1]["response"]
         second = await turn(
             client,
-            create(previous_response_id=r1["id"], input=answers(first), instructions="Be terse."),
+            launched_create(
+                previous_response_id=r1["id"], input=answers(first), instructions="Be terse."
+            ),
         )
         assert second[-1]["type"] == "response.completed"
     record = running.server.turns[-1]
@@ -195,10 +183,10 @@ async def test_a_full_history_without_previous_response_id_works(
     """What a client that reconnects (or resumes a session) sends: everything, no id."""
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
+        first = await turn(client, launched_create())
     history = [USER, *first[-1]["response"]["output"], *answers(first)]
     async with connect(running.address.ws_url) as client:
-        second = await turn(client, create(input=history))
+        second = await turn(client, launched_create(input=history))
     # the script continues where the conversation was: the second segment
     assert [i["type"] for i in second[-1]["response"]["output"]] == [
         "function_call", "function_call"
@@ -211,10 +199,10 @@ async def test_creates_queue_in_order_behind_the_one_in_flight(start_server: Sta
         {"segments": [{"text": "one two three four five"}]}, timing=SLOW, max_queued_requests=1
     )
     async with connect(running.address.ws_url) as client:
-        await client.send(create(tools=[]))
+        await client.send(launched_create(tools=[]))
         await client.until("response.output_text.delta")
-        await client.send(create(tools=[], input="second"))  # waits in the queue
-        await client.send(create(tools=[], input="third"))  # the queue is full
+        await client.send(launched_create(tools=[], input="second"))  # waits in the queue
+        await client.send(launched_create(tools=[], input="third"))  # the queue is full
         events = await client.until("error")
         assert events[-1]["error"]["code"] == "concurrent_request"
         events += await client.until("response.completed")
@@ -241,7 +229,7 @@ async def test_the_connection_lifetime_is_capped(
 ) -> None:
     running = await start_server(THREE_SEGMENTS, max_connection_lifetime_s=5.0)
     async with connect(running.address.ws_url) as client:
-        first = await turn(client, create())
+        first = await turn(client, launched_create())
         assert first[-1]["type"] == "response.completed"
         start = trio.current_time()
         limit = await client.receive()
@@ -274,5 +262,5 @@ async def test_api_keys_are_checked_at_the_handshake(
         assert b"invalid_api_key" in (rejected.value.body or b"")
         return
     async with connect(running.address.ws_url, **headers) as client:
-        done = await turn(client, create())
+        done = await turn(client, launched_create())
     assert done[-1]["type"] == "response.completed"

@@ -15,19 +15,17 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from trio_websocket import ConnectionClosed
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.testing import CheckedClient, LaneChecker, StreamChecker, connect_checked
+from proto_server.testing import LaneChecker, StreamChecker, WireClient, connect_checked
 from proto_server.testing.schema import wire_schema
 
-from .conftest import EXEC_COMMAND, FAST, CheckpointStore
+from .helpers import EXEC_COMMAND, FAST, CheckpointStore, quiet, read_all
 
 READ_FILE = {**EXEC_COMMAND, "name": "read_file"}
-SETTLE_S = 0.005  # how long every task must stay blocked for the connection to count as quiet
 
 
 @attrs.frozen
@@ -80,10 +78,6 @@ actions = st.one_of(
 # -- the client ---------------------------------------------------------------------------------
 
 
-async def quiet() -> None:
-    await trio.testing.wait_all_tasks_blocked(SETTLE_S)
-
-
 def pending(checker: StreamChecker) -> list[str]:
     current = checker.current
     return list(current.pending) if current is not None else []
@@ -101,7 +95,7 @@ def outputs(call_ids: list[str]) -> dict[str, Any]:
     }
 
 
-async def perform(client: CheckedClient, action: Action) -> None:
+async def perform(client: WireClient, action: Action) -> None:
     checker = client.checker
     match action.kind:
         case "create":
@@ -127,39 +121,27 @@ async def perform(client: CheckedClient, action: Action) -> None:
             pass
 
 
-async def read_all(client: CheckedClient) -> None:
-    try:
-        while True:
-            await client.receive()
-    except ConnectionClosed:
-        pass
-
-
 async def drive(url: str, script_actions: list[Action]) -> int:
     """Run the actions over as many connections as `disconnect` asks for; return events seen."""
     seen = 0
     remaining = list(script_actions)
     while True:
         dropped = False
-        with trio.CancelScope() as gone:
-            checked = connect_checked(url, schema=wire_schema())
-            async with checked as client, trio.open_nursery() as nursery:
-                nursery.start_soon(read_all, client)
-                while remaining:
-                    action = remaining.pop(0)
-                    if action.kind == "disconnect":
-                        await quiet() if action.wait else None
-                        await client.ws._stream.aclose()  # no close frame: the TCP just drops
-                        dropped = True
-                        break
-                    await perform(client, action)
-                    if action.wait:
-                        await quiet()
-                await quiet()
-                if dropped:
-                    client.checker.finish(closed=True)
-                    gone.cancel()  # nor does the client wait to close what is gone
-                nursery.cancel_scope.cancel()
+        checked = connect_checked(url, schema=wire_schema())
+        async with checked as client, trio.open_nursery() as nursery:
+            nursery.start_soon(read_all, client)
+            while remaining:
+                action = remaining.pop(0)
+                if action.kind == "disconnect":
+                    await quiet() if action.wait else None
+                    await client.vanish()  # no close frame: the TCP just drops
+                    dropped = True
+                    break
+                await perform(client, action)
+                if action.wait:
+                    await quiet()
+            await quiet()
+            nursery.cancel_scope.cancel()
         seen += client.checker.next_sequence
         if not dropped:
             return seen
@@ -238,13 +220,13 @@ lane_actions = st.builds(
 )
 
 
-def lane_checker(client: CheckedClient, lane: str | None) -> StreamChecker:
+def lane_checker(client: WireClient, lane: str | None) -> StreamChecker:
     checker = client.checker
     assert isinstance(checker, LaneChecker)
     return checker.lane(lane)
 
 
-async def perform_on_lane(client: CheckedClient, action: LaneAction) -> None:
+async def perform_on_lane(client: WireClient, action: LaneAction) -> None:
     checker = lane_checker(client, action.lane)
     named = {} if action.lane is None else {"stream_id": action.lane}
     waiting = pending(checker)
@@ -338,7 +320,7 @@ def last_completed(checker: StreamChecker) -> Any:
     return done[-1] if done else None
 
 
-async def perform_launched(client: CheckedClient, action: LaunchedAction) -> None:
+async def perform_launched(client: WireClient, action: LaunchedAction) -> None:
     checker = lane_checker(client, action.lane)
     named = {} if action.lane is None else {"stream_id": action.lane}
     tools = [EXEC_COMMAND, READ_FILE]

@@ -32,9 +32,8 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from .test_local_model import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve
-from .tinymodel import tiny_tokenizer
-from .wsclient import TERMINAL, connect
+from .helpers import TERMINAL, connect
+from .tinymodel import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve, tiny_tokenizer
 
 pytestmark = pytest.mark.model
 

@@ -35,23 +35,28 @@ from proto_server.engine.chunks import (
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallBegin,
-    ToolCallEnd,
 )
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.toolcalls import call_text, describe_tools
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message, OutputText
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND, Running
-from .test_cli import read_line
-from .test_prototype_rollout import collapse
-from .tinymodel import CHATML, Scripted, tiny_llama, tiny_tokenizer
-from .wsclient import connect, types
+from .helpers import EXEC_COMMAND, collapse, connect, read_line, types
+from .tinymodel import (
+    CHATML,
+    INSTRUCTIONS,
+    USER,
+    Scripted,
+    make,
+    outputs,
+    segment,
+    serve,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.deadline(240)]  # a model on a busy CPU
 
 TOOLS = (
     FunctionTool(
@@ -61,8 +66,6 @@ TOOLS = (
     ),
 )
 CALL = call_text("exec_command", '{"cmd": "ls"}')
-INSTRUCTIONS = "You fix bugs."
-USER = Message(role="user", content="the tests fail; fix the bug")
 #: Float32 logits of the same prompt computed in different chunks differ by rounding only.
 TOLERANCE = 1e-4
 
@@ -70,45 +73,6 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return tiny_tokenizer()
-
-
-def make(tokenizer: Any, choose: Any, **options: Any) -> LocalGenerator:
-    return LocalGenerator(tiny_llama(), tokenizer, threads=1, choose=choose, **options)
-
-
-NO_LIMITS = GenerationLimits()
-
-
-async def segment(session: LocalSession, limits: GenerationLimits = NO_LIMITS) -> list[Chunk]:
-    send, receive = trio.open_memory_channel[Chunk](1000)
-    async with send:
-        await session.generate(send, limits)
-    return [chunk async for chunk in receive]
-
-
-def outputs(chunks: Sequence[Chunk]) -> list[Item]:
-    """The items a segment's chunks add to the conversation (what the Response machine does)."""
-    items: list[Item] = []
-    text = ""
-    call: list[str] = []
-    for chunk in chunks:
-        match chunk:
-            case TextDelta(text=delta):
-                text += delta
-            case ToolCallBegin(name=name):
-                if text:
-                    items.append(Message(role="assistant", content=(OutputText(text=text),)))
-                    text = ""
-                call = [name, ""]
-            case ToolCallArgumentsDelta(delta=delta):
-                call[1] += delta
-            case ToolCallEnd():
-                items.append(
-                    FunctionCall(call_id=f"call_{len(items)}", name=call[0], arguments=call[1])
-                )
-    if text:
-        items.append(Message(role="assistant", content=(OutputText(text=text),)))
-    return items
 
 
 def test_items_render_as_the_template_renders_the_whole_conversation(tokenizer: Any) -> None:
@@ -187,12 +151,6 @@ async def test_a_warm_resume_computes_the_logits_of_a_cold_reprefill(
     await session.aclose()
     await cold_session.aclose()
     assert generator.live_caches == 0
-
-
-async def serve(nursery: trio.Nursery, generator: LocalGenerator) -> Running:
-    server = ProtoServer(generator, ServerConfig(port=0))
-    address = await nursery.start(server.serve)
-    return Running(server, address)
 
 
 def create(tools: bool = True) -> dict[str, Any]:

@@ -25,11 +25,7 @@ from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate
 
-from .conftest import THREE_SEGMENTS, StartServer
-from .test_launched import create, turn
-from .test_prototype_rollout import USER
-from .test_prototype_rollout import create as prototype_create
-from .wsclient import connect
+from .helpers import THREE_SEGMENTS, USER, StartServer, connect, create, launched_create, turn
 
 # -- the estimate ----------------------------------------------------------------------------------
 
@@ -162,11 +158,11 @@ async def test_a_request_too_big_for_its_connection_is_refused_and_the_connectio
 ) -> None:
     running = await start_server(THREE_SEGMENTS, max_connection_memory_bytes=MiB)
     async with connect(running.address.ws_url) as client:
-        refused = await turn(client, create(input=[USER, *BIG_INPUT, *BIG_INPUT]))
+        refused = await turn(client, launched_create(input=[USER, *BIG_INPUT, *BIG_INPUT]))
         assert refused[-1]["type"] == "error", refused[-1]
         assert refused[-1]["error"]["code"] == "connection_memory_limit"
         assert "--max-connection-memory" in refused[-1]["error"]["message"]
-        assert (await turn(client, create()))[-1]["type"] == "response.completed"
+        assert (await turn(client, launched_create()))[-1]["type"] == "response.completed"
     with trio.fail_after(5):
         await running.server.wait_idle()
     assert running.server.memory.used == 0
@@ -175,7 +171,7 @@ async def test_a_request_too_big_for_its_connection_is_refused_and_the_connectio
 async def test_the_idlest_cached_rollout_is_let_go_for_another_connection(
     start_server: StartServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    frame = create(input=[USER, *INPUT])
+    frame = launched_create(input=[USER, *INPUT])
     running = await start_server(THREE_SEGMENTS, max_memory_bytes=budget_for(frame, 1.5))
     url = running.address.ws_url
     with trio.fail_after(20):
@@ -188,9 +184,9 @@ async def test_the_idlest_cached_rollout_is_let_go_for_another_connection(
                 assert done[-1]["type"] == "response.completed"
             assert any(r.message == "memory.evicted" for r in caplog.records)
             # the first cache went (the idlest): its chain is gone, the second one's is warm
-            lost = await turn(first, create(previous_response_id=one["id"], input=[USER]))
+            lost = await turn(first, launched_create(previous_response_id=one["id"], input=[USER]))
             assert lost[-1]["error"]["code"] == "previous_response_not_found"
-            kept = await turn(second, create(previous_response_id=two["id"], input=[USER]))
+            kept = await turn(second, launched_create(previous_response_id=two["id"], input=[USER]))
             assert kept[-1]["type"] == "response.completed"
         await running.server.wait_idle()
     assert running.server.memory.used == 0
@@ -199,7 +195,7 @@ async def test_the_idlest_cached_rollout_is_let_go_for_another_connection(
 async def test_a_suspended_response_let_go_for_room_ends_incomplete(
     start_server: StartServer,
 ) -> None:
-    frame = prototype_create(input=[USER, *INPUT])
+    frame = create(input=[USER, *INPUT])
     running = await start_server(THREE_SEGMENTS, max_memory_bytes=budget_for(frame, 0.5))
     url = f"{running.address.ws_url}?dialect=prototype"
     with trio.fail_after(20):
@@ -219,11 +215,11 @@ async def test_a_frame_the_process_has_no_room_for_is_refused_with_server_busy(
 ) -> None:
     running = await start_server(THREE_SEGMENTS, max_memory_bytes=MiB)
     async with connect(f"{running.address.ws_url}?dialect=prototype") as client:
-        await client.send(prototype_create(input=[USER, *BIG_INPUT]))  # 0.5 MB: 16 MiB to prepare
+        await client.send(create(input=[USER, *BIG_INPUT]))  # 0.5 MB: 16 MiB to prepare
         refused = await client.receive()
         assert (refused["type"], refused["status"]) == ("error", 503)
         assert refused["error"]["code"] == "server_busy"
-        await client.send(prototype_create())
+        await client.send(create())
         assert (await client.segment())[-1]["type"] == "response.done"
 
 
@@ -236,7 +232,7 @@ async def test_what_a_budget_lets_go_is_really_freed(
     rollouts' worth for 6 connections here): memory grew with every connection whatever the
     budget."""
     big = {"role": "user", "content": "word " * 200_000}
-    frame = create(input=[USER, big]) if dialect == "launched" else prototype_create(input=[big])
+    frame = launched_create(input=[USER, big]) if dialect == "launched" else create(input=[big])
     rollout = budget_for(frame, 1) - PREPARING_FACTOR * len(orjson.dumps(frame))
     running = await start_server(
         {"segments": [{"text": "Fixed."}]}, max_memory_bytes=budget_for(frame, 2.5)

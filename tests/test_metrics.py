@@ -13,9 +13,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_cli import read_line
-from .wsclient import connect
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, connect, read_line
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -15,7 +15,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.tools import Tool
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS
 
 NO_LIMITS = GenerationLimits()
 

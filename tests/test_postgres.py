@@ -19,10 +19,8 @@ import trio
 from proto_server.server.postgres import SCHEMA_VERSION, PostgresStore
 from proto_server.server.store import StoreError, StoreUnavailable, chain_items, owner_id
 
+from .helpers import connect, read_line, stored
 from .postgres import Cluster
-from .test_cli import read_line
-from .test_store import stored
-from .wsclient import connect
 
 pytestmark = pytest.mark.postgres
 

@@ -13,12 +13,19 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionClosed
 
-from proto_server.core.conversation import Conversation
-from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
+from proto_server.engine.simulated import TimingModel
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_prototype_rollout import answers, create
-from .wsclient import Client, connect
+from .helpers import (
+    EXEC_COMMAND,
+    THREE_SEGMENTS,
+    RecordingGenerator,
+    StartServer,
+    WireClient,
+    answers,
+    connect,
+    create,
+    server_tasks,
+)
 
 #: Slow enough that a segment is surely still streaming while the test acts.
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=5)
@@ -32,7 +39,7 @@ ONE_CALL = {
 LONG_TEXT = {"segments": [{"text": "word " * 500}]}
 
 
-async def refused(client: Client, frame: dict[str, Any] | str | bytes) -> dict[str, Any]:
+async def refused(client: WireClient, frame: dict[str, Any] | str | bytes) -> dict[str, Any]:
     """Send a frame and return the `error` it earns; nothing else may arrive first."""
     if isinstance(frame, dict):
         await client.send(frame)
@@ -46,7 +53,7 @@ async def refused(client: Client, frame: dict[str, Any] | str | bytes) -> dict[s
     return event["error"]
 
 
-async def finish_rollout(client: Client, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def finish_rollout(client: WireClient, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Answer suspensions until the Response completes; return the last segment."""
     while events[-1]["type"] == "response.done":
         await client.send({"type": "response.append", "input": answers(events)})
@@ -263,39 +270,6 @@ async def test_cancel_while_suspended(start_server: StartServer) -> None:
 # -- disconnects ---------------------------------------------------------------------------
 
 
-def live_task_names() -> list[str]:
-    names: list[str] = []
-
-    def walk(task: trio.lowlevel.Task) -> None:
-        names.append(task.name)
-        for nursery in task.child_nurseries:
-            for child in nursery.child_tasks:
-                walk(child)
-
-    walk(trio.lowlevel.current_root_task())
-    return names
-
-
-def server_tasks() -> list[str]:
-    parts = ("rollout", "connection", "Connection", "_handle", "_generate", "trio_websocket")
-    return [n for n in live_task_names() if any(p in n for p in parts)]
-
-
-class RecordingGenerator:
-    """Wraps a generator and keeps every session it opens, to check they were all closed."""
-
-    forces_tool_calls = True
-
-    def __init__(self, inner: SimulatedGenerator) -> None:
-        self.inner = inner
-        self.sessions: list[SimulatedSession] = []
-
-    def open_session(self, conversation: Conversation) -> SimulatedSession:
-        session = self.inner.open_session(conversation)
-        self.sessions.append(session)
-        return session
-
-
 @pytest.mark.parametrize("when", ["streaming", "suspended"])
 async def test_a_vanished_client_leaves_nothing_behind(
     start_server: StartServer, when: str
@@ -306,17 +280,13 @@ async def test_a_vanished_client_leaves_nothing_behind(
         running = await start_server(ONE_CALL)
     generator = RecordingGenerator(running.server.generator)
     running.server.generator = generator
-    with trio.CancelScope() as gone:
-        async with connect(running.prototype_url) as client:
-            await client.send(create())
-            await client.until(
-                "response.output_text.delta" if when == "streaming" else "response.done"
-            )
-            assert running.server.open_rollouts == 1
-            assert server_tasks()
-            # no close handshake: the TCP connection just drops, as Codex does at exit
-            await client.ws._stream.aclose()
-            gone.cancel()  # nor does the client wait to close what is gone (see wsclient.py)
+    async with connect(running.prototype_url) as client:
+        await client.send(create())
+        await client.until("response.output_text.delta" if when == "streaming" else "response.done")
+        assert running.server.open_rollouts == 1
+        assert server_tasks()
+        # no close handshake: the TCP connection just drops, as Codex does at exit
+        await client.vanish()
     await running.server.wait_idle()
     await trio.testing.wait_all_tasks_blocked()  # let the handler task itself return
     assert running.server.open_rollouts == 0

@@ -13,51 +13,21 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCallOutput, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .wsclient import connect, types
+from .helpers import (
+    EXEC_COMMAND,
+    THREE_SEGMENTS,
+    USER,
+    StartServer,
+    answers,
+    collapse,
+    connect,
+    create,
+    types,
+)
 
 TEXT_ITEM = ["output_item.added", "content_part.added"]
 TEXT_ITEM_END = ["output_text.done", "content_part.done", "output_item.done"]
 CALL_END = ["function_call_arguments.done", "output_item.done"]
-
-USER = {"type": "message", "role": "user", "content": "the tests fail; fix the bug"}
-
-
-def create(**fields: Any) -> dict[str, Any]:
-    return {
-        "type": "response.create",
-        "model": "test-model",
-        "instructions": "You fix bugs.",
-        "input": [USER],
-        "tools": [EXEC_COMMAND],
-        **fields,
-    }
-
-
-def collapse(names: list[str]) -> list[str]:
-    """Runs of the same delta type as one `name*`, so orders read like the protocol's grammar."""
-    out: list[str] = []
-    for name in names:
-        starred = f"{name}*"
-        if name.endswith(".delta"):
-            if out and out[-1] == starred:
-                continue
-            out.append(starred)
-        else:
-            out.append(name)
-    return out
-
-
-def answers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    calls = [
-        e["item"]
-        for e in events
-        if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"
-    ]
-    return [
-        {"type": "function_call_output", "call_id": c["call_id"], "output": f"ran {c['arguments']}"}
-        for c in calls
-    ]
 
 
 async def test_a_whole_rollout_is_one_response(start_server: StartServer) -> None:

@@ -12,8 +12,7 @@ import httpx
 import pytest
 import trio
 
-from .conftest import CheckpointStore, StartServer
-from .test_cli import read_line
+from .helpers import CheckpointStore, StartServer, read_line
 
 
 class DownStore(CheckpointStore):

@@ -23,10 +23,8 @@ from proto_server.testing.schema import (
     wire_schema,
 )
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, WireClient, connect, parse_sse
 from .published import SchemaNet
-from .test_http import parse_sse
-from .wsclient import Client, connect
 
 SCHEMA = wire_schema()
 SCHEMA_DOCUMENT: Any = orjson.loads(SPEC_PATH.read_bytes())
@@ -38,7 +36,7 @@ def create(**fields: Any) -> dict[str, Any]:
     return {"type": "response.create", "model": "m", "input": "fix it", "tools": TOOLS, **fields}
 
 
-async def valid_until(client: Client, *types: str) -> list[dict[str, Any]]:
+async def valid_until(client: WireClient, *types: str) -> list[dict[str, Any]]:
     events = await client.until(*types)
     for event in events:
         SCHEMA.check_event(event)

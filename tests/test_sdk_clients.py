@@ -12,7 +12,7 @@ import pytest
 import trio
 from openai import OpenAI
 
-from .conftest import StartServer
+from .helpers import StartServer
 
 SHELL = {
     "type": "function",

@@ -25,7 +25,7 @@ from proto_server.engine.simulated import TimingModel
 from proto_server.server.lanes import MULTI_AGENT_BETA
 from proto_server.testing.checker import LaneChecker
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete"}
 #: Slow enough that two lanes' Responses overlap in time, fast enough for a test.

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import trio
 
-from proto_server.core.conversation import Conversation
-from proto_server.core.render import O200kRenderer
 from proto_server.core.tokenizer import o200k_base
-from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, TextDelta, ToolCallEnd
-from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.chunks import Prefilled, TextDelta, ToolCallEnd
 from proto_server.engine.script import parse_script
-from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
-from proto_server.wire.converter import converter
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
-from proto_server.wire.tools import Tool
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.wire.items import FunctionCall, FunctionCallOutput
 
-from .conftest import EXEC_COMMAND
+from .helpers import conversation, run_segment
 
 PREFILL = 10_000.0
 DECODE = 1_000.0
@@ -28,26 +21,6 @@ def thousand_token_text() -> str:
     text = " ok" * 1000
     assert len(o200k_base().encode_ordinary(text)) == 1000  # the premise of these tests
     return text
-
-
-async def run_segment(session: SimulatedSession) -> list[tuple[float, Chunk]]:
-    """Every chunk of one segment, with the virtual time it arrived."""
-    timeline: list[tuple[float, Chunk]] = []
-    send, receive = trio.open_memory_channel[Chunk](math.inf)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(session.generate, send, GenerationLimits())
-        async for chunk in receive:
-            timeline.append((trio.current_time(), chunk))
-            if isinstance(chunk, SegmentEnd):
-                break
-    return timeline
-
-
-def conversation() -> Conversation:
-    tools: tuple[Tool, ...] = (converter.structure(EXEC_COMMAND, Tool),)  # type: ignore[arg-type]
-    conv = Conversation(O200kRenderer(), instructions="You fix bugs.", tools=tools)
-    conv.extend([Message(role="user", content="fix it")])
-    return conv
 
 
 async def test_a_thousand_tokens_at_a_thousand_per_second_take_one_second_after_prefill(

@@ -29,10 +29,9 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND
-from .wsclient import TERMINAL, connect
+from .helpers import EXEC_COMMAND, TERMINAL, connect
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.deadline(240)]  # a model on a busy CPU
 
 INSTRUCTIONS = "You are a coding agent. Use the tools to act."
 ASK = "List the files in the current directory: call exec_command with the command ls."

@@ -25,24 +25,8 @@ from proto_server.server.store import (
 )
 from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
-from proto_server.wire.response import Response
 
-
-def stored(response_id: str, previous: str | None = None, text: str = "x") -> StoredResponse:
-    return StoredResponse(
-        response=Response(
-            id=response_id,
-            created_at=0,
-            status="completed",
-            model="m",
-            previous_response_id=previous,
-            output=(Message(role="assistant", content=text),),
-        ),
-        items=(
-            Message(role="user", content=f"q {response_id}"),
-            Message(role="assistant", content=text),
-        ),
-    )
+from .helpers import Locker, stored
 
 
 async def test_a_chain_comes_back_in_order() -> None:
@@ -93,7 +77,7 @@ WRITER = """
 import sys, trio
 from proto_server.server.store import SQLiteStore
 sys.path.insert(0, {tests!r})
-from test_store import stored
+from helpers import stored
 
 async def main():
     store = SQLiteStore({path!r})
@@ -212,39 +196,6 @@ def test_a_file_from_a_newer_server_is_refused(tmp_path: Path) -> None:
 def test_limits_that_would_delete_or_hang_are_refused(option: str, value: float) -> None:
     with pytest.raises(ValueError, match=option):
         SQLiteStore(**{option: value})  # type: ignore[arg-type]
-
-
-LOCK = """
-import sqlite3, sys
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("BEGIN EXCLUSIVE")
-print("locked", flush=True)
-sys.stdin.readline()
-db.execute("ROLLBACK")
-"""
-
-
-class Locker:
-    """Another process holding the store file's write lock until the block ends."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> Locker:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", LOCK, str(self.path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        assert self.process.stdout.readline() == "locked\n"
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()  # it lets go and exits
-        assert self.process.wait(timeout=10) == 0
 
 
 async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_path: Path) -> None:

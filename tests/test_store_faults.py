@@ -17,12 +17,7 @@ import trio
 from proto_server.server.store import SQLiteStore, StoredResponse, StoreUnavailable
 from proto_server.testing.checker import StreamChecker, o200k_count
 
-from .conftest import StartServer
-from .test_compaction import forged
-from .test_http import body, sse
-from .test_launched import END, create, turn
-from .test_store import Locker
-from .wsclient import connect
+from .helpers import END, Locker, StartServer, body, connect, forged, launched_create, sse, turn
 
 TEXT = {"segments": [{"text": "Done."}]}
 
@@ -39,10 +34,10 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
     ws_url, http_url, path = await locked_store_server(start_server, tmp_path)
     with trio.fail_after(10):
         async with connect(ws_url) as client, httpx.AsyncClient() as http:
-            kept = await turn(client, create(store=True, tools=[]))
+            kept = await turn(client, launched_create(store=True, tools=[]))
             assert kept[-1]["type"] == "response.completed"
             with Locker(path):
-                await client.send(create(store=True, tools=[]))
+                await client.send(launched_create(store=True, tools=[]))
                 await trio.sleep(0.1)  # its write now waits 0.5 s for the lock
                 # a read does not queue behind the blocked write
                 start = trio.current_time()
@@ -56,10 +51,10 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
                 assert "store: false" in error["message"]
                 # its output streamed; only the promise that it is stored is withdrawn
                 assert failed[-1]["response"]["output"][0]["content"][0]["text"] == "Done."
-                unstored = await turn(client, create(store=False, tools=[]))
+                unstored = await turn(client, launched_create(store=False, tools=[]))
                 assert unstored[-1]["type"] == "response.completed"
             # the lock is gone: the same connection stores again
-            again = await turn(client, create(store=True, tools=[]))
+            again = await turn(client, launched_create(store=True, tools=[]))
             assert again[-1]["type"] == "response.completed"
             failed_id = failed[-1]["response"]["id"]
             assert (await http.get(f"{http_url}/responses/{failed_id}")).status_code == 404
@@ -108,10 +103,12 @@ async def test_a_lookup_the_store_cannot_answer_is_refused_and_the_connection_li
     http_url = running.address.http_url
     with trio.fail_after(10):
         async with connect(running.address.ws_url) as client:
-            (refused,) = await turn(client, create(store=True, previous_response_id="resp_x"))
+            (refused,) = await turn(
+                client, launched_create(store=True, previous_response_id="resp_x")
+            )
             assert (refused["type"], refused["status"]) == ("error", 503)
             assert refused["error"]["code"] == "store_unavailable"
-            served = await turn(client, create(store=False, tools=[]))
+            served = await turn(client, launched_create(store=False, tools=[]))
             assert served[-1]["type"] == "response.completed"
         async with httpx.AsyncClient() as http:
             got = await http.get(f"{http_url}/responses/resp_x")
@@ -141,10 +138,10 @@ async def test_the_stream_checker_accepts_what_a_failing_store_makes_the_server_
     locked = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.3))
     unreadable = await start_server(TEXT, store=UnreadableStore())
     frames = [
-        create(store=True, tools=[]),
-        create(store=True, tools=[], previous_response_id="resp_x"),
-        create(store=False, tools=[], input=[forged()]),
-        create(store=False, tools=[]),
+        launched_create(store=True, tools=[]),
+        launched_create(store=True, tools=[], previous_response_id="resp_x"),
+        launched_create(store=False, tools=[], input=[forged()]),
+        launched_create(store=False, tools=[]),
     ]
     expected = {
         "locked": ("previous_response_not_found", "resp_x is simply not there"),

@@ -11,11 +11,7 @@ import trio
 
 from proto_server.server.store import ANONYMOUS, SQLiteStore, owner_id
 
-from .conftest import THREE_SEGMENTS, StartServer
-from .test_http import body
-from .test_launched import create, turn
-from .test_prototype_rollout import answers
-from .wsclient import connect
+from .helpers import THREE_SEGMENTS, StartServer, answers, body, connect, launched_create, turn
 
 K1 = {"Authorization": "Bearer k1"}
 K2 = {"Authorization": "Bearer k2"}
@@ -67,7 +63,7 @@ async def test_another_key_cannot_continue_it_over_a_websocket(start_server: Sta
         async with httpx.AsyncClient() as http:
             first = await stored_by_k1(http, url)
         calls = [{"type": "response.output_item.done", "item": i} for i in first["output"]]
-        frame = create(store=True, previous_response_id=first["id"], input=answers(calls))
+        frame = launched_create(store=True, previous_response_id=first["id"], input=answers(calls))
         async with connect(running.address.ws_url, **K2) as client:
             (refused,) = await turn(client, frame)
             assert refused["type"] == "error"

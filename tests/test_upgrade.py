@@ -16,8 +16,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from proto_server.bench.transports import CountingStream, open_websocket
 from proto_server.server.app import LAUNCHED_BETA, MAX_MESSAGE_BYTES_HEADER, PROTOTYPE_BETA
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, Running, StartServer
-from .wsclient import connect, types
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, Running, StartServer, connect, types
 
 LONG_TEXT = {"segments": [{"text": "the same words again " * 400}]}
 

@@ -37,9 +37,7 @@ from proto_server.engine.vllm import (
 )
 from proto_server.wire.tools import FunctionTool
 
-from .conftest import EXEC_COMMAND, StartServer
-from .engine import free_port
-from .wsclient import connect
+from .helpers import EXEC_COMMAND, StartServer, connect, free_port
 
 URL = "http://127.0.0.1:9/v1"
 TOOLS = (

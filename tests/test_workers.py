@@ -14,8 +14,7 @@ import httpx
 import pytest
 import trio
 
-from .test_cli import read_line
-from .wsclient import connect
+from .helpers import connect, read_line
 
 
 def children(pid: int) -> list[int]:

@@ -10,8 +10,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from proto_server.engine.chunks import (
+    Chunk,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+    ToolCallEnd,
+)
+from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.local import LocalGenerator, LocalSession
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.wire.items import FunctionCall, Item, Message, OutputText
+
+from .helpers import Running
 
 CHATML = (
     "{% for message in messages %}"
@@ -67,3 +83,56 @@ class Scripted:
             self._segment += 1
         self.logits.append(logits.clone())
         return self.segments[self._segment][len(generated)]
+
+
+# -- what the local-model tests share ---------------------------------------------------------
+
+INSTRUCTIONS = "You fix bugs."
+
+
+USER = Message(role="user", content="the tests fail; fix the bug")
+
+
+def make(tokenizer: Any, choose: Any, **options: Any) -> LocalGenerator:
+    return LocalGenerator(tiny_llama(), tokenizer, threads=1, choose=choose, **options)
+
+
+NO_LIMITS = GenerationLimits()
+
+
+async def segment(session: LocalSession, limits: GenerationLimits = NO_LIMITS) -> list[Chunk]:
+    send, receive = trio.open_memory_channel[Chunk](1000)
+    async with send:
+        await session.generate(send, limits)
+    return [chunk async for chunk in receive]
+
+
+def outputs(chunks: Sequence[Chunk]) -> list[Item]:
+    """The items a segment's chunks add to the conversation (what the Response machine does)."""
+    items: list[Item] = []
+    text = ""
+    call: list[str] = []
+    for chunk in chunks:
+        match chunk:
+            case TextDelta(text=delta):
+                text += delta
+            case ToolCallBegin(name=name):
+                if text:
+                    items.append(Message(role="assistant", content=(OutputText(text=text),)))
+                    text = ""
+                call = [name, ""]
+            case ToolCallArgumentsDelta(delta=delta):
+                call[1] += delta
+            case ToolCallEnd():
+                items.append(
+                    FunctionCall(call_id=f"call_{len(items)}", name=call[0], arguments=call[1])
+                )
+    if text:
+        items.append(Message(role="assistant", content=(OutputText(text=text),)))
+    return items
+
+
+async def serve(nursery: trio.Nursery, generator: LocalGenerator) -> Running:
+    server = ProtoServer(generator, ServerConfig(port=0))
+    address = await nursery.start(server.serve)
+    return Running(server, address)

@@ -1,8 +1,9 @@
 """A client for proto-server: trio (`connect`) and blocking for notebooks (`BlockingClient`)."""
 
 from proto_server.client.connection import Connection, connect
+from proto_server.client.dialects import Dialect
 from proto_server.client.rollout import Rollout
-from proto_server.client.state import Dialect, Received, RolloutState, Segment, Sent
+from proto_server.client.state import Received, RolloutState, Segment, Sent
 
 __all__ = [
     "Connection",

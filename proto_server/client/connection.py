@@ -24,9 +24,10 @@ import orjson
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from proto_server.client.dialects import Dialect, rules
 from proto_server.client.http import HttpWire
 from proto_server.client.rollout import Rollout, wire_json
-from proto_server.client.state import DIALECTS, Dialect, Received, Sent
+from proto_server.client.state import Received, Sent
 from proto_server.wire.converter import decode_server_event
 from proto_server.wire.events import ServerEvent
 from proto_server.wire.items import Item
@@ -152,11 +153,10 @@ async def connect(
     url: str, *, dialect: Dialect = "prototype", headers: Mapping[str, str] | None = None
 ) -> AsyncIterator[Connection]:
     """Open a connection in `dialect` to the server at `url`; closed when the block ends."""
-    if dialect not in DIALECTS:
-        raise ValueError(f"unknown dialect {dialect!r}; use one of {', '.join(DIALECTS)}.")
+    chosen = rules(dialect)
     ws_url, http_url = endpoints(url)
-    extra = dict(headers or {})
-    if dialect == "http":
+    extra = {**chosen.headers, **(headers or {})}
+    if chosen.over_http:
         parts = urlsplit(http_url)
         if parts.scheme != "http" or parts.hostname is None:
             raise ValueError(f"{http_url}: this client speaks plain http:// only.")
@@ -167,8 +167,6 @@ async def connect(
             with trio.CancelScope(shield=True):
                 await wire.aclose()
         return
-    if dialect == "prototype":
-        extra["X-Proto-Dialect"] = "prototype"
     async with open_websocket_url(
         ws_url,
         extra_headers=[(name.encode(), value.encode()) for name, value in extra.items()],

@@ -9,12 +9,11 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from html import escape
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
 from proto_server.client.state import Received, RolloutState, Segment
-from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import (
     ContentPartAdded,
     ContentPartDone,
@@ -202,6 +201,13 @@ def rollout_html(rollout: Rollout) -> str:
     )
 
 
+class ModelledTime(Protocol):
+    """What a chart needs of a timing model: the GPU time it charges a segment (the simulated
+    generator's `TimingModel` is one)."""
+
+    def segment_seconds(self, *, uncached_tokens: int, output_tokens: int) -> float: ...
+
+
 @attrs.frozen
 class SegmentTime:
     """Where one segment's time went, in seconds."""
@@ -211,7 +217,7 @@ class SegmentTime:
     server: float  # the rest of the segment: server and wire (measured minus modelled)
 
 
-def time_split(segments: Sequence[Segment], timing: TimingModel | None) -> list[SegmentTime]:
+def time_split(segments: Sequence[Segment], timing: ModelledTime | None) -> list[SegmentTime]:
     split = []
     for segment in segments:
         total = segment.time_to_end or 0.0
@@ -238,7 +244,7 @@ class Chart:
 
 
 def timing_chart(
-    segments: Sequence[Segment], timing: TimingModel | None = None, *, title: str = ""
+    segments: Sequence[Segment], timing: ModelledTime | None = None, *, title: str = ""
 ) -> Chart:
     """A horizontal bar per segment: client time, modelled GPU time, server and wire time."""
     from matplotlib.figure import Figure

@@ -3,9 +3,10 @@
 IPython's `%autoawait trio` runs each cell in its own `trio.run`, so a connection opened in one
 cell cannot outlive it. Here one dedicated thread runs `trio.run` for the client's whole life;
 every blocking method hands a coroutine to it through `trio.from_thread.run` and waits. The same
-thread can host an in-process server, so a notebook needs nothing else running.
+thread can host an in-process server (`proto_server.hosted.serving()` builds one), so a
+notebook needs nothing else running.
 
-    client = BlockingClient.serving(script=..., timing=...)   # or BlockingClient(url)
+    client = serving(script=..., timing=...)   # or BlockingClient(url)
     rollout = client.connect("prototype").create("fix the bug", tools=[...])
     rollout.step()                    # events until the suspension; shows as a table
     rollout.append({call_id: "..."})
@@ -15,7 +16,7 @@ thread can host an in-process server, so a notebook needs nothing else running.
 Nursery tree, in the client's thread:
 
     main (trio.run)
-     ├─ server (when hosted): ProtoServer.serve
+     ├─ server (when hosted): the host, e.g. ProtoServer.serve
      └─ connections: one task per open connection, holding its `connect()` block
 """
 
@@ -27,20 +28,16 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 from trio_websocket import ConnectionClosed
 
 from proto_server.client.connection import Connection, connect
-from proto_server.client.display import Chart, rollout_html, timing_chart
+from proto_server.client.dialects import Dialect
+from proto_server.client.display import Chart, ModelledTime, rollout_html, timing_chart
 from proto_server.client.rollout import Rollout
-from proto_server.client.state import Dialect, Received, RolloutState, Segment, Sent
-from proto_server.engine.default_model import DefaultModel
-from proto_server.engine.script import Planner, parse_script
-from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.client.state import Received, RolloutState, Segment, Sent
 from proto_server.wire.items import Item, ToolCall, ToolOutput
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -60,6 +57,12 @@ def _close_all() -> None:
         client.close()
 
 
+class Host(Protocol):
+    """A server to run in the client's thread: binds, then reports its URL (`started(url)`)."""
+
+    async def __call__(self, *, task_status: trio.TaskStatus[str]) -> None: ...
+
+
 class ClientStopped(RuntimeError):
     """The client's thread is gone (closed, or it failed); create a new client."""
 
@@ -67,11 +70,21 @@ class ClientStopped(RuntimeError):
 class BlockingClient:
     """Owns the trio thread; every other blocking object goes through `call`."""
 
-    def __init__(self, url: str | None = None, *, server: ProtoServer | None = None) -> None:
-        if (url is None) == (server is None):
-            raise ValueError("give a server URL, or a ProtoServer to host (see serving()).")
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        host: Host | None = None,
+        timing: ModelledTime | None = None,
+    ) -> None:
+        if (url is None) == (host is None):
+            raise ValueError(
+                "give a server URL, or a server to host (proto_server.hosted.serving())."
+            )
         self.url = url
-        self.server = server
+        #: What the charts call modelled GPU time (a hosted simulated GPU's timing model).
+        self.timing = timing
+        self._host = host
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop = trio.Event()
         self._connections: trio.Nursery | None = None
@@ -87,29 +100,6 @@ class BlockingClient:
             raise ClientStopped(f"the client's trio thread failed to start: {self._failure}")
         _open_clients.add(self)
 
-    @classmethod
-    def serving(
-        cls,
-        script: Mapping[str, Any] | None = None,
-        *,
-        planner: Planner | None = None,
-        timing: TimingModel | None = None,
-        config: ServerConfig | None = None,
-    ) -> BlockingClient:
-        """A client with its own in-process server on 127.0.0.1 (a free port)."""
-        if planner is None:
-            planner = parse_script(script) if script is not None else DefaultModel()
-        generator = SimulatedGenerator(planner, timing or TimingModel())
-        return cls(server=ProtoServer(generator, config or ServerConfig(port=0)))
-
-    @property
-    def timing(self) -> TimingModel | None:
-        """The hosted server's timing model (what the charts call modelled GPU time)."""
-        if self.server is None:
-            return None
-        generator = self.server.generator
-        return generator.timing if isinstance(generator, SimulatedGenerator) else None
-
     # -- the thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -123,9 +113,8 @@ class BlockingClient:
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as outer:
-            if self.server is not None:
-                address = await outer.start(self.server.serve)
-                self.url = address.http_url
+            if self._host is not None:
+                self.url = await outer.start(self._host)
             async with trio.open_nursery() as connections:
                 self._connections = connections
                 self._ready.set()

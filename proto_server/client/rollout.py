@@ -8,7 +8,8 @@
 
 What `append` puts on the wire depends on the dialect: `response.append` with the outputs
 (prototype); a `response.create` with `previous_response_id` and only the outputs (launched);
-a POST with the whole history and the outputs (http). The bookkeeping is `RolloutTracker`'s.
+a POST with the whole history and the outputs (http); `dialects.py` says which. The
+bookkeeping is `RolloutTracker`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from proto_server.client.dialects import rules
 from proto_server.client.display import rollout_html
 from proto_server.client.state import (
     Received,
@@ -41,19 +43,9 @@ class Rollout:
     ) -> None:
         self.connection = connection
         self.dialect = connection.dialect
-        self._settings = settings
-        self._input = input
-        self._previous_response_id = previous_response_id
         self.tracker = RolloutTracker(connection.dialect)
-        #: HTTP: every item of the conversation so far, resent each turn.
-        self._history: list[Any] = (
-            [{"type": "message", "role": "user", "content": input}]
-            if isinstance(input, str)
-            else list(input)
-        )
+        self._turns = rules(connection.dialect).turns(settings, input, previous_response_id)
         self._history_outputs = 0
-        #: launched and HTTP: outputs given while other calls are still pending.
-        self._waiting: list[Any] = []
 
     # -- what the client knows -----------------------------------------------------------------
 
@@ -91,14 +83,7 @@ class Rollout:
     # -- moves -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        body: dict[str, Any] = {**self._settings, "input": self._input}
-        if self._previous_response_id is not None:
-            body["previous_response_id"] = self._previous_response_id
-        if self.dialect == "http":
-            body["stream"] = True
-        else:
-            body = {"type": "response.create", **body}
-        await self._send(body)
+        await self._send(self._turns.first())
 
     def events(self) -> _SegmentEvents:
         """This segment's events as they arrive; the iteration ends at a suspension or the end."""
@@ -120,41 +105,25 @@ class Rollout:
         Outputs that answer no pending call raise `OutputsRefused` and nothing is sent.
         """
         items = self.tracker.outputs(outputs)
-        answered_all = self.tracker.answered(items)
-        new = [wire_json(item) for item in items]
-        if self.dialect == "prototype":
-            body = {"type": "response.append", "input": new}
-            if not answered_all:
-                self.tracker.sent_partial(size=await self.connection.send(body))
-                return
-            await self._send(body)
-            return
-        if not answered_all:
-            self._waiting.extend(new)
-            return
-        new, self._waiting = [*self._waiting, *new], []
-        if self.dialect == "launched":
-            await self._send(
-                {
-                    "type": "response.create",
-                    **self._settings,
-                    "previous_response_id": self.response_id,
-                    "input": new,
-                }
-            )
-            return
-        self._history.extend(wire_json(item) for item in self._unsent_outputs())
-        self._history.extend(new)
-        await self._send({**self._settings, "stream": True, "input": list(self._history)})
+        answer = self._turns.answer(
+            [wire_json(item) for item in items],
+            answered_all=self.tracker.answered(items),
+            response_id=self.response_id,
+            unsent=lambda: [wire_json(item) for item in self._unsent_outputs()],
+        )
+        if answer is None:
+            return  # held until the last pending call is answered
+        if answer.resumes:
+            await self._send(answer.body)
+        else:  # the server holds a partial answer; nothing streams yet
+            self.tracker.sent_partial(size=await self.connection.send(answer.body))
 
     async def cancel(self) -> None:
         """End the rollout: `response.cancel` where a Response is open on the server."""
         state = self.state
         if state.ended:
             raise RuntimeError(f"the rollout already ended ({state.value}); nothing to cancel.")
-        if self.dialect == "prototype" or (
-            self.dialect == "launched" and state is RolloutState.STREAMING
-        ):
+        if rules(self.dialect).cancels_on_server(streaming=state is RolloutState.STREAMING):
             cancel = {"type": "response.cancel"}
             if state is RolloutState.SUSPENDED:
                 await self._send(cancel)  # what streams back (the cancellation) is a segment

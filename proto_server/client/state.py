@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
+from proto_server.client.dialects import Dialect, rules
 from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.events import (
     ErrorEvent,
@@ -41,9 +42,6 @@ from proto_server.wire.items import (
     ToolOutput,
 )
 from proto_server.wire.response import Response, Usage
-
-Dialect = Literal["prototype", "launched", "http"]
-DIALECTS: tuple[Dialect, ...] = ("prototype", "launched", "http")
 
 
 class RolloutState(enum.Enum):
@@ -153,6 +151,7 @@ class RolloutTracker:
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self._one_response = rules(dialect).one_response
         self.state = RolloutState.STREAMING
         self.segments: list[Segment] = []
         #: The latest Response object the server sent (launched/HTTP: this turn's Response).
@@ -231,7 +230,7 @@ class RolloutTracker:
         """Record outputs the client has given; True once no call is left pending."""
         # The prototype server keeps each partial answer it accepted; the others see nothing
         # until the rollout resumes.
-        if self._restore is None or self.dialect == "prototype":
+        if self._restore is None or self._one_response:
             self._restore = (self.state, dict(self.pending_calls))
         for item in items:
             del self.pending_calls[item.call_id]
@@ -260,7 +259,7 @@ class RolloutTracker:
             case ResponseDone(response=response):
                 self._end_segment(segment, response, RolloutState.SUSPENDED, received.at)
             case ResponseCompleted(response=response):
-                chained = self.dialect != "prototype" and self.pending_calls
+                chained = not self._one_response and self.pending_calls
                 state = RolloutState.SUSPENDED if chained else RolloutState.COMPLETED
                 self._end_segment(segment, response, state, received.at)
             case (
@@ -297,6 +296,6 @@ class RolloutTracker:
         )
         segment.output_tokens = usage.output_tokens - base.output_tokens
         # The prototype's usage adds up over segments of one Response; a new turn starts at 0.
-        self._usage_base = usage if self.dialect == "prototype" else Usage()
+        self._usage_base = usage if self._one_response else Usage()
         segment.ended_at = at
         self.state = state
