@@ -6,6 +6,7 @@ a server in the test, and on real `serve` processes (one SIGKILLed, another on i
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -142,6 +143,70 @@ async def test_claims_are_exactly_once_across_stores_of_separate_processes(
     finally:
         for one in stores:
             await one.aclose()
+
+
+async def test_a_file_from_before_suspensions_is_migrated_and_keeps_its_responses(
+    tmp_path: Path,
+) -> None:
+    """A file at user_version 1 (as the servers before this one left it) gains the suspension
+    tables when opened; what it stored stays."""
+    from proto_server.server import store as sqlite_module
+
+    from .test_store import stored
+
+    path = tmp_path / "v1.sqlite3"
+    db = sqlite3.connect(path)
+    for statement in sqlite_module._SCHEMA:
+        db.execute(statement)
+    db.execute(sqlite_module._MIGRATIONS[0])
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    old = SQLiteStore(path)
+    await old.put(stored("resp_old"))
+    await old.aclose()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE suspended")
+    db.execute("DROP TABLE suspended_items")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    migrated = SQLiteStore(path)
+    assert await migrated.get("resp_old") is not None
+    await migrated.suspend(suspension("resp_s", 2), since=0, expected=0)
+    assert await migrated.suspended("resp_s", owner="key:a") is not None
+    await migrated.aclose()
+
+
+@pytest.mark.postgres
+async def test_a_database_from_before_suspensions_is_migrated_and_keeps_its_secret(
+    pg_url: str,
+) -> None:
+    """A database at schema version 3 gains the suspension tables at start-up (version 6)."""
+    import psycopg
+
+    from proto_server.server import postgres
+
+    from .test_store import stored
+
+    url = pg_url
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE proto_server_schema (version integer NOT NULL)")
+        for statement in postgres._MIGRATIONS[:3]:
+            conn.execute(statement)
+        conn.execute("INSERT INTO proto_server_schema VALUES (3)")
+        conn.execute("INSERT INTO proto_server_secret VALUES (1, %s)", (b"s" * 32,))
+    store = await trio.to_thread.run_sync(PostgresStore, url)
+    try:
+        await store.put(stored("resp_old"))
+        await store.suspend(suspension("resp_s", 2), since=0, expected=0)
+        assert await store.suspended("resp_s", owner="key:a") is not None
+        assert store.secret == b"s" * 32
+    finally:
+        await store.aclose()
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT version FROM proto_server_schema").fetchone()
+    assert row == (postgres.SCHEMA_VERSION,) == (6,)
 
 
 # -- live: a connection that drops ----------------------------------------------------------
@@ -382,3 +447,33 @@ async def test_the_client_library_resumes_a_rollout_by_id_on_a_new_connection(
             assert refused.state is RolloutState.FAILED
             assert refused.tracker.error is not None
             assert refused.tracker.error.code == "response_already_completed"
+
+
+async def test_a_copy_that_was_resumed_elsewhere_is_fenced_off_at_its_next_write(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The first connection was not dead after all: its copy goes on warm until it next
+    writes, and then fails; only the resumed copy is stored."""
+    running = await start_server(THREE_SEGMENTS, store=SQLiteStore(tmp_path / "s.sqlite3"))
+    url = running.prototype_url
+    with trio.fail_after(20):
+        async with connect(url) as old, connect(url) as new:
+            stale = checked()
+            events = await exchange(old, stale, create())
+            done = events[-1]["response"]
+            moved = checked(done)
+            frame = {"type": "response.append", "response_id": done["id"], "input": answers(events)}
+            resumed = await exchange(new, moved, frame)
+            assert resumed[-1]["type"] == "response.done"
+            late = await exchange(old, stale, {"type": "response.append", "input": answers(events)})
+            assert late[-1]["type"] == "response.failed", late[-1]
+            assert late[-1]["response"]["error"]["code"] == "response_resumed_elsewhere"
+            rest = {"type": "response.append", "input": answers(resumed)}
+            final = await exchange(new, moved, rest)
+            assert final[-1]["type"] == "response.completed"
+            stale.finish()
+            moved.finish()
+    async with httpx.AsyncClient(timeout=5) as http:
+        got = await http.get(f"{running.address.http_url}/responses/{done['id']}")
+    assert got.json()["status"] == "completed"
+    assert got.json()["output"] == final[-1]["response"]["output"]
