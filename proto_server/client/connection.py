@@ -124,6 +124,33 @@ class Connection:
         await rollout.start()
         return rollout
 
+    async def resume(
+        self, response_id: str, outputs: Mapping[str, str] | Sequence[Item | Mapping[str, Any]]
+    ) -> Rollout:
+        """Resume, on this new connection, a prototype Response that suspended on another
+        (dropped, or its server process gone): `response.append` naming it, with the outputs
+        of the calls it waits on (`{call_id: output}` or items). The server rebuilds it cold from
+        its store; the rollout goes on with the same id and output indices. A refusal
+        (`response_not_found`, `response_already_resumed`, ...) ends the rollout `failed` with
+        the error in `rollout.tracker.error`."""
+        if self.dialect != "prototype":
+            raise ValueError("resume() is the prototype dialect's: connect with it")
+        current = self.rollouts[-1] if self.rollouts else None
+        if current is not None and not current.state.ended:
+            raise RuntimeError(f"rollout {current.response_id} is still open on this connection")
+        if isinstance(outputs, Mapping):
+            items: list[Any] = [
+                {"type": "function_call_output", "call_id": call_id, "output": text}
+                for call_id, text in outputs.items()
+            ]
+        else:
+            items = [wire_json(item) for item in outputs]
+        rollout = Rollout(self, {}, items, None)
+        rollout.tracker.resumed = True
+        self.rollouts.append(rollout)
+        await rollout._send({"type": "response.append", "response_id": response_id, "input": items})
+        return rollout
+
     async def send(self, body: Mapping[str, Any]) -> int:
         """Send one client event (WebSocket) or request body (HTTP) as given; bytes sent.
 

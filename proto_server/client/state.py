@@ -169,6 +169,8 @@ class RolloutTracker:
         self._before_send: tuple[RolloutState, dict[str, ToolCall]] | None = None
         #: Bytes of sends that answered only some calls (prototype), counted with the resume.
         self._partial_bytes = 0
+        #: Resumed by id on a new connection: its usage so far is the first snapshot's.
+        self.resumed = False
 
     @property
     def current(self) -> Segment | None:
@@ -251,6 +253,8 @@ class RolloutTracker:
         event = received.event
         match event:
             case ResponseCreated(response=response) | ResponseInProgress(response=response):
+                if self.resumed and not self.response_ids:
+                    self._usage_base = response.usage or Usage()  # spent before this connection
                 self._saw(response)
             case OutputItemDone(item=item):
                 self.output.append(item)

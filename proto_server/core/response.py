@@ -155,6 +155,43 @@ class ResponseMachine:
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
 
+    @classmethod
+    def restore(
+        cls,
+        *,
+        response: Response,
+        conversation: Conversation,
+        pending: Sequence[str],
+        segments: int,
+        tool_calls: int,
+        clock: Callable[[], int] | None = None,
+    ) -> ResponseMachine:
+        """A suspended Response rebuilt from its persisted suspension (`response`: its
+        snapshot then, `conversation`: its items re-rendered), so that another connection or
+        process serves its next segment: same id, output, usage and counts, waiting on the
+        calls `pending` names. Nothing of the model's warm state comes back."""
+        template = attrs.evolve(
+            response, status="in_progress", output=(), usage=None, error=None,
+            incomplete_details=None, completed_at=None,
+        )  # fmt: skip
+        machine = cls(response=template, conversation=conversation, clock=clock)
+        machine.status = Status.SUSPENDED
+        machine._output = list(response.output)
+        calls = {item.call_id: item for item in response.output if isinstance(item, FunctionCall)}
+        missing = [call_id for call_id in pending if call_id not in calls]
+        if missing:
+            raise IllegalTransition(f"a suspension waits on calls it never made: {missing}")
+        machine.pending_calls = {call_id: calls[call_id] for call_id in pending}
+        machine.answered_calls = set(calls) - set(pending)
+        machine.segments = segments
+        machine._tool_calls = tool_calls
+        if response.usage is not None:
+            usage = response.usage
+            machine._input_tokens = usage.input_tokens
+            machine._cached_tokens = usage.input_tokens_details.cached_tokens
+            machine._output_tokens = usage.output_tokens
+        return machine
+
     # -- what the Response looks like ------------------------------------------------------
 
     @property

@@ -15,7 +15,7 @@ import hmac
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from http import HTTPStatus
 from typing import Literal
@@ -61,6 +61,7 @@ from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import EventSink
 from proto_server.server.prototype import PrototypeDialect
+from proto_server.server.resume import Durable
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop, TurnRecord
 from proto_server.server.store import (
@@ -134,7 +135,7 @@ class ProtoServer:
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
         # every call timed into the metrics (proto_server_store_seconds)
-        self.store: ResponseStore = metrics.TimedStore(
+        self.store = metrics.TimedStore(
             store or SQLiteStore(":memory:", timeout_s=self.config.store_timeout_s)
         )
         #: Seals compaction items; without a kept secret they live as long as this process.
@@ -438,6 +439,10 @@ class ProtoServer:
         conversation = Conversation(
             self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
         )
+        return self.rollout_of(conversation, budget)
+
+    def rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
+        """A rollout on `conversation` (rendered already) with a fresh session: nothing warm."""
         self._count(rollouts=1)
         return Rollout(
             conversation,
@@ -528,12 +533,12 @@ class ProtoServer:
             announce_suspension=announce_suspension,
         )
 
-        async def persist(machine: ResponseMachine) -> None:
-            items = tuple(conversation.items[first_item:])
-            await self.store.put(
-                StoredResponse(response=machine.snapshot(), items=items, owner=owner)
-            )
-
+        durable = None
+        # a stored prototype Response outlives its process: its suspensions are stored too
+        prototype = suspend_on_tool_calls and announce_suspension
+        if response.store and prototype and self.store.suspensions is not None:
+            first_output = len(conversation.items)
+            durable = Durable(self.store, owner, response.id, first_output=first_output)
         return SamplingLoop(
             machine,
             rollout,
@@ -541,12 +546,55 @@ class ProtoServer:
             chunk_queue=self.config.chunk_queue,
             source=source,
             rendered_mark=rendered_mark,
-            persist=persist if response.store else None,
+            persist=self._persister(first_item, owner, durable) if response.store else None,
             on_end=self._turn_ended,
             observer=self.observer,
             suspensions=self.suspensions,
             suspend_timeout_s=self.config.suspend_timeout_s,
             arrived_at=arrived_at,
+            durable=durable,
+        )
+
+    def _persister(
+        self, first_item: int, owner: str, durable: Durable | None
+    ) -> Callable[[ResponseMachine], Awaitable[None]]:
+        """How an ended `store: true` Response is written: its items from `first_item` on, its
+        stored suspension (if any) deleted in the same transaction."""
+
+        async def persist(machine: ResponseMachine) -> None:
+            items = tuple(machine.conversation.items[first_item:])
+            stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            ends = durable.ends if durable is not None else None
+            await self.store.put(stored, ends_suspension=ends)
+
+        return persist
+
+    def resumed_loop(
+        self,
+        machine: ResponseMachine,
+        budget: MemoryBudget,
+        events: EventSink,
+        *,
+        durable: Durable,
+        owner: str,
+    ) -> SamplingLoop:
+        """The sampling loop of a suspended Response rebuilt from the store (`resume.py`): a
+        fresh session on its re-rendered conversation, so its next prefill is cold."""
+        rollout = self.rollout_of(machine.conversation, budget)
+        return SamplingLoop(
+            machine,
+            rollout,
+            events,
+            chunk_queue=self.config.chunk_queue,
+            source="store",
+            rendered_mark=0,  # its whole prompt was rendered again: count it
+            persist=self._persister(0, owner, durable),
+            on_end=self._turn_ended,
+            observer=self.observer,
+            suspensions=self.suspensions,
+            suspend_timeout_s=self.config.suspend_timeout_s,
+            durable=durable,
+            resumed=True,
         )
 
     def _turn_ended(self, record: TurnRecord) -> None:

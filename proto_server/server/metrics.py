@@ -23,7 +23,14 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proto_server.server.store import ANONYMOUS, ProbedStore, ResponseStore, StoredResponse
+from proto_server.server.store import (
+    ANONYMOUS,
+    ProbedStore,
+    ResponseStore,
+    StoredResponse,
+    SuspendedResponse,
+    SuspensionStore,
+)
 from proto_server.wire.events import ErrorEvent, ServerEvent
 
 #: Set by the supervisor of `--workers` for its workers: their shared directory of values.
@@ -39,6 +46,11 @@ CONNECTIONS = Gauge(
 SUSPENDED = Gauge(
     "proto_server_suspended_responses", "Prototype Responses suspended on tool calls",
     multiprocess_mode="livesum",
+)  # fmt: skip
+RESUMES = Counter(
+    "proto_server_resumes",
+    "Suspended prototype Responses resumed by id from the store (rebuilt cold), by outcome",
+    ["outcome"],
 )  # fmt: skip
 RESPONSES = Counter(
     "proto_server_responses", "Responses ended, by dialect and final status",
@@ -156,9 +168,40 @@ class TimedStore:
         finally:
             STORE.labels(operation, outcome).observe(time.perf_counter() - started)
 
-    async def put(self, stored: StoredResponse) -> None:
+    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
         with self._timed("put"):
-            await self.inner.put(stored)
+            if ends_suspension is None:
+                await self.inner.put(stored)
+            else:
+                await self.inner.put(stored, ends_suspension=ends_suspension)
+
+    @property
+    def suspensions(self) -> SuspensionStore | None:
+        """The inner store, if it keeps suspended Responses (a test's dict store may not)."""
+        return self.inner if isinstance(self.inner, SuspensionStore) else None
+
+    def _suspending(self) -> SuspensionStore:
+        inner = self.suspensions
+        assert inner is not None, "this store keeps no suspended Responses"
+        return inner
+
+    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
+        with self._timed("suspend"):
+            await self._suspending().suspend(suspended, since=since, expected=expected)
+
+    async def suspended(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> SuspendedResponse | None:
+        with self._timed("suspended"):
+            return await self._suspending().suspended(response_id, owner=owner)
+
+    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+        with self._timed("claim"):
+            return await self._suspending().claim(response_id, owner=owner, version=version)
+
+    async def release(self, response_id: str, *, version: int) -> None:
+        with self._timed("release"):
+            await self._suspending().release(response_id, version=version)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         with self._timed("get"):

@@ -30,14 +30,21 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from proto_server.server.store import (
     ANONYMOUS,
     PUT_FAILED,
+    SUSPEND_FAILED,
     StoredResponse,
     StoreError,
     StoreUnavailable,
+    SuspendedResponse,
+    SuspensionLost,
     chain_failed,
     check_retention,
     decode_row,
+    decode_suspended,
+    encode_items,
     encode_row,
+    encode_suspended,
     get_failed,
+    resume_failed,
 )
 
 T = TypeVar("T")
@@ -50,6 +57,8 @@ PROBE_TIMEOUT_S = 2.0
 #: Any key: the advisory lock that makes concurrent start-ups migrate one at a time.
 _MIGRATION_LOCK = 0x70726F746F  # "proto"
 _RESPONSES = "proto_server_responses"
+_SUSPENDED = "proto_server_suspended"
+_SUSPENDED_ITEMS = "proto_server_suspended_items"
 
 #: Schema changes in order; `proto_server_schema.version` counts those a database has had.
 _MIGRATIONS = (
@@ -64,6 +73,23 @@ _MIGRATIONS = (
     )""",
     f"CREATE INDEX {_RESPONSES}_stored_at ON {_RESPONSES} (stored_at)",
     "CREATE TABLE proto_server_secret (id integer PRIMARY KEY, secret bytea NOT NULL)",
+    # 4-6: suspended prototype Responses, their items in chunks (each suspension adds one)
+    f"""CREATE TABLE {_SUSPENDED} (
+        id text PRIMARY KEY,
+        owner text NOT NULL,
+        stored_at double precision NOT NULL,
+        version bigint NOT NULL,
+        claimed boolean NOT NULL DEFAULT false,
+        items_count integer NOT NULL,
+        state bytea NOT NULL
+    )""",
+    f"CREATE INDEX {_SUSPENDED}_stored_at ON {_SUSPENDED} (stored_at)",
+    f"""CREATE TABLE {_SUSPENDED_ITEMS} (
+        id text NOT NULL,
+        start integer NOT NULL,
+        items bytea NOT NULL,
+        PRIMARY KEY (id, start)
+    )""",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -150,11 +176,21 @@ class PostgresStore:
 
     # -- blocking bodies, run in a worker thread -------------------------------------------
 
-    def _put(self, conn: psycopg.Connection[Any], stored: StoredResponse) -> None:
+    def _put(
+        self, conn: psycopg.Connection[Any], stored: StoredResponse, ends_suspension: int | None
+    ) -> None:
         response_blob, items_blob = encode_row(stored)
         response = stored.response
         now = self._clock()
         with conn.transaction():  # all of it, or none of it
+            if ends_suspension is not None:
+                gone = conn.execute(
+                    f"DELETE FROM {_SUSPENDED} WHERE id = %s AND version = %s",
+                    (response.id, ends_suspension),
+                )
+                if gone.rowcount != 1:
+                    raise SuspensionLost(response.id)
+                conn.execute(f"DELETE FROM {_SUSPENDED_ITEMS} WHERE id = %s", (response.id,))
             conn.execute(
                 f"INSERT INTO {_RESPONSES} (id, previous_response_id, owner, created_at, "
                 "stored_at, response, items) VALUES (%s, %s, %s, %s, %s, %s, %s) "
@@ -171,6 +207,92 @@ class PostgresStore:
                 "ORDER BY stored_at DESC OFFSET %s)",
                 (self.max_responses,),
             )
+
+    def _suspend(
+        self,
+        conn: psycopg.Connection[Any],
+        suspended: SuspendedResponse,
+        since: int,
+        expected: int,
+    ) -> None:
+        response_id = suspended.response.id
+        now = self._clock()
+        state = encode_suspended(suspended)
+        new = suspended.items[since:]
+        with conn.transaction():
+            if expected == 0:
+                written = conn.execute(
+                    f"INSERT INTO {_SUSPENDED} (id, owner, stored_at, version, claimed, "
+                    "items_count, state) VALUES (%s, %s, %s, 1, false, %s, %s) "
+                    "ON CONFLICT (id) DO NOTHING",
+                    (response_id, suspended.owner, now, len(suspended.items), state),
+                )
+            else:
+                # the row is locked until commit: a claim racing this write waits, then sees
+                # the version it moved to and fails; a write racing a claim fails the same way
+                written = conn.execute(
+                    f"UPDATE {_SUSPENDED} SET state = %s, version = %s, claimed = false, "
+                    "stored_at = %s, items_count = %s WHERE id = %s AND version = %s",
+                    (state, expected + 1, now, len(suspended.items), response_id, expected),
+                )
+            if written.rowcount != 1:
+                raise SuspensionLost(response_id)
+            if new:
+                conn.execute(
+                    f"INSERT INTO {_SUSPENDED_ITEMS} (id, start, items) VALUES (%s, %s, %s) "
+                    "ON CONFLICT (id, start) DO UPDATE SET items = EXCLUDED.items",
+                    (response_id, since, encode_items(new)),
+                )
+            old = conn.execute(
+                f"SELECT id FROM {_SUSPENDED} WHERE stored_at < %s UNION SELECT id FROM "
+                f"(SELECT id FROM {_SUSPENDED} ORDER BY stored_at DESC OFFSET %s) AS past",
+                (now - self.max_age_s, self.max_responses),
+            ).fetchall()
+            if old:
+                ids = [row[0] for row in old]
+                conn.execute(f"DELETE FROM {_SUSPENDED} WHERE id = ANY(%s)", (ids,))
+                conn.execute(f"DELETE FROM {_SUSPENDED_ITEMS} WHERE id = ANY(%s)", (ids,))
+
+    @staticmethod
+    def _suspended(
+        conn: psycopg.Connection[Any], response_id: str, owner: str
+    ) -> SuspendedResponse | None:
+        with conn.transaction():
+            # REPEATABLE READ would be stricter; a suspension's chunks below items_count are
+            # never rewritten, so read committed sees a consistent state and its chunks
+            row = conn.execute(
+                f"SELECT state, version, claimed, items_count, stored_at FROM {_SUSPENDED} "
+                "WHERE id = %s AND owner = %s",
+                (response_id, owner),
+            ).fetchone()
+            if row is None:
+                return None
+            chunks = conn.execute(
+                f"SELECT items FROM {_SUSPENDED_ITEMS} WHERE id = %s AND start < %s ORDER BY start",
+                (response_id, row[3]),
+            ).fetchall()
+        return decode_suspended(
+            row[0], [chunk[0] for chunk in chunks], owner=owner, version=int(row[1]),
+            claimed=bool(row[2]), stored_at=float(row[4]),
+        )  # fmt: skip
+
+    @staticmethod
+    def _claim(conn: psycopg.Connection[Any], response_id: str, owner: str, version: int) -> bool:
+        # one UPDATE: of several processes racing, the first locks the row; the others wait
+        # for its commit, then re-check the WHERE against the new row (read committed) and miss
+        won = conn.execute(
+            f"UPDATE {_SUSPENDED} SET claimed = true, version = version + 1 "
+            "WHERE id = %s AND owner = %s AND version = %s AND NOT claimed",
+            (response_id, owner, version),
+        )
+        return won.rowcount == 1
+
+    @staticmethod
+    def _release(conn: psycopg.Connection[Any], response_id: str, version: int) -> None:
+        conn.execute(
+            f"UPDATE {_SUSPENDED} SET claimed = false WHERE id = %s AND version = %s",
+            (response_id, version),
+        )
 
     @staticmethod
     def _get(conn: psycopg.Connection[Any], response_id: str, owner: str) -> StoredResponse | None:
@@ -192,8 +314,24 @@ class PostgresStore:
 
     # -- the interface --------------------------------------------------------------------------
 
-    async def put(self, stored: StoredResponse) -> None:
-        await self._call(PUT_FAILED, self._put, stored)
+    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
+        await self._call(PUT_FAILED, self._put, stored, ends_suspension)
+
+    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
+        await self._call(SUSPEND_FAILED, self._suspend, suspended, since, expected)
+
+    async def suspended(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> SuspendedResponse | None:
+        return await self._call(resume_failed(response_id), self._suspended, response_id, owner)
+
+    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+        return await self._call(
+            resume_failed(response_id), self._claim, response_id, owner, version
+        )
+
+    async def release(self, response_id: str, *, version: int) -> None:
+        await self._call(resume_failed(response_id), self._release, response_id, version)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         return await self._call(get_failed(response_id), self._get, response_id, owner)

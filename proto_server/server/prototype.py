@@ -5,6 +5,9 @@ answers the calls and resumes it; `response.completed` ends it. One Response ope
 each lane: a create may name a lane (`stream_id`), and appends and cancels name the same lane;
 lanes run concurrently. With the multi-agent beta, `response.inject` answers the calls of the
 Response it names by id, whatever its lane: the same suspension, resumed the same way.
+
+With a store, a suspended Response outlives its connection and its process: an append that
+names it (`response_id`) on a lane with nothing open resumes it from the store (resume.py).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
 from proto_server.server.lanes import EndedResponses, LaneNames, require_beta, serve_inject
 from proto_server.server.outbox import LaneSink
+from proto_server.server.resume import resume
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
     ResponseAppend,
@@ -73,6 +77,10 @@ class PrototypeDialect:
         match event:
             case ResponseCreate():
                 await self._create(event, frame_bytes)
+            case ResponseAppend(response_id=str(response_id), stream_id=stream_id) if self._resumes(
+                response_id, stream_id
+            ):
+                await self._resume(event, frame_bytes)
             case ResponseAppend(input=items, tool_choice=tool_choice, stream_id=stream_id):
                 loop = self._open_rollout(stream_id, "append to")
                 loop.machine.check_append(items)  # before the work of rendering them
@@ -97,6 +105,46 @@ class PrototypeDialect:
                     offload=self._server.offload,
                     size=frame_bytes,
                 )
+
+    def _resumes(self, response_id: str, stream_id: str | None) -> bool:
+        """Whether an append naming `response_id` resumes it from the store onto its lane (no
+        Response is open there); one that names another than the lane's open Response, or one
+        open on another lane, is refused."""
+        lane = self._lanes.get(stream_id)
+        current = lane.current if lane is not None else None
+        if current is not None and not current.ended:
+            if current.machine.id != response_id:
+                raise ProtocolError(
+                    "invalid_field",
+                    f"`response_id` {quoted(response_id)} is not the Response open on this "
+                    f"lane ({current.machine.id}); leave it out, or name that one.",
+                    param="response_id",
+                )
+            return False
+        found = self._find(response_id)
+        if found is not None:
+            raise ProtocolError(
+                "invalid_field",
+                f"Response {quoted(response_id)} is open on lane {found[1].stream_id!r} of this "
+                "connection; append to it there.",
+                param="response_id",
+            )
+        return True
+
+    async def _resume(self, append: ResponseAppend, frame_bytes: int) -> None:
+        """A suspended Response of another connection (or process), rebuilt from the store and
+        resumed on this lane (resume.py)."""
+        lane = self._lane(append.stream_id)
+        loop = await resume(
+            self._server,
+            append,
+            owner=self._owner,
+            budget=self._connection.budget,
+            events=lane.sink,
+            size=frame_bytes,
+        )
+        lane.current = loop
+        self._nursery.start_soon(self._run, lane, loop)
 
     def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
         for lane in self._lanes.values():
@@ -177,6 +225,8 @@ class PrototypeDialect:
         try:
             await loop.run()
         finally:
+            if not loop.ended and loop.durable is not None:
+                await loop.durable.release()  # gone mid-segment: it may be resumed again
             await loop.rollout.aclose()
             self._ended_ids.add(loop.machine.id, lane.stream_id)
             if lane.current is loop:

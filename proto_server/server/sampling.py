@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -35,17 +35,21 @@ from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
-from proto_server.server.store import StoreUnavailable
+from proto_server.server.store import StoreUnavailable, SuspensionLost
 from proto_server.server.suspension import Suspensions
 from proto_server.wire.errors import ProtocolError, ServerFault
 from proto_server.wire.events import (
     ResponseCancelled,
     ResponseCompleted,
+    ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
     ServerEvent,
 )
 from proto_server.wire.items import Item
+
+if TYPE_CHECKING:
+    from proto_server.server.resume import Durable
 
 #: `incomplete_details.reason` of a suspension whose client stayed idle too long.
 SUSPEND_TIMEOUT = "suspend_timeout"
@@ -86,8 +90,15 @@ class SamplingLoop:
         suspensions: Suspensions | None = None,
         suspend_timeout_s: float = math.inf,
         arrived_at: float | None = None,
+        durable: Durable | None = None,
+        resumed: bool = False,
     ) -> None:
+        """`durable`: where a `store: true` prototype Response keeps its suspensions (each is
+        written before its `response.done`); `resumed`: `machine` was rebuilt from one, so
+        its Response was announced on another connection already (no `response.created`)."""
         self.machine = machine
+        self.durable = durable
+        self._resumed = resumed
         self._arrived_at = trio.current_time() if arrived_at is None else arrived_at
         self._prepare_s: float | None = None
         self._first_event_s: float | None = None
@@ -229,7 +240,8 @@ class SamplingLoop:
     async def run(self) -> None:
         """Drive the Response to its terminal event; the rollout stays open for its owner."""
         machine = self.machine
-        announce = machine.start()  # sent once the segment's generator has started
+        # sent once the segment's generator has started
+        announce = [] if self._resumed else machine.start()
         while not machine.status.terminal:
             # resume events pending: outputs came between the segment's end and its wait
             if machine.status is Status.SUSPENDED or self._resume_events:
@@ -424,7 +436,26 @@ class SamplingLoop:
         for event in events:
             if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
                 event = await self._stored(event)
+            elif isinstance(event, ResponseDone) and self.durable is not None:
+                event = await self._suspension_stored(event)
+                if isinstance(event, ResponseFailed):
+                    event = await self._stored(event)
             await self._events.send(event)
+
+    async def _suspension_stored(self, event: ResponseDone) -> ServerEvent:
+        """A suspension is in the store before the client hears of it, so whatever it sends
+        next can be resumed anywhere. A store that fails leaves it resumable on this connection
+        only (logged); a copy that another connection resumed meanwhile ends here."""
+        assert self.durable is not None
+        try:
+            await self.durable.suspended(self.machine)
+        except StoreUnavailable as exc:
+            why = {"response": self.machine.id, "reason": str(exc)}
+            log.warning("response.suspension_unstored", extra=why)
+        except SuspensionLost as exc:
+            log.warning("response.fenced", extra={"response": self.machine.id})
+            (event,) = self.machine.fail(exc.detail)  # type: ignore[assignment]
+        return event
 
     async def _stored(self, event: ServerEvent) -> ServerEvent:
         """A stored response is durable before the client hears that it is done; one the store
@@ -432,7 +463,7 @@ class SamplingLoop:
         assert self._persist is not None
         try:
             await self._persist(self.machine)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, SuspensionLost) as exc:
             log.warning(
                 "response.unstored", extra={"response": self.machine.id, "reason": str(exc)}
             )

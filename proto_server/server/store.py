@@ -32,6 +32,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.items import Item
 from proto_server.wire.response import Response
+from proto_server.wire.tools import Tool
 
 T = TypeVar("T")
 
@@ -84,6 +85,73 @@ class StoredResponse:
     owner: str = ANONYMOUS
 
 
+class SuspensionLost(ServerFault):
+    """Another connection claimed this suspended Response (resumed it by id) after this one
+    last wrote it: this copy is fenced off, and what it did is not stored."""
+
+    status = 409
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            "response_resumed_elsewhere",
+            f"Response {response_id} was resumed by id on another connection; this copy of it "
+            "ends here and is not stored.",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SuspendedResponse:
+    """A prototype-dialect Response suspended on tool calls, as the store keeps it so that any
+    process can rebuild it cold and resume it (the model's warm state is not kept)."""
+
+    #: As its `response.done` said it: id, settings, output so far, usage so far.
+    response: Response
+    #: Its conversation in order: the create's input, then each segment's output and what was
+    #: appended to answer it. Stored in chunks, each suspension writing only what is new.
+    items: tuple[Item, ...]
+    #: Where its output begins in `items` (what came before was the create's input); its
+    #: output is the model's items from there on, so it is not stored twice.
+    first_output: int = 0
+    instructions: str | None = None
+    tools: tuple[Tool, ...] = ()
+    #: The call ids it waits on.
+    pending: tuple[str, ...] = ()
+    segments: int = 0
+    tool_calls: int = 0
+    owner: str = ANONYMOUS
+    #: Raised by every write and every claim: a writer that is not the latest is fenced off.
+    version: int = 1
+    #: Taken by the connection that resumed it by id; free again when it next suspends.
+    claimed: bool = False
+    stored_at: float = 0.0
+
+
+def encode_suspended(suspended: SuspendedResponse) -> bytes:
+    """The stored form of a suspension, its items apart (they are written in chunks)."""
+    state = converter.unstructure(attrs.evolve(suspended, items=()))
+    for name in ("items", "owner", "version", "claimed", "stored_at"):
+        state.pop(name, None)
+    return orjson.dumps(state)
+
+
+def encode_items(items: Sequence[Item]) -> bytes:
+    return orjson.dumps(converter.unstructure(tuple(items)))
+
+
+def decode_suspended(
+    state: bytes, chunks: Sequence[bytes], *, owner: str, version: int, claimed: bool,
+    stored_at: float,
+) -> SuspendedResponse:  # fmt: skip
+    items: list[Item] = []
+    for chunk in chunks:
+        items += converter.structure(orjson.loads(chunk), list[Item])  # type: ignore[arg-type,unused-ignore]
+    decoded = converter.structure({**orjson.loads(state), "items": []}, SuspendedResponse)
+    return attrs.evolve(
+        decoded, items=tuple(items), owner=owner, version=version, claimed=claimed,
+        stored_at=stored_at,
+    )  # fmt: skip
+
+
 def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
     """The stored form of a response and its items (JSON), the same in every store."""
     return (
@@ -115,6 +183,11 @@ def check_retention(max_responses: int, max_age_s: float, timeout_s: float) -> N
 
 #: What a failed call of any store could not do, as its `StoreUnavailable` says.
 PUT_FAILED = "the response could not be stored; retry, or send it with store: false"
+SUSPEND_FAILED = "the suspension could not be stored (it stays resumable on this connection only)"
+
+
+def resume_failed(response_id: str) -> str:
+    return f"suspended response {response_id!r} could not be looked up or claimed; retry shortly"
 
 
 def get_failed(response_id: str) -> str:
@@ -129,7 +202,11 @@ def chain_failed(response_id: str) -> str:
 
 
 class ResponseStore(Protocol):
-    async def put(self, stored: StoredResponse) -> None: ...
+    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
+        """Store an ended Response; `ends_suspension`: the version of its suspension this
+        writer holds, deleted in the same transaction (`SuspensionLost` if it is not the
+        latest: another connection resumed it, and nothing is written)."""
+        ...
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None: ...
 
@@ -141,6 +218,33 @@ class ResponseStore(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SuspensionStore(Protocol):
+    """A store that keeps suspended prototype Responses, so they survive their process.
+
+    Versions fence writers off: each write names the version it last saw and raises
+    `SuspensionLost` if the stored one moved on; `claim` is the atomic step that makes exactly
+    one of several connections the Response's holder."""
+
+    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
+        """Write `suspended` (version `expected + 1`, unclaimed), its items from `since` on
+        appended to those stored; `expected` 0: its first suspension."""
+        ...
+
+    async def suspended(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> SuspendedResponse | None: ...
+
+    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+        """Take the unclaimed suspension at `version` (it becomes `version + 1`, claimed);
+        False if another connection took it or it changed."""
+        ...
+
+    async def release(self, response_id: str, *, version: int) -> None:
+        """Let a claim go (its connection went away before the Response suspended again)."""
+        ...
 
 
 @runtime_checkable
@@ -169,6 +273,23 @@ _SCHEMA = (
 _MIGRATIONS = (
     # 1: API keys are tenants; rows written before belong to the anonymous owner
     "ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+    # 2-4: suspended prototype Responses, their items in chunks (each suspension adds one)
+    """CREATE TABLE suspended (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        stored_at REAL NOT NULL,
+        version INTEGER NOT NULL,
+        claimed INTEGER NOT NULL DEFAULT 0,
+        items_count INTEGER NOT NULL,
+        state BLOB NOT NULL
+    )""",
+    "CREATE INDEX suspended_stored_at ON suspended (stored_at)",
+    """CREATE TABLE suspended_items (
+        id TEXT NOT NULL,
+        start INTEGER NOT NULL,
+        items BLOB NOT NULL,
+        PRIMARY KEY (id, start)
+    )""",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -282,7 +403,9 @@ class SQLiteStore:
 
     # -- blocking bodies, run in a worker thread -------------------------------------------
 
-    def _put(self, db: sqlite3.Connection, stored: StoredResponse) -> None:
+    def _put(
+        self, db: sqlite3.Connection, stored: StoredResponse, ends_suspension: int | None
+    ) -> None:
         response = stored.response
         row = (
             response.id,
@@ -294,6 +417,8 @@ class SQLiteStore:
         )
         with db:  # one transaction: all of it, or none of it
             db.execute("BEGIN IMMEDIATE")
+            if ends_suspension is not None:
+                self._end_suspension(db, response.id, ends_suspension)
             db.execute(
                 "INSERT OR REPLACE INTO responses (id, previous_response_id, created_at, "
                 "stored_at, response, items, owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -307,6 +432,96 @@ class SQLiteStore:
                 "ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
                 (self.max_responses,),
             )
+
+    @staticmethod
+    def _end_suspension(db: sqlite3.Connection, response_id: str, version: int) -> None:
+        gone = db.execute(
+            "DELETE FROM suspended WHERE id = ? AND version = ?", (response_id, version)
+        )
+        if gone.rowcount != 1:
+            raise SuspensionLost(response_id)
+        db.execute("DELETE FROM suspended_items WHERE id = ?", (response_id,))
+
+    def _suspend(
+        self, db: sqlite3.Connection, suspended: SuspendedResponse, since: int, expected: int
+    ) -> None:
+        response_id = suspended.response.id
+        now = self._clock()
+        state = encode_suspended(suspended)
+        new = suspended.items[since:]
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            if expected == 0:
+                try:
+                    db.execute(
+                        "INSERT INTO suspended (id, owner, stored_at, version, claimed, "
+                        "items_count, state) VALUES (?, ?, ?, 1, 0, ?, ?)",
+                        (response_id, suspended.owner, now, len(suspended.items), state),
+                    )
+                except sqlite3.IntegrityError:
+                    raise SuspensionLost(response_id) from None
+            else:
+                moved = db.execute(
+                    "UPDATE suspended SET state = ?, version = ?, claimed = 0, stored_at = ?, "
+                    "items_count = ? WHERE id = ? AND version = ?",
+                    (state, expected + 1, now, len(suspended.items), response_id, expected),
+                )
+                if moved.rowcount != 1:
+                    raise SuspensionLost(response_id)
+            if new:
+                db.execute(
+                    "INSERT OR REPLACE INTO suspended_items (id, start, items) VALUES (?, ?, ?)",
+                    (response_id, since, encode_items(new)),
+                )
+            old = [
+                row[0]
+                for row in db.execute(
+                    "SELECT id FROM suspended WHERE stored_at < ? UNION SELECT id FROM "
+                    "(SELECT id FROM suspended ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
+                    (now - self.max_age_s, self.max_responses),
+                )
+            ]
+            for gone in old:
+                db.execute("DELETE FROM suspended WHERE id = ?", (gone,))
+                db.execute("DELETE FROM suspended_items WHERE id = ?", (gone,))
+
+    @staticmethod
+    def _suspended(
+        db: sqlite3.Connection, response_id: str, owner: str
+    ) -> SuspendedResponse | None:
+        with db:  # one read transaction: the state and its chunks as of one moment
+            db.execute("BEGIN")
+            row = db.execute(
+                "SELECT state, version, claimed, items_count, stored_at FROM suspended "
+                "WHERE id = ? AND owner = ?",
+                (response_id, owner),
+            ).fetchone()
+            if row is None:
+                return None
+            chunks = db.execute(
+                "SELECT items FROM suspended_items WHERE id = ? AND start < ? ORDER BY start",
+                (response_id, row[3]),
+            ).fetchall()
+        return decode_suspended(
+            row[0], [chunk[0] for chunk in chunks], owner=owner, version=int(row[1]),
+            claimed=bool(row[2]), stored_at=float(row[4]),
+        )  # fmt: skip
+
+    @staticmethod
+    def _claim(db: sqlite3.Connection, response_id: str, owner: str, version: int) -> bool:
+        # one statement: SQLite runs one writer at a time, so of two racing claims one wins
+        won = db.execute(
+            "UPDATE suspended SET claimed = 1, version = version + 1 "
+            "WHERE id = ? AND owner = ? AND version = ? AND claimed = 0",
+            (response_id, owner, version),
+        )
+        return won.rowcount == 1
+
+    @staticmethod
+    def _release(db: sqlite3.Connection, response_id: str, version: int) -> None:
+        db.execute(
+            "UPDATE suspended SET claimed = 0 WHERE id = ? AND version = ?", (response_id, version)
+        )
 
     @staticmethod
     def _get(db: sqlite3.Connection, response_id: str, owner: str) -> StoredResponse | None:
@@ -337,8 +552,33 @@ class SQLiteStore:
 
     # -- the interface --------------------------------------------------------------------------
 
-    async def put(self, stored: StoredResponse) -> None:
-        await self._call(self._write_limiter, PUT_FAILED, self._db, self._put, stored)
+    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
+        await self._call(
+            self._write_limiter, PUT_FAILED, self._db, self._put, stored, ends_suspension
+        )
+
+    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
+        await self._call(
+            self._write_limiter, SUSPEND_FAILED, self._db, self._suspend, suspended, since,
+            expected,
+        )  # fmt: skip
+
+    async def suspended(
+        self, response_id: str, *, owner: str = ANONYMOUS
+    ) -> SuspendedResponse | None:
+        return await self._read(resume_failed(response_id), self._suspended, response_id, owner)
+
+    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+        return await self._call(
+            self._write_limiter, resume_failed(response_id), self._db, self._claim,
+            response_id, owner, version,
+        )  # fmt: skip
+
+    async def release(self, response_id: str, *, version: int) -> None:
+        await self._call(
+            self._write_limiter, resume_failed(response_id), self._db, self._release,
+            response_id, version,
+        )  # fmt: skip
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         return await self._read(get_failed(response_id), self._get, response_id, owner)

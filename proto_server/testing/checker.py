@@ -72,6 +72,12 @@ TERMINAL_EVENTS: Mapping[str, str] = {
     "response.cancelled": "cancelled",
 }
 CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
+#: The `error` codes an append that names its Response (`response_id`) may earn as well: the
+#: store decides whether a Response suspended on another connection can be resumed here.
+RESUME_ERRORS = frozenset(
+    {"response_not_found", "response_already_completed", "response_already_resumed",
+     "store_unavailable"}
+)  # fmt: skip
 #: The `error` codes a `response.inject` may earn (its other answers are its own events).
 INJECT_ERRORS = frozenset(
     {"unknown_call_id", "duplicate_call_id", "invalid_field", "unknown_event_type"}
@@ -216,6 +222,39 @@ class StreamChecker:
         self.violation: InvariantViolation | None = None
         self.finished = False
         self.stream_id: str | None = None  # the lane it checks (LaneChecker sets it)
+
+    def resuming(self, response: Mapping[str, Any]) -> None:
+        """This connection resumes by id a Response another connection saw suspend:
+        `response` is the Response object of the last `response.done` it received. The model
+        starts from that suspension: its output (closed), its usage, and the calls of its last
+        segment waiting; the connection's own events are numbered from 0."""
+        rid = response.get("id")
+        if not isinstance(rid, str) or rid in self.responses:
+            raise ValueError(f"cannot resume {rid!r} on this checker")
+        r = _Response(rid, phase="suspended")
+        output = [item for item in response.get("output") or () if isinstance(item, Mapping)]
+        for index, item in enumerate(output):
+            adopted = _Item(index, str(item.get("id")), str(item.get("type")),
+                            item.get("call_id"), item.get("name"), done=True)  # fmt: skip
+            if adopted.type == "message":
+                adopted.parts = [[part.get("text", "")] for part in item.get("content") or ()]
+            elif adopted.type in CALL_TYPES:
+                adopted.arguments = [str(item.get("arguments", item.get("input", "")))]
+                adopted.arguments_done = True
+            r.items.append(adopted)
+        waiting = len(r.items)
+        while waiting and r.items[waiting - 1].type in CALL_TYPES:
+            waiting -= 1  # a segment's calls come last: those of the last one wait
+        r.pending = {i.call_id: i.index for i in r.items[waiting:] if i.call_id is not None}
+        r.answered = {i.call_id for i in r.items[:waiting] if i.call_id is not None}
+        r.segment_start = len(r.items)
+        usage = response.get("usage")
+        if isinstance(usage, Mapping):
+            r.usage = (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
+                       usage["output_tokens"])  # fmt: skip
+            r.segment_base = r.usage[:2]
+        self.responses[rid] = r
+        self.current = r
 
     # -- what the client sent ------------------------------------------------------------------
 
@@ -717,6 +756,11 @@ class StreamChecker:
         if self.dialect == "prototype":
             code = self._judge(event, view)
             codes = {code} if code else set()
+            if isinstance(event, ResponseAppend) and event.response_id is not None:
+                if view.phase in ("none", "suspended"):
+                    codes |= RESUME_ERRORS  # resumed from the store, or not
+                if view.phase == "none":
+                    codes.discard("no_open_response")  # it names one: the store is asked
             if view.phase == "streaming" and not isinstance(event, ResponseCreate):
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
             if code is None and _forces_a_call(event):
@@ -780,11 +824,10 @@ class StreamChecker:
 
     def _append_fits(self, frame: _Frame) -> bool:
         """An append in doubt that the server, as it is now, would accept."""
-        return (
-            isinstance(frame.event, ResponseAppend)
-            and frame.can_accept
-            and self._answers(frame.event, self._view()) == (True, frozenset())
-        )
+        if not (isinstance(frame.event, ResponseAppend) and frame.can_accept):
+            return False
+        accept, codes = self._answers(frame.event, self._view())
+        return accept and not codes - RESUME_ERRORS
 
     def _accept(self, frame: _Frame) -> None:
         """Apply an accepted frame's effect to the model."""

@@ -93,6 +93,10 @@ class ResponseAppend:
     tool_choice: Any = None
     #: The lane whose open Response this answers (None: the default lane).
     stream_id: StreamId | None = None
+    #: This project's extension: the Response it answers, by id. Where the lane has no open
+    #: Response, a suspended one is resumed from the store onto it (another connection's or
+    #: another process's, rebuilt cold).
+    response_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,224 @@
+"""A suspended prototype Response survives its connection and its process, through the store.
+
+At each suspension, before its `response.done` goes out, a `store: true` Response writes what
+rebuilding it takes (`SuspendedResponse`: its settings, output and usage so far, the calls it
+waits on, and its conversation's new items) to the store. A client whose connection dropped, or
+whose process died, connects again, to any process on that store, and answers the calls with a
+`response.append` that names the Response (`response_id`): `resume` rebuilds it cold (the
+prompt rendered and prefilled again: the model's warm state is gone) and it goes on with the
+same id and output indices, on the new connection's sequence numbers.
+
+Exactly once: a resume claims the suspension in the store, one atomic UPDATE on the version it
+read, so of several connections racing only one gets it (`response_already_resumed` for the
+others); every later write of a Response names the version it holds, so a copy that lost the
+suspension to a claim is fenced off (`SuspensionLost`) and stores nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from proto_server.core.conversation import (
+    TOKEN_BYTES,
+    Conversation,
+    RenderedItems,
+    is_model_item,
+    render_items,
+)
+from proto_server.core.render import Renderer
+from proto_server.core.request import check_tool_choice
+from proto_server.core.response import ResponseMachine
+from proto_server.server import metrics
+from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
+from proto_server.server.outbox import EventSink
+from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import StoreUnavailable, SuspendedResponse
+from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.events import ResponseAppend
+from proto_server.wire.items import Item
+
+if TYPE_CHECKING:
+    from proto_server.server.app import ProtoServer
+    from proto_server.server.metrics import TimedStore
+
+
+class Durable:
+    """One Response's place among the store's suspensions: the version it last wrote or
+    claimed (0: none yet), how many of its conversation's items are stored, where its output
+    begins in them, and whether it holds a claim (it was resumed and has not suspended since)."""
+
+    def __init__(
+        self,
+        store: TimedStore,
+        owner: str,
+        response_id: str,
+        *,
+        first_output: int,
+        version: int = 0,
+        written: int = 0,
+        claimed: bool = False,
+    ) -> None:
+        self.store = store
+        self.owner = owner
+        self.response_id = response_id
+        self.first_output = first_output
+        self.version = version
+        self.written = written
+        self.claimed = claimed
+
+    @property
+    def ends(self) -> int | None:
+        """The suspension version an ending write deletes with it (None: nothing stored)."""
+        return self.version or None
+
+    async def suspended(self, machine: ResponseMachine) -> None:
+        """Write the suspension `machine` is in; only its new items are sent. A store that
+        fails raises `StoreUnavailable`; a copy fenced off raises `SuspensionLost`."""
+        conversation = machine.conversation
+        items = tuple(conversation.items)
+        snapshot = machine.snapshot()
+        record = SuspendedResponse(
+            # the output is in `items` already (from `first_output` on): not written twice
+            response=attrs.evolve(snapshot, output=()),
+            items=items,
+            first_output=self.first_output,
+            instructions=conversation.instructions,
+            tools=conversation.tools,
+            pending=tuple(machine.pending_calls),
+            segments=machine.segments,
+            tool_calls=machine.tool_calls,
+            owner=self.owner,
+        )
+        await self.store.suspend(record, since=self.written, expected=self.version)
+        self.version += 1
+        self.written = len(items)
+        self.claimed = False
+
+    async def release(self) -> None:
+        """The connection went away before the resumed Response suspended again: let its claim
+        go, so the client can resume it once more (from the same suspension)."""
+        if not self.claimed:
+            return
+        self.claimed = False
+        with trio.CancelScope(shield=True):  # the store's own --store-timeout bounds it
+            try:
+                await self.store.release(self.response_id, version=self.version)
+                log.debug("response.claim_released", extra={"response": self.response_id})
+            except StoreUnavailable as exc:
+                why = {"response": self.response_id, "reason": str(exc)}
+                log.warning("response.claim_kept", extra=why)
+
+
+def output_of(suspended: SuspendedResponse) -> tuple[Item, ...]:
+    """The output a suspension had: its model's items, from where its output began."""
+    return tuple(item for item in suspended.items[suspended.first_output :] if is_model_item(item))
+
+
+def _rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[list[int], RenderedItems]:
+    """Render a suspension's prompt again: the cold path, O(history); pure, for a thread."""
+    prefix = renderer.render_prefix(suspended.instructions, suspended.tools)
+    return prefix, render_items(renderer, suspended.items)
+
+
+def _refused(code: str, message: str, status: int = 400) -> ProtocolError:
+    metrics.RESUMES.labels(code).inc()
+    return ProtocolError(code, message, param="response_id", status=status)
+
+
+async def resume(
+    server: ProtoServer,
+    append: ResponseAppend,
+    *,
+    owner: str,
+    budget: MemoryBudget,
+    events: EventSink,
+    size: int,
+) -> SamplingLoop:
+    """The suspended Response `append` names, rebuilt from the store and claimed for this
+    connection, with `append`'s items committed (it resumes when its loop runs). Refused with
+    a `ProtocolError` that changes nothing: `response_not_found` (never suspended here, another
+    key's, or idle past `--suspend-timeout`), `response_already_completed`,
+    `response_already_resumed` (another connection holds it), the append's own errors
+    (`unknown_call_id`, `missing_tool_output`, ...), or `store_unavailable` (503)."""
+    response_id = append.response_id
+    assert response_id is not None
+    store = server.store
+    shown = quoted(response_id)
+    if store.suspensions is None:
+        raise _refused(
+            "response_not_found",
+            f"No suspended Response {shown}: this server's store keeps no suspensions.",
+        )
+    found = await store.suspended(response_id, owner=owner)
+    if found is None:
+        if await store.get(response_id, owner=owner) is not None:
+            raise _refused(
+                "response_already_completed",
+                f"Response {shown} already ended; nothing can be appended to it. Start a new "
+                "one with response.create.",
+            )
+        raise _refused(
+            "response_not_found",
+            f"No suspended Response {shown} in the store (never suspended with store: true, "
+            "expired, or another key's).",
+        )
+    if found.claimed:
+        raise _refused(
+            "response_already_resumed",
+            f"Response {shown} was resumed by another connection, which holds it now.",
+            status=409,
+        )
+    idle = time.time() - found.stored_at
+    if idle > server.config.suspend_timeout_s:
+        raise _refused(
+            "response_not_found",
+            f"Suspended Response {shown} waited {idle:.0f} s, past --suspend-timeout "
+            f"({server.config.suspend_timeout_s:g} s); start a new one with response.create.",
+        )
+    prefix, history = await server.offload.run(
+        _rebuild, server.renderer, found, size=size + 1024 * len(found.items)
+    )
+    budget.check(history.nbytes + TOKEN_BYTES * (len(prefix) + len(history.tokens)), "This resume")
+    conversation = Conversation(
+        server.renderer, instructions=found.instructions, tools=found.tools, prefix=prefix
+    )
+    conversation.extend_rendered(history)
+    machine = ResponseMachine.restore(
+        response=attrs.evolve(found.response, output=output_of(found)),
+        conversation=conversation,
+        pending=found.pending,
+        segments=found.segments,
+        tool_calls=found.tool_calls,
+        clock=lambda: int(time.time()),
+    )
+    machine.check_append(append.input)
+    if append.tool_choice is not None:
+        server.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
+    rendered = await server.offload.run(render_items, server.renderer, append.input, size=size)
+    if not await store.claim(response_id, owner=owner, version=found.version):
+        raise _refused(
+            "response_already_resumed",
+            f"Response {shown} was resumed by another connection just now, which holds it.",
+            status=409,
+        )
+    durable = Durable(
+        store, owner, response_id, first_output=found.first_output, version=found.version + 1,
+        written=len(found.items), claimed=True,
+    )  # fmt: skip
+    try:
+        loop = server.resumed_loop(machine, budget, events, durable=durable, owner=owner)
+        loop.append(append.input, rendered, tool_choice=append.tool_choice)
+    except BaseException:
+        await durable.release()
+        raise
+    metrics.RESUMES.labels("resumed").inc()
+    log.info(
+        "response.resumed",
+        extra={"response": response_id, "items": len(found.items), "idle_s": round(idle, 3)},
+    )
+    return loop
