@@ -31,10 +31,17 @@ from proto_server.testing.checker import StreamChecker, o200k_count
 from proto_server.wire.items import FunctionCall, Message
 from proto_server.wire.response import Response, Usage
 
-from .conftest import EXEC_COMMAND, THREE_SEGMENTS, StartServer
-from .test_cli import read_line
-from .test_prototype_rollout import answers, create
-from .wsclient import Client, connect
+from .helpers import (
+    EXEC_COMMAND,
+    THREE_SEGMENTS,
+    StartServer,
+    WireClient,
+    answers,
+    connect,
+    create,
+    read_line,
+    stored,
+)
 
 # -- the store ------------------------------------------------------------------------------
 
@@ -152,8 +159,6 @@ async def test_a_file_from_before_suspensions_is_migrated_and_keeps_its_response
     tables when opened; what it stored stays."""
     from proto_server.server import store as sqlite_module
 
-    from .test_store import stored
-
     path = tmp_path / "v1.sqlite3"
     db = sqlite3.connect(path)
     for statement in sqlite_module._SCHEMA:
@@ -187,8 +192,6 @@ async def test_a_database_from_before_suspensions_is_migrated_and_keeps_its_secr
 
     from proto_server.server import postgres
 
-    from .test_store import stored
-
     url = pg_url
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE proto_server_schema (version integer NOT NULL)")
@@ -219,18 +222,13 @@ def checked(response: dict[str, Any] | None = None) -> StreamChecker:
     return checker
 
 
-async def exchange(client: Client, checker: StreamChecker, frame: dict[str, Any]) -> list[Any]:
+async def exchange(client: WireClient, checker: StreamChecker, frame: dict[str, Any]) -> list[Any]:
     checker.sent(frame)
     await client.send(frame)
     events = await client.segment()
     for event in events:
         checker.received(event)
     return events
-
-
-async def vanish(client: Client) -> None:
-    """The client's TCP goes, with no close frame (see wsclient.py)."""
-    await client.ws._stream.aclose()  # type: ignore[attr-defined]
 
 
 async def test_a_dropped_connection_resumes_by_id_on_a_new_one_cold_and_exactly_once(
@@ -240,12 +238,10 @@ async def test_a_dropped_connection_resumes_by_id_on_a_new_one_cold_and_exactly_
     url = running.prototype_url
     with trio.fail_after(20):
         first = checked()
-        with trio.CancelScope() as scope:
-            async with connect(url) as client:
-                events = await exchange(client, first, create())
-                assert events[-1]["type"] == "response.done"
-                await vanish(client)
-                scope.cancel()
+        async with connect(url) as client:
+            events = await exchange(client, first, create())
+            assert events[-1]["type"] == "response.done"
+            await client.vanish()  # the TCP goes, with no close frame
         done = events[-1]["response"]
         rid, outputs = done["id"], answers(events)
         first.finish(closed=True)
@@ -257,7 +253,7 @@ async def test_a_dropped_connection_resumes_by_id_on_a_new_one_cold_and_exactly_
         results: dict[str, list[dict[str, Any]]] = {}
         checkers: dict[str, StreamChecker] = {}
 
-        async def resume(name: str, client: Client) -> None:
+        async def resume(name: str, client: WireClient) -> None:
             checkers[name] = checked(done)
             frame = {"type": "response.append", "response_id": rid, "input": outputs}
             results[name] = await exchange(client, checkers[name], frame)
