@@ -36,7 +36,7 @@ from proto_server.engine.chunks import (
     ToolCallArgumentsDelta,
     ToolCallBegin,
 )
-from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.toolcalls import call_text, describe_tools
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
@@ -103,6 +103,20 @@ def test_a_template_that_cannot_render_one_message_at_a_time_is_refused() -> Non
     tokenizer.chat_template = CHATML.replace("in messages", "in messages|reverse")
     with pytest.raises(TemplateError, match="one message at a time"):
         ChatTemplateRenderer(tokenizer)
+
+
+async def test_a_conversation_past_the_context_window_is_refused_with_its_code(
+    tokenizer: Any,
+) -> None:
+    """Not a crash of the generator: a GeneratorError whose code the Response fails with."""
+    generator = make(tokenizer, Scripted(tokenizer, ["never decoded"]))
+    generator.context = 64  # the tiny model reads 16,384; a short window makes the point
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=TOOLS)
+    conversation.extend([Message(role="user", content="word " * 100)])
+    session = generator.open_session(conversation)
+    with pytest.raises(GeneratorError, match="reads at most 64") as refused:
+        await segment(session)
+    assert refused.value.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize(

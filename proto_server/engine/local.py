@@ -49,8 +49,12 @@ def greedy(logits: torch.Tensor, generated: Sequence[int]) -> int:
     return int(logits.argmax())
 
 
-class ContextOverflow(Exception):
-    """The conversation no longer fits the model's context window."""
+class ContextOverflow(GenerationRefused):
+    """The conversation no longer fits the model's context window: the Response fails with
+    `context_length_exceeded`, as OpenAI's and vLLM's do, and the connection lives."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("context_length_exceeded", message)
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
