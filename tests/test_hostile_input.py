@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import orjson
 import pytest
 import trio
@@ -47,6 +48,7 @@ from .helpers import (
     THREE_SEGMENTS,
     CheckpointStore,
     answers,
+    connect,
     create,
     json_values,
     quiet,
@@ -300,6 +302,32 @@ def test_a_bad_upgrade_is_named(request_bytes: bytes, status: int, hint: str) ->
     refusal = upgrade_refusal(head)
     assert refusal is not None and refusal.status == status and hint in refusal.detail.message
     assert upgrade_refusal(read_head(upgrade(), [])) is None  # type: ignore[arg-type]
+
+
+async def test_a_refused_upgrade_is_a_whole_http_response_with_what_its_status_needs() -> None:
+    """Refusals before any HTTP exchange go out through h11 as every other HTTP error does: a
+    426 says the version spoken, a 503 when to retry, and each closes the connection."""
+    async with serving(max_connections=1) as (_, address):
+        with trio.fail_after(10):
+            answers_ = {
+                426: await exchange_raw(address, upgrade("sec-websocket-version: 8")),
+                400: await exchange_raw(address, b"NOT HTTP\r\n\r\n"),
+            }
+            async with connect(f"{address.ws_url}?dialect=prototype"):  # the one allowed
+                answers_[503] = await exchange_raw(address, upgrade())
+    said = {}
+    for status, raw in answers_.items():
+        client = h11.Connection(h11.CLIENT)
+        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        client.receive_data(raw)
+        response, body = client.next_event(), client.next_event()
+        assert isinstance(response, h11.Response) and response.status_code == status, raw
+        assert isinstance(body, h11.Data) and "error" in orjson.loads(body.data)
+        said[status] = dict(response.headers)
+        assert said[status][b"content-type"] == b"application/json"
+        assert said[status][b"connection"] == b"close"
+    assert said[426][b"sec-websocket-version"] == b"13"
+    assert said[503][b"retry-after"] == b"1"
 
 
 # -- live: a hostile client beside a good one ------------------------------------------------------

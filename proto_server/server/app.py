@@ -17,7 +17,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from http import HTTPStatus
 from typing import Literal
 
 import attrs
@@ -52,7 +51,14 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.server.http import LINGER_S, error_body, linger, serve_http, unauthorized
+from proto_server.server.http import (
+    LINGER_S,
+    error_body,
+    linger,
+    send_error,
+    serve_http,
+    unauthorized,
+)
 from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
@@ -280,7 +286,7 @@ class ProtoServer:
                         stream, max_bytes=self.config.max_request_head_bytes
                     )
                 except BadRequestHead as exc:
-                    await _refuse(
+                    await send_error(
                         stream, ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
                     )
                     return
@@ -288,14 +294,14 @@ class ProtoServer:
                 timeout = self.config.handshake_timeout_s
                 message = f"The request head did not arrive within {timeout:g} s; send it at once."
                 with trio.move_on_after(1):  # a client that sends this slowly may not read either
-                    await _refuse(stream, ProtocolError("request_timeout", message, status=408))
+                    await send_error(stream, ProtocolError("request_timeout", message, status=408))
                 return
             if head is None:
                 return
             if not head.is_websocket:
                 await serve_http(self, stream, head)
             elif (refusal := upgrade_refusal(head)) is not None:
-                await _refuse(stream, refusal)
+                await send_error(stream, refusal)
             else:
                 await self._serve_websocket(stream, head, deadline)
         except* (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionClosed):
@@ -323,7 +329,7 @@ class ProtoServer:
         )
         try:
             with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
-                await _refuse(stream, busy)
+                await send_error(stream, busy)
                 await linger(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -617,16 +623,3 @@ async def _reject(request: WebSocketRequest, nursery: trio.Nursery, error: Proto
     with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
         await request.reject(error.status, extra_headers=json, body=error_body(error))
     nursery.cancel_scope.cancel()
-
-
-async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
-    """Answer a request that cannot be served with a JSON error, and close the connection."""
-    body = error_body(error)
-    reason = HTTPStatus(error.status).phrase.encode()
-    extra = {426: b"sec-websocket-version: 13\r\n", 503: b"retry-after: 1\r\n"}.get(
-        error.status, b""
-    )
-    await stream.send_all(
-        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"%sconnection: close\r\n\r\n%s" % (error.status, reason, len(body), extra, body)
-    )

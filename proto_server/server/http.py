@@ -17,6 +17,7 @@ with only its own responses. Connections are kept alive; a store that cannot ans
 from __future__ import annotations
 
 import time
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -75,19 +76,39 @@ def _body_is_read(conn: h11.Connection) -> bool:
     return conn.their_state is h11.DONE
 
 
+#: What a refusal with this status also says: the WebSocket version spoken, when to retry.
+STATUS_HEADERS = {426: [("sec-websocket-version", "13")], 503: [("retry-after", "1")]}
+
+
+async def send_error(
+    stream: trio.abc.Stream,
+    error: ProtocolError | StoreUnavailable,
+    conn: h11.Connection | None = None,
+) -> None:
+    """Every HTTP refusal goes out here: a request's, on its exchange's h11 connection, and a
+    handshake's (`conn` None: the head was never h11's, so a fresh one answers it)."""
+    conn = h11.Connection(h11.SERVER) if conn is None else conn
+    extra = STATUS_HEADERS.get(error.status, [])
+    await send_json(stream, conn, error.status, error_body(error), extra=extra)
+
+
 async def send_json(
     stream: trio.abc.Stream,
     conn: h11.Connection,
     status: int,
     body: bytes,
     content_type: tuple[str, str] = JSON,
+    *,
+    extra: list[tuple[str, str]] | None = None,
 ) -> None:
     """Answer with `body`; a request whose body is not read (refused before it, or too large)
     is answered `Connection: close` and its body is never read: that could be 100 GB."""
-    headers = [content_type, ("content-length", str(len(body)))]
+    headers = [content_type, ("content-length", str(len(body))), *(extra or [])]
     if not _body_is_read(conn):
         headers.append(("connection", "close"))
-    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+    reason = HTTPStatus(status).phrase.encode()
+    response = h11.Response(status_code=status, headers=headers, reason=reason)
+    await stream.send_all(conn.send(response) or b"")
     await stream.send_all(conn.send(h11.Data(data=body)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
 
@@ -203,7 +224,7 @@ async def _serve_requests(
             except (ProtocolError, StoreUnavailable) as exc:
                 if conn.our_state is not h11.SEND_RESPONSE:
                     return  # the answer had begun; nothing sensible can be said now
-                await send_json(stream, conn, exc.status, error_body(exc))
+                await send_error(stream, exc, conn)
                 if exc.status == 408:
                     return  # it stalled; it will not send the rest
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
@@ -222,7 +243,7 @@ async def _serve_requests(
         except h11.RemoteProtocolError as exc:
             if conn.our_state is h11.SEND_RESPONSE:
                 refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
-                await send_json(stream, conn, 400, error_body(refusal))
+                await send_error(stream, refusal, conn)
             return
 
 
@@ -299,7 +320,7 @@ class _Exchange:
         unready = ProtocolError(
             problems[0][0], f"Not ready: {message}.", error_type="server_error", status=503
         )
-        await send_json(self.stream, self.conn, 503, error_body(unready))
+        await send_error(self.stream, unready, self.conn)
 
     async def _json(self, status: int, body: Any) -> int:
         """Answer with `body` as JSON; the bytes it took."""
