@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from proto_server.core.response import (
 )
 from proto_server.wire.converter import encode_server_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
-from proto_server.wire.events import ErrorEvent
+from proto_server.wire.events import ErrorEvent, OutputItemDone
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.response import Response
 
@@ -238,3 +239,33 @@ def test_in_the_launched_dialect_a_segment_with_tool_calls_completes() -> None:
     m.end_function_call()
     assert m.end_segment()[-1].type == "response.completed"
     assert m.status is Status.COMPLETED
+
+
+def test_the_ids_of_what_it_makes_come_from_the_function_it_is_given() -> None:
+    """Given a counter, two runs of the same moves name every item alike: a test can write
+    down the exact events it expects."""
+
+    def run() -> list[Any]:
+        count = itertools.count()
+        conv = Conversation(O200kRenderer())
+        conv.extend([Message(role="user", content="hi")])
+        m = ResponseMachine(
+            response=Response(id="resp_1", created_at=0, status="in_progress", model="m"),
+            conversation=conv,
+            new_id=lambda prefix: f"{prefix}_{next(count)}",
+        )
+        events = list(m.start())
+        m.begin_segment(prompt_tokens=3, cached_tokens=0)
+        events += m.text_delta("Let me look.", tokens=3)
+        events += m.begin_function_call("exec_command", tokens=2)
+        events += m.end_function_call()
+        return events
+
+    first, again = run(), run()
+    assert first == again
+    made = [e.item for e in first if isinstance(e, OutputItemDone)]
+    assert [(item.type, item.id) for item in made] == [
+        ("message", "msg_0"),
+        ("function_call", "fc_1"),
+    ]
+    assert made[1].call_id == "call_2"  # type: ignore[union-attr]

@@ -21,8 +21,8 @@ from typing import Any
 
 import attrs
 
+from proto_server.core import ids
 from proto_server.core.conversation import Conversation, RenderedItems
-from proto_server.core.ids import new_id
 from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
 from proto_server.wire.events import (
     CompactionCompacting,
@@ -122,13 +122,17 @@ class ResponseMachine:
         clock: Callable[[], int] | None = None,
         compaction: UnknownItem | None = None,
         announce_suspension: bool = True,
+        new_id: Callable[[str], str] = ids.new_id,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
-        `compaction`: the item of a server-side compaction that made `conversation` (which
-        holds it already); `start` streams it as the first output item."""
+        `new_id(prefix)` names the items it makes (`msg_...`, `fc_...`, `call_...`): random
+        unless a test gives a counter. `compaction`: the item of a server-side compaction that
+        made `conversation` (which holds it already); `start` streams it as the first output
+        item."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
+        self._new_id = new_id
         self.completed_at: int | None = None
         self._compaction = compaction
         self.suspend_on_tool_calls = suspend_on_tool_calls
@@ -165,6 +169,7 @@ class ResponseMachine:
         segments: int,
         tool_calls: int,
         clock: Callable[[], int] | None = None,
+        new_id: Callable[[str], str] = ids.new_id,
     ) -> ResponseMachine:
         """A suspended Response rebuilt from its persisted suspension (`response`: its
         snapshot then, `conversation`: its items re-rendered), so that another connection or
@@ -174,7 +179,7 @@ class ResponseMachine:
             response, status="in_progress", output=(), usage=None, error=None,
             incomplete_details=None, completed_at=None,
         )  # fmt: skip
-        machine = cls(response=template, conversation=conversation, clock=clock)
+        machine = cls(response=template, conversation=conversation, clock=clock, new_id=new_id)
         machine.status = Status.SUSPENDED
         machine._output = list(response.output)
         calls = {item.call_id: item for item in response.output if isinstance(item, FunctionCall)}
@@ -334,7 +339,7 @@ class ResponseMachine:
             raise IllegalTransition("text arrived after a tool call; a segment's calls come last")
         events: list[ServerEvent] = []
         if self._open is None:
-            item_id = new_id("msg")
+            item_id = self._new_id("msg")
             index = len(self._output)
             self._open = _OpenMessage(item_id, index)
             empty = Message(id=item_id, role="assistant", content=(), status="in_progress")
@@ -362,7 +367,7 @@ class ResponseMachine:
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("a tool call began inside another")
         events = self._close_message()
-        call = _OpenCall(new_id("fc"), len(self._output), new_id("call"), name)
+        call = _OpenCall(self._new_id("fc"), len(self._output), self._new_id("call"), name)
         self._open = call
         self._output_tokens += tokens
         item = FunctionCall(
