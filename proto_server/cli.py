@@ -22,7 +22,9 @@ import attrs
 import trio
 
 from proto_server.bench import cli as bench_cli
+from proto_server.core import settings
 from proto_server.core.ranges import InvalidSetting
+from proto_server.core.settings import add_flags, from_flags
 from proto_server.engine.base import TokenGenerator
 from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
@@ -31,13 +33,14 @@ from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS, 
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import MiB, ServerConfig
+from proto_server.server.config import ServerConfig
 from proto_server.server.logs import configure
 from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import (
     ResponseStore,
     SQLiteStore,
     StoreError,
+    StoreRetention,
     is_postgres_url,
     redact,
 )
@@ -111,20 +114,13 @@ def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[s
     return tuple(keys)
 
 
-#: Settings whose flag is not their field's name (the rest: `max_x_s` is `--max-x`).
-_FLAGS = {
-    "prefill_tokens_per_s": "--prefill-rate",
-    "decode_tokens_per_s": "--decode-rate",
-    "burst_tokens_per_s": "--burst-rate",
-    "max_memory_bytes": "--max-memory",
-    "max_connection_memory_bytes": "--max-connection-memory",
-    "api_keys": "--api-key",
-}
+#: The classes whose fields are `serve` flags.
+SETTINGS = (ServerConfig, TimingModel, StoreRetention)
 
 
 def flag_of(field: str) -> str:
-    """The `serve` flag that sets a ServerConfig or TimingModel field."""
-    return _FLAGS.get(field) or "--" + field.removesuffix("_s").replace("_", "-")
+    """The `serve` flag that sets a field of one of the SETTINGS classes."""
+    return settings.flag_of(SETTINGS, field)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,12 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve the Responses API over WebSocket on one port.",
     )
-    defaults = ServerConfig()
-    timing = TimingModel()
-    serve.add_argument("--host", default=defaults.host, help="address to listen on")
-    serve.add_argument(
-        "--port", type=int, default=defaults.port, help="port to listen on; 0 picks a free one"
-    )
+    # every setting a class holds is its flag, declared with the field (core/settings.py)
+    for settings_class in SETTINGS:
+        add_flags(serve, settings_class)
     serve.add_argument(
         "--generator",
         choices=["simulated", "local", "vllm"],
@@ -211,47 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"used (at least one {BLOCK_TOKENS}-token block)",
     )
     serve.add_argument(
-        "--decode-rate",
-        type=float,
-        default=timing.decode_tokens_per_s,
-        metavar="TOKENS_PER_S",
-        help="modelled decode speed of the simulated GPU",
-    )
-    serve.add_argument(
-        "--prefill-rate",
-        type=float,
-        default=timing.prefill_tokens_per_s,
-        metavar="TOKENS_PER_S",
-        help="modelled prefill speed for uncached prompt tokens",
-    )
-    serve.add_argument(
-        "--burst-rate",
-        type=float,
-        default=None,
-        metavar="TOKENS_PER_S",
-        help="modelled decode speed during bursts (e.g. 4000); off by default",
-    )
-    serve.add_argument(
-        "--burst-share",
-        type=float,
-        default=timing.burst_share,
-        metavar="FRACTION",
-        help="share of tokens decoded at the burst rate",
-    )
-    serve.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=defaults.max_message_bytes,
-        help="largest client frame; a larger one closes the connection with code 1009",
-    )
-    serve.add_argument(
-        "--max-connection-lifetime",
-        type=float,
-        default=defaults.max_connection_lifetime_s,
-        metavar="SECONDS",
-        help="a WebSocket is closed after this long (websocket_connection_limit_reached)",
-    )
-    serve.add_argument(
         "--workers",
         type=_positive(int),
         default=1,
@@ -262,137 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument(
-        "--max-connections",
-        type=int,
-        default=defaults.max_connections,
-        metavar="N",
-        help="open connections (WebSocket and HTTP); one more is answered 503 server_busy and "
-        "closed at once",
-    )
-    serve.add_argument(
-        "--handshake-timeout",
-        type=float,
-        default=defaults.handshake_timeout_s,
-        metavar="SECONDS",
-        help="time to send a request head (or the next one on a kept-alive HTTP connection, "
-        "or the rest of a body); then 408 and the connection is closed",
-    )
-    serve.add_argument(
-        "--suspend-timeout",
-        type=float,
-        default=defaults.suspend_timeout_s,
-        metavar="SECONDS",
-        help="prototype dialect: a suspended Response whose client sends nothing for this long "
-        "ends with response.incomplete (reason suspend_timeout)",
-    )
-    serve.add_argument(
-        "--max-suspended-rollouts",
-        type=int,
-        default=defaults.max_suspended_rollouts,
-        metavar="N",
-        help="suspended Responses per process; past it the one idle longest ends with "
-        "response.incomplete (reason suspended_rollout_limit)",
-    )
-    serve.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=defaults.shutdown_grace_s,
-        metavar="SECONDS",
-        help="on SIGTERM or Ctrl-C: how long streaming segments may take to finish; then "
-        "every open Response ends (response.incomplete, reason server_shutdown), close 1001",
-    )
-    serve.add_argument(
-        "--drain-delay",
-        type=float,
-        default=defaults.drain_delay_s,
-        metavar="SECONDS",
-        help="on SIGTERM or Ctrl-C: /readyz answers 503 at once, but the server goes on "
-        "accepting and serving this long before it stops listening (and its grace begins), so "
-        "a balancer's health check takes it out of rotation first; set it above the "
-        "balancer's check interval times its fall count (deploy/haproxy.cfg: 3); 0-3600",
-    )
-    serve.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=defaults.max_queued_requests,
-        help="launched dialect: response.create frames that may wait behind the one in flight "
-        "on each lane; one more is refused with concurrent_request",
-    )
-    serve.add_argument(
-        "--max-lanes",
-        type=int,
-        default=defaults.max_lanes,
-        metavar="N",
-        help="named lanes (stream_id) one WebSocket may use; one more is refused with "
-        "websocket_stream_limit_reached (the default lane is not counted)",
-    )
-    # the two memory flags are in MiB, the settings in bytes: their range is checked in MiB here
-    serve.add_argument(
-        "--max-memory",
-        type=_positive(int),
-        default=defaults.max_memory_bytes // MiB,
-        metavar="MIB",
-        help="memory the process may keep for its clients (rollouts, queued and in-preparation "
-        "requests); past it the idlest cached or suspended rollouts are let go, then requests "
-        "are refused with server_busy (503)",
-    )
-    serve.add_argument(
-        "--max-connection-memory",
-        type=_positive(int),
-        default=defaults.max_connection_memory_bytes // MiB,
-        metavar="MIB",
-        help="memory one connection may make the server keep (its rollouts and queued "
-        "requests); past it its own idle cache is let go, then requests are refused with "
-        "connection_memory_limit",
-    )
-    serve.add_argument(
-        "--prepare-threads",
-        type=int,
-        default=defaults.prepare_threads,
-        metavar="N",
-        help="worker threads that decode and render large requests off the event loop",
-    )
-    serve.add_argument(
-        "--permessage-deflate",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.permessage_deflate,
-        help="compress WebSocket frames (RFC 7692) when the client offers it, as Codex does",
-    )
-    serve.add_argument(
-        "--no-merge-deltas",
-        dest="merge_deltas",
-        action="store_false",
-        help="send every delta in a frame of its own, even to a client that reads too slowly",
-    )
-    serve.add_argument(
         "--store",
         type=_store_location,
         default=str(default_store_path()),
         metavar="PATH",
         help="SQLite file for store: true responses; ':memory:' keeps them in memory "
         "(URLs such as postgresql:// are not supported by this build)",
-    )
-    serve.add_argument(
-        "--store-max-responses",
-        type=_positive(int),
-        default=100_000,
-        metavar="N",
-        help="retention: the newest this many stored responses are kept (a positive integer)",
-    )
-    serve.add_argument(
-        "--store-max-age",
-        type=_positive(float),
-        default=30.0,
-        metavar="DAYS",
-        help="retention: stored responses older than this many days are deleted (positive)",
-    )
-    serve.add_argument(
-        "--store-timeout",
-        type=_positive(float),
-        default=defaults.store_timeout_s,
-        metavar="SECONDS",
-        help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
-        "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
     )
     serve.add_argument(
         "--compaction-secret-file",
@@ -552,12 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        timing = TimingModel(
-            prefill_tokens_per_s=args.prefill_rate,
-            decode_tokens_per_s=args.decode_rate,
-            burst_tokens_per_s=args.burst_rate,
-            burst_share=args.burst_share,
-        )
+        timing = from_flags(TimingModel, args)
         planner: Planner = load_script(args.script) if args.script else DefaultModel()
     except InvalidSetting as exc:
         print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
@@ -578,29 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
-    settings: dict[str, Any] = {
-        "host": args.host,
-        "port": args.port,
-        "max_message_bytes": args.max_message_bytes,
-        "max_connection_lifetime_s": args.max_connection_lifetime,
-        "max_connections": args.max_connections,
-        "max_queued_requests": args.max_queued_requests,
-        "max_lanes": args.max_lanes,
-        "merge_deltas": args.merge_deltas,
-        "permessage_deflate": args.permessage_deflate,
-        "api_keys": keys,
-        "store_timeout_s": args.store_timeout,
-        "handshake_timeout_s": args.handshake_timeout,
-        "suspend_timeout_s": args.suspend_timeout,
-        "max_suspended_rollouts": args.max_suspended_rollouts,
-        "shutdown_grace_s": args.shutdown_grace,
-        "drain_delay_s": args.drain_delay,
-        "max_memory_bytes": args.max_memory * MiB,
-        "max_connection_memory_bytes": args.max_connection_memory * MiB,
-        "prepare_threads": args.prepare_threads,
-    }
     try:
-        config = ServerConfig(**settings)
+        config = from_flags(ServerConfig, args, api_keys=keys)
+        retention = from_flags(StoreRetention, args)
     except InvalidSetting as exc:
         print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
         return 2
@@ -609,11 +411,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.workers > 1 and args.listen_fd is None:
         return _supervise(args, list(sys.argv[1:] if argv is None else argv))
-    retention = {
-        "max_responses": args.store_max_responses,
-        "max_age_s": args.store_max_age * 24 * 3600,
-        "timeout_s": args.store_timeout,
-    }
     store: ResponseStore
     try:
         if is_postgres_url(args.store):
@@ -623,14 +420,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"proto-server: a postgresql:// store needs psycopg ({exc}); "
                       "pip install 'proto-server[postgresql]'", file=sys.stderr)  # fmt: skip
                 return 2
-            store = shared = PostgresStore(args.store, **retention)
+            store = shared = PostgresStore(args.store, retention=retention)
         else:
             if args.store != ":memory:":
                 Path(args.store).parent.mkdir(parents=True, exist_ok=True)
-            store, shared = SQLiteStore(args.store, **retention), None
-    except ValueError as exc:  # what argparse let through (nan, inf)
-        print(f"proto-server: {exc} (--store-max-age, --store-timeout)", file=sys.stderr)
-        return 2
+            store, shared = SQLiteStore(args.store, retention=retention), None
     except (OSError, sqlite3.Error, StoreError) as exc:
         print(f"proto-server: cannot open the store {redact(args.store)}: {exc}; start it or "
               "pass another --store", file=sys.stderr)  # fmt: skip
@@ -653,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if engine is None:
             return 2
         generator, what = engine, f"vLLM model {engine.name} at {engine.url}"
-        settings["default_model"] = engine.name
+        config = attrs.evolve(config, default_model=engine.name)
     elif args.generator == "local":
         local = _load_local(args, max_tokens=args.max_tokens)
         if local is None:

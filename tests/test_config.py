@@ -58,8 +58,7 @@ def test_every_numeric_setting_has_a_range() -> None:
         for field in attrs.fields(cls):
             if field.type in ("int", "float", "float | None"):
                 assert field.validator is not None, f"{cls.__name__}.{field.name}"
-                if field.name != "store_timeout_s":  # the store's: tests/test_config_auth.py
-                    assert any(r[:2] == (cls, field.name) for r in REFUSED), field.name
+                assert any(r[:2] == (cls, field.name) for r in REFUSED), field.name
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,13 @@ import pytest
 import trio
 
 from proto_server.server.postgres import SCHEMA_VERSION, PostgresStore
-from proto_server.server.store import StoreError, StoreUnavailable, chain_items, owner_id
+from proto_server.server.store import (
+    StoreError,
+    StoreRetention,
+    StoreUnavailable,
+    chain_items,
+    owner_id,
+)
 
 from .helpers import connect, read_line, stored
 from .postgres import Cluster
@@ -41,7 +47,8 @@ async def test_a_chain_comes_back_in_order_and_a_broken_one_is_a_miss(pg_url: st
 
 async def test_retention_by_count_and_by_age(pg_url: str) -> None:
     now = [1000.0]
-    store = PostgresStore(pg_url, max_responses=2, max_age_s=100, clock=lambda: now[0])
+    retention = StoreRetention(max_responses=2, max_age_s=100)
+    store = PostgresStore(pg_url, retention=retention, clock=lambda: now[0])
     for i in range(3):
         await store.put(stored(f"resp_{i}"))
         now[0] += 1
@@ -87,7 +94,7 @@ async def test_stores_of_two_processes_share_responses_schema_and_secret(pg_url:
 async def test_a_database_that_goes_away_fails_in_time_and_is_used_again_when_back(
     pg_url: str, postgres: Cluster
 ) -> None:
-    store = PostgresStore(pg_url, timeout_s=2.0)
+    store = PostgresStore(pg_url, retention=StoreRetention(timeout_s=2.0))
     await store.put(stored("resp_1"))
     await trio.to_thread.run_sync(postgres.stop)
     try:

@@ -19,6 +19,7 @@ from proto_server.server.store import (
     SCHEMA_VERSION,
     SQLiteStore,
     StoredResponse,
+    StoreRetention,
     StoreUnavailable,
     chain_items,
     owner_id,
@@ -62,7 +63,9 @@ async def test_a_broken_chain_is_a_miss() -> None:
 
 async def test_retention_by_count_and_by_age() -> None:
     now = [1000.0]
-    store = SQLiteStore(max_responses=2, max_age_s=100, clock=lambda: now[0])
+    store = SQLiteStore(
+        retention=StoreRetention(max_responses=2, max_age_s=100), clock=lambda: now[0]
+    )
     for i in range(3):
         await store.put(stored(f"resp_{i}"))
         now[0] += 1
@@ -195,12 +198,12 @@ def test_a_file_from_a_newer_server_is_refused(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_limits_that_would_delete_or_hang_are_refused(option: str, value: float) -> None:
     with pytest.raises(ValueError, match=option):
-        SQLiteStore(**{option: value})  # type: ignore[arg-type]
+        StoreRetention(**{option: value})  # type: ignore[arg-type]
 
 
 async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_path: Path) -> None:
     path = tmp_path / "store.sqlite3"
-    store = SQLiteStore(path, timeout_s=0.5)
+    store = SQLiteStore(path, retention=StoreRetention(timeout_s=0.5))
     await store.put(stored("resp_1"))
     with trio.fail_after(10):
         with Locker(path):

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import trio
 
-from proto_server.server.store import SQLiteStore, StoredResponse, StoreUnavailable
+from proto_server.server.store import SQLiteStore, StoredResponse, StoreRetention, StoreUnavailable
 from proto_server.testing.checker import StreamChecker, o200k_count
 
 from .helpers import END, Locker, StartServer, body, connect, forged, launched_create, sse, turn
@@ -24,7 +24,9 @@ TEXT = {"segments": [{"text": "Done."}]}
 
 async def locked_store_server(start_server: StartServer, tmp_path: Path) -> tuple[str, str, Path]:
     path = tmp_path / "responses.sqlite3"
-    running = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.5))
+    running = await start_server(
+        TEXT, store=SQLiteStore(path, retention=StoreRetention(timeout_s=0.5))
+    )
     return running.address.ws_url, running.address.http_url, path
 
 
@@ -135,7 +137,9 @@ async def test_the_stream_checker_accepts_what_a_failing_store_makes_the_server_
     """`response.failed` after a whole output, `store_unavailable` for a lookup, and a refused
     forged compaction item keep every invariant of the stream checker."""
     path = tmp_path / "responses.sqlite3"
-    locked = await start_server(TEXT, store=SQLiteStore(path, timeout_s=0.3))
+    locked = await start_server(
+        TEXT, store=SQLiteStore(path, retention=StoreRetention(timeout_s=0.3))
+    )
     unreadable = await start_server(TEXT, store=UnreadableStore())
     frames = [
         launched_create(store=True, tools=[]),

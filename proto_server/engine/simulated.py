@@ -24,6 +24,7 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.ranges import between, positive
 from proto_server.core.render import Renderer
+from proto_server.core.settings import setting
 from proto_server.core.tokenizer import o200k_base
 from proto_server.engine.chunks import (
     Chunk,
@@ -43,10 +44,33 @@ BURST_WINDOW = 100
 
 @attrs.frozen(kw_only=True)
 class TimingModel:
-    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=positive)
-    decode_tokens_per_s: float = attrs.field(default=1_000.0, validator=positive)
-    burst_tokens_per_s: float | None = attrs.field(default=None, validator=positive)
-    burst_share: float = attrs.field(default=0.5, validator=between(0, 1))
+    prefill_tokens_per_s: float = setting(
+        20_000.0,
+        positive,
+        flag="--prefill-rate",
+        metavar="TOKENS_PER_S",
+        help="modelled prefill speed for uncached prompt tokens",
+    )
+    decode_tokens_per_s: float = setting(
+        1_000.0,
+        positive,
+        flag="--decode-rate",
+        metavar="TOKENS_PER_S",
+        help="modelled decode speed of the simulated GPU",
+    )
+    burst_tokens_per_s: float | None = setting(
+        None,
+        positive,
+        flag="--burst-rate",
+        metavar="TOKENS_PER_S",
+        help="modelled decode speed during bursts (e.g. 4000); off by default",
+    )
+    burst_share: float = setting(
+        0.5,
+        between(0, 1),
+        metavar="FRACTION",
+        help="share of tokens decoded at the burst rate",
+    )
 
     def prefill_seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -141,9 +141,7 @@ class ProtoServer:
         self.generator = generator
         self.renderer = renderer or generator.renderer or O200kRenderer()
         # every call timed into the metrics (proto_server_store_seconds)
-        self.store = metrics.TimedStore(
-            store or SQLiteStore(":memory:", timeout_s=self.config.store_timeout_s)
-        )
+        self.store = metrics.TimedStore(store or SQLiteStore(":memory:"))
         #: Seals compaction items; without a kept secret they live as long as this process.
         self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0

@@ -29,15 +29,16 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from proto_server.server.store import (
     ANONYMOUS,
+    DEFAULT_RETENTION,
     PUT_FAILED,
     SUSPEND_FAILED,
     StoredResponse,
     StoreError,
+    StoreRetention,
     StoreUnavailable,
     SuspendedResponse,
     SuspensionLost,
     chain_failed,
-    check_retention,
     decode_row,
     decode_suspended,
     encode_items,
@@ -114,34 +115,31 @@ class PostgresStore:
         self,
         url: str,
         *,
-        max_responses: int = 100_000,
-        max_age_s: float = 30 * 24 * 3600,
-        timeout_s: float = 5.0,
+        retention: StoreRetention = DEFAULT_RETENTION,
         connections: int = CONNECTIONS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        check_retention(max_responses, max_age_s, timeout_s)
-        self.max_responses = max_responses
-        self.max_age_s = max_age_s
-        self.timeout_s = timeout_s
+        self.max_responses = retention.max_responses
+        self.max_age_s = retention.max_age_s
+        self.timeout_s = retention.timeout_s
         self._clock = clock
         self._limiter = trio.CapacityLimiter(connections)
         self._pool = ConnectionPool(
             url,
             min_size=1,
             max_size=connections,
-            timeout=timeout_s,
+            timeout=self.timeout_s,
             open=False,
             check=ConnectionPool.check_connection,
             reconnect_timeout=math.inf,  # a database that is away is waited for, not given up
             kwargs={
                 "autocommit": True,
-                "connect_timeout": max(1, math.ceil(timeout_s)),
-                "options": f"-c statement_timeout={math.ceil(timeout_s * 1000)}",
+                "connect_timeout": max(1, math.ceil(self.timeout_s)),
+                "options": f"-c statement_timeout={math.ceil(self.timeout_s * 1000)}",
             },
         )
         try:
-            self._pool.open(wait=True, timeout=timeout_s)
+            self._pool.open(wait=True, timeout=self.timeout_s)
             with self._pool.connection() as conn:
                 self.secret = _migrate(conn)
         except (psycopg.Error, PoolTimeout) as exc:

@@ -28,6 +28,8 @@ import orjson
 import trio
 
 from proto_server.core.compaction import compacted_prompt
+from proto_server.core.ranges import InvalidSetting, at_least, positive
+from proto_server.core.settings import setting
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.items import Item
@@ -168,18 +170,43 @@ def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
     )
 
 
-def check_retention(max_responses: int, max_age_s: float, timeout_s: float) -> None:
-    """A store's limits, refused (ValueError) where they would make no sense."""
-    # a limit of zero or less would delete each response in the transaction that writes it
-    if isinstance(max_responses, bool) or not isinstance(max_responses, int):
-        raise ValueError(f"max_responses must be a positive integer, got {max_responses!r}")
-    if max_responses <= 0:
-        raise ValueError(f"max_responses must be a positive integer, got {max_responses}")
-    if not (max_age_s > 0):
-        raise ValueError(f"max_age_s must be positive, got {max_age_s}")
-    if not (0 < timeout_s < math.inf):
-        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+DAY_S = 24 * 3600.0
 
+
+def _positive_finite(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 < value < math.inf:
+        raise InvalidSetting(attribute.name, f"must be positive and finite, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class StoreRetention:
+    """What every store keeps, and how long a call may wait on it (both stores, every flag)."""
+
+    # zero or less would delete each response in the transaction that writes it
+    max_responses: int = setting(
+        100_000,
+        at_least(1),
+        flag="--store-max-responses",
+        help="retention: the newest this many stored responses are kept",
+    )
+    max_age_s: float = setting(
+        30 * DAY_S,
+        positive,
+        flag="--store-max-age",
+        metavar="DAYS",
+        unit=DAY_S,
+        help="retention: stored responses older than this many days are deleted",
+    )
+    timeout_s: float = setting(
+        5.0,
+        _positive_finite,
+        flag="--store-timeout",
+        help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
+        "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
+    )
+
+
+DEFAULT_RETENTION = StoreRetention()
 
 #: What a failed call of any store could not do, as its `StoreUnavailable` says.
 PUT_FAILED = "the response could not be stored; retry, or send it with store: false"
@@ -321,17 +348,14 @@ class SQLiteStore:
         self,
         path: str | Path = ":memory:",
         *,
-        max_responses: int = 100_000,
-        max_age_s: float = 30 * 24 * 3600,
-        timeout_s: float = 5.0,
+        retention: StoreRetention = DEFAULT_RETENTION,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        check_retention(max_responses, max_age_s, timeout_s)
         self.path = str(path)
         self._clock = clock
-        self.max_responses = max_responses
-        self.max_age_s = max_age_s
-        self.timeout_s = timeout_s
+        self.max_responses = retention.max_responses
+        self.max_age_s = retention.max_age_s
+        self.timeout_s = retention.timeout_s
         self._db = self._connect()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
