@@ -177,10 +177,10 @@ class LaunchedDialect:
             case ResponseCancel(stream_id=stream_id):
                 lane = self._lanes.get(stream_id)
                 current = lane.current if lane is not None else None
-                if current is None or current.machine.status.terminal:
+                if current is None:
                     where = "this connection" if stream_id is None else f"lane {stream_id!r}"
                     raise ProtocolError("no_open_response", f"No response is in flight on {where}.")
-                current.cancel()
+                current.cancel()  # its machine refuses one that is ending or ended
             case ResponseInject():
                 require_beta(self._multi_agent, "response.inject")
                 await serve_inject(

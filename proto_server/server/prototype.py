@@ -112,14 +112,13 @@ class PrototypeDialect:
         return lane
 
     def _open_rollout(self, stream_id: str | None, verb: str) -> SamplingLoop:
+        """The lane's Response (whether it still takes `verb` is its machine's to say)."""
         lane = self._lanes.get(stream_id)
         where = "this connection" if stream_id is None else f"lane {stream_id!r}"
         rollout = lane.current if lane is not None else None
-        if rollout is not None and not rollout.machine.status.terminal:
+        if rollout is not None:
             return rollout
         ended = lane.ended if lane is not None else None
-        if rollout is not None:  # decided, but its terminal event is not out yet
-            ended = (rollout.machine.id, rollout.machine.status.value)
         if ended is None:
             raise ProtocolError(
                 "no_open_response",
