@@ -326,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="named lanes (stream_id) one WebSocket may use; one more is refused with "
         "websocket_stream_limit_reached (the default lane is not counted)",
     )
+    serve.add_argument(
+        "--max-pending-steers",
+        type=int,
+        default=defaults.max_pending_steers,
+        metavar="N",
+        help="accepted response.steer inputs one Response may hold before they are applied; "
+        "one more gets response.steer.failed (too_many_pending_steers) with its input back",
+    )
     # the two memory flags are in MiB, the settings in bytes: their range is checked in MiB here
     serve.add_argument(
         "--max-memory",
@@ -586,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_connections": args.max_connections,
         "max_queued_requests": args.max_queued_requests,
         "max_lanes": args.max_lanes,
+        "max_pending_steers": args.max_pending_steers,
         "merge_deltas": args.merge_deltas,
         "permessage_deflate": args.permessage_deflate,
         "api_keys": keys,

@@ -70,6 +70,9 @@ class ServerConfig:
     #: counted; OpenAI's service allows 32); a create naming one more is refused with
     #: `websocket_stream_limit_reached`. Each keeps its last Response warm.
     max_lanes: int = attrs.field(default=32, validator=at_least(1))
+    #: Accepted steers one Response may hold before they are applied (`response.steer`); one
+    #: more is refused with `too_many_pending_steers`, its input returned.
+    max_pending_steers: int = attrs.field(default=8, validator=at_least(1))
     #: What the whole process keeps for its clients (rollouts, queued and in-preparation
     #: requests); past it the idlest cached or suspended rollouts are let go, then requests are
     #: refused with `server_busy` (503).

@@ -5,6 +5,11 @@ answers the calls and resumes it; `response.completed` ends it. One Response ope
 each lane: a create may name a lane (`stream_id`), and appends and cancels name the same lane;
 lanes run concurrently. With the multi-agent beta, `response.inject` answers the calls of the
 Response it names by id, whatever its lane: the same suspension, resumed the same way.
+
+`response.steer` does not start a successor Response here: the one Response of the rollout
+cuts its segment at the next safe point and goes on with the steer's messages (its
+`response.in_progress` is the commit point), so the rollout keeps its one id and warm state;
+while it waits on tool outputs the steer is pending and follows the append that answers them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,13 @@ from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
-from proto_server.server.lanes import EndedResponses, LaneNames, require_beta, serve_inject
+from proto_server.server.lanes import (
+    EndedResponses,
+    LaneNames,
+    require_beta,
+    serve_inject,
+    serve_steer,
+)
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
@@ -24,6 +35,7 @@ from proto_server.wire.events import (
     ResponseCancel,
     ResponseCreate,
     ResponseInject,
+    ResponseSteer,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +108,11 @@ class PrototypeDialect:
                     lane=self._connection.lane,
                     offload=self._server.offload,
                     size=frame_bytes,
+                )
+            case ResponseSteer():
+                # the same Response goes on with the steer's messages (ResponseMachine.steer)
+                await serve_steer(
+                    event, find=self._find, ended=self._ended_ids, lane=self._connection.lane
                 )
 
     def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
