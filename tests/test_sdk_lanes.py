@@ -293,3 +293,71 @@ async def test_inject_needs_the_beta_header_which_the_sdk_does_not_add(
     assert error.error.code == "invalid_field"
     assert error.error.param == "multi_agent"
     assert MULTI_AGENT_BETA in error.error.message
+
+
+LONG_THEN_SHORT = {"segments": [{"text": "word " * 200}, {"text": "Tabs it is."}]}
+
+
+def steer_mid_stream(http_url: str) -> tuple[Lanes, list[Any], list[Any]]:
+    """What a user writes with the session helper: a create on a lane, a steer through the
+    same lane once text streams, then the steered Response and its successor read back."""
+    seen = Lanes()
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        client = AsyncOpenAI(base_url=http_url, api_key="sk-test", max_retries=0)
+        async with (
+            client.responses.connect() as connection,
+            AsyncResponsesWebSocketSession(connection, limits=LIMITS) as session,
+        ):
+            lane = session.lane("s")
+            await seen.send("s", lane, create(tools=[]))
+            await seen.collect("s", lane, {"response.output_text.delta"})
+            frame = {
+                "type": "response.steer",
+                "previous_response_id": seen.events["s"][0]["response"]["id"],
+                "input": "Use tabs, not spaces.",
+            }
+            # the lane sends a steer as it is (no stream_id): the server routes it
+            seen.log["s"].append(("sent", frame))
+            await lane.send(frame)  # type: ignore[arg-type]
+            typed = [await seen.collect("s", lane, {"response.steer.accepted"})]
+            await seen.collect("s", lane, {"response.incomplete"})
+            steered = await lane.get_final_response()
+            await seen.collect("s", lane, {"response.created"})
+            await seen.collect("s", lane, TERMINAL)
+            successor = await lane.get_final_response()
+            return [steered, successor], typed
+
+    responses, typed = asyncio.run(main())
+    return seen, responses, typed
+
+
+async def test_a_steer_through_the_sdk_session_ends_the_response_and_its_successor_follows(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(
+        LONG_THEN_SHORT, timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
+    )
+    with trio.fail_after(60):
+        seen, (steered, successor), typed = await trio.to_thread.run_sync(
+            steer_mid_stream, running.address.http_url
+        )
+    assert steered.status == "incomplete"
+    assert steered.incomplete_details is not None
+    assert steered.incomplete_details.reason == "steered"
+    assert successor.status == "completed"
+    assert successor.previous_response_id == steered.id
+    assert successor.output_text == "Tabs it is."
+    assert successor.model == steered.model and successor.instructions == steered.instructions
+    kinds = [e["type"] for e in seen.events["s"]]
+    assert kinds.index("response.steer.accepted") < kinds.index("response.incomplete")
+    assert type(typed[0]).__name__ == "ResponseSteerAcceptedEvent"  # the SDK's own type
+    accepted = next(e for e in seen.events["s"] if e["type"] == "response.steer.accepted")
+    assert accepted["steer"]["previous_response_id"] == steered.id
+    assert [e["sequence_number"] for e in seen.events["s"]] == list(range(len(kinds)))
+    checker = LaneChecker(dialect="launched")
+    for what, obj in seen.log["s"]:
+        checker.sent(obj) if what == "sent" else checker.received(obj)
+    checker.finish()
+    # the successor continued the steered Response's warm rollout on its lane
+    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
