@@ -402,11 +402,16 @@ class StreamChecker:
 
     def _in_progress(self, obj: Mapping[str, Any]) -> None:
         r = self._own(obj)
-        if r.phase == "streaming" and r.items and self._queued_steers(r.id):
+        if r.phase == "streaming" and self._queued_steers(r.id):
             # prototype: a steer cut the segment (or came as it ended); the Response goes on
             if self.dialect != "prototype":
                 self._fail(7, f"Response {r.id} resumed in place from a steer")
-            self._close_segment(r, obj)
+            if r.open_item is not None:
+                self._fail(3, f"a steer cut the segment with item {r.open_item.id} still open")
+            self._check_usage(r, self._response_object(obj))
+            if r.usage[0] > r.segment_base[0]:  # cut before its prefill: no prompt to compare
+                r.last_prompt = r.usage[0] - r.segment_base[0]
+            r.segment_base = r.usage[:2]
             if r.pending:
                 self._fail(4, f"a steer cut Response {r.id} while calls await output")
             self._commit_steers(r.id)
