@@ -16,8 +16,9 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -34,12 +35,15 @@ from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.store import ANONYMOUS, StoredResponse
+from proto_server.testing.checker import LaneChecker
 from proto_server.testing.client import MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
 from proto_server.wire.converter import converter
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
+
+T = TypeVar("T")
 
 SETTLE_S = 0.005  # how long every task must stay blocked for the connection to count as quiet
 
@@ -397,3 +401,41 @@ def under_deadline(
 
     run.deadline_s = seconds  # type: ignore[attr-defined]
     return run
+
+
+async def until_lane(client: WireClient, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
+    """Everything received up to the first event of one of `kinds` on `lane`."""
+    events = []
+    while True:
+        event = await client.receive()
+        events.append(event)
+        if event.get("stream_id") == lane and event["type"] in kinds:
+            return events
+
+
+class Checked:
+    """A client whose every frame and event goes through a `LaneChecker`."""
+
+    def __init__(self, client: WireClient, dialect: str = "launched") -> None:
+        self.client = client
+        self.checker = LaneChecker(dialect=dialect)  # type: ignore[arg-type]
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        self.checker.sent(frame)
+        await self.client.send(frame)
+
+    async def until_lane(self, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
+        events = await until_lane(self.client, lane, *kinds)
+        for event in events:
+            self.checker.received(event)
+        return events
+
+
+BETA = {"OpenAI-Beta": "responses_multi_agent=v1"}
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` (a blocking or asyncio client: the openai SDKs) on a worker thread that the
+    test's deadline abandons: a client that never returns fails the test instead of hanging
+    it (trio cannot cancel a thread, and would wait for it)."""
+    return await trio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)

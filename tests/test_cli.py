@@ -221,6 +221,7 @@ BAD_FLAGS = [
     ("--max-queued-requests", "0", "must be at least 1, got 0"),
     ("--max-queued-requests", "-1", "must be at least 1, got -1"),
     ("--max-lanes", "0", "must be at least 1, got 0"),
+    ("--max-pending-steers", "0", "must be at least 1, got 0"),
     ("--handshake-timeout", "nan", "must be positive, got nan"),
     ("--suspend-timeout", "-3", "must be positive, got -3.0"),
     ("--max-suspended-rollouts", "0", "must be at least 1, got 0"),

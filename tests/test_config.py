@@ -32,6 +32,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "max_queued_requests", 0, "at least 1"),
     (ServerConfig, "max_queued_requests", -1, "at least 1"),
     (ServerConfig, "max_lanes", 0, "at least 1"),
+    (ServerConfig, "max_pending_steers", 0, "at least 1"),
     (ServerConfig, "max_memory_bytes", 1000, "at least 1048576"),
     (ServerConfig, "max_connection_memory_bytes", 0, "at least 1048576"),
     (ServerConfig, "prepare_threads", 0, "at least 1"),

@@ -53,11 +53,14 @@ def output(call_id: str) -> FunctionCallOutput:
 
 def test_the_transition_table() -> None:
     assert TRANSITIONS[Status.IN_PROGRESS] == {
-        Status.SUSPENDED, Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
+        Status.SUSPENDED, Status.ENDING,
+        Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
     }  # fmt: skip
     assert TRANSITIONS[Status.SUSPENDED] == {
-        Status.IN_PROGRESS, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
+        Status.IN_PROGRESS, Status.ENDING, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
     }  # fmt: skip
+    # ending: decided, its terminal not said yet; only the ends it can say
+    assert TRANSITIONS[Status.ENDING] == {Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
     for status in TERMINAL:
         assert TRANSITIONS[status] == frozenset()
 

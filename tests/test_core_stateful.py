@@ -4,7 +4,8 @@ A hypothesis `RuleBasedStateMachine` plays both sides of a connection, synchrono
 generator (text, tool calls, parallel calls, stops, faults, illegal chunks) and the client
 (create, valid, partial, unknown, duplicate and late appends, cancel, disconnect; injects of the
 multi-agent beta, while the segment streams or once it suspended, to a live, ended or unknown
-Response). Client frames
+Response; steers, to the open, an ended or an unknown Response, applied at a safe point).
+Client frames
 go through the real decoder and the machine's own checks, as the dialect does; every event the
 machine returns is numbered as the writer would and fed to `StreamChecker`, so invariants 1-7
 are checked after every step, and the machine's own bookkeeping after every rule.
@@ -28,12 +29,18 @@ from hypothesis.stateful import (
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
 from proto_server.core.request import input_items, response_template
-from proto_server.core.response import IllegalTransition, ResponseMachine, Status
+from proto_server.core.response import (
+    IllegalTransition,
+    ResponseMachine,
+    Status,
+    Steer,
+    steer_failed,
+)
 from proto_server.core.sequence import Sequencer
 from proto_server.testing import StreamChecker
 from proto_server.testing.schema import wire_schema
-from proto_server.wire.converter import decode_client_event
-from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.converter import decode_client_event, steer_items
+from proto_server.wire.errors import ErrorDetail, ProtocolError, SteerRefused
 from proto_server.wire.events import (
     ErrorEvent,
     InjectError,
@@ -43,6 +50,7 @@ from proto_server.wire.events import (
     ResponseInject,
     ResponseInjectCreated,
     ResponseInjectFailed,
+    ResponseSteer,
     ServerEvent,
 )
 from proto_server.wire.items import FunctionCall
@@ -72,6 +80,7 @@ class Connection(RuleBasedStateMachine):
         self.machine: ResponseMachine | None = None
         self.segment_begun = False
         self.warm = False
+        self.steers = 0
 
     # -- the two sides' plumbing ---------------------------------------------------------------
 
@@ -107,6 +116,9 @@ class Connection(RuleBasedStateMachine):
         if isinstance(event, ResponseInject):
             self.inject(event)
             return
+        if isinstance(event, ResponseSteer):
+            self.steer(event)
+            return
         if m is None or m.status.terminal:
             raise ProtocolError("no_open_response", "nothing is open")
         if isinstance(event, ResponseCancel):
@@ -134,6 +146,25 @@ class Connection(RuleBasedStateMachine):
         self.emit([ResponseInjectCreated(response_id=m.id), *resumed])
         if m.status is Status.IN_PROGRESS and resumed:
             self.segment_begun = False
+
+    def steer(self, event: ResponseSteer) -> None:
+        """As `serve_steer` does: queued on the named Response, or returned with its input."""
+        m = self.machine
+        rid = event.previous_response_id
+        try:
+            items = steer_items(event.input)
+            if m is None or m.id != rid:
+                raise SteerRefused("response_not_found", "no")
+            self.steers += 1
+            steer = Steer(
+                id=f"steer_{self.steers}",
+                previous_response_id=rid,
+                items=items,
+                raw_input=event.input,
+            )
+            self.emit(m.steer(steer))
+        except SteerRefused as exc:
+            self.emit([steer_failed(exc.code, exc.message, event.input, rid)])
 
     def state(self) -> tuple[Any, ...]:
         m = self.machine
@@ -256,6 +287,21 @@ class Connection(RuleBasedStateMachine):
         )
         items = [user(text)] if rid != "resp_nowhere" else [output("call_x")]
         self.send({"type": "response.inject", "response_id": rid, "input": items})
+
+    @rule(
+        named=st.sampled_from(["current", "resp_nowhere"]),
+        text=texts | st.just([]) | st.just([{"type": "function_call_output", "call_id": "c"}]),
+    )
+    def steer_it(self, named: str, text: Any) -> None:
+        rid = self.machine.id if named == "current" and self.machine is not None else named
+        self.send({"type": "response.steer", "previous_response_id": rid, "input": text})
+
+    @precondition(lambda self: self.machine is not None and self.machine.steer_due)
+    @rule()
+    def safe_point(self) -> None:
+        """The sampling loop between two tokens: a due steer cuts the segment, which goes on."""
+        self.emit(self.m.take_steers())
+        self.segment_begun = False
 
     @rule()
     def cancel(self) -> None:

@@ -31,6 +31,7 @@ from .helpers import (
     body,
     connect,
     create,
+    in_thread,
     launched_create,
     parse_sse,
     prefix_tokens,
@@ -189,7 +190,7 @@ def prewarm_then_chain(http_url: str) -> tuple[list[Any], list[Any]]:
 async def test_prewarm_is_a_warm_up_over_the_sdk_websocket(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        warm, nxt = await trio.to_thread.run_sync(prewarm_then_chain, running.address.http_url)
+        warm, nxt = await in_thread(prewarm_then_chain, running.address.http_url)
     assert [e.type for e in warm] == [
         "response.created", "response.in_progress", "response.completed"
     ]  # fmt: skip
@@ -225,9 +226,7 @@ def prewarm_over_http(http_url: str) -> tuple[Any, Any]:
 async def test_prewarm_over_http_stores_a_warm_up_to_chain_from(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        warmed, answered = await trio.to_thread.run_sync(
-            prewarm_over_http, running.address.http_url
-        )
+        warmed, answered = await in_thread(prewarm_over_http, running.address.http_url)
     assert (warmed.status, warmed.output, warmed.usage.output_tokens) == ("completed", [], 0)
     # the first segment of the script: the prewarm generated nothing
     assert [item.type for item in answered.output] == ["message", "function_call"]
@@ -272,7 +271,7 @@ async def test_a_turn_over_its_threshold_is_compacted_then_served_and_chained_wa
     running = await start_server(THREE_SEGMENTS)
     checker = StreamChecker(dialect="launched", count_tokens=o200k_count)
     with trio.fail_after(60):
-        first, second, third = await trio.to_thread.run_sync(
+        first, second, third = await in_thread(
             compacting_rollout, running.address.http_url, checker
         )
     checker.finish()
@@ -341,9 +340,7 @@ async def test_over_http_a_compacted_turn_streams_and_the_store_chain_restarts_t
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        first, events, third = await trio.to_thread.run_sync(
-            compacting_over_http, running.address.http_url
-        )
+        first, events, third = await in_thread(compacting_over_http, running.address.http_url)
     assert [i.type for i in first.output] == ["message", "function_call"]  # nothing asked
     kinds = [e.type for e in events]
     assert kinds[2:5] == [
@@ -421,5 +418,5 @@ async def test_the_sdk_hears_conversation_refused_naming_the_field(
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        error = await trio.to_thread.run_sync(conversation_over_http, running.address.http_url)
+        error = await in_thread(conversation_over_http, running.address.http_url)
     assert (error.status_code, error.code, error.param) == (400, "invalid_field", "conversation")

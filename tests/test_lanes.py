@@ -15,12 +15,13 @@ from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.testing.checker import LaneChecker
 
 from .helpers import (
+    BETA,
     END,
     FAST,
     THREE_SEGMENTS,
+    Checked,
     CheckpointStore,
     StartServer,
     WireClient,
@@ -28,6 +29,7 @@ from .helpers import (
     connect,
     create,
     launched_create,
+    until_lane,
 )
 
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
@@ -41,16 +43,6 @@ def lanes(events: list[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]
     return by_lane
 
 
-async def until_lane(client: WireClient, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
-    """Everything received up to the first event of one of `kinds` on `lane`."""
-    events = []
-    while True:
-        event = await client.receive()
-        events.append(event)
-        if event.get("stream_id") == lane and event["type"] in kinds:
-            return events
-
-
 async def until_each(client: WireClient, *names: str | None) -> dict[str | None, dict[str, Any]]:
     """The next end (terminal or error) of each lane in `names`, in whatever order they come."""
     ends: dict[str | None, dict[str, Any]] = {}
@@ -60,24 +52,6 @@ async def until_each(client: WireClient, *names: str | None) -> dict[str | None,
         if lane in names and lane not in ends and event["type"] in (*END, "response.cancelled"):
             ends[lane] = event
     return ends
-
-
-class Checked:
-    """A client whose every frame and event goes through a `LaneChecker`."""
-
-    def __init__(self, client: WireClient, dialect: str = "launched") -> None:
-        self.client = client
-        self.checker = LaneChecker(dialect=dialect)  # type: ignore[arg-type]
-
-    async def send(self, frame: dict[str, Any]) -> None:
-        self.checker.sent(frame)
-        await self.client.send(frame)
-
-    async def until_lane(self, lane: str | None, *kinds: str) -> list[dict[str, Any]]:
-        events = await until_lane(self.client, lane, *kinds)
-        for event in events:
-            self.checker.received(event)
-        return events
 
 
 async def test_two_lanes_stream_concurrently_each_numbered_from_zero(
@@ -295,9 +269,6 @@ async def test_each_lanes_warm_cache_is_charged_and_the_idlest_let_go_under_pres
     assert ends["a"]["error"]["code"] == "previous_response_not_found"  # evicted; store: false
     assert ends["b"]["type"] == "response.completed"
     assert running.server.turns[-1].source == "cache"
-
-
-BETA = {"OpenAI-Beta": "responses_multi_agent=v1"}
 
 
 def inject(response_id: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:

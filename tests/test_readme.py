@@ -38,6 +38,7 @@ def test_the_flags_table_lists_every_serve_flag_and_no_other(
     flags = set(re.findall(r"(--[a-z0-9-]+)", usage))
     section = (ROOT / "README.md").read_text().split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(--[a-z0-9-]+)", section, re.M))
+
     def pair(flag: str) -> str:  # a bool's other half: --x and --no-x
         return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 from openai import OpenAI
 
-from .helpers import StartServer
+from .helpers import StartServer, in_thread
 
 SHELL = {
     "type": "function",
@@ -64,9 +64,7 @@ def two_turn_tool_loop(http_url: str) -> tuple[Any, Any, list[str]]:
 async def test_openai_python_websocket_tool_loop(start_server: StartServer) -> None:
     running = await start_server()
     with trio.fail_after(60):
-        first, second, seen = await trio.to_thread.run_sync(
-            two_turn_tool_loop, running.address.http_url
-        )
+        first, second, seen = await in_thread(two_turn_tool_loop, running.address.http_url)
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "shell"
     assert call.arguments == '{"command":["echo","hello from proto-server"]}'
@@ -86,7 +84,7 @@ def stream_over_http(http_url: str) -> list[Any]:
 async def test_openai_python_streams_over_http(start_server: StartServer) -> None:
     running = await start_server()
     with trio.fail_after(60):
-        events = await trio.to_thread.run_sync(stream_over_http, running.address.http_url)
+        events = await in_thread(stream_over_http, running.address.http_url)
     assert events[0].type == "response.created"
     assert events[-1].type == "response.completed"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -120,7 +118,7 @@ def run_agent(http_url: str, chain: bool) -> tuple[str, list[str]]:
 async def test_openai_agents_websocket_session(start_server: StartServer, chain: bool) -> None:
     running = await start_server()
     with trio.fail_after(60):
-        final, ran = await trio.to_thread.run_sync(run_agent, running.address.http_url, chain)
+        final, ran = await in_thread(run_agent, running.address.http_url, chain)
     assert ran == ["echo_hi"]
     assert "echo_hi" in final and "hi" in final
     sources = [t.source for t in running.server.turns]

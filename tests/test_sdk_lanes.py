@@ -25,7 +25,7 @@ from proto_server.engine.simulated import TimingModel
 from proto_server.server.lanes import MULTI_AGENT_BETA
 from proto_server.testing.checker import LaneChecker
 
-from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, in_thread
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete"}
 #: Slow enough that two lanes' Responses overlap in time, fast enough for a test.
@@ -154,9 +154,7 @@ async def test_the_sdk_session_runs_two_lanes_concurrently_and_a_fork(
 ) -> None:
     running = await start_server(THREE_SEGMENTS, timing=PACED)
     with trio.fail_after(60):
-        seen, responses = await trio.to_thread.run_sync(
-            two_lanes_and_a_fork, running.address.http_url
-        )
+        seen, responses = await in_thread(two_lanes_and_a_fork, running.address.http_url)
     assert [len(responses[lane]) for lane in ("a", "b", "fork")] == [3, 3, 2]
     for lane, chain in responses.items():
         assert [r.status for r in chain] == ["completed"] * len(chain), lane
@@ -246,9 +244,7 @@ async def test_the_beta_client_drives_a_multi_tool_rollout_as_one_response(
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        events, refusals, log = await trio.to_thread.run_sync(
-            inject_rollout, running.address.http_url, True
-        )
+        events, refusals, log = await in_thread(inject_rollout, running.address.http_url, True)
     kinds = [e.type for e in events]
     assert kinds.count("response.created") == 1
     assert "response.done" not in kinds  # the beta waits silently, still in_progress
@@ -285,11 +281,78 @@ async def test_inject_needs_the_beta_header_which_the_sdk_does_not_add(
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
     with trio.fail_after(60):
-        events, _, _ = await trio.to_thread.run_sync(
-            inject_rollout, running.address.http_url, False
-        )
+        events, _, _ = await in_thread(inject_rollout, running.address.http_url, False)
     error = events[-1]
     assert error.type == "error"
     assert error.error.code == "invalid_field"
     assert error.error.param == "multi_agent"
     assert MULTI_AGENT_BETA in error.error.message
+
+
+LONG_THEN_SHORT = {"segments": [{"text": "word " * 200}, {"text": "Tabs it is."}]}
+
+
+def steer_mid_stream(http_url: str) -> tuple[Lanes, list[Any], list[Any]]:
+    """What a user writes with the session helper: a create on a lane, a steer through the
+    same lane once text streams, then the steered Response and its successor read back."""
+    seen = Lanes()
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        client = AsyncOpenAI(base_url=http_url, api_key="sk-test", max_retries=0)
+        async with (
+            client.responses.connect() as connection,
+            AsyncResponsesWebSocketSession(connection, limits=LIMITS) as session,
+        ):
+            lane = session.lane("s")
+            await seen.send("s", lane, create(tools=[]))
+            await seen.collect("s", lane, {"response.output_text.delta"})
+            frame = {
+                "type": "response.steer",
+                "previous_response_id": seen.events["s"][0]["response"]["id"],
+                "input": "Use tabs, not spaces.",
+            }
+            # the lane sends a steer as it is (no stream_id): the server routes it
+            seen.log["s"].append(("sent", frame))
+            await lane.send(frame)  # type: ignore[arg-type]
+            typed = [await seen.collect("s", lane, {"response.steer.accepted"})]
+            # the steered Response from its own terminal event: get_final_response() here
+            # would read on into the successor whenever its events have already arrived
+            steered = (await seen.collect("s", lane, {"response.incomplete"})).response
+            await seen.collect("s", lane, {"response.created"})
+            await seen.collect("s", lane, TERMINAL)
+            successor = await lane.get_final_response()
+            return [steered, successor], typed
+
+    responses, typed = asyncio.run(main())
+    return seen, responses, typed
+
+
+async def test_a_steer_through_the_sdk_session_ends_the_response_and_its_successor_follows(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(
+        LONG_THEN_SHORT, timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
+    )
+    with trio.fail_after(60):
+        seen, (steered, successor), typed = await in_thread(
+            steer_mid_stream, running.address.http_url
+        )
+    assert steered.status == "incomplete"
+    assert steered.incomplete_details is not None
+    assert steered.incomplete_details.reason == "steered"
+    assert successor.status == "completed"
+    assert successor.previous_response_id == steered.id
+    assert successor.output_text == "Tabs it is."
+    assert successor.model == steered.model and successor.instructions == steered.instructions
+    kinds = [e["type"] for e in seen.events["s"]]
+    assert kinds.index("response.steer.accepted") < kinds.index("response.incomplete")
+    assert type(typed[0]).__name__ == "ResponseSteerAcceptedEvent"  # the SDK's own type
+    accepted = next(e for e in seen.events["s"] if e["type"] == "response.steer.accepted")
+    assert accepted["steer"]["previous_response_id"] == steered.id
+    assert [e["sequence_number"] for e in seen.events["s"]] == list(range(len(kinds)))
+    checker = LaneChecker(dialect="launched")
+    for what, obj in seen.log["s"]:
+        checker.sent(obj) if what == "sent" else checker.received(obj)
+    checker.finish()
+    # the successor continued the steered Response's warm rollout on its lane
+    assert [t.source for t in running.server.turns] == ["fresh", "cache"]

@@ -34,7 +34,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from .engine import BLOCK_SIZE, SERVED_NAME, Engine
-from .helpers import TERMINAL, connect, read_line
+from .helpers import TERMINAL, connect, in_thread, read_line
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
@@ -401,9 +401,7 @@ async def test_a_launched_chain_through_the_openai_sdk_is_served_warm(
 ) -> None:
     served = await start_vllm(max_tokens=64)
     with trio.fail_after(240):
-        responses = await trio.to_thread.run_sync(
-            sdk_chain, served.address.http_url, 4, abandon_on_cancel=True
-        )
+        responses = await in_thread(sdk_chain, served.address.http_url, 4, abandon_on_cancel=True)
     assert [r.status for r in responses] == ["completed"] * 4, [r.error for r in responses]
     for response in responses[:3]:
         (call, *_) = [item for item in response.output if item.type == "function_call"]

@@ -6,34 +6,49 @@ returns the events to send, in order. It never awaits and never reads a clock.
 
     in_progress --tool calls--> suspended --append answers all--> in_progress --> ...
     in_progress --no tool call--> completed
+    in_progress | suspended --request_cancel / request_expire / request_fail--> ending
+    ending --end()--> cancelled | incomplete | failed
     any open state --> failed | incomplete | cancelled
 
+`ending`: the server decided to end the Response (the client cancelled it, the server expires
+it, the generator failed) and its terminal event is not out yet; it takes nothing more (still
+`in_progress` on the wire). Whether a Response is open is decided here alone.
+
+Steering (`steer`): a steer is queued, and at the next safe point (between tokens, with no tool
+call of the segment awaiting output: `steer_due`) `take_steers` applies it: a `successor`
+Response ends `incomplete` (`steered`) and its steers go to the successor the dialect starts;
+an `in_place` one (the prototype dialect) closes what streamed, takes the steer's messages, and
+streams on as the same Response. A Response that stops for tool outputs keeps its steers
+(`response.steer.pending`) until they arrive. One that ends otherwise fails them, input back.
+
 A call that is not legal in the current state raises and changes nothing: a client's mistake is
-a `ProtocolError` (it becomes an `error` event), a generator's is an `IllegalTransition` (a bug
-of the server, which fails the Response).
+a `ProtocolError` (it becomes an `error` event) or a `SteerRefused` (`response.steer.failed`),
+a generator's is an `IllegalTransition` (a bug of the server, which fails the Response).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from proto_server.core import ids
 from proto_server.core.conversation import Conversation, RenderedItems
-from proto_server.wire.errors import ErrorDetail, ProtocolError, quoted, some_of
+from proto_server.wire.errors import ErrorDetail, ProtocolError, SteerRefused, quoted, some_of
 from proto_server.wire.events import (
     CompactionCompacting,
     ContentPartAdded,
     ContentPartDone,
+    FailedSteer,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     OutputItemAdded,
     OutputItemDone,
     OutputTextDelta,
     OutputTextDone,
+    RequiredInput,
     ResponseCancelled,
     ResponseCompleted,
     ResponseCreated,
@@ -41,7 +56,12 @@ from proto_server.wire.events import (
     ResponseFailed,
     ResponseIncomplete,
     ResponseInProgress,
+    ResponseSteerAccepted,
+    ResponseSteerFailed,
+    ResponseSteerPending,
     ServerEvent,
+    SteerError,
+    SteerRef,
 )
 from proto_server.wire.items import (
     CustomToolCallOutput,
@@ -58,6 +78,8 @@ from proto_server.wire.response import InputTokensDetails, Response, Usage
 class Status(enum.Enum):
     IN_PROGRESS = "in_progress"
     SUSPENDED = "suspended"
+    #: Decided to end (cancelled, expired, failed); its terminal event is not out yet.
+    ENDING = "ending"
     COMPLETED = "completed"
     FAILED = "failed"
     INCOMPLETE = "incomplete"
@@ -69,19 +91,27 @@ class Status(enum.Enum):
 
     @property
     def wire(self) -> str:
-        """What the Response object says: a suspended Response is still `in_progress`."""
-        return "in_progress" if self is Status.SUSPENDED else self.value
+        """What the Response object says: a suspended or ending one is still `in_progress`."""
+        return "in_progress" if self in (Status.SUSPENDED, Status.ENDING) else self.value
 
 
 TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED})
 
 TRANSITIONS: Mapping[Status, frozenset[Status]] = {
     Status.IN_PROGRESS: frozenset(
-        {Status.SUSPENDED, Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
+        {
+            Status.SUSPENDED,
+            Status.ENDING,
+            Status.COMPLETED,
+            Status.FAILED,
+            Status.INCOMPLETE,
+            Status.CANCELLED,
+        }
     ),
     Status.SUSPENDED: frozenset(
-        {Status.IN_PROGRESS, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
+        {Status.IN_PROGRESS, Status.ENDING, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}
     ),
+    Status.ENDING: frozenset({Status.FAILED, Status.INCOMPLETE, Status.CANCELLED}),
     Status.COMPLETED: frozenset(),
     Status.FAILED: frozenset(),
     Status.INCOMPLETE: frozenset(),
@@ -94,6 +124,50 @@ _OUTPUTS = (FunctionCallOutput, CustomToolCallOutput)
 
 class IllegalTransition(Exception):
     """The generator drove the machine somewhere it cannot go: a server bug, never the client's."""
+
+
+#: `incomplete_details.reason` of a Response that a steer ended (its successor goes on).
+STEERED = "steered"
+#: How a Response takes a steer: it ends and a successor Response continues (the launched
+#: dialect), it streams on as itself (the prototype dialect), or it takes none (the
+#: multi-agent beta, as OpenAI: steering is for single-agent Responses).
+Steering = Literal["successor", "in_place", "unsupported"]
+
+
+@attrs.frozen(kw_only=True)
+class Steer:
+    """An accepted `response.steer`: its id, its input as items, and as the client sent it
+    (what a `response.steer.failed` returns)."""
+
+    id: str
+    previous_response_id: str
+    items: tuple[Item, ...]
+    raw_input: Any
+
+    @property
+    def ref(self) -> SteerRef:
+        return SteerRef(id=self.id, previous_response_id=self.previous_response_id)
+
+    def failed(self, code: str, message: str) -> ResponseSteerFailed:
+        return steer_failed(
+            code, message, self.raw_input, self.previous_response_id, steer_id=self.id
+        )
+
+
+def steer_failed(
+    code: str, message: str, raw_input: Any, response_id: str, *, steer_id: str | None = None
+) -> ResponseSteerFailed:
+    steer = FailedSteer(input=raw_input, previous_response_id=response_id, id=steer_id)
+    return ResponseSteerFailed(error=SteerError(code=code, message=message), steer=steer)
+
+
+@attrs.frozen
+class _Ending:
+    """Why an `ending` Response ends: its terminal status, and the reason or error it says."""
+
+    to: Status
+    reason: str | None = None
+    error: ErrorDetail | None = None
 
 
 @attrs.define
@@ -122,14 +196,18 @@ class ResponseMachine:
         clock: Callable[[], int] | None = None,
         compaction: UnknownItem | None = None,
         announce_suspension: bool = True,
+        steering: Steering | None = None,
+        max_pending_steers: int = 8,
         new_id: Callable[[str], str] = ids.new_id,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
-        `new_id(prefix)` names the items it makes (`msg_...`, `fc_...`, `call_...`): random
-        unless a test gives a counter. `compaction`: the item of a server-side compaction that
-        made `conversation` (which holds it already); `start` streams it as the first output
-        item."""
+        `compaction`: the item of a server-side compaction that made `conversation` (which
+        holds it already); `start` streams it as the first output item. `steering`: by
+        default a successor where calls end the Response, in place where they suspend it
+        and it says so (the prototype dialect), none for the multi-agent beta. `new_id(prefix)`
+        names the items it makes (`msg_...`, `fc_...`, `call_...`): random unless a test gives
+        a counter."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self._new_id = new_id
@@ -158,6 +236,24 @@ class ResponseMachine:
         self._tool_calls = 0
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
+        self._ending: _Ending | None = None
+        if steering is None:
+            steering = (
+                "successor"
+                if not suspend_on_tool_calls
+                else "in_place"
+                if announce_suspension
+                else "unsupported"
+            )
+        if compaction is not None:  # as OpenAI: a compacted Response is not steered
+            steering = "unsupported"
+        self.steering: Steering = steering
+        self.max_pending_steers = max_pending_steers
+        #: Accepted steers not yet applied, in order; those already told they are pending.
+        self._steers: list[Steer] = []
+        self._pending_told: set[str] = set()
+        #: A generator segment is streaming (between `begin_segment` and its end or cut).
+        self.segment_open = False
 
     @classmethod
     def restore(
@@ -202,6 +298,21 @@ class ResponseMachine:
     @property
     def output(self) -> Sequence[Item]:
         return self._output
+
+    @property
+    def ending(self) -> bool:
+        """Decided to end, or ended: it takes nothing more from the client."""
+        return self.status is Status.ENDING or self.status.terminal
+
+    @property
+    def steers(self) -> tuple[Steer, ...]:
+        """Accepted steers not yet applied, in the order they came."""
+        return tuple(self._steers)
+
+    @property
+    def steer_due(self) -> bool:
+        """A steer waits and this is a safe point for it: streaming, no call awaiting output."""
+        return bool(self._steers) and self.status is Status.IN_PROGRESS and not self.pending_calls
 
     @property
     def template(self) -> Response:
@@ -261,6 +372,7 @@ class ResponseMachine:
     def begin_segment(self, *, prompt_tokens: int, cached_tokens: int) -> None:
         """The generator prefilled a prompt of which `cached_tokens` were already warm."""
         self._require_streaming("begin a segment")
+        self.segment_open = True
         self.segments += 1
         self._input_tokens += prompt_tokens
         self._cached_tokens += cached_tokens
@@ -282,6 +394,7 @@ class ResponseMachine:
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("a segment ended inside a tool call")
         self._output_tokens += tokens
+        self.segment_open = False
         events = self._close_message()
         if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
@@ -289,16 +402,21 @@ class ResponseMachine:
                 # silent: a beta client waits on no response.done, and a Response whose every
                 # call was injected already resumes at once (`release_held`), waiting for nobody
                 return events
-            return [*events, ResponseDone(response=self.snapshot())]
+            return [*events, ResponseDone(response=self.snapshot()), *self._tell_pending()]
+        if self._steers and self.steering == "in_place":
+            # it would complete, but a steer came: the same Response goes on with it
+            return [*events, *self._apply_in_place()]
         self._move(Status.COMPLETED)
         self.completed_at = self._clock()
-        return [*events, ResponseCompleted(response=self.snapshot())]
+        # successor steering: the steers stay for the successor, or, if calls await output,
+        # for the create that answers them
+        return [*events, ResponseCompleted(response=self.snapshot()), *self._tell_pending()]
 
     def fail(self, error: ErrorDetail) -> list[ServerEvent]:
         events = self._abandon_open_item()
         self._move(Status.FAILED)
         self.error = error
-        return [*events, ResponseFailed(response=self.snapshot())]
+        return [*events, ResponseFailed(response=self.snapshot()), *self._fail_steers()]
 
     def fail_unstored(self, error: ErrorDetail) -> list[ServerEvent]:
         """An ended `store: true` Response could not be stored: it fails instead of ending as
@@ -308,25 +426,164 @@ class ResponseMachine:
         self.status = Status.FAILED
         self.error = error
         self.incomplete_reason = None
-        return [ResponseFailed(response=self.snapshot())]
+        failed = self._fail_steers("successor_creation_failed", "it could not be stored")
+        return [ResponseFailed(response=self.snapshot()), *failed]
 
     def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
         events = self._abandon_open_item()
         self._output_tokens += tokens
         self._move(Status.INCOMPLETE)
         self.incomplete_reason = reason
-        return [*events, ResponseIncomplete(response=self.snapshot())]
+        ended = [*events, ResponseIncomplete(response=self.snapshot())]
+        return ended if reason == STEERED else [*ended, *self._fail_steers()]
 
     def cancel(self) -> list[ServerEvent]:
-        """The client's `response.cancel`."""
+        """The client's `response.cancel`, at once (`request_cancel` and `end`, in one)."""
+        self.request_cancel()
+        return self.end()
+
+    # -- ending: decided now, said at the next safe point ------------------------------------------
+
+    def request_cancel(self) -> None:
+        """The client's `response.cancel`: refused once the Response is ending or ended."""
+        self._refuse_if_ending("cancelled")
+        self._move(Status.ENDING)
+        self._ending = _Ending(Status.CANCELLED)
+
+    def request_expire(self, reason: str) -> bool:
+        """The server ends the Response `incomplete` (`reason`); False if it is ending already."""
+        if self.ending:
+            return False
+        self._move(Status.ENDING)
+        self._ending = _Ending(Status.INCOMPLETE, reason=reason)
+        return True
+
+    def request_fail(self, error: ErrorDetail) -> bool:
+        """The generator failed: the Response fails, unless it is ending already."""
+        if self.ending:
+            return False
+        self._move(Status.ENDING)
+        self._ending = _Ending(Status.FAILED, error=error)
+        return True
+
+    def end(self) -> list[ServerEvent]:
+        """Say the end that was decided: open items close as incomplete, then the terminal."""
+        ending = self._ending
+        if self.status is not Status.ENDING or ending is None:
+            raise IllegalTransition(f"cannot end a Response that is {self.status.value}")
+        self._ending = None
+        if ending.to is Status.FAILED:
+            assert ending.error is not None
+            return self.fail(ending.error)
+        if ending.to is Status.INCOMPLETE:
+            assert ending.reason is not None
+            return self.make_incomplete(ending.reason)
+        events = self._abandon_open_item()
+        self._move(Status.CANCELLED)
+        return [*events, ResponseCancelled(response=self.snapshot()), *self._fail_steers()]
+
+    def _refuse_if_ending(self, what: str) -> None:
         if self.status.terminal:
             raise ProtocolError(
                 "no_open_response",
-                f"Response {self.id} already ended ({self.status.value}); nothing to cancel.",
+                f"Response {self.id} already ended ({self.status.value}); it cannot be {what}. "
+                "Start a new one with response.create.",
             )
-        events = self._abandon_open_item()
-        self._move(Status.CANCELLED)
-        return [*events, ResponseCancelled(response=self.snapshot())]
+        if self._ending is not None:
+            why = "cancelled" if self._ending.to is Status.CANCELLED else "ended"
+            if self._ending.reason is not None:
+                why = f"ended ({self._ending.reason})"
+            raise ProtocolError(
+                "no_open_response",
+                f"Response {self.id} is being {why}; it cannot be {what}. Start a new one "
+                "with response.create.",
+            )
+
+    # -- steering --------------------------------------------------------------------------------
+
+    def steer(self, steer: Steer) -> list[ServerEvent]:
+        """Accept `steer` (`response.steer.accepted`; `.pending` too while calls await output)
+        or raise `SteerRefused`, changing nothing. It is applied at the next safe point
+        (`take_steers`), or, if the Response waits on outputs, once they arrive."""
+        if self.steering == "unsupported":
+            raise SteerRefused(
+                "steering_not_supported",
+                f"Response {self.id} cannot be steered: multi-agent and compacted Responses "
+                "take no steering input.",
+            )
+        if self.status.terminal:
+            raise SteerRefused(
+                "response_already_completed",
+                f"Response {self.id} already ended ({self.status.value}); nothing was queued.",
+            )
+        if self.status is Status.ENDING:
+            raise SteerRefused(
+                "response_not_active",
+                f"Response {self.id} is ending; it takes no more steering input.",
+            )
+        if len(self._steers) >= self.max_pending_steers:
+            raise SteerRefused(
+                "too_many_pending_steers",
+                f"Response {self.id} already has {len(self._steers)} steers waiting "
+                "(--max-pending-steers); wait for one to be applied.",
+            )
+        self._steers.append(steer)
+        events: list[ServerEvent] = [ResponseSteerAccepted(steer=steer.ref)]
+        if self.status is Status.SUSPENDED:
+            events += self._tell_pending()
+        return events
+
+    def take_steers(self) -> list[ServerEvent]:
+        """At a safe point (`steer_due`), apply the steers: a successor Response ends
+        `incomplete` (`steered`; the dialect takes `steers` for the successor), an in-place
+        one closes what streamed and goes on with the steers' messages."""
+        if not self.steer_due:
+            raise IllegalTransition("no steer is due")
+        if self.steering == "in_place":
+            events = self._abandon_open_item()
+            return [*events, *self._apply_in_place()]
+        return self.make_incomplete(STEERED)
+
+    def hand_over_steers(self) -> tuple[Steer, ...]:
+        """The steers a successor takes (this Response ended steered, or completed)."""
+        if not self.status.terminal:
+            raise IllegalTransition(f"steers are handed over at the end, not {self.status.value}")
+        steers, self._steers = tuple(self._steers), []
+        return steers
+
+    def required_input(self) -> tuple[RequiredInput, ...]:
+        """Stubs of the outputs this Response waits for (none injected already)."""
+        return tuple(
+            RequiredInput(call_id=call_id, name=getattr(item, "name", ""))
+            for call_id, item in self.pending_calls.items()
+            if call_id not in self._held_ids
+        )
+
+    def _tell_pending(self) -> list[ServerEvent]:
+        """`response.steer.pending`, once per steer, for those waiting on tool outputs."""
+        if not self.pending_calls:
+            return []
+        required = self.required_input()
+        untold = [s for s in self._steers if s.id not in self._pending_told]
+        self._pending_told.update(s.id for s in untold)
+        return [ResponseSteerPending(required_input=required, steer=s.ref) for s in untold]
+
+    def _apply_in_place(self) -> list[ServerEvent]:
+        """The steers' messages join the conversation; the Response streams on with them."""
+        steers, self._steers = self._steers, []
+        self.segment_open = False
+        for steer in steers:
+            self.conversation.extend(steer.items)
+        return [ResponseInProgress(response=self.snapshot())]
+
+    def _fail_steers(
+        self, code: str = "response_not_active", why: str | None = None
+    ) -> list[ServerEvent]:
+        """The Response ended without its steers: each comes back, none is lost."""
+        steers, self._steers = self._steers, []
+        reason = why or f"it ended {self.status.value}"
+        message = f"Response {self.id} ended before the steer was applied ({reason})."
+        return [steer.failed(code, message) for steer in steers]
 
     # -- what the generator produced -------------------------------------------------------------
 
@@ -414,12 +671,7 @@ class ResponseMachine:
 
     def check_append(self, items: Sequence[Item]) -> None:
         """Raise the `ProtocolError` that `append(items)` would raise, changing nothing."""
-        if self.status.terminal:
-            raise ProtocolError(
-                "no_open_response",
-                f"Response {self.id} already ended ({self.status.value}); nothing can be "
-                "appended to it. Start a new one with response.create.",
-            )
+        self._refuse_if_ending("appended to")
         if self.status is not Status.SUSPENDED:
             raise ProtocolError(
                 "response_in_progress",
@@ -481,6 +733,8 @@ class ResponseMachine:
         if self.pending_calls:
             return []
         self._move(Status.IN_PROGRESS)
+        if self._steers:  # steers that waited for these outputs: after them, and resume
+            return self._apply_in_place()
         return [ResponseInProgress(response=self.snapshot())]
 
     def check_inject(self, items: Sequence[Item]) -> None:
@@ -489,7 +743,7 @@ class ResponseMachine:
         An inject (the multi-agent beta) carries only tool outputs, and, unlike an append, may
         arrive while the segment still streams: an output for a call already emitted is valid
         then. An ended Response is `response_already_completed`."""
-        if self.status.terminal:
+        if self.ending:
             raise ProtocolError(
                 "response_already_completed",
                 f"Response {self.id} already ended ({self.status.value}); nothing can be "

@@ -535,6 +535,9 @@ class ProtoServer:
             clock=lambda: int(time.time()),
             compaction=compaction,
             announce_suspension=announce_suspension,
+            max_pending_steers=self.config.max_pending_steers,
+            # as OpenAI's: a Response with automatic compaction is not steered
+            steering="unsupported" if create.context_management else None,
         )
 
         durable = None

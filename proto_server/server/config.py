@@ -107,6 +107,12 @@ class ServerConfig:
         "is not counted; OpenAI's service allows 32); one more is refused with "
         "websocket_stream_limit_reached",
     )
+    max_pending_steers: int = setting(
+        8,
+        at_least(1),
+        help="accepted response.steer inputs one Response may hold before they are applied; "
+        "one more gets response.steer.failed (too_many_pending_steers) with its input back",
+    )
     max_memory_bytes: int = setting(
         2048 * MiB,
         at_least(MiB),

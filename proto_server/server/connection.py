@@ -29,7 +29,7 @@ from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.wire.converter import decode_client_event, encode_server_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
-from proto_server.wire.events import ClientEvent, ErrorEvent, ResponseInject
+from proto_server.wire.events import ClientEvent, ErrorEvent, ResponseInject, ResponseSteer
 
 _ids = itertools.count(1)
 
@@ -176,7 +176,7 @@ class Connection:
         try:
             await dialect.handle(event, size)
         except ProtocolError as exc:
-            if exc.stream_id is None and not isinstance(event, ResponseInject):
+            if exc.stream_id is None and not isinstance(event, ResponseInject | ResponseSteer):
                 exc.stream_id = event.stream_id  # refused on the lane the frame named
             raise
 

@@ -10,23 +10,33 @@ open Response), so steering can later find a Response's lane and successor here 
 `response.inject` (the multi-agent beta, `OpenAI-Beta: responses_multi_agent=v1`) commits tool
 outputs to a Response that waits on them: the prototype dialect's suspension and
 `response.append`, named by response id. `serve_inject` is that one path for both dialects.
+
+`response.steer` names a Response by id too, and its answers go to that Response's lane:
+`serve_steer` is the one path for both dialects; what the steer does is the machine's
+(`ResponseMachine.steer`), and each dialect says where a Response id is (`find`).
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Protocol
 
 from proto_server.core.conversation import render_items
+from proto_server.core.ids import new_id
+from proto_server.core.response import Steer, steer_failed
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
-from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.converter import steer_items
+from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
 from proto_server.wire.events import (
     InjectError,
     ResponseInject,
     ResponseInjectCreated,
     ResponseInjectFailed,
+    ResponseSteer,
+    ServerEvent,
 )
 
 #: The `OpenAI-Beta` value of the multi-agent beta (`client.beta.responses.connect()` users
@@ -167,3 +177,83 @@ async def serve_inject(
         raise
     await sink.send(ResponseInjectCreated(response_id=response_id))
     loop.wake()
+
+
+class SteerTarget(Protocol):
+    """What a steer can name: a Response that streams or waits (`SamplingLoop`), or one that
+    a dialect keeps steers for. `steer` accepts (returning the events that say so) or raises
+    `SteerRefused`, changing nothing."""
+
+    def steer(self, steer: Steer) -> list[ServerEvent]: ...
+
+
+class NotStarted:
+    """A Response announced by `response.queued` that has not begun: nothing to steer yet."""
+
+    def __init__(self, response_id: str) -> None:
+        self.response_id = response_id
+
+    def steer(self, steer: Steer) -> list[ServerEvent]:
+        raise SteerRefused(
+            "response_not_active",
+            f"Response {quoted(self.response_id)} is queued and has not started; steer it "
+            "once its response.created has come, or add the input to a response.create.",
+        )
+
+
+async def serve_steer(
+    frame: ResponseSteer,
+    *,
+    find: Callable[[str], tuple[SteerTarget, LaneSink] | None],
+    ended: EndedResponses,
+    lane: Callable[[str | None], LaneSink],
+) -> None:
+    """Queue `frame` on the Response it names, or return its input with the reason.
+
+    Every answer goes to that Response's lane (an unknown one's to the default lane):
+    `response.steer.accepted` (and `.pending` if the Response waits on tool outputs), or
+    `response.steer.failed` with the input as sent: `invalid_input` (not a string or user
+    messages, or sent with a `stream_id`), `response_not_found`, `response_already_completed`,
+    and what the Response itself refuses (`ResponseMachine.steer`). No steer goes unanswered."""
+    response_id = frame.previous_response_id
+    found = find(response_id)
+    known, stream_id = ended.lane_of(response_id)
+    sink = found[1] if found is not None else lane(stream_id if known else None)
+
+    async def failed(code: str, message: str) -> None:
+        await sink.send(steer_failed(code, message, frame.input, response_id))
+
+    if frame.stream_id is not None:
+        await failed(
+            "invalid_input",
+            "Send response.steer without `stream_id`: the Response it steers decides the lane.",
+        )
+        return
+    try:
+        items = steer_items(frame.input)
+    except SteerRefused as exc:
+        await failed(exc.code, exc.message)
+        return
+    if found is None:
+        if known:
+            await failed(
+                "response_already_completed",
+                f"Response {quoted(response_id)} already ended; nothing was queued.",
+            )
+        else:
+            await failed(
+                "response_not_found",
+                f"No Response {quoted(response_id)} is active on this connection; nothing "
+                "was queued.",
+            )
+        return
+    steer = Steer(
+        id=new_id("steer"), previous_response_id=response_id, items=items, raw_input=frame.input
+    )
+    try:
+        events = found[0].steer(steer)
+    except SteerRefused as exc:
+        await failed(exc.code, exc.message)
+        return
+    for event in events:  # before any event of the cut it may bring (the channel is FIFO)
+        await sink.send(event)

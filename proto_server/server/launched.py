@@ -17,6 +17,14 @@ Response's items while it stays warm on its own lane (a failed fork evicts nothi
 With the multi-agent beta, a create with `multi_agent: {"enabled": true}` runs as the prototype
 dialect's long-lived Response: on tool calls it waits, still `in_progress`, and
 `response.inject` answers the calls and resumes it (lanes.py).
+
+Steering (`response.steer`): a steered Response ends `incomplete` (`steered`) at a safe point,
+and a successor with the same settings, `previous_response_id` the steered one and the steers'
+messages as input, goes first in its lane's queue, served from the warm rollout (its
+`response.created` commits the steers). A steer that comes too late to cut the Response
+starts the successor after its completion all the same. A Response that completed with calls
+awaiting output keeps its steers pending (`_Awaiting`) for the create that answers them: they
+follow that create's input; a create on the lane that does not continue it returns them.
 """
 
 from __future__ import annotations
@@ -29,23 +37,27 @@ import attrs
 import trio
 
 from proto_server.core.ids import new_id
-from proto_server.core.request import is_warmup, response_template
-from proto_server.core.response import Status
+from proto_server.core.request import input_items, is_warmup, response_template
+from proto_server.core.response import STEERED, Status, Steer
 from proto_server.server.lanes import (
     EndedResponses,
     LaneNames,
+    NotStarted,
+    SteerTarget,
     require_beta,
     serve_inject,
+    serve_steer,
 )
 from proto_server.server.logs import log
 from proto_server.server.outbox import LaneSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
-from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
+    RequiredInput,
     ResponseAppend,
     ResponseCancel,
     ResponseCreate,
@@ -53,6 +65,10 @@ from proto_server.wire.events import (
     ResponseIncomplete,
     ResponseInject,
     ResponseQueued,
+    ResponseSteer,
+    ResponseSteerAccepted,
+    ResponseSteerPending,
+    ServerEvent,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +100,47 @@ class _Queued:
     waiting: int
     size: int
     response_id: str | None
+    #: A steered Response's successor: the steers its `response.created` commits.
+    steers: tuple[Steer, ...] = ()
+
+
+class _Awaiting:
+    """A lane's last Response completed with calls awaiting output: steers for it wait here
+    (`response.steer.pending`) for the create that continues it with the outputs."""
+
+    def __init__(
+        self, response_id: str, required: tuple[RequiredInput, ...], steers: list[Steer], limit: int
+    ) -> None:
+        self.response_id = response_id
+        self.required = required
+        self.steers = steers
+        self._limit = limit
+
+    def steer(self, steer: Steer) -> list[ServerEvent]:
+        if len(self.steers) >= self._limit:
+            raise SteerRefused(
+                "too_many_pending_steers",
+                f"Response {self.response_id} already has {len(self.steers)} steers waiting "
+                "(--max-pending-steers); continue it first.",
+            )
+        self.steers.append(steer)
+        ref = steer.ref
+        return [
+            ResponseSteerAccepted(steer=ref),
+            ResponseSteerPending(required_input=self.required, steer=ref),
+        ]
+
+
+def successor(create: ResponseCreate, previous: str, steers: tuple[Steer, ...]) -> ResponseCreate:
+    """The create a steered Response's successor answers: the same settings, chained to it,
+    the steers' messages as its input (a warm-up's successor generates)."""
+    return attrs.evolve(
+        create,
+        input=tuple(item for steer in steers for item in steer.items),
+        previous_response_id=previous,
+        generate=None,
+        prompt_cache_options=None,
+    )
 
 
 class _Lane:
@@ -100,6 +157,7 @@ class _Lane:
         self.cached: tuple[str, Rollout] | None = None
         self.serving = False  # its task runs (serving the queue's creates one by one)
         self.preparing = False  # the create at the head is being prepared
+        self.awaiting: _Awaiting | None = None
 
     @property
     def busy(self) -> bool:
@@ -177,10 +235,10 @@ class LaunchedDialect:
             case ResponseCancel(stream_id=stream_id):
                 lane = self._lanes.get(stream_id)
                 current = lane.current if lane is not None else None
-                if current is None or current.machine.status.terminal:
+                if current is None:
                     where = "this connection" if stream_id is None else f"lane {stream_id!r}"
                     raise ProtocolError("no_open_response", f"No response is in flight on {where}.")
-                current.cancel()
+                current.cancel()  # its machine refuses one that is ending or ended
             case ResponseInject():
                 require_beta(self._multi_agent, "response.inject")
                 await serve_inject(
@@ -190,6 +248,10 @@ class LaunchedDialect:
                     lane=self._connection.lane,
                     offload=self._server.offload,
                     size=frame_bytes,
+                )
+            case ResponseSteer():
+                await serve_steer(
+                    event, find=self._steerable, ended=self._ended, lane=self._connection.lane
                 )
 
     async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
@@ -248,6 +310,18 @@ class LaunchedDialect:
             lane = self._lanes[stream_id] = _Lane(stream_id, sink, self._nursery)
         return lane
 
+    def _steerable(self, response_id: str) -> tuple[SteerTarget, LaneSink] | None:
+        """What a steer naming `response_id` reaches: a Response in flight, one that waits for
+        its outputs' create, or one still queued."""
+        for lane in self._lanes.values():
+            if lane.current is not None and lane.current.machine.id == response_id:
+                return lane.current, lane.sink
+            if lane.awaiting is not None and lane.awaiting.response_id == response_id:
+                return lane.awaiting, lane.sink
+            if any(queued.response_id == response_id for queued in lane.queue):
+                return NotStarted(response_id), lane.sink
+        return None
+
     def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
         for lane in self._lanes.values():
             if lane.current is not None and lane.current.machine.id == response_id:
@@ -284,6 +358,8 @@ class LaunchedDialect:
                 self._connection.budget.charge(-queued.waiting)  # the rollout is charged instead
                 if self._expired is None:
                     await self._serve_turn(lane, queued)
+                elif queued.steers:  # a successor that will not start: its steers come back
+                    await _fail_steers(lane.sink, queued.steers, "response_not_active")
                 else:  # the connection is closing: what still waits is told it ends unserved
                     await self._end_unserved(lane, queued, self._expired)
                 del queued  # an idle lane holds no request: only its cache, if any
@@ -313,18 +389,34 @@ class LaunchedDialect:
     async def _serve_turn(self, lane: _Lane, queued: _Queued) -> None:
         """One turn; the rollout goes to its lane's cache if it completed. Nothing of the turn
         is kept once it returns but the cache, which a memory budget can let go."""
-        create = queued.create
+        create, steers = queued.create, queued.steers
+        awaiting, lane.awaiting = lane.awaiting, None
+        if awaiting is not None and awaiting.steers:
+            if create.previous_response_id == awaiting.response_id:
+                # the outputs it waited for: the pending steers follow them
+                steers = tuple(awaiting.steers)
+                items = (*input_items(create), *(i for steer in steers for i in steer.items))
+                create = attrs.evolve(create, input=items)
+            else:
+                await _fail_steers(
+                    lane.sink,
+                    tuple(awaiting.steers),
+                    "response_not_active",
+                    f"the next create on its lane did not continue {awaiting.response_id}",
+                )
         lane.preparing = True
         try:
             loop = await self._begin(lane, create, queued.size, queued.response_id)
         except (ProtocolError, StoreUnavailable) as exc:
             lane.preparing = False
             await lane.sink.send(ErrorEvent(status=exc.status, error=exc.detail))
+            await _fail_steers(lane.sink, steers, "successor_creation_failed", exc.detail.message)
             return
         finally:
             lane.preparing = False
         if self._expired is not None:  # the server began stopping while it prepared
             await loop.rollout.aclose()
+            await _fail_steers(lane.sink, steers, "response_not_active", self._expired)
             return
         lane.current = loop
         completed = False
@@ -333,7 +425,10 @@ class LaunchedDialect:
                 await loop.run_warmup()
             else:
                 await loop.run()
-            completed = loop.machine.status is Status.COMPLETED
+            machine = loop.machine
+            completed = machine.status is Status.COMPLETED or (
+                machine.status is Status.INCOMPLETE and machine.incomplete_reason == STEERED
+            )
         finally:
             lane.current = None
             self._ended.add(loop.machine.id, lane.stream_id)
@@ -347,6 +442,21 @@ class LaunchedDialect:
             else:
                 log.info("cache.evicted", extra={"response": loop.machine.id})
                 await loop.rollout.aclose()
+        if completed and not self._gone:
+            self._follow(lane, create, loop)
+
+    def _follow(self, lane: _Lane, create: ResponseCreate, loop: SamplingLoop) -> None:
+        """After a Response that ended steered or completed: its steers start a successor
+        first in the lane's queue, or, if calls await output, wait for the create with them."""
+        machine = loop.machine
+        steers = machine.hand_over_steers()
+        if machine.status is Status.COMPLETED and machine.pending_calls:
+            limit = self._server.config.max_pending_steers
+            lane.awaiting = _Awaiting(machine.id, machine.required_input(), list(steers), limit)
+        elif steers:
+            lane.queue.appendleft(
+                _Queued(successor(create, machine.id, steers), 0, 0, None, steers)
+            )
 
     async def _begin(
         self, lane: _Lane, create: ResponseCreate, size: int, response_id: str | None
@@ -414,3 +524,12 @@ class LaunchedDialect:
             cached, lane.cached = lane.cached, None
             if cached is not None:
                 await cached[1].aclose()
+
+
+async def _fail_steers(
+    sink: LaneSink, steers: tuple[Steer, ...], code: str, why: str | None = None
+) -> None:
+    """Steers that no Response will take: each comes back with its input."""
+    for steer in steers:
+        message = f"The steer of {steer.previous_response_id} was not applied"
+        await sink.send(steer.failed(code, f"{message}: {why}." if why else f"{message}."))

@@ -8,6 +8,11 @@ Response it names by id, whatever its lane: the same suspension, resumed the sam
 
 With a store, a suspended Response outlives its connection and its process: an append that
 names it (`response_id`) on a lane with nothing open resumes it from the store (resume.py).
+
+`response.steer` does not start a successor Response here: the one Response of the rollout
+cuts its segment at the next safe point and goes on with the steer's messages (its
+`response.in_progress` is the commit point), so the rollout keeps its one id and warm state;
+while it waits on tool outputs the steer is pending and follows the append that answers them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
-from proto_server.server.lanes import EndedResponses, LaneNames, require_beta, serve_inject
+from proto_server.server.lanes import (
+    EndedResponses,
+    LaneNames,
+    require_beta,
+    serve_inject,
+    serve_steer,
+)
 from proto_server.server.outbox import LaneSink
 from proto_server.server.resume import resume
 from proto_server.server.sampling import SamplingLoop
@@ -28,6 +39,7 @@ from proto_server.wire.events import (
     ResponseCancel,
     ResponseCreate,
     ResponseInject,
+    ResponseSteer,
 )
 
 if TYPE_CHECKING:
@@ -105,6 +117,11 @@ class PrototypeDialect:
                     offload=self._server.offload,
                     size=frame_bytes,
                 )
+            case ResponseSteer():
+                # the same Response goes on with the steer's messages (ResponseMachine.steer)
+                await serve_steer(
+                    event, find=self._find, ended=self._ended_ids, lane=self._connection.lane
+                )
 
     def _resumes(self, response_id: str, stream_id: str | None) -> bool:
         """Whether an append naming `response_id` resumes it from the store onto its lane (no
@@ -160,14 +177,13 @@ class PrototypeDialect:
         return lane
 
     def _open_rollout(self, stream_id: str | None, verb: str) -> SamplingLoop:
+        """The lane's Response (whether it still takes `verb` is its machine's to say)."""
         lane = self._lanes.get(stream_id)
         where = "this connection" if stream_id is None else f"lane {stream_id!r}"
         rollout = lane.current if lane is not None else None
-        if rollout is not None and not rollout.machine.status.terminal:
+        if rollout is not None:
             return rollout
         ended = lane.ended if lane is not None else None
-        if rollout is not None:  # decided, but its terminal event is not out yet
-            ended = (rollout.machine.id, rollout.machine.status.value)
         if ended is None:
             raise ProtocolError(
                 "no_open_response",

@@ -8,6 +8,10 @@ open. Only the sampling loop sends this Response's events, so their order is the
 Whose fault: a generator or script failure ends the Response with `response.failed` here, and
 the connection lives on; so does a `store: true` Response the store cannot take
 (`store_unavailable`). A client's mistake never reaches this far (see `check_append`).
+
+Whether the Response is open, ending or ended is the machine's to say (`Status.ENDING`): this
+loop only moves events and owns the tasks. A cancel, an expiry or a due steer cuts the
+generator short; the loop then says what the machine decided (`end`, `take_steers`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import attrs
 import trio
 
 from proto_server.core.conversation import TOKEN_BYTES, RenderedItems, render_items
-from proto_server.core.response import IllegalTransition, ResponseMachine, Status
+from proto_server.core.response import IllegalTransition, ResponseMachine, Status, Steer
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -37,7 +41,7 @@ from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.store import StoreUnavailable, SuspensionLost
 from proto_server.server.suspension import Suspensions
-from proto_server.wire.errors import ProtocolError, ServerFault
+from proto_server.wire.errors import ServerFault
 from proto_server.wire.events import (
     ResponseCancelled,
     ResponseCompleted,
@@ -118,14 +122,12 @@ class SamplingLoop:
         self.ended = False
         self._resume_events: list[ServerEvent] = []
         self._generator_scope: trio.CancelScope | None = None
+        #: The generator's failure, held until the chunks it sent before it are streamed.
         self._fault: ServerFault | None = None
-        self._cancel_requested = False
         self._suspensions = suspensions
         self._suspend_timeout_s = suspend_timeout_s
         self._idle: trio.CancelScope | None = None  # the suspension's idle timer
         self._answered = False  # an inject answered every call; `wake()` resumes
-        #: Why the server is ending this Response (response.incomplete), once it decided to.
-        self.expired: str | None = None
         self._ended = trio.Event()
 
     # -- called by the connection's reader (synchronously validated, then handed over) --------
@@ -144,7 +146,6 @@ class SamplingLoop:
         """Record tool outputs (`rendered` already, for large ones); if that answers every
         call, wake the sampling loop. What they add must fit the rollout's memory budget.
         `tool_choice` (checked by the caller), if set, holds for the rest of the Response."""
-        self._refuse_if_ending("appended to it")
         if rendered is None:
             self.machine.check_append(items)  # before the work of rendering them
             rendered = render_items(self.rollout.conversation.renderer, items)
@@ -164,7 +165,7 @@ class SamplingLoop:
     @property
     def ending(self) -> bool:
         """Decided to end (its terminal event may not be out yet): nothing more goes in."""
-        return self.machine.status.terminal or self._cancel_requested or self.expired is not None
+        return self.machine.ending
 
     def inject(self, items: Sequence[Item], rendered: RenderedItems | None = None) -> None:
         """The multi-agent beta's `response.inject`: commit tool outputs (checked by the caller
@@ -192,13 +193,21 @@ class SamplingLoop:
             self._wake.set()
 
     def cancel(self) -> None:
-        if self.machine.status.terminal:
-            raise ProtocolError(
-                "no_open_response",
-                f"Response {self.machine.id} is already ending; nothing to cancel.",
-            )
-        self._refuse_if_ending("cancelled")
-        self._cancel_requested = True
+        """The client's `response.cancel` (the machine refuses one that comes too late)."""
+        self.machine.request_cancel()
+        self._cut()
+
+    def steer(self, steer: Steer) -> list[ServerEvent]:
+        """Queue `steer` (the machine accepts or refuses it); if that makes a safe point now,
+        cut the segment, so it is applied between this token and the next. Returns the events
+        that answer it, for the caller to send: they precede whatever the cut brings."""
+        events = self.machine.steer(steer)
+        if self.machine.steer_due:
+            self._cut()
+        return events
+
+    def _cut(self) -> None:
+        """Stop the generator and wake a suspension: the machine has decided what comes next."""
         if self._generator_scope is not None:
             self._generator_scope.cancel()
         self._wake.set()
@@ -211,12 +220,8 @@ class SamplingLoop:
     def expire(self, reason: str) -> None:
         """The server ends this Response with `response.incomplete` (`reason`): at once if it
         is suspended, cutting the segment short (open items closed as incomplete) if not."""
-        if self.machine.status.terminal or self._cancel_requested or self.expired is not None:
-            return
-        self.expired = reason
-        if self._generator_scope is not None:
-            self._generator_scope.cancel()
-        self._wake.set()
+        if self.machine.request_expire(reason):
+            self._cut()
 
     async def wait_settled(self) -> None:
         """Return once nothing is streaming: the Response is suspended or has ended."""
@@ -225,15 +230,6 @@ class SamplingLoop:
     async def wait_ended(self) -> None:
         """Return once the terminal event has been handed to the connection."""
         await self._ended.wait()
-
-    def _refuse_if_ending(self, what: str) -> None:
-        if self._cancel_requested or self.expired is not None:
-            why = "cancelled" if self._cancel_requested else f"ended ({self.expired})"
-            raise ProtocolError(
-                "no_open_response",
-                f"Response {self.machine.id} is being {why}; it cannot be {what}. Start a new "
-                "one with response.create.",
-            )
 
     # -- the sampling loop -------------------------------------------------------------------------
 
@@ -251,19 +247,15 @@ class SamplingLoop:
             else:
                 await self._run_segment(announce)
                 announce = []
-            if machine.status.terminal:
-                break
-            if self.expired is not None:
-                await self._emit([*announce, *machine.make_incomplete(self.expired)])
-            elif self._cancel_requested:
-                await self._emit([*announce, *machine.cancel()])
+            if machine.status is Status.ENDING:
+                await self._emit([*announce, *machine.end()])
         self._finish()
 
     async def _suspend(self) -> None:
         """Wait for the append that answers every call, for as long as the client stays idle."""
         machine = self.machine
         log.debug("response.suspended", extra={"response": machine.id})
-        if self.expired is not None:
+        if machine.status is Status.ENDING:
             return  # told to end while its last segment streamed
         if machine.holds_injected:  # outputs injected while the segment streamed
             self._resume_events = machine.release_held()
@@ -288,7 +280,7 @@ class SamplingLoop:
                 "response.suspend_timeout",
                 extra={"response": machine.id, "timeout_s": self._suspend_timeout_s},
             )
-            self.expired = SUSPEND_TIMEOUT
+            machine.request_expire(SUSPEND_TIMEOUT)
 
     async def run_warmup(self) -> None:
         """`generate: false`: build the state, say nothing, complete with empty output."""
@@ -296,10 +288,13 @@ class SamplingLoop:
         await self._emit(machine.start())
         self._count_rendered()
         prefilled = await self.rollout.session.prefill()
-        machine.begin_segment(
-            prompt_tokens=prefilled.prompt_tokens, cached_tokens=prefilled.cached_tokens
-        )
-        await self._emit(machine.end_segment())
+        if machine.status is Status.ENDING:  # cancelled while it prefilled
+            await self._emit(machine.end())
+        else:
+            machine.begin_segment(
+                prompt_tokens=prefilled.prompt_tokens, cached_tokens=prefilled.cached_tokens
+            )
+            await self._emit(machine.end_segment())
         self._finish()
 
     def _finish(self) -> None:
@@ -326,7 +321,8 @@ class SamplingLoop:
     async def _run_segment(self, announce: list[ServerEvent]) -> None:
         """One segment: the generator starts first, so its prefill overlaps with writing the
         `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
-        if self._cancel_requested or self.expired is not None:
+        machine = self.machine
+        if machine.status is Status.ENDING:
             await self._emit(announce)
             return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
@@ -336,30 +332,34 @@ class SamplingLoop:
             await self._emit(announce)
             async with receive:
                 async for chunk in receive:
-                    if self._cancel_requested or self.expired is not None:
-                        break  # chunks already generated are not streamed after an end
+                    if machine.ending or machine.steer_due:
+                        break  # chunks already generated are not streamed after an end or cut
                     try:
                         events = self._apply(chunk)
                     except IllegalTransition as exc:
                         self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
                         break
                     await self._emit(events)
-                    if self.machine.status is not Status.IN_PROGRESS:
-                        ended = True
+                    if machine.status is not Status.IN_PROGRESS or not machine.segment_open:
+                        ended = True  # suspended, ended, or resumed in place by a steer
                         break
+                if self._generator_scope is not None:
+                    self._generator_scope.cancel()  # cut: what it would still say is not said
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
         # ended: it may be in progress again already, resumed by outputs that came meanwhile
-        if ended or self.machine.status is not Status.IN_PROGRESS or self._cancel_requested:
+        if ended or machine.status is not Status.IN_PROGRESS:
             return
-        if self.expired is not None:
+        if machine.steer_due:  # a safe point: the steer ends it, or it goes on in place
+            await self._emit(machine.take_steers())
+            self.rollout.account()
             return
         fault = self._fault or ServerFault(
             "generator_error", "the token generator stopped in the middle of a segment"
         )
         self._fault = None
-        log.warning("response.failed", extra={"response": self.machine.id, "reason": str(fault)})
-        await self._emit(self.machine.fail(fault.detail))
+        log.warning("response.failed", extra={"response": machine.id, "reason": str(fault)})
+        machine.request_fail(fault.detail)  # said by `run`, as every decided end is
 
     async def _generate(
         self,

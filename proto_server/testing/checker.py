@@ -25,6 +25,15 @@ its lane. `response.inject` (the multi-agent beta) is answered by `response.inje
 whose outputs must answer calls that are waiting, or `response.inject.failed`, which returns the
 input as sent; a Response created with `multi_agent.enabled` waits silently on its calls (no
 `response.done`) and resumes with `response.in_progress` only once every one is answered.
+
+Steering: a `response.steer` goes to the lane of the Response it names and is answered by
+`response.steer.accepted` (the Response is active, or completed with calls awaiting output)
+or `response.steer.failed` (the input as sent, a known code). An accepted steer is then
+committed (launched: the Response ends `incomplete` with reason `steered`, or completes, and
+the next `response.created` on the lane is its successor, `previous_response_id` the steered
+one, asked for by no create; or the create that continues a Response it was pending for;
+prototype: the same Response's next `response.in_progress`), or it fails, with its id and its
+input back; `response.steer.pending` only while its Response waits on calls, naming them.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from proto_server.wire.events import (
     ResponseCancel,
     ResponseCreate,
     ResponseInject,
+    ResponseSteer,
 )
 from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
 
@@ -82,6 +92,28 @@ RESUME_ERRORS = frozenset(
 INJECT_ERRORS = frozenset(
     {"unknown_call_id", "duplicate_call_id", "invalid_field", "unknown_event_type"}
 )
+#: The codes of `response.steer.failed` (openai-python 3.57's `ResponseSteerErrorCode`).
+STEER_CODES = frozenset(
+    {
+        "response_not_found",
+        "invalid_input",
+        "steering_not_supported",
+        "too_many_pending_steers",
+        "response_already_completed",
+        "response_not_active",
+        "successor_creation_failed",
+    }
+)
+
+
+@attrs.define
+class _Steer:
+    """An accepted steer: the Response it steers, its frame, and what became of it."""
+
+    response_id: str
+    frame: int
+    state: str = "queued"  # queued | committed | failed
+    told_pending: bool = False
 
 
 class InvariantViolation(AssertionError):
@@ -222,6 +254,9 @@ class StreamChecker:
         self.violation: InvariantViolation | None = None
         self.finished = False
         self.stream_id: str | None = None  # the lane it checks (LaneChecker sets it)
+        self.steers: dict[str, _Steer] = {}
+        #: The Response whose successor the next response.created must be (launched).
+        self._successor_of: str | None = None
 
     def resuming(self, response: Mapping[str, Any]) -> None:
         """This connection resumes by id a Response another connection saw suspend:
@@ -275,6 +310,8 @@ class StreamChecker:
         self.frames.append(record)
         if record.event is None:
             return
+        if isinstance(record.event, ResponseSteer):
+            return  # answered by its own events, whatever the state: accepted or failed
         if any(f.outcome is None and (f.can_accept or f.wild) for f in self.frames[:-1]):
             record.wild = True
             record.can_accept, codes = self._possible(record.event)
@@ -341,6 +378,11 @@ class StreamChecker:
                 self._fail(4, f"every call of Response {current.id} was answered; it never resumed")
         if self._expected_creates:
             self._fail(7, f"{self._expected_creates} accepted response.create got no Response")
+        for steer_id, steer in self.steers.items():
+            if steer.state == "queued" and not self._may_wait(steer):
+                self._fail(7, f"steer {steer_id} was accepted but neither applied nor returned")
+        if self._successor_of is not None:
+            self._fail(7, f"Response {self._successor_of} was steered but no successor came")
         if current is not None and current.cancel_frame is not None:
             self._fail(7, f"response.cancel was accepted but Response {current.id} never ended")
         for frame in self._unanswered():
@@ -358,8 +400,9 @@ class StreamChecker:
         rid = response.get("id")
         if not isinstance(rid, str) or rid in self.responses:
             self._fail(2, f"response.created for an id that is missing or not new: {rid!r}")
+        successor_of, self._successor_of = self._successor_of, None
         waiting = self._first(lambda f: f.kind == "response.create" and f.can_accept)
-        if waiting is not None and waiting.queued_as not in (None, rid):
+        if successor_of is None and waiting is not None and waiting.queued_as not in (None, rid):
             self._fail(2, f"the create queued as {waiting.queued_as} was created as {rid}")
         current = self.current
         if current is not None and not current.terminal:
@@ -371,6 +414,17 @@ class StreamChecker:
         r = _Response(rid)
         self.responses[rid] = r
         self.current = r
+        previous = response.get("previous_response_id")
+        if successor_of is not None:
+            # a steered Response's successor: created by the server, for no create frame
+            if previous != successor_of:
+                self._fail(7, f"the successor of {successor_of} chains from {previous!r}")
+            self._commit_steers(successor_of)
+            self._check_usage(r, response)
+            self._state_changed()
+            return
+        if isinstance(previous, str):
+            self._commit_steers(previous)  # the create that answered the calls they waited on
         if self._expected_creates:
             self._expected_creates -= 1
             asked = self._accepted_create
@@ -387,8 +441,25 @@ class StreamChecker:
 
     def _in_progress(self, obj: Mapping[str, Any]) -> None:
         r = self._own(obj)
+        if r.phase == "streaming" and self._queued_steers(r.id):
+            # prototype: a steer cut the segment (or came as it ended); the Response goes on
+            if self.dialect != "prototype":
+                self._fail(7, f"Response {r.id} resumed in place from a steer")
+            if r.open_item is not None:
+                self._fail(3, f"a steer cut the segment with item {r.open_item.id} still open")
+            self._check_usage(r, self._response_object(obj))
+            if r.usage[0] > r.segment_base[0]:  # cut before its prefill: no prompt to compare
+                r.last_prompt = r.usage[0] - r.segment_base[0]
+            r.segment_base = r.usage[:2]
+            if r.pending:
+                self._fail(4, f"a steer cut Response {r.id} while calls await output")
+            self._commit_steers(r.id)
+            r.segment_start = len(r.items)
+            self._check_snapshot(r, obj, "in_progress")
+            return
         if r.phase in ("suspended", "resuming"):
             self._resume(r)
+            self._commit_steers(r.id)
         elif r.phase != "streaming":
             self._fail(2, f"response.in_progress while Response {r.id} is {r.phase}")
         elif r.items:  # not the announcement of a new Response: a silent suspension resumed
@@ -471,6 +542,13 @@ class StreamChecker:
             details = response.get("incomplete_details")
             if not isinstance(details, Mapping) or not details.get("reason"):
                 self._fail(2, "response.incomplete without incomplete_details.reason")
+            if details.get("reason") == "steered":
+                if not self._queued_steers(r.id) or self.dialect == "prototype":
+                    self._fail(7, f"Response {r.id} ended steered, but no steer of it waits")
+                self._successor_of = r.id
+        late = status == "completed" and self._queued_steers(r.id) and not r.pending
+        if late and self.dialect == "launched":
+            self._successor_of = r.id  # accepted too late to cut: a successor all the same
         self._check_snapshot(r, obj, status)
         r.phase = status
         r.cancel_frame = None
@@ -557,6 +635,77 @@ class StreamChecker:
             self._fail(7, "response.inject.failed did not return the input as it was sent")
         frame.outcome = "refused"
         self._confirm(frame.number)
+
+    # -- steering ------------------------------------------------------------------------------
+
+    def _steer_frame(self, obj: Mapping[str, Any]) -> _Frame:
+        steer = obj.get("steer")
+        rid = steer.get("previous_response_id") if isinstance(steer, Mapping) else None
+        frame = self._first(
+            lambda f: isinstance(f.event, ResponseSteer) and f.event.previous_response_id == rid
+        )
+        if frame is None:
+            self._fail(7, f"{obj.get('type')} for {rid!r} answers no response.steer")
+        return frame
+
+    def _steer_accepted(self, obj: Mapping[str, Any]) -> None:
+        frame = self._steer_frame(obj)
+        steer_id, rid = obj["steer"]["id"], obj["steer"]["previous_response_id"]
+        r = self.responses.get(rid)
+        waiting = r is not None and r.phase == "completed" and bool(r.pending)
+        if r is None or (r.terminal and not waiting):
+            self._fail(7, f"a steer was accepted for {rid!r}, not active on this lane")
+        if steer_id in self.steers:
+            self._fail(7, f"steer id {steer_id!r} was given twice")
+        frame.outcome = "accepted"
+        self.steers[steer_id] = _Steer(rid, frame.number)
+
+    def _steer_pending(self, obj: Mapping[str, Any]) -> None:
+        steer = self.steers.get(obj["steer"]["id"])
+        if steer is None or steer.state != "queued" or steer.told_pending:
+            self._fail(7, f"response.steer.pending for a steer not waiting: {obj['steer']['id']}")
+        steer.told_pending = True
+        r = self.responses[steer.response_id]
+        if not r.pending or r.phase not in ("suspended", "completed"):
+            self._fail(7, f"a steer is pending while Response {r.id} waits on no call")
+        required = {stub.get("call_id") for stub in obj["required_input"]}
+        if not required or not required <= set(r.pending):
+            self._fail(7, f"required_input {sorted(map(str, required))} are not awaited calls")
+
+    def _steer_failed(self, obj: Mapping[str, Any]) -> None:
+        error, returned = obj["error"], obj["steer"]
+        if error.get("code") not in STEER_CODES:
+            self._fail(7, f"response.steer.failed with code {error.get('code')!r}")
+        steer_id = returned.get("id")
+        if steer_id is not None:  # accepted before: it comes back now, not committed
+            steer = self.steers.get(steer_id)
+            if steer is None or steer.state != "queued":
+                self._fail(7, f"steer {steer_id!r} failed, but it was not waiting")
+            steer.state = "failed"
+            raw = self.frames[steer.frame].raw
+        else:
+            frame = self._steer_frame(obj)
+            frame.outcome = "refused"
+            raw = frame.raw
+            rid = returned["previous_response_id"]
+            if error["code"] == "response_not_found" and rid in self.responses:
+                self._fail(7, f"Response {rid} of this lane was said not to exist")
+        if returned.get("input") != raw.get("input"):
+            self._fail(7, "response.steer.failed did not return the input as it was sent")
+
+    def _queued_steers(self, response_id: str) -> list[_Steer]:
+        return [
+            s for s in self.steers.values() if s.response_id == response_id and s.state == "queued"
+        ]
+
+    def _commit_steers(self, response_id: str) -> None:
+        for steer in self._queued_steers(response_id):
+            steer.state = "committed"
+
+    def _may_wait(self, steer: _Steer) -> bool:
+        """A steer may still wait at the end: for the outputs its Response waits on."""
+        r = self.responses.get(steer.response_id)
+        return r is not None and bool(r.pending) and r.phase in ("suspended", "completed")
 
     def _inject_frame(self, obj: Mapping[str, Any]) -> _Frame:
         rid = obj.get("response_id")
@@ -751,6 +900,8 @@ class StreamChecker:
 
     def _answers(self, event: ClientEvent, view: _View) -> tuple[bool, frozenset[str]]:
         """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
+        if isinstance(event, ResponseSteer):
+            return False, frozenset()  # answered by its own events (`sent`)
         if isinstance(event, ResponseInject):
             return True, INJECT_ERRORS  # its effect is its own event: inject.created or .failed
         if self.dialect == "prototype":
@@ -966,6 +1117,9 @@ _HANDLERS: Mapping[str, Callable[[StreamChecker, Mapping[str, Any]], None]] = {
     "response.queued": StreamChecker._queued,
     "response.inject.created": StreamChecker._inject_created,
     "response.inject.failed": StreamChecker._inject_failed,
+    "response.steer.accepted": StreamChecker._steer_accepted,
+    "response.steer.pending": StreamChecker._steer_pending,
+    "response.steer.failed": StreamChecker._steer_failed,
     **dict.fromkeys(TERMINAL_EVENTS, StreamChecker._terminal),
     "error": StreamChecker._error,
 }
@@ -1039,8 +1193,10 @@ class LaneChecker:
                 obj = orjson.loads(frame)
             except orjson.JSONDecodeError:
                 obj = None
-        if isinstance(obj, Mapping) and obj.get("type") == "response.inject":
-            rid = obj.get("response_id")
+        kind = obj.get("type") if isinstance(obj, Mapping) else None
+        if kind in ("response.inject", "response.steer"):  # the lane of the Response named
+            assert isinstance(obj, Mapping)
+            rid = obj.get("response_id" if kind == "response.inject" else "previous_response_id")
             stream_id = self._home.get(rid) if isinstance(rid, str) else None
         else:
             stream_id = lane_of(dict(obj)) if isinstance(obj, Mapping) else None

@@ -12,8 +12,8 @@ Five overlays on the published document, each explicit here and in the README:
   `response.cancelled`), checked against schemas of their own whose `response` is still a
   published `ResponseResource`. They are the only events outside the schema, beside
 - `OPENAI_EVENTS`: OpenAI's own events the document does not define yet
-  (`response.compaction.compacting`, `response.inject.created` and `.failed`), held to the
-  shape OpenAI documents.
+  (`response.compaction.compacting`, `response.inject.created` and `.failed`,
+  `response.steer.accepted`, `.pending` and `.failed`), held to the shape OpenAI documents.
 - `OPENAI_REQUIRES`: what OpenAI's own API requires beyond the document (openai-python 3.57's
   `ResponseUsage` requires `input_tokens_details.cache_write_tokens`).
 - Carried tools: the document's `Tool` is only `FunctionTool`; tools of other types a client
@@ -105,7 +105,64 @@ def _plain_event(kind: str, required: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+_STEER_REF = {
+    "type": "object",
+    "required": ["id", "previous_response_id"],
+    "properties": {"id": {"type": "string"}, "previous_response_id": {"type": "string"}},
+}
+#: A failed steer's input is returned exactly as sent: what the SDK sends is a string or items
+#: (`ResponseSteerInput`), but an `invalid_input` may be any JSON value, and comes back as is.
+_STEER_INPUT: dict[str, Any] = {}
+
 OPENAI_EVENTS: Mapping[str, Extension] = {
+    "response.steer.accepted": Extension(
+        why="the server owns a steer's input; the successor's response.created commits it",
+        schema=_plain_event("response.steer.accepted", {"steer": _STEER_REF}),
+    ),
+    "response.steer.pending": Extension(
+        why="a steer waits for the tool outputs its Response waits on (required_input stubs)",
+        schema=_plain_event(
+            "response.steer.pending",
+            {
+                "reason": {"type": "string"},
+                "steer": _STEER_REF,
+                "required_input": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "call_id"],
+                        "properties": {"type": {"type": "string"}, "call_id": {"type": "string"}},
+                    },
+                },
+            },
+        ),
+    ),
+    "response.steer.failed": Extension(
+        why="a steer was not committed; its input comes back (openai-python 3.57)",
+        schema=_plain_event(
+            "response.steer.failed",
+            {
+                "error": {
+                    "type": "object",
+                    "required": ["code", "message", "type"],
+                    "properties": {
+                        "code": {"type": "string"},
+                        "message": {"type": "string"},
+                        "type": {"const": "invalid_request_error"},
+                    },
+                },
+                "steer": {
+                    "type": "object",
+                    "required": ["input", "previous_response_id"],
+                    "properties": {
+                        "input": _STEER_INPUT,
+                        "previous_response_id": {"type": "string"},
+                        "id": {"type": "string"},
+                    },
+                },
+            },
+        ),
+    ),
     "response.inject.created": Extension(
         why="the multi-agent beta: the injected items were committed (openai-python 3.57)",
         schema=_plain_event("response.inject.created", {"response_id": {"type": "string"}}),

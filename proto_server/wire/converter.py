@@ -18,11 +18,12 @@ from cattrs import AttributeValidationNote, BaseValidationError, IterableValidat
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
 
-from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
 from proto_server.wire.events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
     ClientEvent,
+    FailedSteer,
     NonNegativeInt,
     PositiveInt,
     ResponseInject,
@@ -35,6 +36,7 @@ from proto_server.wire.items import (
     ContentPart,
     InputText,
     Item,
+    Message,
     OutputText,
     UnknownItem,
     UnknownPart,
@@ -211,6 +213,49 @@ for options in (PromptCacheOptions, ContextManagement):  # all-optional: "yes" i
 for carried in (UnknownItem, UnknownPart, UnknownTool):
     converter.register_unstructure_hook(carried, lambda obj: obj.raw)
 converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)
+_failed_steer = converter.gen_unstructure_attrs_fromdict(FailedSteer)
+
+
+def _unstructure_failed_steer(steer: FailedSteer) -> dict[str, Any]:
+    """A steer refused before it was given an id omits `id`, as OpenAI's does."""
+    obj: dict[str, Any] = _failed_steer(steer)
+    if obj.get("id") is None:
+        obj.pop("id", None)
+    return obj
+
+
+converter.register_unstructure_hook(FailedSteer, _unstructure_failed_steer)
+
+
+def steer_items(value: Any) -> tuple[Item, ...]:
+    """The input of a `response.steer` as items: a non-empty string (one user message) or a
+    non-empty array of user messages, all OpenAI takes for steering; anything else raises
+    `SteerRefused` (`invalid_input`), so its `response.steer.failed` returns it."""
+    if isinstance(value, str):
+        if not value:
+            raise SteerRefused("invalid_input", "`input` is an empty string; steer with some text.")
+        return (Message(role="user", content=value),)
+    if not isinstance(value, list) or not value:
+        got = "an empty array" if value == [] else _json_kind(value)
+        raise SteerRefused(
+            "invalid_input",
+            f"`input` must be a string or a non-empty array of messages, got {got}.",
+        )
+    try:
+        items = _structure_items(value, None)
+    except (BaseValidationError, InvalidValue) as exc:
+        path, leaf = _locate(exc) if isinstance(exc, BaseValidationError) else ("", exc)
+        where = f"`input{path}`" if path.startswith("[") else "`input`"
+        raise SteerRefused("invalid_input", f"{where} is not a valid item ({leaf}).") from None
+    for index, item in enumerate(items):
+        if not isinstance(item, Message) or item.role != "user":
+            kind = item.type if not isinstance(item, Message) else f"{item.role} message"
+            raise SteerRefused(
+                "invalid_input",
+                f"`input[{index}]` is {kind!r}; steering takes only user messages (send tool "
+                "outputs with response.create or response.append).",
+            )
+    return items
 
 
 def _locate(exc: BaseException, path: str = "") -> tuple[str, BaseException]:

@@ -41,6 +41,16 @@ class ProtocolError(Exception):
         self.stream_id: str | None = None
 
 
+class SteerRefused(Exception):
+    """A `response.steer` that is not taken: it becomes `response.steer.failed` (`code` is one
+    of OpenAI's steering codes), which returns the input; nothing of it was committed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class ServerFault(Exception):
     """The model, the generator or the server failed; the Response fails, the connection lives."""
 

@@ -122,13 +122,31 @@ class ResponseInject:
     raw_input: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
 
 
-ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject
+@attrs.frozen(kw_only=True)
+class ResponseSteer:
+    """User input for the Response `previous_response_id` names, while it streams: it ends at
+    the next safe point and a successor continues with `input` (the prototype dialect: the
+    same Response resumes with it). Never with `stream_id`: the target decides the lane.
+
+    `input` is the JSON value as sent (a string or user messages): it is checked by the
+    dialect (`steer_input`), so a steer that is not valid still gets `response.steer.failed`
+    with its input back, rather than an `error` that would drop it."""
+
+    type: str = "response.steer"
+    previous_response_id: str
+    input: Any = None
+    #: Sent, though the SDKs never do: the steer is refused with `invalid_input`.
+    stream_id: Any = None
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject | ResponseSteer
 
 CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
     "response.append": ResponseAppend,
     "response.cancel": ResponseCancel,
     "response.inject": ResponseInject,
+    "response.steer": ResponseSteer,
 }
 
 # -- server events: the Response's life ------------------------------------------------------
@@ -214,6 +232,70 @@ class ResponseInjectFailed:
     response_id: str
     error: InjectError
     input: tuple[Any, ...]
+
+
+# -- server events: the answers to response.steer ------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SteerRef:
+    """An accepted steer: its id, and the Response it steers."""
+
+    id: str
+    previous_response_id: str
+
+
+@attrs.frozen(kw_only=True)
+class ResponseSteerAccepted:
+    """The server owns the steer's input (not yet committed: the successor's
+    `response.created`, or the prototype Response's `response.in_progress`, commits it)."""
+
+    type: str = "response.steer.accepted"
+    steer: SteerRef
+
+
+@attrs.frozen(kw_only=True)
+class RequiredInput:
+    """A stub of an output the steered Response waits for: fill it and send it."""
+
+    type: str = "function_call_output"
+    call_id: str
+    name: str
+
+
+@attrs.frozen(kw_only=True)
+class ResponseSteerPending:
+    """The steer waits until the outputs in `required_input` arrive, then it is applied."""
+
+    type: str = "response.steer.pending"
+    reason: str = "waiting_for_required_input"
+    required_input: tuple[RequiredInput, ...]
+    steer: SteerRef
+
+
+@attrs.frozen(kw_only=True)
+class SteerError:
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+
+
+@attrs.frozen(kw_only=True)
+class FailedSteer:
+    """The steer as it was sent (`input` as the client sent it); `id` once one was given."""
+
+    input: Any
+    previous_response_id: str
+    id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ResponseSteerFailed:
+    """Nothing of the steer was committed; its input comes back to carry elsewhere."""
+
+    type: str = "response.steer.failed"
+    error: SteerError
+    steer: FailedSteer
 
 
 # -- server events: items and their deltas ---------------------------------------------------
@@ -347,7 +429,8 @@ ItemEvent = (
     | CompactionCompacting
 )
 InjectEvent = ResponseInjectCreated | ResponseInjectFailed
-ServerEvent = ResponseEvent | ItemEvent | InjectEvent | ErrorEvent
+SteerEvent = ResponseSteerAccepted | ResponseSteerPending | ResponseSteerFailed
+ServerEvent = ResponseEvent | ItemEvent | InjectEvent | SteerEvent | ErrorEvent
 
 SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
     attrs.fields(cls).type.default: cls
@@ -373,6 +456,9 @@ SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
         CompactionCompacting,
         ResponseInjectCreated,
         ResponseInjectFailed,
+        ResponseSteerAccepted,
+        ResponseSteerPending,
+        ResponseSteerFailed,
         ErrorEvent,
     )
 }

@@ -1,0 +1,213 @@
+"""Steering (`response.steer`) against a real server on 127.0.0.1: the steered Response ends at
+a safe point and its successor starts by itself on the same lane (launched dialect), or the one
+Response goes on with the steer (prototype dialect); pending while calls await output; every
+refusal is `response.steer.failed` with the input back. Every stream passes the `LaneChecker`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from proto_server.engine.simulated import TimingModel
+
+from .helpers import (
+    BETA,
+    END,
+    THREE_SEGMENTS,
+    Checked,
+    CheckpointStore,
+    StartServer,
+    answers,
+    connect,
+    create,
+    launched_create,
+)
+
+SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
+#: A long first answer (about 1 s at SLOW), then what the model says once steered.
+LONG_THEN_SHORT = {"segments": [{"text": "word " * 200}, {"text": "Tabs it is."}]}
+
+
+def steer(response_id: str, text: Any = "Use tabs, not spaces.", **extra: Any) -> dict[str, Any]:
+    return {"type": "response.steer", "previous_response_id": response_id, "input": text, **extra}
+
+
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+async def test_a_steer_ends_the_response_steered_and_its_successor_starts_on_its_lane(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(LONG_THEN_SHORT, timing=SLOW)
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+            await client.send(launched_create(stream_id="s", temperature=0.5, metadata={"k": "v"}))
+            events = await client.until_lane("s", "response.output_text.delta")
+            first = events[0]["response"]
+            await client.send(steer(first["id"]))
+            events += await client.until_lane("s", "response.incomplete")
+            accepted = next(e for e in events if e["type"] == "response.steer.accepted")
+            steered = events[-1]["response"]
+            events += await client.until_lane("s", *END)
+            client.checker.finish()
+    assert accepted["stream_id"] == "s"
+    assert accepted["steer"]["previous_response_id"] == first["id"]
+    assert accepted["steer"]["id"].startswith("steer_")
+    assert steered["id"] == first["id"]
+    assert steered["incomplete_details"] == {"reason": "steered"}
+    assert steered["output"][0]["status"] == "incomplete"  # the open message was closed
+    created = [e["response"] for e in events if e["type"] == "response.created"]
+    assert len(created) == 2  # the successor came by itself: no create was sent for it
+    follower = created[1]
+    assert follower["previous_response_id"] == first["id"]
+    for inherited in ("model", "instructions", "tools", "temperature", "metadata"):
+        assert follower[inherited] == first[inherited], inherited
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Tabs it is."
+    assert all(e.get("stream_id") == "s" for e in events)
+
+
+async def test_a_steer_after_a_call_is_pending_and_follows_the_outputs_create(
+    start_server: StartServer,
+) -> None:
+    store = CheckpointStore()
+    running = await start_server(THREE_SEGMENTS, store=store)
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+            await client.send(launched_create(store=True))
+            events = await client.until_lane(None, "response.completed")
+            rid = events[0]["response"]["id"]
+            # it completed with a call awaiting output: the steer waits for the outputs
+            await client.send(steer(rid))
+            events += await client.until_lane(None, "response.steer.pending")
+            assert kinds(events)[-2] == "response.steer.accepted"
+            pending = events[-1]
+            calls = answers(events)
+            assert [r["call_id"] for r in pending["required_input"]] == [calls[0]["call_id"]]
+            assert pending["required_input"][0]["name"] == "exec_command"
+            assert pending["reason"] == "waiting_for_required_input"
+            await client.send(launched_create(store=True, previous_response_id=rid, input=calls))
+            more = await client.until_lane(None, *END)
+            client.checker.finish()
+    follower = more[-1]["response"]["id"]
+    items = store.responses[follower].items
+    # the outputs answer the calls first, then the steer's message follows
+    assert [i.type for i in items[:2]] == ["function_call_output", "message"]
+    assert items[1].content == "Use tabs, not spaces."  # type: ignore[union-attr]
+
+
+async def test_a_steer_cuts_a_call_whose_arguments_still_stream(
+    start_server: StartServer,
+) -> None:
+    # the call's arguments stream slowly: no one can be running it yet, so the steer cuts it
+    script = {
+        "segments": [{"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "x" * 80}}]}]
+    }
+    running = await start_server(script, timing=TimingModel(decode_tokens_per_s=100))
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+            await client.send(launched_create())
+            events = await client.until_lane(None, "response.function_call_arguments.delta")
+            rid = events[0]["response"]["id"]
+            await client.send(steer(rid))
+            events += await client.until_lane(None, "response.incomplete", "response.completed")
+            steered = events[-1]["response"]
+            events += await client.until_lane(None, *END)
+            client.checker.finish()
+    # the open call was cut between tokens: closed as incomplete, and a successor follows
+    assert steered["incomplete_details"] == {"reason": "steered"}
+    assert steered["output"][0]["status"] == "incomplete"
+    assert events[-1]["response"]["previous_response_id"] == rid
+
+
+async def test_every_refused_steer_comes_back_with_its_input(start_server: StartServer) -> None:
+    running = await start_server(LONG_THEN_SHORT, timing=SLOW, max_pending_steers=1)
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+
+            async def refused(frame: dict[str, Any], lane: str | None) -> dict[str, Any]:
+                await client.send(frame)
+                (*_, failed) = await client.until_lane(lane, "response.steer.failed")
+                assert failed["steer"]["input"] == frame["input"]
+                assert "id" not in failed["steer"]  # never accepted: no id was given
+                return failed["error"]
+
+            error = await refused(steer("resp_nope"), None)
+            assert error["code"] == "response_not_found"
+            await client.send(launched_create(stream_id="x"))
+            events = await client.until_lane("x", "response.output_text.delta")
+            rid = events[0]["response"]["id"]
+            tool_output = [{"type": "function_call_output", "call_id": "c", "output": "x"}]
+            assert (await refused(steer(rid, tool_output), "x"))["code"] == "invalid_input"
+            assert (await refused(steer(rid, []), "x"))["code"] == "invalid_input"
+            assert (await refused(steer(rid, stream_id="x"), "x"))["code"] == "invalid_input"
+            await client.send(steer(rid, "first"))
+            assert (await refused(steer(rid, "second"), "x"))["code"] == "too_many_pending_steers"
+            events = await client.until_lane("x", "response.incomplete")
+            assert (await refused(steer(rid, "late"), "x"))["code"] == "response_already_completed"
+            await client.until_lane("x", *END)
+            client.checker.finish()
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "steered"}  # "first"
+
+
+async def test_a_multi_agent_response_is_not_steered(start_server: StartServer) -> None:
+    running = await start_server(THREE_SEGMENTS, timing=SLOW)
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url, **BETA) as raw:
+            client = Checked(raw)
+            await client.send(launched_create(multi_agent={"enabled": True}))
+            events = await client.until_lane(None, "response.output_text.delta")
+            await client.send(steer(events[0]["response"]["id"]))
+            (*_, failed) = await client.until_lane(None, "response.steer.failed")
+            assert failed["error"]["code"] == "steering_not_supported"
+
+
+async def test_prototype_a_steer_resumes_the_same_response_with_the_message(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(LONG_THEN_SHORT, timing=SLOW)
+    with trio.fail_after(20):
+        async with connect(running.prototype_url) as raw:
+            client = Checked(raw, "prototype")
+            await client.send(create(tools=[]))
+            events = await client.until_lane(None, "response.output_text.delta")
+            rid = events[0]["response"]["id"]
+            await client.send(steer(rid))
+            events += await client.until_lane(None, *END)
+            client.checker.finish()
+    names = kinds(events)
+    assert "response.incomplete" not in names
+    assert names.count("response.created") == 1  # one Response for the whole rollout
+    cut = names.index("response.steer.accepted")
+    assert names[cut:].count("response.in_progress") == 1  # the commit point
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["id"] == rid
+    assert [m["status"] for m in final["output"]] == ["incomplete", "completed"]
+    assert final["output"][1]["content"][0]["text"] == "Tabs it is."
+
+
+async def test_prototype_a_steer_while_suspended_waits_for_the_append(
+    start_server: StartServer,
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    with trio.fail_after(20):
+        async with connect(running.prototype_url) as raw:
+            client = Checked(raw, "prototype")
+            await client.send(create())
+            events = await client.until_lane(None, "response.done")
+            rid = events[0]["response"]["id"]
+            await client.send(steer(rid, [{"role": "user", "content": "Check b.py too."}]))
+            steered = await client.until_lane(None, "response.steer.pending")
+            assert kinds(steered)[-2:] == ["response.steer.accepted", "response.steer.pending"]
+            required = steered[-1]["required_input"]
+            assert [r["call_id"] for r in required] == [a["call_id"] for a in answers(events)]
+            await client.send({"type": "response.append", "input": answers(events)})
+            resumed = await client.until_lane(None, "response.done")
+            client.checker.finish()
+    assert resumed[0]["type"] == "response.in_progress"
