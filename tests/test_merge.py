@@ -64,6 +64,22 @@ async def test_an_outbox_merges_runs_of_pending_deltas_and_keeps_order() -> None
     assert await drain(pending, merge=False) == [(event, 1) for event in pending]
 
 
+async def test_a_batch_is_what_iteration_gives_for_all_that_is_ready() -> None:
+    """The writer takes every ready event at once: the same events, merged the same way."""
+    pending = [text("a"), text("b"), done(), text("x", "msg_2"), arguments("{"), arguments("}")]
+    for merge in (True, False):
+        send, receive = trio.open_memory_channel[Outgoing](len(pending))
+        for event in pending:
+            send.send_nowait(Outgoing(event))
+        send.close()
+        outbox = Outbox(receive, merge=merge)
+        batches = []
+        while batch := await outbox.batch(2):
+            assert 1 <= len(batch) <= 2
+            batches.append([(outgoing.event, merged) for outgoing, merged in batch])
+        assert [e for b in batches for e in b] == await drain(pending, merge=merge)
+
+
 class GatedWebSocket:
     """Stands in for a client socket that takes nothing until `gate` opens."""
 

@@ -231,8 +231,11 @@ def _run_streaming(
 ) -> int:
     """`proto-server bench streaming`: the streaming cases alone; a table and streaming.json."""
     server_settings = ServerSettings(
-        prefill_rate=settings.prefill_rate, prefix_cache=settings.prefix_cache
+        prefill_rate=settings.prefill_rate,
+        prefix_cache=settings.prefix_cache,
+        profile_dir=str(settings.out_dir) if settings.profile else None,
     )
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = trio.run(
         partial(
@@ -266,4 +269,6 @@ def _run_streaming(
     }
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     print(f"\nSaved {path}")
+    if settings.profile:
+        print(f"Server profile: {settings.out_dir / 'server-profile.txt'} (and .pstats)")
     return 0

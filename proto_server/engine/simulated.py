@@ -33,6 +33,7 @@ from proto_server.engine.chunks import (
     ToolCallArgumentsDelta,
     ToolCallBegin,
     ToolCallEnd,
+    hand_over,
 )
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.prefix_cache import PrefixCache
@@ -197,7 +198,7 @@ class SimulatedSession:
             budget -= tokens
             if tokens:
                 await self._decode(pacer, tokens)
-            await send.send(chunk)
+            await hand_over(send, chunk)
         await send.send(SegmentEnd())
 
     async def aclose(self) -> None:

@@ -12,7 +12,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from proto_server.core.merge import MERGEABLE, merge_deltas
+from proto_server.core.merge import MERGEABLE, continues, merge_run
 from proto_server.wire.events import ServerEvent
 
 
@@ -26,6 +26,10 @@ class EventSink(Protocol):
     """Where a Response's events go, in order; awaiting is backpressure."""
 
     async def send(self, event: ServerEvent) -> None: ...
+
+    def send_nowait(self, event: ServerEvent) -> None:
+        """Without waiting, or `trio.WouldBlock` when the channel is full."""
+        ...
 
 
 @attrs.frozen
@@ -67,20 +71,41 @@ class Outbox:
                 outgoing = await self._receive.receive()
             except trio.EndOfChannel:
                 raise StopAsyncIteration from None
-        merged = 1
-        if self._merge and isinstance(outgoing.event, MERGEABLE):
-            while True:
+        return self._merged(outgoing)
+
+    async def batch(self, limit: int) -> list[tuple[Outgoing, int]]:
+        """What `async for` would give, for as many as are ready now (at least one, at most
+        `limit`): a writer that takes them all at once pays for one write and one scheduling
+        round instead of one each. Empty at the end of the channel."""
+        try:
+            batch = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        while len(batch) < limit:
+            outgoing, self._held = self._held, None
+            if outgoing is None:
                 try:
-                    pending = self._receive.receive_nowait()
+                    outgoing = self._receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                combined = (
-                    merge_deltas(outgoing.event, pending.event)
-                    if pending.stream_id == outgoing.stream_id
-                    else None
-                )
-                if combined is None:
-                    self._held = pending
-                    break
-                outgoing, merged = Outgoing(combined, outgoing.stream_id), merged + 1
-        return outgoing, merged
+                    break  # the end comes again, and is said, on the next call
+            batch.append(self._merged(outgoing))
+        return batch
+
+    def _merged(self, outgoing: Outgoing) -> tuple[Outgoing, int]:
+        """`outgoing`, merged with the deltas that continue it and are already waiting."""
+        if not self._merge or not isinstance(outgoing.event, MERGEABLE):
+            return outgoing, 1
+        first = outgoing.event
+        run: list[ServerEvent] = []
+        while True:
+            try:
+                pending = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if pending.stream_id != outgoing.stream_id or not continues(first, pending.event):
+                self._held = pending
+                break
+            run.append(pending.event)
+        if not run:
+            return outgoing, 1
+        return Outgoing(merge_run(first, run), outgoing.stream_id), len(run) + 1

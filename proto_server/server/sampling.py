@@ -326,14 +326,10 @@ class SamplingLoop:
                 async for chunk in receive:
                     if self._cancel_requested or self.expired is not None:
                         break  # chunks already generated are not streamed after an end
-                    try:
-                        events = self._apply(chunk)
-                    except IllegalTransition as exc:
-                        self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
-                        break
+                    events, stop = self._apply_ready(chunk, receive)
                     await self._emit(events)
-                    if self.machine.status is not Status.IN_PROGRESS:
-                        ended = True
+                    if stop:
+                        ended = self.machine.status is not Status.IN_PROGRESS
                         break
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
@@ -393,6 +389,28 @@ class SamplingLoop:
         self._rendered_mark = rendered
         return new
 
+    def _apply_ready(
+        self, chunk: Chunk, receive: trio.MemoryReceiveChannel[Chunk]
+    ) -> tuple[list[ServerEvent], bool]:
+        """`chunk` and every chunk already waiting behind it, applied in one go (one scheduling
+        round for a burst, not one a chunk): their events, and whether the segment stops here
+        (the machine ended it, or the generator misbehaved: `_fault`). Nothing else runs
+        meanwhile, so no cancel or expiry can come between two of them."""
+        events: list[ServerEvent] = []
+        machine = self.machine
+        while True:
+            try:
+                events += self._apply(chunk)
+            except IllegalTransition as exc:
+                self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                return events, True
+            if machine.status is not Status.IN_PROGRESS:
+                return events, True
+            try:
+                chunk = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):  # the end is seen by `async for`
+                return events, False
+
     def _apply(self, chunk: Chunk) -> list[ServerEvent]:
         machine = self.machine
         if isinstance(chunk, SegmentEnd) and chunk.cached_tokens is not None:
@@ -424,7 +442,10 @@ class SamplingLoop:
         for event in events:
             if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
                 event = await self._stored(event)
-            await self._events.send(event)
+            try:  # a scheduling round only when the channel is full (backpressure)
+                self._events.send_nowait(event)
+            except trio.WouldBlock:
+                await self._events.send(event)
 
     async def _stored(self, event: ServerEvent) -> ServerEvent:
         """A stored response is durable before the client hears that it is done; one the store
