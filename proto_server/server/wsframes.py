@@ -88,12 +88,18 @@ class FrameWriter:
         data, self._frames = b"".join(self._frames), []
         if inner._close_reason:
             raise ConnectionClosed(inner._close_reason)
-        async with inner._stream_lock:
-            try:
-                await inner._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await inner._abort_web_socket()
-                raise ConnectionClosed(inner._close_reason) from None
+        lock: trio.StrictFIFOLock = inner._stream_lock
+        try:  # `async with lock` yields to the scheduler even when the lock is free
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            await inner._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await inner._abort_web_socket()
+            raise ConnectionClosed(inner._close_reason) from None
+        finally:
+            lock.release()
 
 
 async def send_messages(
