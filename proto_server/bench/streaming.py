@@ -258,6 +258,20 @@ async def run_streaming(
     return results
 
 
+async def pacing_floor(rate: float, tokens: int) -> float:
+    """CPU microseconds a token that a trio task costs just by waking on the simulated GPU's
+    schedule at `rate` (a sleep until each token is due, nothing else): part of what the
+    server process spends per token at that rate that is the simulated GPU's, not the server's.
+    Measured in this process, while nothing else runs in it."""
+    started_cpu = time.process_time()
+    deadline = trio.current_time()
+    for _ in range(tokens):
+        deadline += 1.0 / rate
+        if deadline > trio.current_time():
+            await trio.sleep_until(deadline)
+    return (time.process_time() - started_cpu) / tokens * 1e6
+
+
 async def run_streaming_only(
     settings: ServerSettings,
     cases: Sequence[StreamCase],

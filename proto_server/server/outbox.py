@@ -65,22 +65,27 @@ class Outbox:
         return self
 
     async def __anext__(self) -> tuple[Outgoing, int]:
-        outgoing, self._held = self._held, None
+        outgoing = await self._next()
         if outgoing is None:
-            try:
-                outgoing = await self._receive.receive()
-            except trio.EndOfChannel:
-                raise StopAsyncIteration from None
-        return self._merged(outgoing)
+            raise StopAsyncIteration
+        return self._merged(outgoing, self._merge)
 
     async def batch(self, limit: int) -> list[tuple[Outgoing, int]]:
-        """What `async for` would give, for as many as are ready now (at least one, at most
-        `limit`): a writer that takes them all at once pays for one write and one scheduling
-        round instead of one each. Empty at the end of the channel."""
-        try:
-            batch = [await self.__anext__()]
-        except StopAsyncIteration:
+        """As many events as are ready now (at least one, at most `limit`), to be written at
+        once: one write and one scheduling round for them all instead of one each. Empty at
+        the end of the channel.
+
+        Merged (with `merge`) only if the writer fell behind: if events were waiting when it
+        came back for more, they piled up while it wrote, and that pile is what `async for`
+        merges. A writer that had to wait for an event is keeping up: the events that came
+        with it (a generator hands over every token due at once) go out as they are, each in
+        its own frame, as a writer taking them one at a time would have sent them."""
+        behind = self._held is not None or self._receive.statistics().current_buffer_used > 0
+        merge = self._merge and behind
+        first = await self._next()
+        if first is None:
             return []
+        batch = [self._merged(first, merge)]
         while len(batch) < limit:
             outgoing, self._held = self._held, None
             if outgoing is None:
@@ -88,12 +93,22 @@ class Outbox:
                     outgoing = self._receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break  # the end comes again, and is said, on the next call
-            batch.append(self._merged(outgoing))
+            batch.append(self._merged(outgoing, merge))
         return batch
 
-    def _merged(self, outgoing: Outgoing) -> tuple[Outgoing, int]:
-        """`outgoing`, merged with the deltas that continue it and are already waiting."""
-        if not self._merge or not isinstance(outgoing.event, MERGEABLE):
+    async def _next(self) -> Outgoing | None:
+        """The held event or the next one in the channel (waiting for it); None at the end."""
+        outgoing, self._held = self._held, None
+        if outgoing is not None:
+            return outgoing
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            return None
+
+    def _merged(self, outgoing: Outgoing, merge: bool) -> tuple[Outgoing, int]:
+        """`outgoing`, merged (if `merge`) with the deltas that continue it and are waiting."""
+        if not merge or not isinstance(outgoing.event, MERGEABLE):
             return outgoing, 1
         first = outgoing.event
         run: list[ServerEvent] = []
