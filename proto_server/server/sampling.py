@@ -319,6 +319,7 @@ class SamplingLoop:
             return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         ended = False  # the machine ended the segment (suspended or ended the Response)
+        last: list[ServerEvent] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
@@ -327,10 +328,16 @@ class SamplingLoop:
                     if self._cancel_requested or self.expired is not None:
                         break  # chunks already generated are not streamed after an end
                     events, stop = self._apply_ready(chunk, receive)
+                    if stop and self.machine.status.terminal:
+                        last, ended = events, True  # out once the generator has stopped
+                        break
                     await self._emit(events)
                     if stop:
                         ended = self.machine.status is not Status.IN_PROGRESS
                         break
+        # The Response's terminal event goes out only now, and `run` marks it ended without
+        # yielding in between: a client that answers it with a create finds it ended.
+        await self._emit(last)
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
         # ended: it may be in progress again already, resumed by outputs that came meanwhile
