@@ -60,17 +60,18 @@ class SchemaNet:
             self.violations.append(f"{'; '.join(errors[:3])}\n    sent: {shown}")
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        encode = connection.encode_server_event
+        encode = connection.encode_server_event_bytes
+        encode_text = http.encode_server_event
         exchange_json = http._Exchange._json
         error_body = http.error_body
 
-        def websocket_event(event: Any, sequence_number: int, stream_id: Any = None) -> str:
-            text = encode(event, sequence_number, stream_id)
-            self.event(text, "websocket")
-            return text
+        def websocket_event(event: Any, sequence_number: int, stream_id: Any = None) -> bytes:
+            data = encode(event, sequence_number, stream_id)
+            self.event(data.decode(), "websocket")  # a copy: orjson's bytes hold 4 KiB each
+            return data
 
         def sse_event(event: Any, sequence_number: int, stream_id: Any = None) -> str:
-            text = encode(event, sequence_number, stream_id)
+            text = encode_text(event, sequence_number, stream_id)
             self.event(text, "sse")
             return text
 
@@ -84,7 +85,7 @@ class SchemaNet:
             self.body("", error.status, body)
             return body
 
-        monkeypatch.setattr(connection, "encode_server_event", websocket_event)
+        monkeypatch.setattr(connection, "encode_server_event_bytes", websocket_event)
         monkeypatch.setattr(http, "encode_server_event", sse_event)
         monkeypatch.setattr(http._Exchange, "_json", json_body)
         monkeypatch.setattr(http, "error_body", checked_error_body)

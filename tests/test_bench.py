@@ -49,11 +49,46 @@ def test_a_reduced_bench_runs_and_reports(
         < stateless["turns"][last]["server"]["rendered_tokens"]
     )
     assert {s["name"] for s in data["streaming"]} == {
-        "one stream", "concurrent streams", "slow client"
+        "one stream, 4,000 tok/s", "one stream, unlimited decode",
+        "one stream, unlimited, unmerged", "2 streams, unlimited", "slow client",
     }  # fmt: skip
+    assert all(s["checked"] == s["streams_run"] for s in data["streaming"])
     assert all(t["holds"] in (True, False) for t in data["targets"])
     for name in PLOTS:
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_bench_streaming_alone_against_another_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench streaming`: the cases only, here this tree against itself (as
+    `--against` measures a base commit's tree); every stream read by the checker."""
+    tree = Path(__file__).resolve().parent.parent
+    args = ["bench", "streaming", "--stream-tokens", "256", "--streams", "2",
+            "--stream-repeats", "2", "--against", str(tree), "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "streaming [2/2]" in out.err
+    for heading in ("Streaming (prototype dialect", "Ratios, this tree / the other", "Targets"):
+        assert heading in out.out
+    data = orjson.loads((tmp_path / "streaming.json").read_bytes())
+    cases = 6
+    assert len(data["raw"]) == 2 * 2 * cases  # two servers, two repeats
+    assert len(data["streaming"]) == 2 * cases and {s["server"] for s in data["streaming"]} == {
+        "this tree",
+        tree.name,
+    }
+    for row in data["streaming"]:
+        assert row["repeats"] == 2 and row["checked"] == row["streams_run"] > 0
+        assert row["tokens_per_s"] > 0 and row["cpu_us_per_token"] > 0
+        assert row["cpu_us_per_frame"] > 0
+    paced = data["streaming"][0]
+    assert (
+        paced["decode_rate"] == 4000 and 0 < paced["latency_ms_median"] <= paced["latency_ms_p99"]
+    )
+    assert data["pacing_floor_us_per_token"] > 0 and "Pacing floor" in out.out
+    checker = data["targets"][-1]
+    assert checker["holds"] is True and "streams" in checker["detail"]
 
 
 def test_bench_refuses_a_rollout_without_a_tool_round(capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,6 +147,10 @@ class CountingGenerator:
                         await send.send(chunk)
                         generator.chunks += 1
 
+                    def send_nowait(self, chunk: Chunk) -> None:
+                        send.send_nowait(chunk)  # raises WouldBlock, and then nothing counts
+                        generator.chunks += 1
+
                 await session.generate(Send(), limits)  # type: ignore[arg-type]
 
             def __getattr__(self, name: str) -> Any:
@@ -164,30 +168,36 @@ async def test_a_client_that_stops_reading_holds_back_the_model_and_memory_stays
         {"segments": [{"text": "word " * tokens}]},
         timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e9),
         client_queue_events=64,
+        # a frame per token, so the socket's buffers fill as a long stream's would: merged, the
+        # writer (which takes every ready event at once) packs these 60 KB into a few frames,
+        # all of which fit in loopback's buffers, and nothing would need holding back
+        merge_deltas=False,
     )
     counting = CountingGenerator(running.server.generator)
     running.server.generator = counting  # type: ignore[assignment]
     tracemalloc.start()
     try:
         baseline = tracemalloc.get_traced_memory()[0]
-        async with connect_checked(running.prototype_url) as client:
-            await client.send(create(tools=[]))
-            assert (await client.receive())["type"] == "response.created"
-            # stop reading: wait until nothing moves any more
-            seen = -1
-            while counting.chunks != seen:
-                seen = counting.chunks
-                await trio.testing.wait_all_tasks_blocked(0.05)
-            held = tracemalloc.get_traced_memory()[1] - baseline
-            tracemalloc.stop()
-            print(f"stalled after {seen} of {tokens} tokens, holding {held / 2**20:.2f} MiB")
-            assert seen < tokens / 3, "the generator ran ahead of a client that does not read"
-            assert held < 6 * 2**20
-            # the stream is whole once the client reads again
-            events = await client.until("response.completed")
-        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        assert text == "word " * tokens
-        assert counting.chunks == 2 + o200k_count(text)  # Prefilled, each token, SegmentEnd
+        # waits: the stall, then the whole stream once the client reads again
+        with trio.fail_after(60):
+            async with connect_checked(running.prototype_url) as client:
+                await client.send(create(tools=[]))
+                assert (await client.receive())["type"] == "response.created"
+                # stop reading: wait until nothing moves any more
+                seen = -1
+                while counting.chunks != seen:
+                    seen = counting.chunks
+                    await trio.testing.wait_all_tasks_blocked(0.05)
+                held = tracemalloc.get_traced_memory()[1] - baseline
+                tracemalloc.stop()
+                print(f"stalled after {seen} of {tokens} tokens, holding {held / 2**20:.2f} MiB")
+                assert seen < tokens / 3, "the generator ran ahead of a client that does not read"
+                assert held < 6 * 2**20
+                # the stream is whole once the client reads again
+                events = await client.until("response.completed")
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert text == "word " * tokens
+            assert counting.chunks == 2 + o200k_count(text)  # Prefilled, each token, SegmentEnd
     finally:
         tracemalloc.stop()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 import trio
+import trio.lowlevel
 import trio.testing
 
 from proto_server.core.merge import merge_deltas
@@ -62,6 +63,48 @@ async def test_an_outbox_merges_runs_of_pending_deltas_and_keeps_order() -> None
         (text("abc"), 3), (done(), 1), (text("x", "msg_2"), 1), (arguments("{"), 1)
     ]  # fmt: skip
     assert await drain(pending, merge=False) == [(event, 1) for event in pending]
+
+
+async def test_a_batch_is_what_iteration_gives_for_all_that_is_ready() -> None:
+    """The writer takes every ready event at once: the same events, merged the same way."""
+    pending = [text("a"), text("b"), done(), text("x", "msg_2"), arguments("{"), arguments("}")]
+    for merge in (True, False):
+        send, receive = trio.open_memory_channel[Outgoing](len(pending))
+        for event in pending:
+            send.send_nowait(Outgoing(event))
+        send.close()
+        outbox = Outbox(receive, merge=merge)
+        batches = []
+        while batch := await outbox.batch(2):
+            assert 1 <= len(batch) <= 2
+            batches.append([(outgoing.event, merged) for outgoing, merged in batch])
+        assert [e for b in batches for e in b] == await drain(pending, merge=merge)
+
+
+async def test_a_writer_that_waited_writes_what_came_together_unmerged() -> None:
+    """Tokens a generator releases together reach a writer that was waiting for them: it is
+    keeping up, so each goes in its own frame; what piles up while it writes is merged."""
+    send, receive = trio.open_memory_channel[Outgoing](16)
+    outbox = Outbox(receive, merge=True)
+    batches: list[list[tuple[ServerEvent, int]]] = []
+
+    async def writer() -> None:
+        while batch := await outbox.batch(64):
+            batches.append([(outgoing.event, merged) for outgoing, merged in batch])
+            if len(batches) == 1:
+                for delta in "de":  # arrive while the first batch is written
+                    send.send_nowait(Outgoing(text(delta)))
+                await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(5):  # waits: the writer draining what it is given
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()
+            for delta in "abc":  # in one go, while the writer waits
+                send.send_nowait(Outgoing(text(delta)))
+            await trio.testing.wait_all_tasks_blocked()
+            send.close()
+    assert batches == [[(text("a"), 1), (text("b"), 1), (text("c"), 1)], [(text("de"), 2)]]
 
 
 class GatedWebSocket:

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import attrs
+import orjson
 import trio
 
+from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
-from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, run_bench
+from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, machine, run_bench
+from proto_server.bench.stream_report import (
+    render_streaming,
+    streaming_targets,
+    summarize_streaming,
+)
+from proto_server.bench.streaming import pacing_floor, run_streaming_only
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -44,6 +55,13 @@ def add_parser(
         description="Run the server in a process of its own and drive the same rollout through "
         "HTTP (stateless and with previous_response_id) and both WebSocket dialects; print a "
         "table, and save JSON and PNG plots.",
+    )
+    bench.add_argument(
+        "section",
+        nargs="?",
+        choices=("all", "streaming"),
+        default="all",
+        help="what to run: everything, or only the streaming measurements (issue 13's figures)",
     )
     bench.add_argument(
         "--turns",
@@ -120,7 +138,22 @@ def add_parser(
         "--stream-tokens",
         type=int,
         default=defaults.stream_tokens,
-        help="tokens of the single stream (a concurrent one gets an eighth, the slow client half)",
+        help="tokens of the unlimited single stream (the paced one gets a quarter, the unmerged "
+        "half, each concurrent one and the slow client an eighth)",
+    )
+    bench.add_argument(
+        "--stream-repeats",
+        type=int,
+        default=defaults.stream_repeats,
+        help="runs of each streaming case (the table shows medians)",
+    )
+    bench.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="TREE",
+        help="streaming: also measure the server of another proto-server source tree (e.g. a "
+        "`git worktree` of the base commit), case by case in the same run, to compare",
     )
     bench.add_argument("--streams", type=int, default=defaults.streams, help="concurrent streams")
     bench.add_argument(
@@ -149,9 +182,13 @@ def run(args: argparse.Namespace) -> int:
         print("proto-server bench: --turns must be at least 2 (a tool round and the answer)",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.repeats < 1 or args.streams < 1 or args.stream_tokens < 8:
-        print("proto-server bench: --repeats and --streams must be at least 1, --stream-tokens "
-              "at least 8", file=sys.stderr)  # fmt: skip
+    if args.repeats < 1 or args.streams < 1 or args.stream_repeats < 1 or args.stream_tokens < 64:
+        print("proto-server bench: --repeats, --streams and --stream-repeats must be at least 1, "
+              "--stream-tokens at least 64", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.against is not None and not (args.against / "proto_server").is_dir():
+        print(f"proto-server bench: --against {args.against}: no proto_server package there",
+              file=sys.stderr)  # fmt: skip
         return 2
     settings = BenchSettings(
         rounds=None if args.turns is None else args.turns - 1,
@@ -169,10 +206,13 @@ def run(args: argparse.Namespace) -> int:
         stream_tokens=args.stream_tokens,
         streams=args.streams,
         client_fps=args.client_fps,
+        stream_repeats=args.stream_repeats,
         out_dir=args.out,
         profile=args.profile,
     )
     progress = partial(print, file=sys.stderr, flush=True)
+    if args.section == "streaming":
+        return _run_streaming(settings, args.against, progress)
     run = trio.run(run_bench, settings, progress)
     summary, path, plots = write_all(run)
     print(render(summary))
@@ -181,6 +221,61 @@ def run(args: argparse.Namespace) -> int:
         print(plots)
     else:
         print("Plots: " + ", ".join(str(p) for p in plots))
+    if settings.profile:
+        print(f"Server profile: {settings.out_dir / 'server-profile.txt'} (and .pstats)")
+    return 0
+
+
+def _run_streaming(
+    settings: BenchSettings, against: Path | None, progress: Callable[[str], None]
+) -> int:
+    """`proto-server bench streaming`: the streaming cases alone; a table and streaming.json."""
+    server_settings = ServerSettings(
+        prefill_rate=settings.prefill_rate,
+        prefix_cache=settings.prefix_cache,
+        profile_dir=str(settings.out_dir) if settings.profile else None,
+    )
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = trio.run(
+        partial(
+            run_streaming_only,
+            server_settings,
+            settings.stream_cases(),
+            repeats=settings.stream_repeats,
+            progress=progress,
+            against=against,
+        )
+    )
+    rate = settings.stream_rate
+    floor = trio.run(pacing_floor, rate, max(64, int(rate)))  # a second of the schedule
+    rows = summarize_streaming(results)
+    found = streaming_targets(rows)
+    lines = [
+        f"proto-server bench streaming: {machine()['cpus']} CPUs; took "
+        f"{time.perf_counter() - started:.0f} s",
+        "",
+        *render_streaming(rows),
+        "",
+        f"Pacing floor: a trio task that only sleeps until each token is due at {rate:,.0f} "
+        f"tok/s costs {floor:.1f} us/token of CPU here (the simulated GPU's share of the paced "
+        "case's us/token; measured alone in the benchmark's process).",
+        "",
+        "Targets (this tree):",
+        *(f"  [{'HOLDS' if t.holds else 'FAILS'}] {t.name}: {t.detail}" for t in found),
+    ]
+    print("\n".join(lines))
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.out_dir / "streaming.json"
+    data = {
+        "machine": machine(),
+        "streaming": rows,
+        "targets": [attrs.asdict(t) for t in found],
+        "pacing_floor_us_per_token": floor,
+        "raw": [attrs.asdict(r) for r in results],
+    }
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    print(f"\nSaved {path}")
     if settings.profile:
         print(f"Server profile: {settings.out_dir / 'server-profile.txt'} (and .pstats)")
     return 0

@@ -284,8 +284,11 @@ class ServerProcess:
     socket pair, so nothing of the parent (its main module, its threads) is carried over.
     """
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, *, tree: Path | None = None) -> None:
+        """`tree`: a source tree of proto-server whose server to run instead of this one's (the
+        child imports from its working directory), so two versions can be measured in one run."""
         self._settings = settings
+        self._tree = tree
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         self._theirs = theirs
@@ -295,7 +298,9 @@ class ServerProcess:
     async def __aenter__(self) -> ServerProcess:
         fd = self._theirs.fileno()
         self._process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "proto_server.bench.child", str(fd)], pass_fds=(fd,)
+            [sys.executable, "-m", "proto_server.bench.child", str(fd)],
+            pass_fds=(fd,),
+            cwd=self._tree,
         )
         self._theirs.close()
         self._conn.send(self._settings)

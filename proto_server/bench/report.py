@@ -9,7 +9,7 @@ rate, so per-turn medians pool every rollout of a transport.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,12 @@ import attrs
 import orjson
 
 from proto_server.bench.runner import BenchRun, Rollout
+from proto_server.bench.stream_report import (
+    render_streaming,
+    streaming_targets,
+    summarize_streaming,
+)
+from proto_server.bench.tables import Target, table
 from proto_server.bench.transports import BASELINE, TRANSPORTS
 
 WARM = ("ws-launched", "ws-prototype")
@@ -146,13 +152,6 @@ def turn_summary(run: BenchRun) -> list[dict[str, Any]]:
 # -- targets -------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Target:
-    name: str
-    holds: bool | None  # None: not measured in this run
-    detail: str
-
-
 def targets(
     run: BenchRun, rollouts: list[dict[str, Any]], turns: list[dict[str, Any]]
 ) -> list[Target]:
@@ -221,28 +220,6 @@ def targets(
                 f"{cut:.0%} lower",
             )
         )
-    streams = {(s.name, s.merge_deltas): s for s in run.streaming}
-    one = streams.get(("one stream", True))
-    if one is not None and one.latency_ms_median is not None:
-        found.append(
-            Target(
-                f"one stream sustains {one.decode_rate:,.0f} tok/s, server adds < 1 ms per event",
-                one.tokens_per_s >= 0.95 * one.decode_rate and one.latency_ms_median < 1.0,
-                f"{one.tokens_per_s:,.0f} tok/s received, server adds {one.latency_ms_median:.2f} "
-                f"ms median per token (p90 {one.latency_ms_p90:.2f} ms), server CPU "
-                f"{one.server_cpu_share:.0%} of a core",
-            )
-        )
-    slow, merged = streams.get(("slow client", False)), streams.get(("slow client", True))
-    if slow is not None and merged is not None:
-        found.append(
-            Target(
-                f"a client taking {slow.client_frames_per_s:,.0f} frames/s: merged deltas keep "
-                "tokens/s up",
-                merged.tokens_per_s > 1.2 * slow.tokens_per_s,
-                f"{merged.tokens_per_s:,.0f} tok/s merged vs {slow.tokens_per_s:,.0f} tok/s not",
-            )
-        )
     return found
 
 
@@ -262,18 +239,6 @@ def projected_65(run: BenchRun) -> dict[str, float] | None:
 
 
 # -- the table -----------------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -309,7 +274,7 @@ def render(summary: dict[str, Any]) -> str:
         ]
         for r in summary["rollouts"]
     ]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     if summary["projected_65"]:
         projected = summary["projected_65"]
         base = projected.get(BASELINE)
@@ -342,28 +307,9 @@ def render(summary: dict[str, Any]) -> str:
         ]
         for t in summary["turns"]
     ]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     if summary["streaming"]:
-        lines += [
-            "",
-            "Streaming (prototype dialect; measured; server adds = token released by the "
-            "simulated GPU -> its frame written, median):",
-        ]
-        header = ["what", "streams", "merged", "tokens/s", "frames/s", "server CPU",
-                  "server adds / token"]  # fmt: skip
-        rows = [
-            [
-                s["name"] + (f" ({fps:,.0f} fps)" if (fps := s["client_frames_per_s"]) else ""),
-                str(s["streams"]),
-                "yes" if s["merge_deltas"] else "no",
-                f"{s['tokens_per_s']:,.0f}",
-                f"{s['frames_per_s']:,.0f}",
-                f"{s['server_cpu_share']:.0%}",
-                f"{s['latency_ms_median']:.2f} ms" if s["latency_ms_median"] is not None else "-",
-            ]
-            for s in summary["streaming"]
-        ]
-        lines += _table(header, rows)
+        lines += ["", *render_streaming(summary["streaming"])]
     lines += ["", "Targets:"]
     for target in summary["targets"]:
         verdict = {True: "HOLDS", False: "FAILS", None: "n/a"}[target["holds"]]
@@ -377,6 +323,7 @@ def render(summary: dict[str, Any]) -> str:
 def summarize(run: BenchRun) -> dict[str, Any]:
     rollouts = rollout_summary(run)
     turns = turn_summary(run)
+    streaming = summarize_streaming(run.streaming)
     return {
         "settings": {
             **attrs.asdict(run.settings, filter=lambda a, _: a.name != "out_dir"),
@@ -388,8 +335,14 @@ def summarize(run: BenchRun) -> dict[str, Any]:
         "rollouts": rollouts,
         "turns": turns,
         "projected_65": projected_65(run),
-        "streaming": [attrs.asdict(s) for s in run.streaming],
-        "targets": [attrs.asdict(t) for t in targets(run, rollouts, turns)],
+        "streaming": streaming,
+        "targets": [
+            attrs.asdict(t)
+            for t in [
+                *targets(run, rollouts, turns),
+                *(streaming_targets(streaming) if streaming else []),
+            ]
+        ],
     }
 
 

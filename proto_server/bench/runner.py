@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from proto_server.bench.measure import ServerProcess, ServerSettings, ServerTurn, Setup
-from proto_server.bench.streaming import StreamResult, run_streaming
+from proto_server.bench.streaming import StreamCase, StreamResult, default_cases, run_streaming
 from proto_server.bench.transports import TRANSPORTS, ClientTurn, run_rollout
 from proto_server.bench.workload import Workload, make_workload
 
@@ -41,11 +41,20 @@ class BenchSettings:
     transports: tuple[str, ...] = TRANSPORT_NAMES
     streaming: bool = True
     stream_rate: float = 4000.0
-    stream_tokens: int = 2000
-    streams: int = 16
+    stream_tokens: int = 20_000
+    streams: int = 32
     client_fps: float = 1000.0
+    stream_repeats: int = 1
     out_dir: Path = Path("bench-results")
     profile: bool = False
+
+    def stream_cases(self) -> list[StreamCase]:
+        return default_cases(
+            rate=self.stream_rate,
+            tokens=self.stream_tokens,
+            streams=self.streams,
+            client_fps=self.client_fps,
+        )
 
     def workload(self) -> Workload:
         return make_workload(
@@ -138,12 +147,7 @@ async def run_bench(settings: BenchSettings, progress: Callable[[str], None]) ->
                 )
         if settings.streaming:
             streaming = await run_streaming(
-                server,
-                rate=settings.stream_rate,
-                tokens=settings.stream_tokens,
-                streams=settings.streams,
-                client_fps=settings.client_fps,
-                progress=progress,
+                server, settings.stream_cases(), repeats=settings.stream_repeats, progress=progress
             )
     return BenchRun(
         settings=settings,

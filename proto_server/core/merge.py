@@ -8,6 +8,8 @@ same text; it just gets it in fewer pieces.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from proto_server.wire.events import FunctionCallArgumentsDelta, OutputTextDelta, ServerEvent
@@ -15,19 +17,34 @@ from proto_server.wire.events import FunctionCallArgumentsDelta, OutputTextDelta
 MERGEABLE = (OutputTextDelta, FunctionCallArgumentsDelta)
 
 
+def continues(first: ServerEvent, second: ServerEvent) -> bool:
+    """Whether delta `second` goes on with the text of delta `first` (the same item and part)."""
+    match first, second:
+        case OutputTextDelta(), OutputTextDelta():
+            return (
+                (first.item_id, first.output_index, first.content_index)
+                == (second.item_id, second.output_index, second.content_index)
+                and not first.logprobs
+                and not second.logprobs
+            )
+        case FunctionCallArgumentsDelta(), FunctionCallArgumentsDelta():
+            return (first.item_id, first.output_index) == (second.item_id, second.output_index)
+    return False
+
+
+def merge_run(first: ServerEvent, rest: Sequence[ServerEvent]) -> ServerEvent:
+    """One delta carrying `first`'s text then each of `rest`'s, all of which `continue` it:
+    built once for the whole run (a merge per pair would copy the text again each time)."""
+    if not rest:
+        return first
+    assert isinstance(first, MERGEABLE)
+    texts = [first.delta]
+    for event in rest:
+        assert isinstance(event, MERGEABLE)
+        texts.append(event.delta)
+    return attrs.evolve(first, delta="".join(texts))
+
+
 def merge_deltas(first: ServerEvent, second: ServerEvent) -> ServerEvent | None:
     """One delta carrying `first`'s text then `second`'s, or None if they do not continue."""
-    match first, second:
-        case OutputTextDelta(), OutputTextDelta() if (
-            (first.item_id, first.output_index, first.content_index)
-            == (second.item_id, second.output_index, second.content_index)
-            and not first.logprobs
-            and not second.logprobs
-        ):
-            return attrs.evolve(first, delta=first.delta + second.delta)
-        case FunctionCallArgumentsDelta(), FunctionCallArgumentsDelta() if (
-            first.item_id,
-            first.output_index,
-        ) == (second.item_id, second.output_index):
-            return attrs.evolve(first, delta=first.delta + second.delta)
-    return None
+    return merge_run(first, [second]) if continues(first, second) else None

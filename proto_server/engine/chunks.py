@@ -7,6 +7,7 @@ The sampling loop turns each chunk into calls on the Response state machine.
 from __future__ import annotations
 
 import attrs
+import trio
 
 
 @attrs.frozen
@@ -52,3 +53,13 @@ class SegmentEnd:
 
 
 Chunk = Prefilled | TextDelta | ToolCallBegin | ToolCallArgumentsDelta | ToolCallEnd | SegmentEnd
+
+
+async def hand_over(send: trio.MemorySendChannel[Chunk], chunk: Chunk) -> None:
+    """Put `chunk` in the sampling loop's channel, waiting only when it is full: a generator
+    that is ahead hands over all it has in one scheduling round, and the sampling loop takes
+    them all in its next (`send.send` would yield to the scheduler once a chunk)."""
+    try:
+        send.send_nowait(chunk)
+    except trio.WouldBlock:
+        await send.send(chunk)

@@ -375,6 +375,7 @@ class ProtoServer:
                 merge_deltas=self.config.merge_deltas,
                 observer=self.observer,
                 dialect=dialect_name,
+                compressed=deflated,
             )
             log.info(
                 "connection.opened",

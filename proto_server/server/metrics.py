@@ -117,11 +117,6 @@ def sent(event: ServerEvent, *, dialect: str, transport: str, size: int, seconds
         ERRORS.labels(event.error.code).inc()
 
 
-def encoded_size(frame: str) -> int:
-    """The UTF-8 size of an encoded event (ASCII, nearly always: its length)."""
-    return len(frame) if frame.isascii() else len(frame.encode())
-
-
 def turn_ended(
     *, source: str, rendered: int, prompt: int, cached: int, prepare_s: float | None,
     decode_s: float, first_event_s: float | None,

@@ -12,7 +12,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from proto_server.core.merge import MERGEABLE, merge_deltas
+from proto_server.core.merge import MERGEABLE, continues, merge_run
 from proto_server.wire.events import ServerEvent
 
 
@@ -26,6 +26,10 @@ class EventSink(Protocol):
     """Where a Response's events go, in order; awaiting is backpressure."""
 
     async def send(self, event: ServerEvent) -> None: ...
+
+    def send_nowait(self, event: ServerEvent) -> None:
+        """Without waiting, or `trio.WouldBlock` when the channel is full."""
+        ...
 
 
 @attrs.frozen
@@ -61,26 +65,62 @@ class Outbox:
         return self
 
     async def __anext__(self) -> tuple[Outgoing, int]:
-        outgoing, self._held = self._held, None
+        outgoing = await self._next()
         if outgoing is None:
-            try:
-                outgoing = await self._receive.receive()
-            except trio.EndOfChannel:
-                raise StopAsyncIteration from None
-        merged = 1
-        if self._merge and isinstance(outgoing.event, MERGEABLE):
-            while True:
+            raise StopAsyncIteration
+        return self._merged(outgoing, self._merge)
+
+    async def batch(self, limit: int) -> list[tuple[Outgoing, int]]:
+        """As many events as are ready now (at least one, at most `limit`), to be written at
+        once: one write and one scheduling round for them all instead of one each. Empty at
+        the end of the channel.
+
+        Merged (with `merge`) only if the writer fell behind: if events were waiting when it
+        came back for more, they piled up while it wrote, and that pile is what `async for`
+        merges. A writer that had to wait for an event is keeping up: the events that came
+        with it (a generator hands over every token due at once) go out as they are, each in
+        its own frame, as a writer taking them one at a time would have sent them."""
+        behind = self._held is not None or self._receive.statistics().current_buffer_used > 0
+        merge = self._merge and behind
+        first = await self._next()
+        if first is None:
+            return []
+        batch = [self._merged(first, merge)]
+        while len(batch) < limit:
+            outgoing, self._held = self._held, None
+            if outgoing is None:
                 try:
-                    pending = self._receive.receive_nowait()
+                    outgoing = self._receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                combined = (
-                    merge_deltas(outgoing.event, pending.event)
-                    if pending.stream_id == outgoing.stream_id
-                    else None
-                )
-                if combined is None:
-                    self._held = pending
-                    break
-                outgoing, merged = Outgoing(combined, outgoing.stream_id), merged + 1
-        return outgoing, merged
+                    break  # the end comes again, and is said, on the next call
+            batch.append(self._merged(outgoing, merge))
+        return batch
+
+    async def _next(self) -> Outgoing | None:
+        """The held event or the next one in the channel (waiting for it); None at the end."""
+        outgoing, self._held = self._held, None
+        if outgoing is not None:
+            return outgoing
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            return None
+
+    def _merged(self, outgoing: Outgoing, merge: bool) -> tuple[Outgoing, int]:
+        """`outgoing`, merged (if `merge`) with the deltas that continue it and are waiting."""
+        if not merge or not isinstance(outgoing.event, MERGEABLE):
+            return outgoing, 1
+        first = outgoing.event
+        run: list[ServerEvent] = []
+        while True:
+            try:
+                pending = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if pending.stream_id != outgoing.stream_id or not continues(first, pending.event):
+                self._held = pending
+                break
+            run.append(pending.event)
+        if not run:
+            return outgoing, 1
+        return Outgoing(merge_run(first, run), outgoing.stream_id), len(run) + 1

@@ -327,6 +327,7 @@ class SamplingLoop:
             return  # ended before the segment began: nothing to generate
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         ended = False  # the machine ended the segment (suspended or ended the Response)
+        last: list[ServerEvent] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
             await self._emit(announce)
@@ -334,17 +335,19 @@ class SamplingLoop:
                 async for chunk in receive:
                     if machine.ending or machine.steer_due:
                         break  # chunks already generated are not streamed after an end or cut
-                    try:
-                        events = self._apply(chunk)
-                    except IllegalTransition as exc:
-                        self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                    events, stop = self._apply_ready(chunk, receive)
+                    if stop and machine.status.terminal:
+                        last, ended = events, True  # out once the generator has stopped
                         break
                     await self._emit(events)
-                    if machine.status is not Status.IN_PROGRESS or not machine.segment_open:
-                        ended = True  # suspended, ended, or resumed in place by a steer
+                    if stop:  # suspended, or resumed in place; a misbehaving generator is not
+                        ended = machine.status is not Status.IN_PROGRESS or not machine.segment_open
                         break
                 if self._generator_scope is not None:
                     self._generator_scope.cancel()  # cut: what it would still say is not said
+        # The Response's terminal event goes out only now, and `run` marks it ended without
+        # yielding in between: a client that answers it with a create finds it ended.
+        await self._emit(last)
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account()
         # ended: it may be in progress again already, resumed by outputs that came meanwhile
@@ -405,6 +408,28 @@ class SamplingLoop:
         self._rendered_mark = rendered
         return new
 
+    def _apply_ready(
+        self, chunk: Chunk, receive: trio.MemoryReceiveChannel[Chunk]
+    ) -> tuple[list[ServerEvent], bool]:
+        """`chunk` and every chunk already waiting behind it, applied in one go (one scheduling
+        round for a burst, not one a chunk): their events, and whether the segment stops here
+        (the machine ended it, or the generator misbehaved: `_fault`). Nothing else runs
+        meanwhile, so no cancel or expiry can come between two of them."""
+        events: list[ServerEvent] = []
+        machine = self.machine
+        while True:
+            try:
+                events += self._apply(chunk)
+            except IllegalTransition as exc:
+                self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                return events, True
+            if machine.status is not Status.IN_PROGRESS or not machine.segment_open:
+                return events, True  # suspended or ended, or resumed in place
+            try:
+                chunk = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):  # the end is seen by `async for`
+                return events, False
+
     def _apply(self, chunk: Chunk) -> list[ServerEvent]:
         machine = self.machine
         if isinstance(chunk, SegmentEnd) and chunk.cached_tokens is not None:
@@ -440,7 +465,10 @@ class SamplingLoop:
                 event = await self._suspension_stored(event)
                 if isinstance(event, ResponseFailed):
                     event = await self._stored(event)
-            await self._events.send(event)
+            try:  # a scheduling round only when the channel is full (backpressure)
+                self._events.send_nowait(event)
+            except trio.WouldBlock:
+                await self._events.send(event)
 
     async def _suspension_stored(self, event: ResponseDone) -> ServerEvent:
         """A suspension is in the store before the client hears of it, so whatever it sends

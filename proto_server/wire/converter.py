@@ -436,11 +436,18 @@ def encode_server_event(
 ) -> str:
     """One server event as the text of one WebSocket frame (or one SSE `data:` line); an
     event of a named lane carries its `stream_id` (the default lane's carry none)."""
+    return encode_server_event_bytes(event, sequence_number, stream_id).decode()
+
+
+def encode_server_event_bytes(
+    event: ServerEvent, sequence_number: int, stream_id: str | None = None
+) -> bytes:
+    """`encode_server_event` as the UTF-8 bytes a frame carries: encoded once, straight to bytes."""
     obj = converter.unstructure(event)
     obj["sequence_number"] = sequence_number
     if stream_id is not None:
         obj["stream_id"] = stream_id
-    return orjson.dumps(obj).decode()
+    return orjson.dumps(obj)
 
 
 def decode_server_event(frame: str | bytes) -> tuple[int, ServerEvent]:
