@@ -24,10 +24,16 @@ import trio
 
 from proto_server.bench.local import Turn, measure, table
 from proto_server.cli import main
+from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
 from proto_server.engine import model_files
-from proto_server.engine.chat_template import ChatTemplateRenderer, TemplateError
+from proto_server.engine.chat_template import (
+    COMPACTION_PREAMBLE,
+    ChatTemplateRenderer,
+    TemplateError,
+    item_message,
+)
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -39,7 +45,13 @@ from proto_server.engine.chunks import (
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.toolcalls import call_text, describe_tools
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
+from proto_server.wire.items import (
+    FunctionCall,
+    FunctionCallOutput,
+    Message,
+    OutputText,
+    UnknownItem,
+)
 from proto_server.wire.tools import FunctionTool
 
 from .helpers import EXEC_COMMAND, collapse, connect, read_line, types
@@ -96,6 +108,23 @@ def test_items_render_as_the_template_renders_the_whole_conversation(tokenizer: 
     whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     tokens = [*conversation.tokens, *renderer.generation_prompt]
     assert tokens == tokenizer.encode(whole, add_special_tokens=False)
+
+
+def test_a_compacted_history_shows_the_model_its_summary(tokenizer: Any) -> None:
+    """Server-side compaction leaves a sealed item where the history was: a model behind a
+    chat template reads its summary (as a user message), not nothing."""
+    key = CompactionKey(b"k" * 32)
+    compacted, summary = compact(
+        [USER, FunctionCall(call_id="c1", name="exec_command", arguments='{"cmd": "ls"}')], key
+    )
+    renderer = ChatTemplateRenderer(tokenizer)
+    conversation = Conversation(renderer, instructions=INSTRUCTIONS)
+    conversation.extend(compacted)
+    text = tokenizer.decode(conversation.tokens)
+    assert summary and summary in text
+    assert f"{COMPACTION_PREAMBLE}\n{summary}" in text
+    reasoning = UnknownItem(raw={"type": "reasoning", "summary": []})
+    assert item_message(reasoning) is None  # what another model cannot read stays out
 
 
 def test_a_template_that_cannot_render_one_message_at_a_time_is_refused() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from proto_server.core.compaction import summary_of
 from proto_server.engine.toolcalls import call_text, describe_tools
 from proto_server.wire.items import (
     CustomToolCall,
@@ -44,6 +45,10 @@ class TemplateError(ValueError):
     """The model's chat template cannot render a conversation one message at a time."""
 
 
+#: How a compacted history's summary is introduced to a model that reads chat messages.
+COMPACTION_PREAMBLE = "Summary of the conversation so far (earlier turns were compacted):"
+
+
 def item_message(item: Item) -> dict[str, str] | None:
     """The chat message an item is shown to the model as; None for what it cannot read."""
     match item:
@@ -58,6 +63,9 @@ def item_message(item: Item) -> dict[str, str] | None:
             return {"role": "assistant", "content": call_text(name, text)}
         case FunctionCallOutput(output=output) | CustomToolCallOutput(output=output):
             return {"role": "tool", "content": content_text(output)}
+        case UnknownItem(type="compaction") if (summary := summary_of(item)) is not None:
+            # what server-side compaction kept of the history: the model reads it as context
+            return {"role": "user", "content": f"{COMPACTION_PREAMBLE}\n{summary}"}
         case UnknownItem():
             return None  # reasoning and the like: opaque to another model
     raise TypeError(f"not an item: {item!r}")
