@@ -335,6 +335,43 @@ async def test_an_inject_while_the_segment_streams_is_held_until_it_ends(
     assert "response.done" not in [e["type"] for e in events + more + rest]
 
 
+async def test_outputs_held_for_a_streaming_segment_count_against_the_memory_budget(
+    start_server: StartServer,
+) -> None:
+    """An inject while the segment that made the call streams is held until it ends; what it
+    holds is charged from the moment it is committed, once (not again when it joins)."""
+    running = await start_server(THREE_SEGMENTS, timing=TimingModel(decode_tokens_per_s=50))
+    big = "lorem ipsum " * 10_000  # ~120 KB of output, more once rendered
+    memory = running.server.memory
+    with trio.fail_after(30):
+        async with connect(running.address.ws_url, **BETA) as raw:
+            client = Checked(raw)
+            await client.send(launched_create(multi_agent={"enabled": True}))
+            events = await client.until_lane(None, "response.output_item.done")
+            events += await client.until_lane(None, "response.output_item.done")
+            rid = events[0]["response"]["id"]
+            await client.send(inject(rid, answers(events)))
+            await client.until_lane(None, "response.inject.created")
+            more = await client.until_lane(None, "response.output_item.done")
+            while more[-1]["item"]["type"] != "function_call":
+                more += await client.until_lane(None, "response.output_item.done")
+            before = memory.used
+            (first,) = answers(more)
+            await client.send(inject(rid, [{**first, "output": big}]))
+            more += await client.until_lane(None, "response.inject.created")
+            held = memory.used - before
+            assert not any(e["type"] == "response.in_progress" for e in more[1:])  # still held
+            assert held >= len(big), (held, len(big))
+            rest = await client.until_lane(None, "response.output_item.done")
+            last = [e for e in rest if e["type"] == "response.output_item.done"]
+            await client.send(inject(rid, answers(last)))
+            rest += await client.until_lane(None, *END)
+            joined = memory.used - before
+            client.checker.finish()
+    assert rest[-1]["type"] == "response.completed"
+    assert len(big) <= joined < 2 * held  # in the conversation now, and counted once
+
+
 async def test_inject_is_refused_without_the_beta_and_after_the_end(
     start_server: StartServer,
 ) -> None:

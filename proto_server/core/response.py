@@ -35,7 +35,7 @@ from typing import Any, Literal
 import attrs
 
 from proto_server.core import ids
-from proto_server.core.conversation import Conversation, RenderedItems
+from proto_server.core.conversation import TOKEN_BYTES, Conversation, RenderedItems
 from proto_server.wire.errors import ErrorDetail, ProtocolError, SteerRefused, quoted, some_of
 from proto_server.wire.events import (
     CompactionCompacting,
@@ -799,6 +799,16 @@ class ResponseMachine:
     @property
     def holds_injected(self) -> bool:
         return bool(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the outputs held for the segment's end take in memory (once rendered), so the
+        memory budget counts them before they join the conversation."""
+        return sum(
+            rendered.nbytes + TOKEN_BYTES * len(rendered.tokens)
+            for _, rendered in self._held
+            if rendered is not None
+        )
 
     def release_held(self) -> list[ServerEvent]:
         """At a suspension: what was injected while the segment streamed joins the

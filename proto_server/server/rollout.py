@@ -43,11 +43,12 @@ class Rollout:
         conversation = self.conversation
         return conversation.instructions == instructions and conversation.tools == tuple(tools)
 
-    def account(self) -> None:
-        """Charge the budget for what the conversation holds now."""
+    def account(self, pending: int = 0) -> None:
+        """Charge the budget for what the conversation holds now, and `pending` bytes more
+        (outputs injected while a segment streams, held until it ends)."""
         if self._released:
             return
-        held = self.conversation.retained_bytes
+        held = self.conversation.retained_bytes + pending
         self.budget.charge(held - self._charged)
         self._charged = held
 

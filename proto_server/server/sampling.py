@@ -152,7 +152,7 @@ class SamplingLoop:
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
         self._resume_events = self.machine.append(items, rendered, tool_choice=tool_choice)
-        self.rollout.account()
+        self.rollout.account(self.machine.held_bytes)
         if self._observer is not None:
             self._observer.rendered()
         if self.machine.status is Status.IN_PROGRESS:
@@ -177,7 +177,7 @@ class SamplingLoop:
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
         resumed = self.machine.inject(items, rendered)
-        self.rollout.account()
+        self.rollout.account(self.machine.held_bytes)
         if resumed:
             self._resume_events = resumed
             self._answered = True
@@ -259,7 +259,7 @@ class SamplingLoop:
             return  # told to end while its last segment streamed
         if machine.holds_injected:  # outputs injected while the segment streamed
             self._resume_events = machine.release_held()
-            self.rollout.account()
+            self.rollout.account(self.machine.held_bytes)
         if machine.status is not Status.SUSPENDED:
             return  # every call was answered before it could wait: no wait at all
         self._wake = trio.Event()
@@ -349,13 +349,13 @@ class SamplingLoop:
         # yielding in between: a client that answers it with a create finds it ended.
         await self._emit(last)
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
-        self.rollout.account()
+        self.rollout.account(self.machine.held_bytes)
         # ended: it may be in progress again already, resumed by outputs that came meanwhile
         if ended or machine.status is not Status.IN_PROGRESS:
             return
         if machine.steer_due:  # a safe point: the steer ends it, or it goes on in place
             await self._emit(machine.take_steers())
-            self.rollout.account()
+            self.rollout.account(self.machine.held_bytes)
             return
         fault = self._fault or ServerFault(
             "generator_error", "the token generator stopped in the middle of a segment"
