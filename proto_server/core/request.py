@@ -56,6 +56,13 @@ def check_create(create: ResponseCreate) -> None:
     function, the values of `prompt_cache_options` and `context_management`, `conversation`
     (refused), a `truncation` the Response can echo. Run when a create is accepted, before
     anything is built for it."""
+    if create.background:  # on every transport alike: the answer is its own stream
+        raise ProtocolError(
+            "invalid_field",
+            "`background: true` is not supported by this server; remove it and read the result "
+            "from the stream (or, over HTTP, the response body).",
+            param="background",
+        )
     check_tool_schemas(create.tools)
     check_tool_choice(create.tool_choice, create.tools)
     check_prompt_cache_options(create.prompt_cache_options)

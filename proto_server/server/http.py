@@ -368,13 +368,6 @@ class _Exchange:
         create = await self._decode(body)
         if observer is not None:
             observer.decoded()
-        if create.background:
-            raise ProtocolError(
-                "invalid_field",
-                "`background: true` is not supported by this server; remove it and read the "
-                "result from the stream or the response body.",
-                param="background",
-            )
         await self.server.offload.run(self.server.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[Outgoing](self.server.config.client_queue_events)

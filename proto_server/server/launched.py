@@ -255,13 +255,6 @@ class LaunchedDialect:
                 )
 
     async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
-        if create.background:
-            raise ProtocolError(
-                "invalid_field",
-                "`background: true` is not supported over a WebSocket; remove it, or "
-                "POST /v1/responses over HTTP.",
-                param="background",
-            )
         if create.waits_for_injects:
             require_beta(self._multi_agent, "`multi_agent`")
         self._names.admit(create.stream_id)

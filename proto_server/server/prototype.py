@@ -218,8 +218,6 @@ class PrototypeDialect:
             )
         if (warmup := warmup_field(create)) is not None:
             raise _unsupported(warmup, "warm-ups belong to the launched dialect")
-        if create.background:
-            raise _unsupported("background", "background responses are not served over a WebSocket")
         lane = self._lane(create.stream_id)
         await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
