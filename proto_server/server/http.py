@@ -35,7 +35,7 @@ from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
-from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, chain_items
+from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -341,16 +341,7 @@ class _Exchange:
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:
             return []
-        chain = await self.server.store.chain(previous, owner=self.owner)
-        if chain is None:
-            raise ProtocolError(
-                "previous_response_not_found",
-                f"Previous response {quoted(previous)} is not in the store (never stored with "
-                "store: true, or expired). Resend the full history without "
-                "previous_response_id.",
-                param="previous_response_id",
-            )
-        return chain_items(chain)
+        return await history_of(self.server.store, previous, owner=self.owner)
 
     async def _decode(self, body: bytes) -> ResponseCreate:
         """The body as a create, decoded off the event loop when it is large, while the process

@@ -52,8 +52,14 @@ from proto_server.server.logs import log
 from proto_server.server.outbox import LaneSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
-from proto_server.server.store import ANONYMOUS, StoreUnavailable, chain_items
-from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
+from proto_server.server.store import (
+    ANONYMOUS,
+    STORED,
+    StoreUnavailable,
+    history_of,
+    previous_response_not_found,
+)
+from proto_server.wire.errors import ProtocolError, SteerRefused
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -74,21 +80,6 @@ from proto_server.wire.events import (
 if TYPE_CHECKING:
     from proto_server.server.app import ProtoServer
     from proto_server.server.connection import Connection
-
-
-def previous_response_not_found(response_id: str, store: bool) -> ProtocolError:
-    hint = (
-        "it is neither the most recent response of a lane of this connection nor in the store"
-        if store
-        else "with store: false only the most recent response of each lane of this "
-        "connection can be continued"
-    )
-    return ProtocolError(
-        "previous_response_not_found",
-        f"Previous response {quoted(response_id)} not found: {hint}. Resend the full history "
-        "without previous_response_id.",
-        param="previous_response_id",
-    )
 
 
 @attrs.frozen
@@ -498,11 +489,12 @@ class LaunchedDialect:
         if parent is not None:
             # a fork: the parent stays warm on its own lane; this one starts from its items
             return await begin("fork", history=list(parent.conversation.items))
-        store = True if create.store is None else create.store
-        chain = await server.store.chain(previous, owner=owner) if store else None
-        if chain is None:
-            raise previous_response_not_found(previous, store)
-        return await begin("store", history=chain_items(chain))
+        lanes = "the most recent response of a lane of this connection"
+        if create.store is False:  # with store: false only what this connection keeps
+            raise previous_response_not_found(previous, f"{lanes} (store: false)")
+        where = f"{lanes}, nor {STORED}"
+        history = await history_of(server.store, previous, owner=owner, where=where)
+        return await begin("store", history=history)
 
     def _cached_elsewhere(self, response_id: str, lane: _Lane) -> Rollout | None:
         for other in self._lanes.values():

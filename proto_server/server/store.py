@@ -31,7 +31,7 @@ from proto_server.core.compaction import compacted_prompt
 from proto_server.core.ranges import InvalidSetting, at_least, positive
 from proto_server.core.settings import setting
 from proto_server.wire.converter import converter
-from proto_server.wire.errors import ServerFault
+from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.items import Item
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -623,6 +623,31 @@ class SQLiteStore:
 
         async with self._write_limiter:
             await trio.to_thread.run_sync(close)
+
+
+#: Where a chain is looked for, as `previous_response_not_found` says it.
+STORED = "in the store (never stored with store: true, or expired)"
+
+
+async def history_of(
+    store: ResponseStore, previous: str, *, owner: str, where: str = STORED
+) -> list[Item]:
+    """The items of the stored chain that ends at `previous`: what a turn continuing it is
+    served from; `previous_response_not_found` (saying `where` it was looked for) if the store
+    holds no such chain for `owner`. The one lookup of both HTTP and the WebSocket dialects."""
+    chain = await store.chain(previous, owner=owner)
+    if chain is None:
+        raise previous_response_not_found(previous, where)
+    return chain_items(chain)
+
+
+def previous_response_not_found(response_id: str, where: str) -> ProtocolError:
+    return ProtocolError(
+        "previous_response_not_found",
+        f"Previous response {quoted(response_id)} not found: it is not {where}. Resend the "
+        "full history without previous_response_id.",
+        param="previous_response_id",
+    )
 
 
 def chain_items(chain: Sequence[StoredResponse]) -> list[Item]:
