@@ -401,7 +401,7 @@ async def test_a_launched_chain_through_the_openai_sdk_is_served_warm(
 ) -> None:
     served = await start_vllm(max_tokens=64)
     with trio.fail_after(240):
-        responses = await in_thread(sdk_chain, served.address.http_url, 4, abandon_on_cancel=True)
+        responses = await in_thread(sdk_chain, served.address.http_url, 4)
     assert [r.status for r in responses] == ["completed"] * 4, [r.error for r in responses]
     for response in responses[:3]:
         (call, *_) = [item for item in response.output if item.type == "function_call"]
