@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ import orjson
 import pytest
 import trio
 
+from proto_server.engine.simulated import TimingModel
 from proto_server.server.postgres import PostgresStore
 from proto_server.server.store import (
     SQLiteStore,
@@ -96,6 +98,22 @@ async def test_a_suspension_comes_back_whole_and_each_write_adds_only_its_new_it
     assert got.items == first.items + later.items[3:] and got.pending == ("call_2",)
     # another owner finds nothing
     assert await store.suspended("resp_a", owner="key:b") is None
+
+
+async def test_a_claim_whose_holder_went_silent_lapses_and_is_taken_over(store: Any) -> None:
+    """A resumed Response whose process died mid-segment never suspends again nor ends: its
+    claim lapses (the caller says before when: --suspend-timeout ago), and the next resume
+    takes it over; the old holder, if it lives after all, is fenced off at its next write."""
+    await store.suspend(suspension("resp_l", 2), since=0, expected=0)
+    assert await store.claim("resp_l", owner="key:a", version=1)  # stamped now
+    recent = time.time() - 60  # a claim taken within the last minute has not lapsed
+    assert not await store.claim("resp_l", owner="key:a", version=2, lapsed_before=recent)
+    lapsed = time.time() + 1  # every claim taken before this has
+    assert await store.claim("resp_l", owner="key:a", version=2, lapsed_before=lapsed)
+    got = await store.suspended("resp_l", owner="key:a")
+    assert got is not None and (got.version, got.claimed) == (3, True)
+    with pytest.raises(SuspensionLost):  # the silent holder wrote at version 2
+        await store.suspend(suspension("resp_l", 4), since=2, expected=2)
 
 
 async def test_of_two_racing_claims_one_wins_and_a_stale_writer_is_fenced_off(store: Any) -> None:
@@ -231,12 +249,54 @@ async def exchange(client: WireClient, checker: StreamChecker, frame: dict[str, 
     return events
 
 
+async def test_a_resumed_response_whose_holder_died_is_resumed_again_once_its_claim_lapses(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The process that resumed a Response dies mid-segment (played here by a claim that no
+    server holds): the next resume is refused while the claim is fresh, and takes it over once
+    --suspend-timeout has passed since the claim."""
+    store = SQLiteStore(tmp_path / "s.sqlite3")
+    running = await start_server(THREE_SEGMENTS, store=store, suspend_timeout_s=1)
+    url = running.prototype_url
+    with trio.fail_after(20):
+        first = checked()
+        async with connect(url) as client:
+            events = await exchange(client, first, create())
+            await client.vanish()
+        done = events[-1]["response"]
+        rid, outputs = done["id"], answers(events)
+        await running.server.wait_idle()
+        found = await store.suspended(rid)
+        assert found is not None
+        assert await store.claim(rid, owner=found.owner, version=found.version)  # it died
+        frame = {"type": "response.append", "response_id": rid, "input": outputs}
+        async with connect(url) as client:
+            refused = await exchange(client, checked(done), frame)
+        assert refused[-1]["error"]["code"] == "response_already_resumed"
+        assert "--suspend-timeout" in refused[-1]["error"]["message"]
+        await trio.sleep(1.2)  # past the timeout since the claim: it has lapsed
+        again = checked(done)
+        async with connect(url) as client:
+            resumed = await exchange(client, again, frame)
+            assert resumed[0]["type"] == "response.in_progress", resumed[-1]
+            assert resumed[-1]["type"] == "response.done"
+            final = await exchange(
+                client, again, {"type": "response.append", "input": answers(resumed)}
+            )
+        assert final[-1]["type"] == "response.completed" and final[-1]["response"]["id"] == rid
+        again.finish()
+
+
 async def test_a_dropped_connection_resumes_by_id_on_a_new_one_cold_and_exactly_once(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    running = await start_server(THREE_SEGMENTS, store=SQLiteStore(tmp_path / "s.sqlite3"))
+    # the winner's next segment takes a while (0.1 s a token): the loser must find the
+    # suspension claimed, not already suspended again past the outputs it brings
+    slow = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=10)
+    store = SQLiteStore(tmp_path / "s.sqlite3")
+    running = await start_server(THREE_SEGMENTS, store=store, timing=slow)
     url = running.prototype_url
-    with trio.fail_after(20):
+    with trio.fail_after(30):
         first = checked()
         async with connect(url) as client:
             events = await exchange(client, first, create())

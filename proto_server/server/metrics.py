@@ -14,6 +14,7 @@ suspensions and evictions (suspension.py, memory.py), store calls (`TimedStore`)
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -190,9 +191,13 @@ class TimedStore:
         with self._timed("suspended"):
             return await self._suspending().suspended(response_id, owner=owner)
 
-    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+    async def claim(
+        self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
+    ) -> bool:
         with self._timed("claim"):
-            return await self._suspending().claim(response_id, owner=owner, version=version)
+            return await self._suspending().claim(
+                response_id, owner=owner, version=version, lapsed_before=lapsed_before
+            )
 
     async def release(self, response_id: str, *, version: int) -> None:
         with self._timed("release"):

@@ -275,13 +275,17 @@ class PostgresStore:
         )  # fmt: skip
 
     @staticmethod
-    def _claim(conn: psycopg.Connection[Any], response_id: str, owner: str, version: int) -> bool:
+    def _claim(
+        conn: psycopg.Connection[Any], response_id: str, owner: str, version: int, now: float,
+        lapsed_before: float,
+    ) -> bool:  # fmt: skip
         # one UPDATE: of several processes racing, the first locks the row; the others wait
         # for its commit, then re-check the WHERE against the new row (read committed) and miss
         won = conn.execute(
-            f"UPDATE {_SUSPENDED} SET claimed = true, version = version + 1 "
-            "WHERE id = %s AND owner = %s AND version = %s AND NOT claimed",
-            (response_id, owner, version),
+            f"UPDATE {_SUSPENDED} SET claimed = true, version = version + 1, stored_at = %s "
+            "WHERE id = %s AND owner = %s AND version = %s "
+            "AND (NOT claimed OR stored_at < %s)",
+            (now, response_id, owner, version, lapsed_before),
         )
         return won.rowcount == 1
 
@@ -323,9 +327,17 @@ class PostgresStore:
     ) -> SuspendedResponse | None:
         return await self._call(resume_failed(response_id), self._suspended, response_id, owner)
 
-    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+    async def claim(
+        self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
+    ) -> bool:
         return await self._call(
-            resume_failed(response_id), self._claim, response_id, owner, version
+            resume_failed(response_id),
+            self._claim,
+            response_id,
+            owner,
+            version,
+            self._clock(),
+            lapsed_before,
         )
 
     async def release(self, response_id: str, *, version: int) -> None:

@@ -167,14 +167,18 @@ async def resume(
             f"No suspended Response {shown} in the store (never suspended with store: true, "
             "expired, or another key's).",
         )
-    if found.claimed:
+    # a claim is stamped when it is taken, and lapses after --suspend-timeout: its holder has
+    # neither suspended again nor ended (its process died mid-segment), so it may be taken over
+    timeout = server.config.suspend_timeout_s
+    idle = time.time() - found.stored_at
+    if found.claimed and idle <= timeout:
         raise _refused(
             "response_already_resumed",
-            f"Response {shown} was resumed by another connection, which holds it now.",
+            f"Response {shown} was resumed by another connection, which holds it now (a claim "
+            f"whose holder goes silent lapses after --suspend-timeout, {timeout:g} s).",
             status=409,
         )
-    idle = time.time() - found.stored_at
-    if idle > server.config.suspend_timeout_s:
+    if not found.claimed and idle > timeout:
         raise _refused(
             "response_not_found",
             f"Suspended Response {shown} waited {idle:.0f} s, past --suspend-timeout "
@@ -200,7 +204,8 @@ async def resume(
     if append.tool_choice is not None:
         server.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
     rendered = await server.offload.run(render_items, server.renderer, append.input, size=size)
-    if not await store.claim(response_id, owner=owner, version=found.version):
+    lapsed = time.time() - timeout
+    if not await store.claim(response_id, owner=owner, version=found.version, lapsed_before=lapsed):
         raise _refused(
             "response_already_resumed",
             f"Response {shown} was resumed by another connection just now, which holds it.",

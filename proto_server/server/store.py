@@ -264,9 +264,13 @@ class SuspensionStore(Protocol):
         self, response_id: str, *, owner: str = ANONYMOUS
     ) -> SuspendedResponse | None: ...
 
-    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
-        """Take the unclaimed suspension at `version` (it becomes `version + 1`, claimed);
-        False if another connection took it or it changed."""
+    async def claim(
+        self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
+    ) -> bool:
+        """Take the suspension at `version` (it becomes `version + 1`, claimed, stamped now)
+        if it is unclaimed, or its claim is older than `lapsed_before` (its holder neither
+        suspended again nor ended in time: its process died; if it lives after all, its next
+        write is fenced off); False if another connection holds it or it changed."""
         ...
 
     async def release(self, response_id: str, *, version: int) -> None:
@@ -532,12 +536,15 @@ class SQLiteStore:
         )  # fmt: skip
 
     @staticmethod
-    def _claim(db: sqlite3.Connection, response_id: str, owner: str, version: int) -> bool:
+    def _claim(
+        db: sqlite3.Connection, response_id: str, owner: str, version: int, now: float,
+        lapsed_before: float,
+    ) -> bool:  # fmt: skip
         # one statement: SQLite runs one writer at a time, so of two racing claims one wins
         won = db.execute(
-            "UPDATE suspended SET claimed = 1, version = version + 1 "
-            "WHERE id = ? AND owner = ? AND version = ? AND claimed = 0",
-            (response_id, owner, version),
+            "UPDATE suspended SET claimed = 1, version = version + 1, stored_at = ? "
+            "WHERE id = ? AND owner = ? AND version = ? AND (claimed = 0 OR stored_at < ?)",
+            (now, response_id, owner, version, lapsed_before),
         )
         return won.rowcount == 1
 
@@ -592,10 +599,12 @@ class SQLiteStore:
     ) -> SuspendedResponse | None:
         return await self._read(resume_failed(response_id), self._suspended, response_id, owner)
 
-    async def claim(self, response_id: str, *, owner: str, version: int) -> bool:
+    async def claim(
+        self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
+    ) -> bool:
         return await self._call(
             self._write_limiter, resume_failed(response_id), self._db, self._claim,
-            response_id, owner, version,
+            response_id, owner, version, self._clock(), lapsed_before,
         )  # fmt: skip
 
     async def release(self, response_id: str, *, version: int) -> None:
