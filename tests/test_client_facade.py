@@ -139,12 +139,18 @@ def test_an_interrupt_cancels_the_call_in_the_clients_thread_too() -> None:
         rollout = client.connect("prototype").create("talk")
         main = threading.main_thread().ident
         assert main is not None
-        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+
+        def interrupt_once_it_streams() -> None:  # mid-segment, however busy the machine
+            deadline = time.monotonic() + 10
+            while not rollout.rollout.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            signal.pthread_kill(main, signal.SIGINT)
+
         started = time.monotonic()
-        timer.start()
+        threading.Thread(target=interrupt_once_it_streams, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rollout.step()
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 4  # the segment alone takes 5 s
         assert rollout.state is RolloutState.STREAMING  # stopped reading mid-segment
         read = len(rollout.events)
         assert read > 0

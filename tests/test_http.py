@@ -33,7 +33,10 @@ from .helpers import (
     turn,
 )
 
-IDS = {"id", "item_id", "call_id", "previous_response_id", "created_at", "sequence_number"}
+IDS = {
+    "id", "item_id", "call_id", "previous_response_id", "created_at", "completed_at",
+    "sequence_number",
+}  # fmt: skip
 
 
 def without_ids(value: Any) -> Any:
