@@ -300,6 +300,24 @@ async def test_prototype_inject_resumes_the_response_it_names_on_its_lane(
             client.checker.finish()
 
 
+async def to_the_second_segments_first_call(
+    client: Checked,
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A multi-agent THREE_SEGMENTS rollout up to segment 2's first call, which still
+    streams: segment 1's one call was injected at once. Its id, segment 1's events and
+    segment 2's so far."""
+    await client.send(launched_create(multi_agent={"enabled": True}))
+    events = await client.until_lane(None, "response.output_item.done")
+    events += await client.until_lane(None, "response.output_item.done")
+    rid = events[0]["response"]["id"]
+    await client.send(inject(rid, answers(events)))
+    events += await client.until_lane(None, "response.inject.created")
+    more = await client.until_lane(None, "response.output_item.done")
+    while more[-1]["item"]["type"] != "function_call":
+        more += await client.until_lane(None, "response.output_item.done")
+    return rid, events, more
+
+
 async def test_an_inject_while_the_segment_streams_is_held_until_it_ends(
     start_server: StartServer,
 ) -> None:
@@ -307,17 +325,8 @@ async def test_an_inject_while_the_segment_streams_is_held_until_it_ends(
     with trio.fail_after(30):
         async with connect(running.address.ws_url, **BETA) as raw:
             client = Checked(raw)
-            await client.send(launched_create(multi_agent={"enabled": True}))
-            events = await client.until_lane(None, "response.output_item.done")
-            events += await client.until_lane(None, "response.output_item.done")
-            rid = events[0]["response"]["id"]
-            # segment 1 is a message and one call: that call awaits; answer it at once
-            await client.send(inject(rid, answers(events)))
-            events += await client.until_lane(None, "response.inject.created")
+            rid, events, more = await to_the_second_segments_first_call(client)
             # segment 2 calls two tools; answer the first while the second still streams
-            more = await client.until_lane(None, "response.output_item.done")
-            while more[-1]["item"]["type"] != "function_call":
-                more += await client.until_lane(None, "response.output_item.done")
             await client.send(inject(rid, answers(more)))
             more += await client.until_lane(None, "response.inject.created")
             assert not any(e["type"] == "response.in_progress" for e in more[1:])
@@ -346,15 +355,7 @@ async def test_outputs_held_for_a_streaming_segment_count_against_the_memory_bud
     with trio.fail_after(30):
         async with connect(running.address.ws_url, **BETA) as raw:
             client = Checked(raw)
-            await client.send(launched_create(multi_agent={"enabled": True}))
-            events = await client.until_lane(None, "response.output_item.done")
-            events += await client.until_lane(None, "response.output_item.done")
-            rid = events[0]["response"]["id"]
-            await client.send(inject(rid, answers(events)))
-            await client.until_lane(None, "response.inject.created")
-            more = await client.until_lane(None, "response.output_item.done")
-            while more[-1]["item"]["type"] != "function_call":
-                more += await client.until_lane(None, "response.output_item.done")
+            rid, _, more = await to_the_second_segments_first_call(client)
             before = memory.used
             (first,) = answers(more)
             await client.send(inject(rid, [{**first, "output": big}]))
