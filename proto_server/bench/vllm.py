@@ -36,18 +36,26 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
 INSTRUCTIONS = "You are a coding agent. Run the tests, read their output and say what to fix."
 ASK = "Find the failing test in this repository."
-#: A tool whose one argument is an enum: a forced call is a few tokens of decode.
+#: The commands the tool takes: its one argument is an enum, so a forced call is a few tokens.
+COMMANDS = ("pytest -x", "ls", "git diff")
+#: `strict`, so that both front ends hold a call's arguments to the schema: vLLM's tool parser
+#: (`--enable-auto-tool-choice --tool-call-parser hermes`) pins a forced call's name, and its
+#: arguments only for a strict tool; proto-server holds every forced call's arguments.
 TOOL = {
     "type": "function",
     "name": "exec_command",
     "description": "Run a shell command.",
+    "strict": True,
     "parameters": {
         "type": "object",
-        "properties": {"cmd": {"type": "string", "enum": ["pytest -x", "ls", "git diff"]}},
+        "properties": {"cmd": {"type": "string", "enum": list(COMMANDS)}},
         "required": ["cmd"],
         "additionalProperties": False,
     },
 }
+#: What vLLM's endpoint may decode for a forced call: its hermes calls are written with
+#: indentation (`{\n    "cmd": ...`), 50-65 tokens here; the answer turn gets `--answer-tokens`.
+CALL_TOKENS = 128
 PROTOTYPE, LAUNCHED, HTTP = (
     "proto-server ws prototype",
     "proto-server ws launched",
@@ -80,6 +88,8 @@ class Turn:
     output_tokens: int
     #: Whether the model called the tool this turn.
     called: bool
+    #: Whether every call it made names the tool with arguments its schema allows.
+    valid: bool
     #: To the first output event the client saw.
     ttft_s: float
     turn_s: float
@@ -198,6 +208,20 @@ def calls(output: Items) -> Items:
     return [item for item in output if item.get("type") == "function_call"]
 
 
+def valid_call(call: dict[str, Any]) -> bool:
+    """The call names the tool, and its arguments are what the tool's schema allows."""
+    try:
+        arguments = json.loads(call.get("arguments") or "")
+    except ValueError:
+        return False
+    return (
+        call.get("name") == TOOL["name"]
+        and isinstance(arguments, dict)
+        and set(arguments) == {"cmd"}
+        and arguments["cmd"] in COMMANDS
+    )
+
+
 def follow_up(output: Items, text: str) -> Items:
     """The next turn's new items: the tool's output for the model's call, else as a message."""
     made = calls(output)
@@ -272,6 +296,13 @@ async def _frames(
 Send = Callable[[Items, str], Awaitable[Said]]
 
 
+def _capped(cap: int | None, tool_choice: str) -> dict[str, Any]:
+    """vLLM's `max_output_tokens` for a turn: room for a call on a forced turn, `cap` after."""
+    if cap is None:
+        return {}
+    return {"max_output_tokens": CALL_TOKENS if tool_choice == "required" else cap}
+
+
 def _request(model: str, instructions: str, tool_choice: str) -> dict[str, Any]:
     """What every path's turn asks for (greedy, the one tool, at most one call)."""
     return {
@@ -300,7 +331,7 @@ async def _path(
     base = proto_url if path == HTTP else engine_url
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
         # vLLM's endpoint is told the answer's length; proto-server's is started with it
-        cap = {"max_output_tokens": answer_tokens} if path in THEIRS else {}
+        cap = answer_tokens if path in THEIRS else None
         yield (_chained if path == CHAINED else _stateless)(http, ask, cap)
 
 
@@ -344,14 +375,15 @@ def _launched(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) -> 
 
 
 def _stateless(
-    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: dict[str, Any]
+    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int | None
 ) -> Send:
     """The whole history every turn, `store: false`."""
     history: Items = []
 
     async def send(new: Items, tool_choice: str) -> Said:
         history.extend(new)
-        body = {"input": history, "store": False, "stream": True, **ask(tool_choice), **cap}
+        body = {"input": history, "store": False, "stream": True, **ask(tool_choice)}
+        body.update(_capped(cap, tool_choice))
         said = await _sse(http, "/responses", body)
         history.extend(as_input(said.output))
         return said
@@ -360,13 +392,14 @@ def _stateless(
 
 
 def _chained(
-    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: dict[str, Any]
+    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int | None
 ) -> Send:
     """vLLM's endpoint chained by `previous_response_id`: its store keeps the history."""
     previous: list[str] = []
 
     async def send(new: Items, tool_choice: str) -> Said:
-        body = {"input": new, "store": True, "stream": True, **ask(tool_choice), **cap}
+        body = {"input": new, "store": True, "stream": True, **ask(tool_choice)}
+        body.update(_capped(cap, tool_choice))
         if previous:
             body["previous_response_id"] = previous[-1]
         said = await _sse(http, "/responses", body)
@@ -432,7 +465,9 @@ async def run_paths(
                     before = decoded
                     finished, decoded = await engine_decode_after(engine, finished)
                     meter.mark()  # the API server's answer to /metrics is no turn's
-                    result = Turn(path, turn, *said.usage, bool(calls(said.output)), said.ttft_s,
+                    made = calls(said.output)
+                    result = Turn(path, turn, *said.usage, bool(made),
+                                  all(valid_call(call) for call in made), said.ttft_s,
                                   said.turn_s, decoded - before, said.client_bytes, proto_cpu,
                                   api_cpu)  # fmt: skip
                     turns[path].append(result)
@@ -532,6 +567,7 @@ def summarize(results: dict[str, list[Turn] | str]) -> dict[str, Any]:
             "cpu_growth": _median(cpu[half:]) / max(_median(cpu[:half] or cpu), 1e-9),
             "cpu_growth_ms": _median(cpu[half:]) - _median(cpu[:half] or cpu),
             "calls": sum(t.called for t in by.values()),
+            "valid_calls": sum(t.called and t.valid for t in by.values()),
         }
     theirs = [turns[p] for p in THEIRS if p in turns]
     goals: dict[str, Any] = {}
@@ -574,6 +610,12 @@ def summarize(results: dict[str, list[Turn] | str]) -> dict[str, Any]:
     return {"paths": paths, "goals": goals, "failed": failed}
 
 
+def _call(turn: Turn) -> str:
+    if not turn.called:
+        return "no"
+    return "yes" if turn.valid else "invalid"
+
+
 def _holds(failing: Sequence[int]) -> str:
     return "holds" if not failing else f"does not hold (turns {', '.join(map(str, failing))})"
 
@@ -592,7 +634,7 @@ def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str
                 t = by[turn]
                 lines.append(
                     f"| {turn} | {path} | {t.prompt_tokens} | {t.cached_tokens} | "
-                    f"{t.output_tokens} | {'yes' if t.called else 'no'} | {t.ttft_s * 1e3:.0f} | "
+                    f"{t.output_tokens} | {_call(t)} | {t.ttft_s * 1e3:.0f} | "
                     f"{t.first_token_s * 1e3:.0f} | {t.turn_s * 1e3:.0f} | {t.client_bytes} | "
                     f"{t.proto_cpu_ms:.1f} | {t.api_server_cpu_ms:.1f} |"
                 )
@@ -603,7 +645,7 @@ def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str
         "it; CPU growth: the later half of the turns against the earlier half):",
         "",
         "| path | TTFT ms | first token ms | turn ms | front-end CPU ms | CPU growth "
-        "| vLLM API server CPU ms | cached share | client bytes | calls |",
+        "| vLLM API server CPU ms | cached share | client bytes | calls (valid) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for path, row in summary["paths"].items():
@@ -612,7 +654,7 @@ def render(results: dict[str, list[Turn] | str], summary: dict[str, Any]) -> str
             f"{row['turn_ms']:.0f} | "
             f"{row['front_end_cpu_ms']:.1f} | {row['cpu_growth']:.2f}x | "
             f"{row['api_server_cpu_ms']:.1f} | {row['cached_share']:.0%} | "
-            f"{row['client_bytes']:.0f} | {row['calls']} |"
+            f"{row['client_bytes']:.0f} | {row['calls']} ({row['valid_calls']}) |"
         )
     for path, why in summary["failed"].items():
         lines.append(f"\n{path} failed: {why}")

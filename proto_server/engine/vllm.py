@@ -36,7 +36,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
-from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.tokens import common_prefix, stop_ids
@@ -553,14 +553,14 @@ class VllmSession:
                     elif isinstance(event, Piece):
                         if not prefilled:  # the engine has the prompt: the first piece came
                             prefilled = True
-                            await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
+                            await hand_over(send, Prefilled(len(prompt), cached_tokens=0))
                         generated.extend(event.token_ids)
                         finish = event.finish_reason or finish
                         text = event.text
                         if event.token_ids and event.token_ids[-1] in generator.stop_ids:
                             text = text.removesuffix(generator.stop_texts[event.token_ids[-1]])
                         for chunk in [*chunks, *parser.feed(text, len(event.token_ids))]:
-                            await send.send(chunk)
+                            await hand_over(send, chunk)
                         chunks = []
         except httpx.HTTPError as exc:
             raise error_for_exception(exc, generator.url) from exc

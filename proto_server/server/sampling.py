@@ -16,6 +16,7 @@ generator short; the loop then says what the machine decided (`end`, `take_steer
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -314,7 +315,8 @@ class SamplingLoop:
             first_event_s=self._first_event_s,
             decode_s=self._decode_s,
         )
-        log.debug("response.ended", extra=attrs.asdict(record))
+        if log.isEnabledFor(logging.DEBUG):  # the dict is a turn's cost: only when it is read
+            log.debug("response.ended", extra=attrs.asdict(record))
         if self._on_end is not None:
             self._on_end(record)
 
