@@ -33,6 +33,7 @@ from proto_server.core.request import (
     compact_turn,
     compaction_threshold,
     input_items,
+    is_warmup,
     parse_tool_choice,
     prepare_input,
     request_bytes,
@@ -561,6 +562,7 @@ class ProtoServer:
             suspend_timeout_s=self.config.suspend_timeout_s,
             arrived_at=arrived_at,
             durable=durable,
+            warmup=is_warmup(create),
         )
 
     def _persister(

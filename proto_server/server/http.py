@@ -28,13 +28,13 @@ from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation, counted
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
-from proto_server.core.request import input_items, is_warmup
+from proto_server.core.request import input_items
 from proto_server.engine.base import ProbedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
+from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
 from proto_server.wire.converter import converter, decode_request_body, encode_server_event
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
@@ -373,7 +373,7 @@ class _Exchange:
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_run_and_release, loop, is_warmup(create))
+            nursery.start_soon(loop.run_and_close)
             async with receive:
                 if create.stream:
                     await self._stream_events(receive)
@@ -502,10 +502,3 @@ def _count_tokens(
     conversation = Conversation(renderer, instructions=instructions)
     conversation.extend(items)
     return conversation.token_count, Conversation(renderer).extend(output)
-
-
-async def _run_and_release(loop: SamplingLoop, warmup: bool) -> None:
-    try:
-        await (loop.run_warmup() if warmup else loop.run())
-    finally:
-        await loop.rollout.aclose()
