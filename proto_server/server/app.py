@@ -3,7 +3,7 @@
 server nursery (serve)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
-     ├─ writer and reader (connection.py)
+     ├─ reader (connection.py) and writer (writer.py)
      ├─ the launched dialect's turn loop (launched.py)
      └─ rollout nurseries (sampling.py): generator task + sampling loop
 """
