@@ -1,12 +1,12 @@
 """The published schema, held to everything the servers in a test send.
 
 `conftest.py` installs a `SchemaNet` around every test: each event a server in this process
-encodes (WebSocket and SSE), each JSON body it answers over HTTP (Responses, stored ones,
-compactions) and each error body is validated against the Open Responses document
-(`proto_server.testing.schema`). As they leave it only keeps them (validating on the event loop
-would slow the server the tests time); at teardown it validates them all and fails the test
-naming each violation. It covers what real clients
-(Codex, the SDKs) receive as much as what this suite's own clients do.
+frames (WebSocket and SSE: what the writer hands each transport), each JSON body it answers over
+HTTP (Responses, stored ones, compactions) and each error body is validated against the Open
+Responses document (`proto_server.testing.schema`). As they leave it only keeps them (validating
+on the event loop would slow the server the tests time); at teardown it validates them all and
+fails the test naming each violation. It covers what real clients (Codex, the SDKs) receive as
+much as what this suite's own clients do.
 """
 
 from __future__ import annotations
@@ -60,20 +60,18 @@ class SchemaNet:
             self.violations.append(f"{'; '.join(errors[:3])}\n    sent: {shown}")
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        encode = connection.encode_server_event_bytes
-        encode_text = http.encode_server_event
+        add_frame = connection.WebSocketTransport.add
+        add_block = http.SSETransport.add
         exchange_json = http._Exchange._json
         error_body = http.error_body
 
-        def websocket_event(event: Any, sequence_number: int, stream_id: Any = None) -> bytes:
-            data = encode(event, sequence_number, stream_id)
-            self.event(data.decode(), "websocket")  # a copy: orjson's bytes hold 4 KiB each
-            return data
+        def websocket_event(transport: Any, event: Any, payload: bytes) -> int:
+            self.event(payload.decode(), "websocket")  # a copy: orjson's bytes hold 4 KiB each
+            return add_frame(transport, event, payload)
 
-        def sse_event(event: Any, sequence_number: int, stream_id: Any = None) -> str:
-            text = encode_text(event, sequence_number, stream_id)
-            self.event(text, "sse")
-            return text
+        def sse_event(transport: Any, event: Any, payload: bytes) -> int:
+            self.event(payload.decode(), "sse")
+            return add_block(transport, event, payload)
 
         async def json_body(exchange: Any, status: int, body: Any) -> int:
             if exchange.path.startswith("/v1/"):
@@ -85,8 +83,8 @@ class SchemaNet:
             self.body("", error.status, body)
             return body
 
-        monkeypatch.setattr(connection, "encode_server_event_bytes", websocket_event)
-        monkeypatch.setattr(http, "encode_server_event", sse_event)
+        monkeypatch.setattr(connection.WebSocketTransport, "add", websocket_event)
+        monkeypatch.setattr(http.SSETransport, "add", sse_event)
         monkeypatch.setattr(http._Exchange, "_json", json_body)
         monkeypatch.setattr(http, "error_body", checked_error_body)
         monkeypatch.setattr(app, "error_body", checked_error_body)

@@ -49,36 +49,38 @@ def test_deltas_of_one_item_merge_and_nothing_else_does() -> None:
     assert merge_deltas(text("a"), with_logprobs) is None
 
 
-async def drain(events: list[ServerEvent], merge: bool) -> list[tuple[ServerEvent, int]]:
+async def drain(
+    events: list[ServerEvent], merge: bool, limit: int = 64
+) -> list[list[tuple[ServerEvent, int]]]:
+    """The batches a writer takes from a channel that already holds `events`."""
     send, receive = trio.open_memory_channel[Outgoing](len(events))
     for event in events:
         send.send_nowait(Outgoing(event))
     send.close()
-    return [(outgoing.event, merged) async for outgoing, merged in Outbox(receive, merge=merge)]
+    outbox = Outbox(receive, merge=merge)
+    batches = []
+    while batch := await outbox.batch(limit):
+        assert 1 <= len(batch) <= limit
+        batches.append([(outgoing.event, merged) for outgoing, merged in batch])
+    return batches
 
 
 async def test_an_outbox_merges_runs_of_pending_deltas_and_keeps_order() -> None:
     pending = [text("a"), text("b"), text("c"), done(), text("x", "msg_2"), arguments("{")]
-    assert await drain(pending, merge=True) == [
+    assert await drain(pending, merge=True) == [[
         (text("abc"), 3), (done(), 1), (text("x", "msg_2"), 1), (arguments("{"), 1)
-    ]  # fmt: skip
-    assert await drain(pending, merge=False) == [(event, 1) for event in pending]
+    ]]  # fmt: skip
+    assert await drain(pending, merge=False) == [[(event, 1) for event in pending]]
 
 
-async def test_a_batch_is_what_iteration_gives_for_all_that_is_ready() -> None:
-    """The writer takes every ready event at once: the same events, merged the same way."""
+async def test_the_batch_limit_cuts_writes_not_what_they_carry() -> None:
+    """A pile bigger than one write goes out in several: the same events, merged the same way."""
     pending = [text("a"), text("b"), done(), text("x", "msg_2"), arguments("{"), arguments("}")]
     for merge in (True, False):
-        send, receive = trio.open_memory_channel[Outgoing](len(pending))
-        for event in pending:
-            send.send_nowait(Outgoing(event))
-        send.close()
-        outbox = Outbox(receive, merge=merge)
-        batches = []
-        while batch := await outbox.batch(2):
-            assert 1 <= len(batch) <= 2
-            batches.append([(outgoing.event, merged) for outgoing, merged in batch])
-        assert [e for b in batches for e in b] == await drain(pending, merge=merge)
+        in_pairs = await drain(pending, merge=merge, limit=2)
+        assert [e for b in in_pairs for e in b] == [
+            e for b in await drain(pending, merge) for e in b
+        ]
 
 
 async def test_a_writer_that_waited_writes_what_came_together_unmerged() -> None:

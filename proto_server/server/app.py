@@ -3,7 +3,7 @@
 server nursery (serve)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
-     ├─ writer and reader (connection.py)
+     ├─ reader (connection.py) and writer (writer.py)
      ├─ the launched dialect's turn loop (launched.py)
      └─ rollout nurseries (sampling.py): generator task + sampling loop
 """
@@ -33,6 +33,7 @@ from proto_server.core.request import (
     compact_turn,
     compaction_threshold,
     input_items,
+    is_warmup,
     parse_tool_choice,
     prepare_input,
     request_bytes,
@@ -561,6 +562,7 @@ class ProtoServer:
             suspend_timeout_s=self.config.suspend_timeout_s,
             arrived_at=arrived_at,
             durable=durable,
+            warmup=is_warmup(create),
         )
 
     def _persister(

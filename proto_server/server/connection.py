@@ -1,8 +1,8 @@
 """One WebSocket client: a reader, a writer, and the nursery its Responses live in.
 
     connection nursery
-     ├─ writer: drains the bounded client channel into the socket, stamping each event with its
-    │  lane's `stream_id` and the lane's next sequence number
+     ├─ writer: drains the bounded client channel into the socket (writer.py), stamping each
+    │  event with its lane's `stream_id` and the lane's next sequence number
      ├─ reader (this task): frames -> decode -> the dialect; a bad frame becomes an `error` event
      └─ what the dialect starts: rollout nurseries (sampling.py), the launched dialect's turns
 
@@ -14,31 +14,34 @@ connection reaches its lifetime limit, it stops reading, lets what is streaming 
 from __future__ import annotations
 
 import itertools
-import time
-from typing import Protocol
+from typing import ClassVar, Protocol
 
+import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from proto_server.core.sequence import Sequencer
-from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
+from proto_server.server.writer import write_events
 from proto_server.server.wsframes import FrameWriter
-from proto_server.wire.converter import decode_client_event, encode_server_event_bytes
+from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
-from proto_server.wire.events import ClientEvent, ErrorEvent, ResponseInject, ResponseSteer
+from proto_server.wire.events import (
+    ClientEvent,
+    ErrorEvent,
+    ResponseInject,
+    ResponseSteer,
+    ServerEvent,
+)
 
 _ids = itertools.count(1)
 
 #: `incomplete_details.reason` of the Responses a stopping server ends.
 SERVER_SHUTDOWN = "server_shutdown"
 SHUTDOWN_CLOSE_REASON = "server shutting down; reconnect and resend the conversation"
-#: Most events the writer frames into one socket write (a burst is written in pieces this big).
-WRITE_BATCH = 64
 #: How long a stopping server waits for a client to take its last events and the close frame.
 CLOSE_WAIT_S = 2.0
 
@@ -85,19 +88,12 @@ class Connection:
         self._offload = offload
         self._merge_deltas = merge_deltas
         self._observer = observer
-        #: Each lane numbers its own events from 0 (None: the default lane); see `lane`.
-        self._sequencers: dict[str | None, Sequencer] = {None: Sequencer()}
         self._channel, self._outbox = trio.open_memory_channel[Outgoing](queue_events)
         #: The default lane: connection-level errors and the Responses of creates without one.
         self.events = LaneSink(self._channel)
         self._written = trio.Event()
         self._reading = trio.CancelScope()
         self._shutdown_deadline: float | None = None
-
-    @property
-    def sequencer(self) -> Sequencer:
-        """The default lane's numbering."""
-        return self._sequencers[None]
 
     def lane(self, stream_id: str | None) -> LaneSink:
         """Where the events of lane `stream_id` go: one writer, numbered per lane.
@@ -203,35 +199,30 @@ class Connection:
         await self.ws.aclose(code=1000, reason="connection lifetime limit reached")
 
     async def _write(self) -> None:
-        """Drain the client channel: every event ready at once, framed together and written
-        with one socket write (`wsframes`), so a burst costs one scheduling round and one
-        `send` instead of one each; each event is still its own frame, in order."""
+        """The one writer (`writer.py`), each event a text frame and each batch one socket write."""
         outbox = Outbox(self._outbox, merge=self._merge_deltas)
-        sequencers = self._sequencers
-        observer = self._observer
-        writer = FrameWriter(self.ws, compressed=self._compressed)
+        frames = WebSocketTransport(FrameWriter(self.ws, compressed=self._compressed))
         try:
             async with self._outbox:
-                while batch := await outbox.batch(WRITE_BATCH):
-                    sizes = []
-                    for outgoing, _ in batch:
-                        lane = outgoing.stream_id
-                        sequencer = sequencers.get(lane)
-                        if sequencer is None:  # lanes are few: the dialect bounds them
-                            sequencer = sequencers[lane] = Sequencer()
-                        payload = encode_server_event_bytes(outgoing.event, sequencer.next(), lane)
-                        writer.add(payload)
-                        sizes.append(len(payload))
-                    started = time.perf_counter()
-                    await writer.flush()
-                    seconds = time.perf_counter() - started
-                    for (outgoing, merged), size in zip(batch, sizes, strict=True):
-                        metrics.sent(outgoing.event, dialect=self.dialect, transport="websocket",
-                                     size=size, seconds=seconds)  # fmt: skip
-                        if observer is not None:
-                            observer.sent(outgoing.event, merged)
+                await write_events(outbox, frames, dialect=self.dialect, observer=self._observer)
         except ConnectionClosed:
             # Nothing more can reach this client: end the connection and all it started.
             await self.ws.aclose()
         finally:
             self._written.set()
+
+
+@attrs.frozen
+class WebSocketTransport:
+    """Events as WebSocket text frames, framed together (`wsframes`); `/metrics` counts each
+    event's JSON."""
+
+    frames: FrameWriter
+    name: ClassVar[str] = "websocket"
+
+    def add(self, event: ServerEvent, payload: bytes) -> int:
+        self.frames.add(payload)
+        return len(payload)
+
+    async def flush(self) -> None:
+        await self.frames.flush()

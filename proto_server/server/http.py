@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import h11
 import orjson
 import trio
@@ -28,15 +29,16 @@ from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation, counted
 from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
-from proto_server.core.request import input_items, is_warmup
+from proto_server.core.request import input_items
 from proto_server.engine.base import ProbedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.sampling import TERMINAL_EVENTS, SamplingLoop
+from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
-from proto_server.wire.converter import converter, decode_request_body, encode_server_event
+from proto_server.server.writer import write_events
+from proto_server.wire.converter import converter, decode_request_body
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item
@@ -373,7 +375,7 @@ class _Exchange:
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_run_and_release, loop, is_warmup(create))
+            nursery.start_soon(loop.run_and_close)
             async with receive:
                 if create.stream:
                     await self._stream_events(receive)
@@ -381,25 +383,19 @@ class _Exchange:
                     await self._final_response(receive, nursery.cancel_scope)
 
     async def _stream_events(self, receive: trio.MemoryReceiveChannel[Outgoing]) -> None:
+        """The one writer (`writer.py`), each event an SSE block in an h11 chunk and each batch
+        one socket write; the stream ends with its Response."""
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self.stream.send_all(
             self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
         )
-        sequence = 0
-        observer = self.server.observer
-        async for outgoing, merged in Outbox(receive, merge=self.server.config.merge_deltas):
-            event = outgoing.event
-            data = encode_server_event(event, sequence)
-            sequence += 1
-            frame = f"event: {event.type}\ndata: {data}\n\n".encode()
-            started = time.perf_counter()
-            await self.stream.send_all(self.conn.send(h11.Data(data=frame)) or b"")
-            metrics.sent(event, dialect="http", transport="sse", size=len(frame),
-                         seconds=time.perf_counter() - started)  # fmt: skip
-            if observer is not None:
-                observer.sent(event, merged)
-            if isinstance(event, TERMINAL_EVENTS):
-                break
+        await write_events(
+            Outbox(receive, merge=self.server.config.merge_deltas),
+            SSETransport(self.stream, self.conn),
+            dialect="http",
+            observer=self.server.observer,
+            one_response=True,
+        )
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
     async def _final_response(
@@ -504,8 +500,22 @@ def _count_tokens(
     return conversation.token_count, Conversation(renderer).extend(output)
 
 
-async def _run_and_release(loop: SamplingLoop, warmup: bool) -> None:
-    try:
-        await (loop.run_warmup() if warmup else loop.run())
-    finally:
-        await loop.rollout.aclose()
+@attrs.frozen
+class SSETransport:
+    """Events as Server-Sent Events (`event: TYPE`, `data: JSON`), each in its own h11 chunk;
+    `/metrics` counts each event's block."""
+
+    stream: trio.abc.Stream
+    conn: h11.Connection
+    chunks: list[bytes] = attrs.Factory(list)
+    name: ClassVar[str] = "sse"
+
+    def add(self, event: ServerEvent, payload: bytes) -> int:
+        block = b"event: %s\ndata: %s\n\n" % (event.type.encode(), payload)
+        self.chunks.append(self.conn.send(h11.Data(data=block)) or b"")
+        return len(block)
+
+    async def flush(self) -> None:
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        await self.stream.send_all(data)

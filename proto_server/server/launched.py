@@ -37,7 +37,7 @@ import attrs
 import trio
 
 from proto_server.core.ids import new_id
-from proto_server.core.request import input_items, is_warmup, response_template
+from proto_server.core.request import input_items, response_template
 from proto_server.core.response import STEERED, Status, Steer
 from proto_server.server.lanes import (
     EndedResponses,
@@ -399,16 +399,13 @@ class LaunchedDialect:
         finally:
             lane.preparing = False
         if self._expired is not None:  # the server began stopping while it prepared
-            await loop.rollout.aclose()
+            await loop.close()
             await _fail_steers(lane.sink, steers, "response_not_active", self._expired)
             return
         lane.current = loop
         completed = False
         try:
-            if is_warmup(create):
-                await loop.run_warmup()
-            else:
-                await loop.run()
+            await loop.run()
             machine = loop.machine
             completed = machine.status is Status.COMPLETED or (
                 machine.status is Status.INCOMPLETE and machine.incomplete_reason == STEERED
@@ -425,7 +422,7 @@ class LaunchedDialect:
                     await replaced[1].aclose()
             else:
                 log.info("cache.evicted", extra={"response": loop.machine.id})
-                await loop.rollout.aclose()
+                await loop.close()
         if completed and not self._gone:
             self._follow(lane, create, loop)
 

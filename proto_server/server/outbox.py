@@ -47,8 +47,8 @@ class LaneSink:
 
 
 class Outbox:
-    """`async for outgoing, merged in Outbox(receive, merge=True)`: each event to write (with
-    its lane), and how many pending events it stands for.
+    """`await Outbox(receive, merge=True).batch(limit)`: the events to write next (each with
+    its lane), and how many pending events each stands for.
 
     Events wait in the channel only while the writer is busy writing earlier ones, so with
     `merge` a writer that keeps up sends every delta as it is, and one that falls behind sends
@@ -61,25 +61,16 @@ class Outbox:
         self._merge = merge
         self._held: Outgoing | None = None
 
-    def __aiter__(self) -> Outbox:
-        return self
-
-    async def __anext__(self) -> tuple[Outgoing, int]:
-        outgoing = await self._next()
-        if outgoing is None:
-            raise StopAsyncIteration
-        return self._merged(outgoing, self._merge)
-
     async def batch(self, limit: int) -> list[tuple[Outgoing, int]]:
         """As many events as are ready now (at least one, at most `limit`), to be written at
         once: one write and one scheduling round for them all instead of one each. Empty at
         the end of the channel.
 
         Merged (with `merge`) only if the writer fell behind: if events were waiting when it
-        came back for more, they piled up while it wrote, and that pile is what `async for`
-        merges. A writer that had to wait for an event is keeping up: the events that came
-        with it (a generator hands over every token due at once) go out as they are, each in
-        its own frame, as a writer taking them one at a time would have sent them."""
+        came back for more, they piled up while it wrote, and that pile is merged. A writer
+        that had to wait for an event is keeping up: the events that came with it (a generator
+        hands over every token due at once) go out as they are, each in its own frame, as a
+        writer taking them one at a time would have sent them."""
         behind = self._held is not None or self._receive.statistics().current_buffer_used > 0
         merge = self._merge and behind
         first = await self._next()

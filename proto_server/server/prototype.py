@@ -237,11 +237,8 @@ class PrototypeDialect:
     async def _run(self, lane: _Lane, loop: SamplingLoop) -> None:
         """The rollout lives exactly as long as its one Response."""
         try:
-            await loop.run()
+            await loop.run_and_close()
         finally:
-            if not loop.ended and loop.durable is not None:
-                await loop.durable.release()  # gone mid-segment: it may be resumed again
-            await loop.rollout.aclose()
             self._ended_ids.add(loop.machine.id, lane.stream_id)
             if lane.current is loop:
                 lane.ended = (loop.machine.id, loop.machine.status.value)

@@ -97,13 +97,16 @@ class SamplingLoop:
         arrived_at: float | None = None,
         durable: Durable | None = None,
         resumed: bool = False,
+        warmup: bool = False,
     ) -> None:
         """`durable`: where a `store: true` prototype Response keeps its suspensions (each is
         written before its `response.done`); `resumed`: `machine` was rebuilt from one, so
-        its Response was announced on another connection already (no `response.created`)."""
+        its Response was announced on another connection already (no `response.created`);
+        `warmup`: its create asked for a warm-up (`is_warmup`), so `run` generates nothing."""
         self.machine = machine
         self.durable = durable
         self._resumed = resumed
+        self._warmup = warmup
         self._arrived_at = trio.current_time() if arrived_at is None else arrived_at
         self._prepare_s: float | None = None
         self._first_event_s: float | None = None
@@ -234,8 +237,26 @@ class SamplingLoop:
 
     # -- the sampling loop -------------------------------------------------------------------------
 
+    async def run_and_close(self) -> None:
+        """`run`, then `close`, however it ends: for a rollout that lives exactly as long as
+        its one Response (the prototype dialect's, an HTTP request's)."""
+        try:
+            await self.run()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Let go of what the Response holds: its claim on a stored suspension, if it went
+        away mid-segment (so it may be resumed again), and its rollout."""
+        if not self.ended and self.durable is not None:
+            await self.durable.release()
+        await self.rollout.aclose()
+
     async def run(self) -> None:
         """Drive the Response to its terminal event; the rollout stays open for its owner."""
+        if self._warmup:
+            await self._run_warmup()
+            return
         machine = self.machine
         # sent once the segment's generator has started
         announce = [] if self._resumed else machine.start()
@@ -283,7 +304,7 @@ class SamplingLoop:
             )
             machine.request_expire(SUSPEND_TIMEOUT)
 
-    async def run_warmup(self) -> None:
+    async def _run_warmup(self) -> None:
         """`generate: false`: build the state, say nothing, complete with empty output."""
         machine = self.machine
         await self._emit(machine.start())

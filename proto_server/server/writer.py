@@ -1,0 +1,83 @@
+"""The one writer: a client channel drained into a socket, whatever the transport.
+
+A WebSocket connection (`connection.py`) and an SSE response (`http.py`) write their events the
+same way: every event ready at once (`Outbox.batch`: merged only when the writer fell behind),
+numbered per lane, encoded once, straight to bytes, and handed to the transport, which frames
+each (WebSocket text frames, `wsframes.py`; SSE `event:`/`data:` lines through h11) and writes
+the batch with one socket write, so a burst costs one scheduling round and one `send` instead of
+one each. Only the framing differs, so only the framing is the transport's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from proto_server.core.sequence import Sequencer
+from proto_server.server import metrics
+from proto_server.server.observe import ServerObserver
+from proto_server.server.outbox import Outbox
+from proto_server.server.sampling import TERMINAL_EVENTS
+from proto_server.wire.converter import encode_server_event_bytes
+from proto_server.wire.events import ServerEvent
+
+#: Most events framed into one socket write (a burst is written in pieces this big).
+WRITE_BATCH = 64
+
+
+class Transport(Protocol):
+    """How encoded events become bytes on one transport: framed as they are added, then
+    written together."""
+
+    @property
+    def name(self) -> str:
+        """The `transport` label of the metrics."""
+        ...
+
+    def add(self, event: ServerEvent, payload: bytes) -> int:
+        """Frame `payload` (`event` as JSON, numbered) for the next write; the bytes it counts."""
+        ...
+
+    async def flush(self) -> None:
+        """Write what was added, in order, with one write."""
+        ...
+
+
+async def write_events(
+    outbox: Outbox,
+    transport: Transport,
+    *,
+    dialect: str,
+    observer: ServerObserver | None,
+    one_response: bool = False,
+) -> None:
+    """Write what `outbox` gives until its channel ends; with `one_response` (an SSE stream
+    carries one Response), until that Response's terminal event is written.
+
+    Each lane numbers its own events from 0 (the default lane, None, is every HTTP stream's)."""
+    sequencers: dict[str | None, Sequencer] = {}
+    while batch := await outbox.batch(WRITE_BATCH):
+        sizes = []
+        ended = False
+        for outgoing, _ in batch:
+            lane = outgoing.stream_id
+            sequencer = sequencers.get(lane)
+            if sequencer is None:  # lanes are few: the dialect bounds them
+                sequencer = sequencers[lane] = Sequencer()
+            payload = encode_server_event_bytes(outgoing.event, sequencer.next(), lane)
+            sizes.append(transport.add(outgoing.event, payload))
+            if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
+                ended = True
+                break
+        started = time.perf_counter()
+        await transport.flush()
+        seconds = time.perf_counter() - started
+        name = transport.name
+        # strict=False: what followed an ended Response in its batch is not written
+        for (outgoing, merged), size in zip(batch, sizes, strict=False):
+            metrics.sent(outgoing.event, dialect=dialect, transport=name, size=size,
+                         seconds=seconds)  # fmt: skip
+            if observer is not None:
+                observer.sent(outgoing.event, merged)
+        if ended:
+            return
