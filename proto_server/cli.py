@@ -26,14 +26,14 @@ from proto_server.core import settings
 from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags
 from proto_server.engine.base import TokenGenerator
-from proto_server.engine.chat_template import TemplateError
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.model_files import INSTALL_HINT, ModelError
 from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS, PrefixCache
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
 from proto_server.server.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import (
@@ -72,6 +72,16 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+_non_negative_int.__name__ = "int"  # argparse names the type in its error messages
 
 
 def _store_location(text: str) -> str:
@@ -160,6 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="local model and vllm: most tokens decoded per segment; more ends the Response "
         "as incomplete (max_output_tokens)",
+    )
+    serve.add_argument(
+        "--render-cache-mb",
+        type=_non_negative_int,
+        default=RENDER_CACHE_BYTES // MiB,
+        metavar="MIB",
+        help="local model and vllm: memory kept of recently rendered messages (their tokens, "
+        "by role and text), so a stateless request that resends its history renders only what "
+        "is new; the least recently used go first; 0: none kept",
     )
     serve.add_argument(
         "--engine-url",
@@ -449,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         generator, what = engine, f"vLLM model {engine.name} at {engine.url}"
         config = attrs.evolve(config, default_model=engine.name)
     elif args.generator == "local":
-        local = _load_local(args, max_tokens=args.max_tokens)
+        local = _load_local(
+            args, max_tokens=args.max_tokens, render_cache_bytes=args.render_cache_mb * MiB
+        )
         if local is None:
             return 2
         generator, what = local, f"local model {local.name} on {local.device}"
@@ -574,6 +595,7 @@ def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
             max_tokens=getattr(args, "max_tokens", 512),
             connections=getattr(args, "engine_connections", 64),
             timeout_s=getattr(args, "engine_timeout", 60.0),
+            render_cache_bytes=getattr(args, "render_cache_mb", RENDER_CACHE_BYTES // MiB) * MiB,
         )
     except (EngineSetupError, ModelError, TemplateError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)

@@ -8,12 +8,21 @@ messages one by one is refused up front rather than rendering a wrong prompt.
 
 Tool calls and tool outputs become the messages the model was tuned on: an assistant message
 holding the call in the model's syntax (see toolcalls.py) and a `tool` message with the output.
+
+Rendering a message through the template and the tokenizer costs about a millisecond, and a
+stateless client resends its whole history every turn: the tokens of the messages rendered
+last are kept (`RenderedMessages`, bounded in bytes), so such a turn renders only what is new.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+from array import array
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
+
+from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
 from proto_server.engine.toolcalls import call_text, describe_tools
@@ -71,9 +80,61 @@ def item_message(item: Item) -> dict[str, str] | None:
     raise TypeError(f"not an item: {item!r}")
 
 
+#: What `--render-cache-mb` defaults to.
+RENDER_CACHE_BYTES = 64 * 1024 * 1024
+
+ChatMessage: TypeAlias = tuple[str, str]  # a message as the template reads it: (role, content)
+#: A kept rendering: the message's text (kept alive with it, so counted) and its tokens.
+Kept: TypeAlias = "tuple[str, array[int]]"
+
+
+def _kept_bytes(kept: Kept) -> int:
+    text, tokens = kept
+    return sys.getsizeof(text) + tokens.itemsize * len(tokens) + 128
+
+
+class RenderedMessages:
+    """The tokens of recently rendered messages, the least recently used let go past
+    `max_bytes` (0: none kept); thread-safe, as large inputs are rendered on worker threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._cache: LRUCache[ChatMessage, Kept] | None = None
+        if max_bytes > 0:
+            self._cache = LRUCache(max_bytes, getsizeof=_kept_bytes)
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, message: ChatMessage) -> array[int] | None:
+        if self._cache is None:
+            return None
+        with self._lock:
+            kept = self._cache.get(message)
+            if kept is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            return kept[1]
+
+    def put(self, message: ChatMessage, tokens: array[int]) -> None:
+        if self._cache is None:
+            return
+        kept = (message[1], tokens)
+        if _kept_bytes(kept) > self._cache.maxsize:
+            return  # bigger than the whole cache: not kept
+        with self._lock:
+            self._cache[message] = kept
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes kept now."""
+        return 0 if self._cache is None else int(self._cache.currsize)
+
+
 class ChatTemplateRenderer:
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, *, cache_bytes: int = RENDER_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
+        #: What `render_item` rendered lately (`--render-cache-mb`).
+        self.rendered = RenderedMessages(cache_bytes)
         try:
             self._base = self._text([_PROBE])
             probed = self._text([_PROBE, _PROBE_USER])
@@ -114,8 +175,13 @@ class ChatTemplateRenderer:
             return self._encode(self._default_prefix)
         return self._encode(self._text([{"role": "system", "content": "\n\n".join(parts)}]))
 
-    def render_item(self, item: Item) -> list[int]:
+    def render_item(self, item: Item) -> Sequence[int]:
         message = item_message(item)
         if message is None:
-            return []
-        return self._encode(self._text([_PROBE, message])[len(self._base) :])
+            return ()
+        key = (message["role"], message["content"])
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            tokens = array("I", self._encode(self._text([_PROBE, message])[len(self._base) :]))
+            self.rendered.put(key, tokens)
+        return tokens

@@ -27,7 +27,7 @@ import torch
 import trio
 
 from proto_server.core.conversation import Conversation
-from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
@@ -76,6 +76,7 @@ class LocalGenerator:
         threads: int | None = None,
         device: str | None = None,
         choose: Chooser = greedy,
+        render_cache_bytes: int = RENDER_CACHE_BYTES,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -86,7 +87,7 @@ class LocalGenerator:
         self.max_tokens = max_tokens
         self.prefill_chunk = prefill_chunk
         self.choose = choose
-        self.renderer = ChatTemplateRenderer(tokenizer)
+        self.renderer = ChatTemplateRenderer(tokenizer, cache_bytes=render_cache_bytes)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         vocab_size = int(model.get_output_embeddings().weight.shape[0])

@@ -35,7 +35,7 @@ import orjson
 import trio
 
 from proto_server.core.conversation import Conversation
-from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
@@ -411,11 +411,12 @@ class VllmGenerator:
         max_tokens: int = 512,
         connections: int = 64,
         timeout_s: float = 60.0,
+        render_cache_bytes: int = RENDER_CACHE_BYTES,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.tokenizer = tokenizer.tokenizer
-        self.renderer = ChatTemplateRenderer(self.tokenizer)
+        self.renderer = ChatTemplateRenderer(self.tokenizer, cache_bytes=render_cache_bytes)
         self.stop_ids = stop_ids(self.tokenizer, tokenizer.eos_token_id)
         #: What the engine writes for each: the end of the model's turn is no text of its own.
         self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}

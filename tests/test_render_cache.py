@@ -1,0 +1,87 @@
+"""The chat-template renderer keeps what it rendered lately: a stateless client resending its
+history is rendered only where it is new, with the same tokens, in bounded memory."""
+# ruff: noqa: E402  (the imports below need transformers, which `require` checks first)
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .requirements import MODEL_EXTRA, require
+
+require("torch", MODEL_EXTRA)
+
+from proto_server.cli import build_parser
+from proto_server.core.conversation import Conversation
+from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
+
+from .tinymodel import tiny_tokenizer
+
+HISTORY = [
+    Message(role="user", content="the tests fail; fix the bug"),
+    FunctionCall(call_id="call_1", name="exec_command", arguments='{"cmd": "ls"}'),
+    FunctionCallOutput(call_id="call_1", output="a.py\nb.py"),
+    Message(role="assistant", content=(OutputText(text="Fixed."),)),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return tiny_tokenizer()
+
+
+def render(renderer: ChatTemplateRenderer, items: list[Any]) -> list[int]:
+    conversation = Conversation(renderer, instructions="Be brief.")
+    conversation.extend(items)
+    return list(conversation.tokens)
+
+
+def test_a_resent_history_is_rendered_from_what_was_kept_with_the_same_tokens(
+    tokenizer: Any,
+) -> None:
+    kept, fresh = ChatTemplateRenderer(tokenizer), ChatTemplateRenderer(tokenizer, cache_bytes=0)
+    first = render(kept, HISTORY[:2])
+    assert (kept.rendered.hits, kept.rendered.misses) == (0, 2)
+    # the next stateless turn: the same history again, and what the turn adds
+    second = render(kept, HISTORY)
+    assert (kept.rendered.hits, kept.rendered.misses) == (2, 4)
+    assert second[: len(first)] == first
+    assert second == render(fresh, HISTORY)
+    assert fresh.rendered.hits == 0 and fresh.rendered.nbytes == 0  # 0: nothing is kept
+
+
+def test_the_same_text_from_another_role_is_another_message(tokenizer: Any) -> None:
+    renderer = ChatTemplateRenderer(tokenizer)
+    user = Message(role="user", content="ls")
+    output = FunctionCallOutput(call_id="c", output="ls")
+    assert list(renderer.render_item(user)) != list(renderer.render_item(output))
+    assert renderer.rendered.hits == 0
+
+
+def test_what_is_kept_stays_within_its_bytes(tokenizer: Any) -> None:
+    """The least recently used go first, and a message bigger than the whole cache is
+    rendered but not kept."""
+    renderer = ChatTemplateRenderer(tokenizer, cache_bytes=8 * 1024)
+    for n in range(200):
+        renderer.render_item(Message(role="user", content=f"message {n} " * 10))
+        assert renderer.rendered.nbytes <= 8 * 1024
+    renderer.render_item(Message(role="user", content="message 199 " * 10))
+    renderer.render_item(Message(role="user", content="message 0 " * 10))
+    assert renderer.rendered.hits == 1  # the latest is still there, the first long gone
+    huge = Message(role="user", content="x" * 20_000)
+    renderer.render_item(huge)
+    renderer.render_item(huge)
+    assert renderer.rendered.hits == 1 and renderer.rendered.nbytes <= 8 * 1024
+
+
+def test_the_flag_takes_mebibytes_and_refuses_a_negative_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--render-cache-mb", "0"]).render_cache_mb == 0
+    assert parser.parse_args(["serve"]).render_cache_mb == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--render-cache-mb", "-1"])
+    assert "must be 0 or more" in capsys.readouterr().err
