@@ -247,7 +247,6 @@ class StreamChecker:
         self.responses: dict[str, _Response] = {}
         self.current: _Response | None = None
         self.frames: list[_Frame] = []
-        self.errors = 0
         self._expected_creates = 0
         self._accepted_create: _Frame | None = None  # the create predicted accepted, if any
         self._event: Any = None
@@ -845,7 +844,6 @@ class StreamChecker:
         detail = obj.get("error")
         if not isinstance(detail, Mapping) or not _error_detail_ok(detail):
             self._fail(7, "an error event without error {type, code, message}")
-        self.errors += 1
         code = detail["code"]
         if code in self.unsolicited_errors:
             return
