@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from proto_server.testing.checker.stream import Dialect, InvariantViolation, StreamChecker
+from proto_server.testing.checker.invariants import Dialect, InvariantViolation
+from proto_server.testing.checker.stream import StreamChecker
 from proto_server.wire.converter import lane_of, unstructure
 from proto_server.wire.events import (
     ClientEvent,
