@@ -206,8 +206,12 @@ class Connection(RuleBasedStateMachine):
             self.segment_begun = self.warm = True
 
     def end_of_segment(self) -> None:
+        """Outputs injected while the segment streamed resume the Response now, as the sampling
+        loop releases them before it would wait."""
         if self.m.status is not Status.IN_PROGRESS:
-            self.segment_begun = False
+            self.segment_begun = False  # outputs released now resume in a segment of its own
+        if self.m.status is Status.SUSPENDED and self.m.holds_injected:
+            self.emit(self.m.release_held())
 
     # -- the client ----------------------------------------------------------------------------
 
@@ -355,9 +359,7 @@ class Connection(RuleBasedStateMachine):
     def stop(self) -> None:
         self.prefill()
         self.emit(self.m.end_segment())
-        self.segment_begun = False  # outputs released now resume in a segment of its own
-        if self.m.status is Status.SUSPENDED and self.m.holds_injected:
-            self.emit(self.m.release_held())  # as the sampling loop does before it waits
+        self.end_of_segment()
 
     @precondition(lambda self: self.streaming())
     @rule(code=st.sampled_from(["generator_error", "script_error"]))
