@@ -79,7 +79,7 @@ from proto_server.wire.events import (
 )
 
 if TYPE_CHECKING:
-    from proto_server.server.connection import Connection
+    from proto_server.server.connection import ClientLanes
 
 
 @attrs.frozen
@@ -175,7 +175,7 @@ class LaunchedDialect:
     def __init__(
         self,
         responses: Responses,
-        connection: Connection,
+        connection: ClientLanes,
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,

@@ -45,7 +45,7 @@ from proto_server.wire.events import (
 if TYPE_CHECKING:
     import trio
 
-    from proto_server.server.connection import Connection
+    from proto_server.server.connection import ClientLanes
 
 
 class _Lane:
@@ -63,7 +63,7 @@ class PrototypeDialect:
     def __init__(
         self,
         responses: Responses,
-        connection: Connection,
+        connection: ClientLanes,
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,
