@@ -1,5 +1,6 @@
 """What the tests share: request frames, the scripts they serve, a WebSocket client, readers of
-SSE and of a server's stdout, and small stores and generators that record what they see.
+SSE and of a server's stdout, small stores and generators that record what they see, and a
+connection's lanes with no socket behind them, to drive a dialect in-process.
 
 Test modules import these from here and from nowhere else among the tests; the services
 (`engine.py`, `postgres.py`) and the tiny models (`tinymodel.py`) have modules of their own.
@@ -34,11 +35,14 @@ from proto_server.engine.chunks import Chunk, SegmentEnd
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.connection import Dialect
+from proto_server.server.memory import MemoryBudget, MiB
+from proto_server.server.outbox import LaneSink, Outgoing
 from proto_server.server.store import ANONYMOUS, StoredResponse
 from proto_server.testing.checker import LaneChecker
 from proto_server.testing.client import MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
-from proto_server.wire.converter import converter
+from proto_server.wire.converter import converter, decode_client_event, encode_server_event_bytes
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -123,6 +127,40 @@ class Running:
 
 
 StartServer = Callable[..., Any]
+
+
+class InMemoryLanes:
+    """A connection's lanes with no socket behind them (`ClientLanes`): `deliver` hands a
+    dialect a frame as the connection's reader does, `until` reads back what it sent, as the
+    JSON the writer would send (numbered per lane)."""
+
+    def __init__(self, budget_bytes: int = 64 * MiB) -> None:
+        self.budget = MemoryBudget(budget_bytes, flag="--max-connection-memory", name="connection")
+        self._send, self._receive = trio.open_memory_channel[Outgoing](math.inf)
+        self._numbers: dict[str | None, int] = {}
+
+    def lane(self, stream_id: str | None) -> LaneSink:
+        return LaneSink(self._send, stream_id)
+
+    async def deliver(self, dialect: Dialect, frame: dict[str, Any]) -> None:
+        """`frame` decoded and handled; what the dialect refuses is raised, not sent."""
+        text = orjson.dumps(frame).decode()
+        await dialect.handle(decode_client_event(text), len(text))
+
+    async def until(self, *kinds: str) -> list[dict[str, Any]]:
+        """What was sent, up to and with the first event of one of `kinds`."""
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] not in kinds:
+            outgoing = await self._receive.receive()
+            number = self._numbers.get(outgoing.stream_id, 0)
+            self._numbers[outgoing.stream_id] = number + 1
+            payload = encode_server_event_bytes(outgoing.event, number, outgoing.stream_id)
+            events.append(orjson.loads(payload))
+        return events
+
+    def pending(self) -> int:
+        """How many events were sent and not read yet."""
+        return self._receive.statistics().current_buffer_used
 
 
 def free_port() -> int:

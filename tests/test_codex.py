@@ -137,7 +137,7 @@ async def test_codex_0107_runs_a_whole_rollout_as_one_response(
     assert {r.connection for r in frames} == {opened[0].connection}
     assert [r.type for r in frames] == ["response.create"] + ["response.append"] * 3
     assert not log_lines(caplog, "client.refused")
-    (record,) = running.server.turns  # one Response, four segments
+    (record,) = running.server.responses.turns  # one Response, four segments
     assert record.cached_tokens > 0
 
 
@@ -152,7 +152,7 @@ async def test_codex_0171_chains_turns_on_one_websocket(
     opened = log_lines(caplog, "connection.opened")
     assert [(r.dialect, r.deflate) for r in opened] == [("launched", deflate)]
     assert [r.type for r in log_lines(caplog, "client.event")] == ["response.create"] * 4
-    warmup, *turns = running.server.turns
+    warmup, *turns = running.server.responses.turns
     # the warm-up built the state; every turn after it chained from the previous response
     # and rendered only its new items (tool outputs), never the ~20 KB of tools again
     assert warmup.source == "fresh" and warmup.rendered_input_tokens == warmup.prompt_tokens
@@ -169,5 +169,5 @@ async def test_codex_0171_falls_back_to_http_when_websockets_are_off(
     assert not log_lines(caplog, "connection.opened")
     assert [r.stream for r in log_lines(caplog, "http.create")] == [True, True, True]
     # stateless: every turn re-renders the whole history
-    assert [t.source for t in running.server.turns] == ["fresh"] * 3
-    assert all(t.rendered_input_tokens == t.prompt_tokens for t in running.server.turns)
+    assert [t.source for t in running.server.responses.turns] == ["fresh"] * 3
+    assert all(t.rendered_input_tokens == t.prompt_tokens for t in running.server.responses.turns)

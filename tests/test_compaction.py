@@ -103,7 +103,7 @@ async def test_a_compacted_history_continues_and_its_summary_is_rendered(
             answer = await http.post(url, json=body(input=new))
     assert answer.status_code == 200 and answer.json()["status"] == "completed"
     # the compaction item was rendered as its summary, not as opaque JSON
-    assert running.server.turns[-1].rendered_input_tokens == prefix_tokens() + tokens(new)
+    assert running.server.responses.turns[-1].rendered_input_tokens == prefix_tokens() + tokens(new)
     summary = summary_of(UnknownItem(output[-1]))
     assert summary is not None and summary.startswith("Compacted ")
 

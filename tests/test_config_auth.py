@@ -6,8 +6,8 @@ import pytest
 
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.server.responses import Responses
 from proto_server.server.store import ANONYMOUS, owner_id
 
 
@@ -18,11 +18,10 @@ def test_server_config_refuses_blank_keys(keys: tuple[str, ...]) -> None:
 
 
 def test_an_empty_token_never_matches_and_each_key_is_its_own_owner() -> None:
-    server = ProtoServer(SimulatedGenerator(DefaultModel()), ServerConfig(api_keys=("k1", "k2")))
+    keyed = Responses(SimulatedGenerator(DefaultModel()), ServerConfig(api_keys=("k1", "k2")))
     for header in (None, "", "Bearer", "Bearer ", "Bearer   ", "Basic k1", "Bearer k3"):
-        assert not server.authorized(header), header
-        assert server.owner(header) is None
-    assert server.owner("Bearer k1") == owner_id("k1")
-    assert server.owner("bearer  k2 ") == owner_id("k2") != owner_id("k1")
-    open_server = ProtoServer(SimulatedGenerator(DefaultModel()), ServerConfig())
-    assert open_server.owner(None) == open_server.owner("Bearer anything") == ANONYMOUS
+        assert keyed.owner(header) is None, header
+    assert keyed.owner("Bearer k1") == owner_id("k1")
+    assert keyed.owner("bearer  k2 ") == owner_id("k2") != owner_id("k1")
+    open_ = Responses(SimulatedGenerator(DefaultModel()), ServerConfig())
+    assert open_.owner(None) == open_.owner("Bearer anything") == ANONYMOUS

@@ -200,7 +200,7 @@ async def test_prewarm_is_a_warm_up_over_the_sdk_websocket(start_server: StartSe
     # the prewarm prefilled the prompt: the next turn re-reads none of it
     assert usage.input_tokens == warmed.usage.input_tokens
     assert usage.input_tokens_details.cached_tokens == usage.input_tokens
-    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "cache"]
 
 
 def prewarm_over_http(http_url: str) -> tuple[Any, Any]:
@@ -288,7 +288,7 @@ async def test_a_turn_over_its_threshold_is_compacted_then_served_and_chained_wa
     item = done["item"]
     assert (compacting["item_id"], compacting["output_index"]) == (item["id"], 0)
     assert added["item"] == item and set(item) == {"type", "id", "encrypted_content"}
-    assert running.server.compaction_key.open(item["encrypted_content"]) is not None
+    assert running.server.responses.compaction_key.open(item["encrypted_content"]) is not None
     summary = summary_of(UnknownItem(item))
     assert summary is not None and summary.startswith("Compacted 4 earlier items")
     # ... then the model goes on where the history was (the script's second segment), reading
@@ -301,9 +301,10 @@ async def test_a_turn_over_its_threshold_is_compacted_then_served_and_chained_wa
     assert r3["output"][0]["content"][0]["text"] == "Fixed: the loop was off by one."
     end_2 = compacted + tokens(r2["output"][1:])
     assert r3["usage"]["input_tokens_details"]["cached_tokens"] == end_2
-    assert [t.source for t in running.server.turns] == ["fresh", "compacted", "cache"]
+    turns = running.server.responses.turns
+    assert [t.source for t in turns] == ["fresh", "compacted", "cache"]
     # what the server rendered: the new input, then the compacted prompt
-    assert running.server.turns[1].rendered_input_tokens == tokens(answers(first)) + compacted
+    assert turns[1].rendered_input_tokens == tokens(answers(first)) + compacted
     await running.server.wait_idle()
 
 
@@ -356,8 +357,8 @@ async def test_over_http_a_compacted_turn_streams_and_the_store_chain_restarts_t
     new = answers(
         [{"type": "response.output_item.done", "item": i.to_dict()} for i in second.output]
     )
-    assert running.server.turns[-1].source == "store"
-    assert running.server.turns[-1].rendered_input_tokens == (
+    assert running.server.responses.turns[-1].source == "store"
+    assert running.server.responses.turns[-1].rendered_input_tokens == (
         prefix_tokens() + tokens(compacted) + tokens(new)
     )
     assert third.output_text == "Fixed: the loop was off by one."

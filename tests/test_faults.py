@@ -105,8 +105,8 @@ async def test_a_generator_raising_mid_segment_fails_the_response_not_the_connec
     start_server: StartServer, after: int
 ) -> None:
     running = await start_server(ONE_CALL)
-    healthy = running.server.generator
-    running.server.generator = FaultyGenerator(healthy, after)  # type: ignore[assignment]
+    healthy = running.server.responses.generator
+    running.server.responses.generator = FaultyGenerator(healthy, after)  # type: ignore[assignment]
     async with connect_checked(running.prototype_url) as client:
         await client.send(create())
         events = await client.segment()
@@ -117,7 +117,7 @@ async def test_a_generator_raising_mid_segment_fails_the_response_not_the_connec
         assert f"the GPU fell over after {after} chunks" in error["message"]
         statuses = [i["status"] for i in failed["response"]["output"]]
         assert "in_progress" not in statuses  # whatever was streaming was closed
-        running.server.generator = healthy
+        running.server.responses.generator = healthy
         await client.send(create())
         assert (await client.segment())[-1]["type"] == "response.done"
 
@@ -173,8 +173,8 @@ async def test_a_client_that_stops_reading_holds_back_the_model_and_memory_stays
         # all of which fit in loopback's buffers, and nothing would need holding back
         merge_deltas=False,
     )
-    counting = CountingGenerator(running.server.generator)
-    running.server.generator = counting  # type: ignore[assignment]
+    counting = CountingGenerator(running.server.responses.generator)
+    running.server.responses.generator = counting  # type: ignore[assignment]
     tracemalloc.start()
     try:
         baseline = tracemalloc.get_traced_memory()[0]
@@ -209,8 +209,8 @@ async def test_a_client_that_vanishes_at_any_moment_leaves_nothing_behind(
     start_server: StartServer,
 ) -> None:
     running = await start_server(THREE_SEGMENTS)
-    generator = RecordingGenerator(running.server.generator)
-    running.server.generator = generator  # type: ignore[assignment]
+    generator = RecordingGenerator(running.server.responses.generator)
+    running.server.responses.generator = generator  # type: ignore[assignment]
     whole = await whole_rollout(running)
     for point in range(len(whole) + 1):  # before the first event, after each one
         with trio.fail_after(5):
@@ -283,7 +283,7 @@ async def test_past_the_cap_the_idlest_suspension_is_evicted_and_says_why(
     caplog.set_level(logging.WARNING, logger="proto_server")
     async with AsyncExitStack() as stack:
         await evictions(running, stack, caplog)
-    assert running.server.suspensions.evicted == 2
+    assert running.server.responses.suspensions.evicted == 2
 
 
 async def evictions(

@@ -436,12 +436,12 @@ def test_a_forced_call_a_generator_cannot_make_is_refused_on_arrival(choice: Any
     server = ProtoServer(CannotForce())  # type: ignore[arg-type]
     create_event = converter.structure(create(tool_choice=choice), ResponseCreate)
     with pytest.raises(ProtocolError) as refused:
-        server.check_create(create_event)
+        server.responses.check_create(create_event)
     assert (refused.value.detail.code, refused.value.detail.param) == (
         "unsupported_tool_choice",
         "tool_choice",
     )
-    server.check_create(attrs.evolve(create_event, tool_choice="none"))
+    server.responses.check_create(attrs.evolve(create_event, tool_choice="none"))
 
 
 def test_a_call_demanded_of_no_function_tool_is_refused() -> None:

@@ -76,8 +76,8 @@ async def test_sse_carries_the_same_events_as_the_websocket(start_server: StartS
                 event["response"].pop("usage")
         assert without_ids(http_events) == without_ids(ws_events)
     # the HTTP path is cold every time: everything is rendered and re-read
-    assert [t.source for t in running.server.turns][3:] == ["fresh", "store", "store"]
-    assert all(t.cached_tokens == 0 for t in list(running.server.turns)[3:])
+    assert [t.source for t in running.server.responses.turns][3:] == ["fresh", "store", "store"]
+    assert all(t.cached_tokens == 0 for t in list(running.server.responses.turns)[3:])
 
 
 async def test_json_mode_get_and_errors(start_server: StartServer) -> None:
@@ -493,7 +493,7 @@ async def test_a_json_request_whose_client_leaves_is_cancelled_like_a_stream(
         assert running.server.open_rollouts == 1  # generating
         await stream.aclose()  # the client leaves mid-way
         await running.server.wait_idle()  # the rollout is released, the connection closed
-    assert not running.server.turns  # it never ran to its end
+    assert not running.server.responses.turns  # it never ran to its end
 
 
 async def test_a_pipelined_request_behind_a_json_one_is_kept_and_served(

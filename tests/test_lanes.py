@@ -141,8 +141,8 @@ async def test_a_fork_starts_from_another_lanes_response_which_stays_warm(
         assert events[-1]["type"] == "response.completed", events[-1]
         assert response["previous_response_id"] == parent
         assert [i["type"] for i in response["output"]] == ["function_call", "function_call"]
-    assert [t.source for t in running.server.turns] == ["fresh", "fork", "cache"]
-    assert running.server.turns[-1].cached_tokens > 0
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "fork", "cache"]
+    assert running.server.responses.turns[-1].cached_tokens > 0
 
 
 async def test_a_failed_fork_keeps_the_parent_warm_on_its_lane(start_server: StartServer) -> None:
@@ -168,7 +168,7 @@ async def test_a_failed_fork_keeps_the_parent_warm_on_its_lane(start_server: Sta
         refused = await until_lane(client, "fork", *END)
         assert refused[-1]["error"]["code"] == "previous_response_not_found"
     # the failed fork left the parent on its lane: the main lane's turn was served warm
-    assert [t.source for t in running.server.turns] == ["fresh", "fork", "cache"]
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "fork", "cache"]
 
 
 async def test_lane_limits_and_names_are_typed_errors_on_their_lane(
@@ -254,7 +254,7 @@ async def test_each_lanes_warm_cache_is_charged_and_the_idlest_let_go_under_pres
             ended = await until_lane(client, lane, *END)
             assert ended[-1]["type"] == "response.completed", ended[-1]
             ids[lane] = ended[-1]["response"]["id"]
-        held = running.server.memory.used
+        held = running.server.responses.memory.used
         assert held > 2 * len(big)  # both lanes' rollouts are kept warm, and counted
         # a third lane needs three times that: the idlest lane's cache (a's) is let go, b's stays
         await client.send(launched_create(tools=[], stream_id="c", input=big * 3))
@@ -268,7 +268,7 @@ async def test_each_lanes_warm_cache_is_charged_and_the_idlest_let_go_under_pres
         ends = await until_each(client, "a", "b")
     assert ends["a"]["error"]["code"] == "previous_response_not_found"  # evicted; store: false
     assert ends["b"]["type"] == "response.completed"
-    assert running.server.turns[-1].source == "cache"
+    assert running.server.responses.turns[-1].source == "cache"
 
 
 def inject(response_id: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -351,7 +351,7 @@ async def test_outputs_held_for_a_streaming_segment_count_against_the_memory_bud
     holds is charged from the moment it is committed, once (not again when it joins)."""
     running = await start_server(THREE_SEGMENTS, timing=TimingModel(decode_tokens_per_s=50))
     big = "lorem ipsum " * 10_000  # ~120 KB of output, more once rendered
-    memory = running.server.memory
+    memory = running.server.responses.memory
     with trio.fail_after(30):
         async with connect(running.address.ws_url, **BETA) as raw:
             client = Checked(raw)
@@ -477,7 +477,7 @@ async def test_a_client_that_vanishes_mid_lanes_leaves_nothing_behind(
             await until_lane(client, "a", "response.output_text.delta")
             await client.vanish()  # no close frame: the TCP just drops
         await running.server.wait_idle()  # every lane's rollout, cached or streaming, released
-    assert running.server.memory.used == 0
+    assert running.server.responses.memory.used == 0
 
 
 async def test_a_stopping_server_ends_what_waits_on_a_lane_rather_than_drop_it(
@@ -544,7 +544,7 @@ async def test_a_lanes_new_last_response_replaces_the_one_it_kept(
         )
         forked = await until_lane(client, "a", *END)
         assert forked[-1]["type"] == "response.completed"
-        assert server.turns[-1].source == "fork"
+        assert server.responses.turns[-1].source == "fork"
         assert server.open_rollouts == 2  # a's new last replaced its old one; b's stays
         # the default lane: its last Response, then a turn rebuilt from the store
         await client.send(launched_create(tools=[], store=True))
@@ -555,6 +555,6 @@ async def test_a_lanes_new_last_response_replaces_the_one_it_kept(
             launched_create(tools=[], store=True, previous_response_id=stored, input="go")
         )
         await until_lane(client, None, *END)
-        assert server.turns[-1].source == "store"
+        assert server.responses.turns[-1].source == "store"
         assert server.open_rollouts == 3
     await server.wait_idle()

@@ -49,7 +49,7 @@ async def test_chained_turns_render_only_the_new_items(start_server: StartServer
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert len({e["response"]["id"] for e in events if "response" in e}) == 3
 
-    t1, t2, t3 = running.server.turns
+    t1, t2, t3 = running.server.responses.turns
     assert (t1.source, t2.source, t3.source) == ("fresh", "cache", "cache")
     # turn 1 renders everything; turns 2 and 3 render exactly their new items
     prompt_1 = prefix_tokens() + tokens([USER])
@@ -83,8 +83,8 @@ async def test_a_warm_up_says_nothing_and_the_next_turn_chains_from_it(
         # the warm-up prefilled the prompt: nothing is re-read
         assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"]
         assert usage["input_tokens"] == warmed["usage"]["input_tokens"]
-    assert running.server.turns[-1].source == "cache"
-    assert running.server.turns[-1].rendered_input_tokens == 0
+    assert running.server.responses.turns[-1].source == "cache"
+    assert running.server.responses.turns[-1].rendered_input_tokens == 0
 
 
 async def test_a_huge_unknown_previous_response_id_earns_a_small_error(
@@ -115,7 +115,7 @@ async def test_a_miss_with_store_false_is_refused(start_server: StartServer) -> 
             client, launched_create(previous_response_id=r1["id"], input=answers(first))
         )
         assert ok[-1]["type"] == "response.completed"
-    assert running.server.turns[-1].source == "cache"
+    assert running.server.responses.turns[-1].source == "cache"
 
 
 async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: StartServer) -> None:
@@ -124,7 +124,7 @@ async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: St
         first = await turn(client, launched_create(store=True))
         r1 = first[-1]["response"]
         # written before response.completed was sent, not some time after
-        assert await running.server.store.get(r1["id"]) is not None
+        assert await running.server.responses.store.get(r1["id"]) is not None
     new = answers(first)
     # a new connection has an empty cache: the chain comes back from the store, cold
     async with connect(running.address.ws_url) as client:
@@ -133,7 +133,7 @@ async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: St
         )
     r2 = second[-1]["response"]
     assert [i["type"] for i in r2["output"]] == ["function_call", "function_call"]
-    record = running.server.turns[-1]
+    record = running.server.responses.turns[-1]
     assert record.source == "store"
     assert r2["usage"]["input_tokens_details"]["cached_tokens"] == 0
     full = prefix_tokens() + tokens([USER]) + tokens(r1["output"]) + tokens(new)
@@ -172,7 +172,7 @@ async def test_new_instructions_rebuild_the_prefix(start_server: StartServer) ->
             ),
         )
         assert second[-1]["type"] == "response.completed"
-    record = running.server.turns[-1]
+    record = running.server.responses.turns[-1]
     assert record.source == "rebuilt"
     assert record.cached_tokens == 0
 
@@ -191,7 +191,7 @@ async def test_a_full_history_without_previous_response_id_works(
     assert [i["type"] for i in second[-1]["response"]["output"]] == [
         "function_call", "function_call"
     ]  # fmt: skip
-    assert running.server.turns[-1].source == "fresh"
+    assert running.server.responses.turns[-1].source == "fresh"
 
 
 async def test_creates_queue_in_order_behind_the_one_in_flight(start_server: StartServer) -> None:

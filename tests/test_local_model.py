@@ -418,7 +418,7 @@ async def test_the_launched_dialect_chains_turns_on_the_same_warm_cache(
 
     r2 = second[-1]["response"]
     assert r2["output"][0]["content"][0]["text"] == "Fixed."
-    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "cache"]
     conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=TOOLS)
     conversation.extend([USER])
     prompt_1 = conversation.token_count + len(generator.renderer.generation_prompt)

@@ -165,7 +165,7 @@ async def test_a_request_too_big_for_its_connection_is_refused_and_the_connectio
         assert (await turn(client, launched_create()))[-1]["type"] == "response.completed"
     with trio.fail_after(5):
         await running.server.wait_idle()
-    assert running.server.memory.used == 0
+    assert running.server.responses.memory.used == 0
 
 
 async def test_the_idlest_cached_rollout_is_let_go_for_another_connection(
@@ -189,7 +189,7 @@ async def test_the_idlest_cached_rollout_is_let_go_for_another_connection(
             kept = await turn(second, launched_create(previous_response_id=two["id"], input=[USER]))
             assert kept[-1]["type"] == "response.completed"
         await running.server.wait_idle()
-    assert running.server.memory.used == 0
+    assert running.server.responses.memory.used == 0
 
 
 async def test_a_suspended_response_let_go_for_room_ends_incomplete(
@@ -207,7 +207,7 @@ async def test_a_suspended_response_let_go_for_room_ends_incomplete(
             ended = await sleeper.until("response.incomplete")
             assert ended[-1]["response"]["incomplete_details"] == {"reason": MEMORY_LIMIT}
         await running.server.wait_idle()
-    assert running.server.memory.used == 0
+    assert running.server.responses.memory.used == 0
 
 
 async def test_a_frame_the_process_has_no_room_for_is_refused_with_server_busy(

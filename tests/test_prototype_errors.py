@@ -278,8 +278,8 @@ async def test_a_vanished_client_leaves_nothing_behind(
         running = await start_server(LONG_TEXT, timing=SLOW)
     else:
         running = await start_server(ONE_CALL)
-    generator = RecordingGenerator(running.server.generator)
-    running.server.generator = generator
+    generator = RecordingGenerator(running.server.responses.generator)
+    running.server.responses.generator = generator
     async with connect(running.prototype_url) as client:
         await client.send(create())
         await client.until("response.output_text.delta" if when == "streaming" else "response.done")

@@ -349,7 +349,7 @@ async def test_a_dropped_connection_resumes_by_id_on_a_new_one_cold_and_exactly_
             assert final[-1]["response"]["id"] == rid
             for checker in checkers.values():
                 checker.finish()
-    assert [t.source for t in running.server.turns if t.response_id == rid] == ["store"]
+    assert [t.source for t in running.server.responses.turns if t.response_id == rid] == ["store"]
     async with httpx.AsyncClient(timeout=5) as http:
         got = await http.get(f"{running.address.http_url}/responses/{rid}")
     assert got.status_code == 200 and got.json()["status"] == "completed"

@@ -72,7 +72,7 @@ async def test_openai_python_websocket_tool_loop(start_server: StartServer) -> N
     assert "hello" in second.output_text
     assert second.usage.input_tokens_details.cached_tokens > 0
     assert seen.count("response.created") == 2
-    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "cache"]
 
 
 def stream_over_http(http_url: str) -> list[Any]:
@@ -121,6 +121,6 @@ async def test_openai_agents_websocket_session(start_server: StartServer, chain:
         final, ran = await in_thread(run_agent, running.address.http_url, chain)
     assert ran == ["echo_hi"]
     assert "echo_hi" in final and "hi" in final
-    sources = [t.source for t in running.server.turns]
+    sources = [t.source for t in running.server.responses.turns]
     # chaining is served from the connection's warm cache; full history starts fresh each call
     assert sources == (["fresh", "cache"] if chain else ["fresh", "fresh"])

@@ -179,7 +179,7 @@ async def test_the_sdk_session_runs_two_lanes_concurrently_and_a_fork(
     assert a_start < b_end and b_start < a_end
     # chained turns were warm on their own lanes; the fork started from lane a's Response
     # while lane a went on from it, warm
-    sources = [t.source for t in running.server.turns]
+    sources = [t.source for t in running.server.responses.turns]
     assert sorted(sources) == sorted(["fresh"] * 2 + ["fork"] + ["cache"] * 5)
 
 
@@ -259,7 +259,7 @@ async def test_the_beta_client_drives_a_multi_tool_rollout_as_one_response(
     assert response.output[-1].content[0].text == FINAL_TEXT
     # resumed warm: each segment after the first re-read nothing it had already
     assert response.usage.input_tokens_details.cached_tokens > 0
-    (turn,) = running.server.turns
+    (turn,) = running.server.responses.turns
     assert (turn.source, turn.status) == ("fresh", "completed")
     # every inject.created came before the resumption it caused
     for index, kind in enumerate(kinds):
@@ -355,4 +355,4 @@ async def test_a_steer_through_the_sdk_session_ends_the_response_and_its_success
         checker.sent(obj) if what == "sent" else checker.received(obj)
     checker.finish()
     # the successor continued the steered Response's warm rollout on its lane
-    assert [t.source for t in running.server.turns] == ["fresh", "cache"]
+    assert [t.source for t in running.server.responses.turns] == ["fresh", "cache"]

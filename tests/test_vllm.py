@@ -413,7 +413,7 @@ async def test_a_launched_chain_through_the_openai_sdk_is_served_warm(
     ]
     print("turns (prompt, cached, output):", segments)
     assert_warm(segments)
-    assert [t.source for t in served.server.turns] == ["fresh", "cache", "cache", "cache"]
+    assert [t.source for t in served.server.responses.turns] == ["fresh", "cache", "cache", "cache"]
 
 
 async def test_stateless_http_turns_reuse_the_engine_cache_and_readyz_says_ready(

@@ -249,7 +249,8 @@ async def _serve(conn: Connection, settings: ServerSettings) -> None:
             ServerConfig(port=0, permessage_deflate=settings.permessage_deflate),
             store=store,
         )
-        server.observer = probe
+        responses = server.responses  # what the setups below replace between runs
+        responses.observer = probe
         async with trio.open_nursery() as nursery:
             address = await nursery.start(server.serve)
             conn.send(("ready", address.port))
@@ -261,10 +262,12 @@ async def _serve(conn: Connection, settings: ServerSettings) -> None:
                         prefill_tokens_per_s=settings.prefill_rate,
                         decode_tokens_per_s=setup.decode_rate,
                     )
-                    server.generator = SimulatedGenerator(
+                    responses.generator = SimulatedGenerator(
                         setup.script, timing, prefix_cache=cache, meter=gpu
                     )
-                    server.config = attrs.evolve(server.config, merge_deltas=setup.merge_deltas)
+                    responses.config = attrs.evolve(
+                        responses.config, merge_deltas=setup.merge_deltas
+                    )
                     probe.reset(track_latency=setup.track_latency)
                     conn.send(("ok", None))
                 elif command == "collect":

@@ -1,5 +1,9 @@
 """The server: one listener for HTTP and WebSocket, a nursery per connection.
 
+It accepts, reads each request's head, routes it (HTTP to `http.py`, a WebSocket upgrade to its
+dialect) and stops gracefully; what a Response is built from is `Responses`' (responses.py),
+which it makes once and hands to every dialect and HTTP exchange.
+
 server nursery (serve)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
@@ -10,36 +14,14 @@ server nursery (serve)
 
 from __future__ import annotations
 
-import collections
-import hmac
-import secrets
 import socket
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Literal
 
 import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from proto_server.core.compaction import CompactionKey, check_compactions
-from proto_server.core.conversation import Conversation
-from proto_server.core.ids import new_id
-from proto_server.core.render import O200kRenderer, Renderer
-from proto_server.core.request import (
-    ToolChoice,
-    check_create,
-    compact_turn,
-    compaction_threshold,
-    input_items,
-    is_warmup,
-    parse_tool_choice,
-    prepare_input,
-    request_bytes,
-    response_template,
-)
-from proto_server.core.response import ResponseMachine
+from proto_server.core.render import Renderer
 from proto_server.engine.base import TokenGenerator
 from proto_server.server import metrics
 from proto_server.server.config import ServerConfig
@@ -54,6 +36,7 @@ from proto_server.server.handshake import (
 )
 from proto_server.server.http import (
     LINGER_S,
+    Shutdown,
     error_body,
     linger,
     send_error,
@@ -63,25 +46,10 @@ from proto_server.server.http import (
 from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
-from proto_server.server.memory import MemoryBudget
-from proto_server.server.observe import ServerObserver
-from proto_server.server.offload import Offload
-from proto_server.server.outbox import EventSink
 from proto_server.server.prototype import PrototypeDialect
-from proto_server.server.resume import Durable
-from proto_server.server.rollout import Rollout
-from proto_server.server.sampling import SamplingLoop, TurnRecord
-from proto_server.server.store import (
-    ANONYMOUS,
-    ResponseStore,
-    SQLiteStore,
-    StoredResponse,
-    owner_id,
-)
-from proto_server.server.suspension import Suspensions
+from proto_server.server.responses import Responses
+from proto_server.server.store import ResponseStore
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ResponseCreate
-from proto_server.wire.items import Item
 
 RESPONSES_PATH = "/v1/responses"
 PROTOTYPE_BETA = "responses_websockets=2026-02-04"
@@ -126,6 +94,8 @@ class BoundAddress:
 
 
 class ProtoServer:
+    """The listener, the handshake and shutdown; Responses are built by `responses`."""
+
     def __init__(
         self,
         generator: TokenGenerator,
@@ -136,41 +106,38 @@ class ProtoServer:
         compaction_secret: bytes | None = None,
         listener: socket.socket | None = None,
     ) -> None:
-        self.config = config or ServerConfig()
+        self.responses = Responses(
+            generator,
+            config,
+            renderer=renderer,
+            store=store,
+            compaction_secret=compaction_secret,
+            on_rollout=lambda opened: self._count(rollouts=opened),
+        )
         #: A socket bound by someone else (the supervisor of `--workers`): accept on it instead.
         self._listener = listener
-        self.generator = generator
-        self.renderer = renderer or generator.renderer or O200kRenderer()
-        # every call timed into the metrics (proto_server_store_seconds)
-        self.store = metrics.TimedStore(store or SQLiteStore(":memory:"))
-        #: Seals compaction items; without a kept secret they live as long as this process.
-        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
         self.open_connections = 0
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
         self.crashed_connections = 0
-        self.suspensions = Suspensions(self.config.max_suspended_rollouts)
-        #: Everything the process keeps for its clients, counted (see server/memory.py).
-        self.memory = MemoryBudget(
-            self.config.max_memory_bytes, flag="--max-memory", name="process"
-        )
-        #: Decodes and renders large requests on worker threads (see server/offload.py).
-        self.offload = Offload(self.config.prepare_threads)
-        #: Set at the very start of `shutdown()`: from then on `/readyz` answers 503, while the
-        #: server still accepts for `drain_delay_s` (so a balancer stops sending first).
-        self.draining = False
+        #: Draining, then stopping, as the HTTP connections see it (`/readyz`, keep-alive).
+        self._http = Shutdown()
         #: Set by `shutdown()` once it stops listening: when streaming segments must have finished.
         self.stopping: float | None = None
-        #: Kept-alive HTTP connections waiting for their next request (shutdown ends them).
-        self.idle_http: set[trio.CancelScope] = set()
         self._websockets: set[Connection] = set()
         self._listening = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
-        #: The most recent Responses' costs, newest last (tests and the benchmark read them).
-        self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
-        #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
-        self.observer: ServerObserver | None = None
         self._changed = trio.Event()
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.responses.config
+
+    @property
+    def draining(self) -> bool:
+        """Set at the very start of `shutdown()`: from then on `/readyz` answers 503, while the
+        server still accepts for `drain_delay_s` (so a balancer stops sending first)."""
+        return self._http.draining
 
     def _count(self, *, connections: int = 0, rollouts: int = 0) -> None:
         if connections:
@@ -184,22 +151,6 @@ class ProtoServer:
         """Return once no connection and no rollout is open (every one has released its state)."""
         while self.open_connections or self.open_rollouts:
             await self._changed.wait()
-
-    def owner(self, authorization: str | None) -> str | None:
-        """Who sends a request with this `Authorization` header: the owner id of its key (keys
-        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
-        keys = self.config.api_keys
-        if not keys:
-            return ANONYMOUS
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return None  # an empty token never matches, whatever the keys
-        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
-        return owner_id(matches[0]) if matches else None
-
-    def authorized(self, authorization: str | None) -> bool:
-        return self.owner(authorization) is not None
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -248,7 +199,7 @@ class ProtoServer:
         `server_shutdown`) and close its WebSocket with 1001; return once every connection is
         closed, and `serve()` returns too."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        self.draining = True
+        self._http.draining = True
         if self.config.drain_delay_s > 0:
             log.info("server.draining", extra={"delay_s": self.config.drain_delay_s})
             await trio.sleep(self.config.drain_delay_s)
@@ -261,8 +212,7 @@ class ProtoServer:
         self.stopping = deadline
         for connection in list(self._websockets):
             connection.shut_down(deadline)
-        for idle in list(self.idle_http):
-            idle.cancel()
+        self._http.stop()
         with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
             while self.open_connections:
                 await self._changed.wait()
@@ -298,7 +248,7 @@ class ProtoServer:
             if head is None:
                 return
             if not head.is_websocket:
-                await serve_http(self, stream, head)
+                await serve_http(self.responses, self._http, stream, head)
             elif (refusal := upgrade_refusal(head)) is not None:
                 await send_error(stream, refusal)
             else:
@@ -350,7 +300,7 @@ class ProtoServer:
                 nursery.cancel_scope.cancel()
                 return
             # the key first: without one, a client cannot even tell a valid path from a wrong one
-            owner = self.owner(head.header(b"authorization"))
+            owner = self.responses.owner(head.header(b"authorization"))
             if owner is None:
                 await _reject(request, nursery, unauthorized())
                 return
@@ -368,13 +318,14 @@ class ProtoServer:
                 extra_headers=[(MAX_MESSAGE_BYTES_HEADER, b"%d" % self.config.max_message_bytes)],
                 deflate=self.config.permessage_deflate,
             )
+            responses = self.responses
             connection = Connection(
                 ws,
-                budget=self.connection_budget(),
-                offload=self.offload,
+                budget=responses.connection_budget(),
+                offload=responses.offload,
                 queue_events=self.config.client_queue_events,
                 merge_deltas=self.config.merge_deltas,
-                observer=self.observer,
+                observer=responses.observer,
                 dialect=dialect_name,
                 compressed=deflated,
             )
@@ -390,9 +341,13 @@ class ProtoServer:
             dialect: Dialect
             beta = multi_agent_beta(head)
             if dialect_name == "prototype":
-                dialect = PrototypeDialect(self, connection, nursery, owner=owner, multi_agent=beta)
+                dialect = PrototypeDialect(
+                    responses, connection, nursery, owner=owner, multi_agent=beta
+                )
             else:
-                dialect = LaunchedDialect(self, connection, nursery, owner=owner, multi_agent=beta)
+                dialect = LaunchedDialect(
+                    responses, connection, nursery, owner=owner, multi_agent=beta
+                )
             self._websockets.add(connection)
             if self.stopping is not None:  # accepted just as the server began to stop
                 connection.shut_down(self.stopping)
@@ -403,221 +358,6 @@ class ProtoServer:
             finally:
                 self._websockets.discard(connection)
                 log.info("connection.closed", extra={"connection": connection.id})
-
-    # -- Responses -------------------------------------------------------------------------------
-
-    def check_create(self, create: ResponseCreate) -> None:
-        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
-        refuses, a compaction item this server did not seal, and a forced tool call the
-        generator cannot make."""
-        check_create(create)
-        check_compactions(input_items(create), self.compaction_key)
-        self.check_forcing(parse_tool_choice(create.tool_choice))
-
-    def check_forcing(self, choice: ToolChoice) -> None:
-        """Refuse a forced tool call (`required`, a named function) the generator cannot make."""
-        if choice.mode == "required" and not self.generator.forces_tool_calls:
-            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
-            raise ProtocolError(
-                "unsupported_tool_choice",
-                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
-                'cannot make yet; send "auto" (or "none") instead.',
-                param="tool_choice",
-            )
-
-    def checked_bytes(self, create: ResponseCreate) -> int:
-        """`check_create`, then about how much memory `create` holds while it waits."""
-        self.check_create(create)
-        return request_bytes(create)
-
-    def connection_budget(self) -> MemoryBudget:
-        """The memory budget of one connection, inside the process's."""
-        return self.memory.child(
-            self.config.max_connection_memory_bytes,
-            flag="--max-connection-memory",
-            name="connection",
-        )
-
-    def new_rollout(
-        self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
-    ) -> Rollout:
-        """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
-        conversation = Conversation(
-            self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
-        )
-        return self.rollout_of(conversation, budget)
-
-    def rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
-        """A rollout on `conversation` (rendered already) with a fresh session: nothing warm."""
-        self._count(rollouts=1)
-        return Rollout(
-            conversation,
-            self.generator.open_session(conversation),
-            budget=budget,
-            on_close=lambda _: self._count(rollouts=-1),
-        )
-
-    async def begin_response(
-        self,
-        create: ResponseCreate,
-        events: EventSink,
-        *,
-        budget: MemoryBudget,
-        source: str,
-        owner: str = ANONYMOUS,
-        rollout: Rollout | None = None,
-        history: Sequence[Item] = (),
-        suspend_on_tool_calls: bool = False,
-        announce_suspension: bool = True,
-        response_id: str | None = None,
-        size: int = 0,
-    ) -> SamplingLoop:
-        """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
-
-        Only what is new is rendered: the create's input on a warm rollout; the prefix, the
-        history and the input on a cold one. Rendering runs off the event loop when the input
-        is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
-        adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
-        `rollout` stays its caller's to close). Stored, it belongs to `owner`. `response_id`:
-        the id a `response.queued` already announced; `suspend_on_tool_calls` and
-        `announce_suspension`: see `ResponseMachine`.
-        """
-        arrived_at = trio.current_time()
-        prepared = await self.offload.run(
-            partial(prepare_input, cold=rollout is None),
-            self.renderer,
-            create,
-            history,
-            size=size + 1024 * len(history),
-        )
-        compaction = None
-        discarded = 0  # tokens rendered for a prompt that compaction replaced: work all the same
-        threshold = compaction_threshold(create)
-        warm = rollout.conversation.token_count if rollout is not None else 0
-        if threshold is not None and warm + prepared.tokens > threshold:
-            # the prompt is over the client's threshold: served from its compaction, cold
-            items = rollout.conversation.items if rollout is not None else prepared.history.items
-            discarded = prepared.tokens
-            prepared, compaction = await self.offload.run(
-                compact_turn,
-                self.renderer,
-                create,
-                [*items, *prepared.input.items],
-                self.compaction_key,
-                size=size + 1024 * len(items),
-            )
-            source = "compacted"
-            if rollout is not None:
-                await rollout.aclose()  # its state is of a prompt no longer served
-                rollout = None
-        budget.check(prepared.nbytes, "This request")
-        if rollout is None:
-            rollout = self.new_rollout(create, budget, prepared.prefix)
-            rendered_mark = -discarded
-            rollout.conversation.extend_rendered(prepared.history)
-        else:
-            rendered_mark = rollout.conversation.rendered_tokens
-        conversation = rollout.conversation
-        # a compacted Response stores the history it was served from: a chain restarts there
-        first_item = 0 if compaction is not None else len(conversation.items)
-        conversation.extend_rendered(prepared.input)
-        rollout.account()
-        if self.observer is not None:
-            self.observer.rendered()
-        response = response_template(
-            create,
-            response_id=response_id or new_id("resp"),
-            created_at=int(time.time()),
-            default_model=self.config.default_model,
-        )
-        machine = ResponseMachine(
-            response=response,
-            conversation=conversation,
-            suspend_on_tool_calls=suspend_on_tool_calls,
-            clock=lambda: int(time.time()),
-            compaction=compaction,
-            announce_suspension=announce_suspension,
-            max_pending_steers=self.config.max_pending_steers,
-            # as OpenAI's: a Response with automatic compaction is not steered
-            steering="unsupported" if create.context_management else None,
-        )
-
-        durable = None
-        # a stored prototype Response outlives its process: its suspensions are stored too
-        prototype = suspend_on_tool_calls and announce_suspension
-        if response.store and prototype and self.store.suspensions is not None:
-            first_output = len(conversation.items)
-            durable = Durable(self.store, owner, response.id, first_output=first_output)
-        return SamplingLoop(
-            machine,
-            rollout,
-            events,
-            chunk_queue=self.config.chunk_queue,
-            source=source,
-            rendered_mark=rendered_mark,
-            persist=self._persister(first_item, owner, durable) if response.store else None,
-            on_end=self._turn_ended,
-            observer=self.observer,
-            suspensions=self.suspensions,
-            suspend_timeout_s=self.config.suspend_timeout_s,
-            arrived_at=arrived_at,
-            durable=durable,
-            warmup=is_warmup(create),
-        )
-
-    def _persister(
-        self, first_item: int, owner: str, durable: Durable | None
-    ) -> Callable[[ResponseMachine], Awaitable[None]]:
-        """How an ended `store: true` Response is written: its items from `first_item` on, its
-        stored suspension (if any) deleted in the same transaction."""
-
-        async def persist(machine: ResponseMachine) -> None:
-            items = tuple(machine.conversation.items[first_item:])
-            stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
-            ends = durable.ends if durable is not None else None
-            await self.store.put(stored, ends_suspension=ends)
-
-        return persist
-
-    def resumed_loop(
-        self,
-        machine: ResponseMachine,
-        budget: MemoryBudget,
-        events: EventSink,
-        *,
-        durable: Durable,
-        owner: str,
-    ) -> SamplingLoop:
-        """The sampling loop of a suspended Response rebuilt from the store (`resume.py`): a
-        fresh session on its re-rendered conversation, so its next prefill is cold."""
-        rollout = self.rollout_of(machine.conversation, budget)
-        return SamplingLoop(
-            machine,
-            rollout,
-            events,
-            chunk_queue=self.config.chunk_queue,
-            source="store",
-            rendered_mark=0,  # its whole prompt was rendered again: count it
-            persist=self._persister(0, owner, durable),
-            on_end=self._turn_ended,
-            observer=self.observer,
-            suspensions=self.suspensions,
-            suspend_timeout_s=self.config.suspend_timeout_s,
-            durable=durable,
-            resumed=True,
-        )
-
-    def _turn_ended(self, record: TurnRecord) -> None:
-        self.turns.append(record)
-        metrics.turn_ended(
-            source=record.source,
-            rendered=record.rendered_input_tokens,
-            prompt=record.prompt_tokens,
-            cached=record.cached_tokens,
-            prepare_s=record.prepare_s,
-            decode_s=record.decode_s,
-            first_event_s=record.first_event_s,
-        )
 
 
 async def _reject(request: WebSocketRequest, nursery: trio.Nursery, error: ProtocolError) -> None:

@@ -64,6 +64,16 @@ class Dialect(Protocol):
         ...
 
 
+class ClientLanes(Protocol):
+    """What a dialect uses of its connection: where each lane's events go, and the budget its
+    Responses and waiting requests are charged to. A `Connection`, or, in a test, a channel
+    with no socket behind it."""
+
+    budget: MemoryBudget
+
+    def lane(self, stream_id: str | None) -> LaneSink: ...
+
+
 class Connection:
     def __init__(
         self,

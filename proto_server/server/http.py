@@ -17,6 +17,8 @@ with only its own responses. Connections are kept alive; a store that cannot ans
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,6 +37,7 @@ from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
+from proto_server.server.responses import Responses
 from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
 from proto_server.server.writer import write_events
@@ -45,7 +48,6 @@ from proto_server.wire.items import Item
 from proto_server.wire.response import Usage
 
 if TYPE_CHECKING:
-    from proto_server.server.app import ProtoServer
     from proto_server.server.handshake import RequestHead
 
 JSON = ("content-type", "application/json")
@@ -199,27 +201,57 @@ async def _next_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Re
             return None
 
 
-async def serve_http(server: ProtoServer, stream: trio.abc.Stream, head: RequestHead) -> None:
+class Shutdown:
+    """A server's stopping, as its HTTP connections see it: while it drains, `/readyz` answers
+    503 and requests are still served; once it stops, a kept-alive connection ends after its
+    answer, and one that waits idle for its next request ends at once."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.stopped = False
+        self._idle: set[trio.CancelScope] = set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        for idle in list(self._idle):
+            idle.cancel()
+
+    @contextmanager
+    def idle(self, timeout_s: float) -> Iterator[None]:
+        """Wait for a kept-alive connection's next request: at most `timeout_s`, and not past
+        `stop()` (a stopping server does not wait for idle clients)."""
+        with trio.move_on_after(timeout_s) as idle:
+            self._idle.add(idle)
+            try:
+                yield
+            finally:
+                self._idle.discard(idle)
+
+
+async def serve_http(
+    responses: Responses, shutdown: Shutdown, stream: trio.abc.Stream, head: RequestHead
+) -> None:
     """Serve requests on one keep-alive connection until the client is done, or idle for
     `handshake_timeout_s`; a malformed request is answered 400 and its connection closed."""
     conn = head.connection
     request: h11.Request | None = head.request
-    budget = server.connection_budget()
+    budget = responses.connection_budget()
     try:
-        await _serve_requests(server, stream, conn, request, budget)
+        await _serve_requests(responses, shutdown, stream, conn, request, budget)
     finally:
         budget.close()
 
 
 async def _serve_requests(
-    server: ProtoServer,
+    responses: Responses,
+    shutdown: Shutdown,
     stream: trio.abc.Stream,
     conn: h11.Connection,
     request: h11.Request | None,
     budget: MemoryBudget,
 ) -> None:
     while request is not None:
-        exchange = _Exchange(server, stream, conn, request, budget)
+        exchange = _Exchange(responses, shutdown, stream, conn, request, budget)
         try:
             try:
                 await exchange.serve()
@@ -233,15 +265,11 @@ async def _serve_requests(
                 if conn.their_state is h11.SEND_BODY:
                     await linger(stream)  # so it reads the answer, not a reset
                 return
-            if server.stopping is not None:
+            if shutdown.stopped:
                 return
             request = None
-            with trio.move_on_after(server.config.handshake_timeout_s) as idle:
-                server.idle_http.add(idle)  # a stopping server does not wait for idle clients
-                try:
-                    request = await _next_request(stream, conn)
-                finally:
-                    server.idle_http.discard(idle)
+            with shutdown.idle(responses.config.handshake_timeout_s):
+                request = await _next_request(stream, conn)
         except h11.RemoteProtocolError as exc:
             if conn.our_state is h11.SEND_RESPONSE:
                 refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
@@ -252,13 +280,15 @@ async def _serve_requests(
 class _Exchange:
     def __init__(
         self,
-        server: ProtoServer,
+        responses: Responses,
+        shutdown: Shutdown,
         stream: trio.abc.Stream,
         conn: h11.Connection,
         request: h11.Request,
         budget: MemoryBudget,
     ) -> None:
-        self.server = server
+        self.responses = responses
+        self.shutdown = shutdown
         self.budget = budget
         self.stream = stream
         self.conn = conn
@@ -279,7 +309,7 @@ class _Exchange:
         if route == ("GET", "/readyz"):
             await self._ready()
             return
-        owner = self.server.owner(self.authorization)  # before the route: see app.py
+        owner = self.responses.owner(self.authorization)  # before the route: see app.py
         if owner is None:
             raise unauthorized()
         self.owner = owner
@@ -305,12 +335,11 @@ class _Exchange:
     async def _ready(self) -> None:
         """200 when this process should get new clients: it is not shutting down, the store
         answers and the generator's engine answers; else 503 saying why (the first code)."""
-        server = self.server
         problems: list[tuple[str, str]] = []
-        if server.draining:
+        if self.shutdown.draining:
             problems.append(("server_shutting_down", "the server is shutting down"))
         else:
-            store, generator = server.store, server.generator
+            store, generator = self.responses.store, self.responses.generator
             if isinstance(store, ProbedStore) and (problem := await store.readiness()):
                 problems.append(("store_unavailable", problem))
             if isinstance(generator, ProbedGenerator) and (problem := await generator.readiness()):
@@ -331,7 +360,7 @@ class _Exchange:
         return len(encoded)
 
     async def _body(self) -> bytes:
-        config = self.server.config
+        config = self.responses.config
         return await _read_body(
             self.stream,
             self.conn,
@@ -343,28 +372,29 @@ class _Exchange:
     async def _history(self, previous: str | None) -> list[Item]:
         if previous is None:
             return []
-        return await history_of(self.server.store, previous, owner=self.owner)
+        return await history_of(self.responses.store, previous, owner=self.owner)
 
     async def _decode(self, body: bytes) -> ResponseCreate:
         """The body as a create, decoded off the event loop when it is large, while the process
         budget holds the peak memory that may take."""
-        with self.server.memory.reserve(PREPARING_FACTOR * len(body), "This request"):
-            return await self.server.offload.run(
+        with self.responses.memory.reserve(PREPARING_FACTOR * len(body), "This request"):
+            return await self.responses.offload.run(
                 decode_request_body, body, ResponseCreate, size=len(body)
             )
 
     async def _create(self) -> None:
+        responses = self.responses
         body = await self._body()
-        observer = self.server.observer
+        observer = responses.observer
         if observer is not None:
             observer.received()
         create = await self._decode(body)
         if observer is not None:
             observer.decoded()
-        await self.server.offload.run(self.server.check_create, create, size=len(body))
+        await responses.offload.run(responses.check_create, create, size=len(body))
         history = await self._history(create.previous_response_id)
-        send, receive = trio.open_memory_channel[Outgoing](self.server.config.client_queue_events)
-        loop = await self.server.begin_response(
+        send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
+        loop = await responses.begin(
             create,
             LaneSink(send),
             budget=self.budget,
@@ -390,10 +420,10 @@ class _Exchange:
             self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
         )
         await write_events(
-            Outbox(receive, merge=self.server.config.merge_deltas),
+            Outbox(receive, merge=self.responses.config.merge_deltas),
             SSETransport(self.stream, self.conn),
             dialect="http",
-            observer=self.server.observer,
+            observer=self.responses.observer,
             one_response=True,
         )
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
@@ -418,15 +448,15 @@ class _Exchange:
         size = await self._json(200, converter.unstructure(final.response))
         metrics.sent(final, dialect="http", transport="json", size=size,
                      seconds=time.perf_counter() - started)  # fmt: skip
-        if self.server.observer is not None:
-            self.server.observer.sent(final, 1)
+        if self.responses.observer is not None:
+            self.responses.observer.sent(final, 1)
 
     async def _watch_client(self, response: trio.CancelScope) -> None:
         """Cancel `response` when the client goes away. What it sends meanwhile (a pipelined
         next request) goes to h11 for later, up to a request head's worth; past that the
         socket is left unread, so a client that floods it is slowed by TCP, not buffered."""
         kept = 0
-        while kept < self.server.config.max_request_head_bytes:
+        while kept < self.responses.config.max_request_head_bytes:
             try:
                 data = await self.stream.receive_some()
             except trio.BrokenResourceError:
@@ -439,7 +469,7 @@ class _Exchange:
             kept += len(data)
 
     async def _retrieve(self, response_id: str) -> None:
-        stored = await self.server.store.get(response_id, owner=self.owner)
+        stored = await self.responses.store.get(response_id, owner=self.owner)
         if stored is None:
             raise ProtocolError(
                 "response_not_found",
@@ -457,15 +487,15 @@ class _Exchange:
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
         new_items = input_items(create)
-        check_compactions(new_items, self.server.compaction_key)
+        check_compactions(new_items, self.responses.compaction_key)
         items = [*await self._history(create.previous_response_id), *new_items]
         turns, outputs = counted(items)
         output, summary = compact(
-            items, self.server.compaction_key, model_turns=turns, tool_outputs=outputs
+            items, self.responses.compaction_key, model_turns=turns, tool_outputs=outputs
         )
-        input_tokens, output_tokens = await self.server.offload.run(
+        input_tokens, output_tokens = await self.responses.offload.run(
             _count_tokens,
-            self.server.renderer,
+            self.responses.renderer,
             create.instructions,
             items,
             output,

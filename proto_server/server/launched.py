@@ -50,6 +50,7 @@ from proto_server.server.lanes import (
 )
 from proto_server.server.logs import log
 from proto_server.server.outbox import LaneSink
+from proto_server.server.responses import Responses
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import (
@@ -78,8 +79,7 @@ from proto_server.wire.events import (
 )
 
 if TYPE_CHECKING:
-    from proto_server.server.app import ProtoServer
-    from proto_server.server.connection import Connection
+    from proto_server.server.connection import ClientLanes
 
 
 @attrs.frozen
@@ -174,21 +174,21 @@ class _Lane:
 class LaunchedDialect:
     def __init__(
         self,
-        server: ProtoServer,
-        connection: Connection,
+        responses: Responses,
+        connection: ClientLanes,
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,
         multi_agent: bool = False,
     ) -> None:
-        self._server = server
+        self._responses = responses
         self._connection = connection
         self._owner = owner
         #: The connection opted into the multi-agent beta: `response.inject` is served.
         self._multi_agent = multi_agent
         self._nursery = nursery
         self._lanes: dict[str | None, _Lane] = {}
-        self._names = LaneNames(server.config.max_lanes)
+        self._names = LaneNames(responses.config.max_lanes)
         self._ended = EndedResponses()
         self._serving = 0
         self._idle = trio.Event()
@@ -237,7 +237,7 @@ class LaunchedDialect:
                     find=self._find,
                     ended=self._ended,
                     lane=self._connection.lane,
-                    offload=self._server.offload,
+                    offload=self._responses.offload,
                     size=frame_bytes,
                 )
             case ResponseSteer():
@@ -250,7 +250,7 @@ class LaunchedDialect:
             require_beta(self._multi_agent, "`multi_agent`")
         self._names.admit(create.stream_id)
         lane = self._lane(create.stream_id)
-        limit = self._server.config.max_queued_requests  # at least 1 (ServerConfig)
+        limit = self._responses.config.max_queued_requests  # at least 1 (ServerConfig)
         if len(lane.queue) >= limit:
             where = "" if create.stream_id is None else f" on lane {create.stream_id!r}"
             raise ProtocolError(
@@ -258,8 +258,8 @@ class LaunchedDialect:
                 f"{limit} response.create frames are already waiting behind the one in "
                 f"flight{where}; wait for a response.completed before sending more.",
             )
-        waiting = await self._server.offload.run(
-            self._server.checked_bytes, create, size=frame_bytes
+        waiting = await self._responses.offload.run(
+            self._responses.checked_bytes, create, size=frame_bytes
         )
         if len(lane.queue) >= limit:  # filled while this one was checked off the event loop
             raise ProtocolError(
@@ -275,7 +275,7 @@ class LaunchedDialect:
                 create,
                 response_id=response_id,
                 created_at=int(time.time()),
-                default_model=self._server.config.default_model,
+                default_model=self._responses.config.default_model,
             )
             lane.queue.append(_Queued(create, waiting, frame_bytes, response_id))
             await lane.sink.send(ResponseQueued(response=attrs.evolve(template, status="queued")))
@@ -364,7 +364,7 @@ class LaunchedDialect:
             queued.create,
             response_id=queued.response_id or new_id("resp"),
             created_at=int(time.time()),
-            default_model=self._server.config.default_model,
+            default_model=self._responses.config.default_model,
         )
         await lane.sink.send(ResponseCreated(response=template))
         ended = attrs.evolve(template, status="incomplete", incomplete_details={"reason": reason})
@@ -432,7 +432,7 @@ class LaunchedDialect:
         machine = loop.machine
         steers = machine.hand_over_steers()
         if machine.status is Status.COMPLETED and machine.pending_calls:
-            limit = self._server.config.max_pending_steers
+            limit = self._responses.config.max_pending_steers
             lane.awaiting = _Awaiting(machine.id, machine.required_input(), list(steers), limit)
         elif steers:
             lane.queue.appendleft(
@@ -442,13 +442,13 @@ class LaunchedDialect:
     async def _begin(
         self, lane: _Lane, create: ResponseCreate, size: int, response_id: str | None
     ) -> SamplingLoop:
-        server = self._server
+        responses = self._responses
         budget = self._connection.budget
         owner = self._owner
         previous = create.previous_response_id
 
         async def begin(source: str, **state: Any) -> SamplingLoop:
-            return await server.begin_response(
+            return await responses.begin(
                 create,
                 lane.sink,
                 budget=budget,
@@ -490,7 +490,7 @@ class LaunchedDialect:
         if create.store is False:  # with store: false only what this connection keeps
             raise previous_response_not_found(previous, f"{lanes} (store: false)")
         where = f"{lanes}, nor {STORED}"
-        history = await history_of(server.store, previous, owner=owner, where=where)
+        history = await history_of(responses.store, previous, owner=owner, where=where)
         return await begin("store", history=history)
 
     def _cached_elsewhere(self, response_id: str, lane: _Lane) -> Rollout | None:

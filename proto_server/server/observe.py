@@ -1,6 +1,6 @@
 """Hooks for whoever measures the server (the benchmark, a tracer).
 
-`ProtoServer.observer` is None unless something measures; then each hook costs the server one
+`Responses.observer` is None unless something measures; then each hook costs the server one
 attribute check. The hooks say when a request has arrived, when the generator starts (what the
 server does before inference is over), what the segment's prompt cost, and when each event left.
 """

@@ -29,7 +29,7 @@ from proto_server.server.lanes import (
     serve_steer,
 )
 from proto_server.server.outbox import LaneSink
-from proto_server.server.resume import resume
+from proto_server.server.responses import Responses
 from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError, quoted
@@ -45,8 +45,7 @@ from proto_server.wire.events import (
 if TYPE_CHECKING:
     import trio
 
-    from proto_server.server.app import ProtoServer
-    from proto_server.server.connection import Connection
+    from proto_server.server.connection import ClientLanes
 
 
 class _Lane:
@@ -63,20 +62,20 @@ class _Lane:
 class PrototypeDialect:
     def __init__(
         self,
-        server: ProtoServer,
-        connection: Connection,
+        responses: Responses,
+        connection: ClientLanes,
         nursery: trio.Nursery,
         *,
         owner: str = ANONYMOUS,
         multi_agent: bool = False,
     ) -> None:
-        self._server = server
+        self._responses = responses
         self._connection = connection
         self._nursery = nursery
         self._owner = owner
         self._multi_agent = multi_agent
         self._lanes: dict[str | None, _Lane] = {}
-        self._names = LaneNames(server.config.max_lanes)
+        self._names = LaneNames(responses.config.max_lanes)
         self._ended_ids = EndedResponses()
 
     @property
@@ -98,9 +97,9 @@ class PrototypeDialect:
                 loop.machine.check_append(items)  # before the work of rendering them
                 if tool_choice is not None:  # a new tool_choice for the rest of the Response
                     tools = loop.machine.template.tools
-                    self._server.check_forcing(check_tool_choice(tool_choice, tools))
+                    self._responses.check_forcing(check_tool_choice(tool_choice, tools))
                 renderer = loop.rollout.conversation.renderer
-                rendered = await self._server.offload.run(
+                rendered = await self._responses.offload.run(
                     render_items, renderer, items, size=frame_bytes
                 )
                 loop = self._open_rollout(stream_id, "append to")
@@ -114,7 +113,7 @@ class PrototypeDialect:
                     find=self._find,
                     ended=self._ended_ids,
                     lane=self._connection.lane,
-                    offload=self._server.offload,
+                    offload=self._responses.offload,
                     size=frame_bytes,
                 )
             case ResponseSteer():
@@ -152,8 +151,7 @@ class PrototypeDialect:
         """A suspended Response of another connection (or process), rebuilt from the store and
         resumed on this lane (resume.py)."""
         lane = self._lane(append.stream_id)
-        loop = await resume(
-            self._server,
+        loop = await self._responses.resume(
             append,
             owner=self._owner,
             budget=self._connection.budget,
@@ -219,10 +217,10 @@ class PrototypeDialect:
         if (warmup := warmup_field(create)) is not None:
             raise _unsupported(warmup, "warm-ups belong to the launched dialect")
         lane = self._lane(create.stream_id)
-        await self._server.offload.run(self._server.check_create, create, size=frame_bytes)
+        await self._responses.offload.run(self._responses.check_create, create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
             raise _unsupported("context_management", PROTOTYPE_COMPACTION)
-        loop = await self._server.begin_response(
+        loop = await self._responses.begin(
             create,
             lane.sink,
             budget=self._connection.budget,

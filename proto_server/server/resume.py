@@ -4,9 +4,10 @@ At each suspension, before its `response.done` goes out, a `store: true` Respons
 rebuilding it takes (`SuspendedResponse`: its settings, output and usage so far, the calls it
 waits on, and its conversation's new items) to the store. A client whose connection dropped, or
 whose process died, connects again, to any process on that store, and answers the calls with a
-`response.append` that names the Response (`response_id`): `resume` rebuilds it cold (the
-prompt rendered and prefilled again: the model's warm state is gone) and it goes on with the
-same id and output indices, on the new connection's sequence numbers.
+`response.append` that names the Response (`response_id`): `Responses.resume`
+(responses.py) finds it here (`claimable`), rebuilds it cold (`rebuild`, `restored`: the
+prompt rendered and prefilled again: the model's warm state is gone) and claims it (`claim`),
+and it goes on with the same id and output indices, on the new connection's sequence numbers.
 
 Exactly once: a resume claims the suspension in the store, one atomic UPDATE on the version it
 read, so of several connections racing only one gets it (`response_already_resumed` for the
@@ -23,27 +24,20 @@ import attrs
 import trio
 
 from proto_server.core.conversation import (
-    TOKEN_BYTES,
     Conversation,
     RenderedItems,
     is_model_item,
     render_items,
 )
 from proto_server.core.render import Renderer
-from proto_server.core.request import check_tool_choice
 from proto_server.core.response import ResponseMachine
 from proto_server.server import metrics
 from proto_server.server.logs import log
-from proto_server.server.memory import MemoryBudget
-from proto_server.server.outbox import EventSink
-from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import StoreUnavailable, SuspendedResponse
 from proto_server.wire.errors import ProtocolError, quoted
-from proto_server.wire.events import ResponseAppend
 from proto_server.wire.items import Item
 
 if TYPE_CHECKING:
-    from proto_server.server.app import ProtoServer
     from proto_server.server.metrics import TimedStore
 
 
@@ -119,10 +113,26 @@ def output_of(suspended: SuspendedResponse) -> tuple[Item, ...]:
     return tuple(item for item in suspended.items[suspended.first_output :] if is_model_item(item))
 
 
-def _rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[list[int], RenderedItems]:
+def rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[list[int], RenderedItems]:
     """Render a suspension's prompt again: the cold path, O(history); pure, for a thread."""
     prefix = renderer.render_prefix(suspended.instructions, suspended.tools)
     return prefix, render_items(renderer, suspended.items)
+
+
+def restored(
+    suspended: SuspendedResponse, conversation: Conversation, history: RenderedItems
+) -> ResponseMachine:
+    """The machine of `suspended`, on `conversation` (its prefix rendered) with `history`
+    (`rebuild`'s) appended: its output, calls and counts as they were when it suspended."""
+    conversation.extend_rendered(history)
+    return ResponseMachine.restore(
+        response=attrs.evolve(suspended.response, output=output_of(suspended)),
+        conversation=conversation,
+        pending=suspended.pending,
+        segments=suspended.segments,
+        tool_calls=suspended.tool_calls,
+        clock=lambda: int(time.time()),
+    )
 
 
 def _refused(code: str, message: str, status: int = 400) -> ProtocolError:
@@ -130,24 +140,13 @@ def _refused(code: str, message: str, status: int = 400) -> ProtocolError:
     return ProtocolError(code, message, param="response_id", status=status)
 
 
-async def resume(
-    server: ProtoServer,
-    append: ResponseAppend,
-    *,
-    owner: str,
-    budget: MemoryBudget,
-    events: EventSink,
-    size: int,
-) -> SamplingLoop:
-    """The suspended Response `append` names, rebuilt from the store and claimed for this
-    connection, with `append`'s items committed (it resumes when its loop runs). Refused with
-    a `ProtocolError` that changes nothing: `response_not_found` (never suspended here, another
+async def claimable(
+    store: TimedStore, response_id: str, *, owner: str, timeout_s: float
+) -> tuple[SuspendedResponse, float]:
+    """The suspension `response_id` names, if `owner` may resume it now, and how long it has
+    waited. Refused with a `ProtocolError`: `response_not_found` (never suspended here, another
     key's, or idle past `--suspend-timeout`), `response_already_completed`,
-    `response_already_resumed` (another connection holds it), the append's own errors
-    (`unknown_call_id`, `missing_tool_output`, ...), or `store_unavailable` (503)."""
-    response_id = append.response_id
-    assert response_id is not None
-    store = server.store
+    `response_already_resumed` (another connection holds it), or `store_unavailable` (503)."""
     shown = quoted(response_id)
     if store.suspensions is None:
         raise _refused(
@@ -169,61 +168,43 @@ async def resume(
         )
     # a claim is stamped when it is taken, and lapses after --suspend-timeout: its holder has
     # neither suspended again nor ended (its process died mid-segment), so it may be taken over
-    timeout = server.config.suspend_timeout_s
     idle = time.time() - found.stored_at
-    if found.claimed and idle <= timeout:
+    if found.claimed and idle <= timeout_s:
         raise _refused(
             "response_already_resumed",
             f"Response {shown} was resumed by another connection, which holds it now (a claim "
-            f"whose holder goes silent lapses after --suspend-timeout, {timeout:g} s).",
+            f"whose holder goes silent lapses after --suspend-timeout, {timeout_s:g} s).",
             status=409,
         )
-    if not found.claimed and idle > timeout:
+    if not found.claimed and idle > timeout_s:
         raise _refused(
             "response_not_found",
             f"Suspended Response {shown} waited {idle:.0f} s, past --suspend-timeout "
-            f"({server.config.suspend_timeout_s:g} s); start a new one with response.create.",
+            f"({timeout_s:g} s); start a new one with response.create.",
         )
-    prefix, history = await server.offload.run(
-        _rebuild, server.renderer, found, size=size + 1024 * len(found.items)
-    )
-    budget.check(history.nbytes + TOKEN_BYTES * (len(prefix) + len(history.tokens)), "This resume")
-    conversation = Conversation(
-        server.renderer, instructions=found.instructions, tools=found.tools, prefix=prefix
-    )
-    conversation.extend_rendered(history)
-    machine = ResponseMachine.restore(
-        response=attrs.evolve(found.response, output=output_of(found)),
-        conversation=conversation,
-        pending=found.pending,
-        segments=found.segments,
-        tool_calls=found.tool_calls,
-        clock=lambda: int(time.time()),
-    )
-    machine.check_append(append.input)
-    if append.tool_choice is not None:
-        server.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
-    rendered = await server.offload.run(render_items, server.renderer, append.input, size=size)
-    lapsed = time.time() - timeout
-    if not await store.claim(response_id, owner=owner, version=found.version, lapsed_before=lapsed):
+    return found, idle
+
+
+async def claim(
+    store: TimedStore,
+    response_id: str,
+    suspended: SuspendedResponse,
+    *,
+    owner: str,
+    timeout_s: float,
+) -> Durable:
+    """Claim `suspended` for this connection, on the version it was read at: exactly one of
+    several racing connections gets it, the others are refused `response_already_resumed`."""
+    lapsed = time.time() - timeout_s
+    version = suspended.version
+    if not await store.claim(response_id, owner=owner, version=version, lapsed_before=lapsed):
         raise _refused(
             "response_already_resumed",
-            f"Response {shown} was resumed by another connection just now, which holds it.",
+            f"Response {quoted(response_id)} was resumed by another connection just now, which "
+            "holds it.",
             status=409,
         )
-    durable = Durable(
-        store, owner, response_id, first_output=found.first_output, version=found.version + 1,
-        written=len(found.items), claimed=True,
+    return Durable(
+        store, owner, response_id, first_output=suspended.first_output, version=version + 1,
+        written=len(suspended.items), claimed=True,
     )  # fmt: skip
-    try:
-        loop = server.resumed_loop(machine, budget, events, durable=durable, owner=owner)
-        loop.append(append.input, rendered, tool_choice=append.tool_choice)
-    except BaseException:
-        await durable.release()
-        raise
-    metrics.RESUMES.labels("resumed").inc()
-    log.info(
-        "response.resumed",
-        extra={"response": response_id, "items": len(found.items), "idle_s": round(idle, 3)},
-    )
-    return loop

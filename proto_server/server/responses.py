@@ -1,0 +1,385 @@
+"""Where a Response is built: a create checked, a rollout opened, its sampling loop made.
+
+The server makes one `Responses` and hands it to every dialect (`prototype.py`, `launched.py`)
+and to every HTTP exchange (`http.py`); none of them knows the server, which keeps to the
+listener, the handshake and shutdown (`app.py`). So a dialect can be driven without a socket:
+a `Responses`, a connection's lanes as channels, and events in.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+
+import trio
+
+from proto_server.core.compaction import CompactionKey, check_compactions
+from proto_server.core.conversation import TOKEN_BYTES, Conversation, render_items
+from proto_server.core.ids import new_id
+from proto_server.core.render import O200kRenderer, Renderer
+from proto_server.core.request import (
+    ToolChoice,
+    check_create,
+    check_tool_choice,
+    compact_turn,
+    compaction_threshold,
+    input_items,
+    is_warmup,
+    parse_tool_choice,
+    prepare_input,
+    request_bytes,
+    response_template,
+)
+from proto_server.core.response import ResponseMachine
+from proto_server.engine.base import TokenGenerator
+from proto_server.server import metrics
+from proto_server.server.config import ServerConfig
+from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
+from proto_server.server.observe import ServerObserver
+from proto_server.server.offload import Offload
+from proto_server.server.outbox import EventSink
+from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
+from proto_server.server.rollout import Rollout
+from proto_server.server.sampling import SamplingLoop, TurnRecord
+from proto_server.server.store import (
+    ANONYMOUS,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+    owner_id,
+)
+from proto_server.server.suspension import Suspensions
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ResponseAppend, ResponseCreate
+from proto_server.wire.items import Item
+
+
+class Responses:
+    """What building a rollout and a Response takes, kept once for the whole process: the
+    settings, the generator and its renderer, the store, the compaction key, the budgets, the
+    cap on suspensions, the worker threads, and whoever measures.
+
+    `generator`, `config` and `observer` may be replaced between Responses (the benchmark does);
+    each Response takes what they are when it is built."""
+
+    def __init__(
+        self,
+        generator: TokenGenerator,
+        config: ServerConfig | None = None,
+        *,
+        renderer: Renderer | None = None,
+        store: ResponseStore | None = None,
+        compaction_secret: bytes | None = None,
+        on_rollout: Callable[[int], None] = lambda _: None,
+    ) -> None:
+        """`on_rollout`: told +1 when a rollout opens and -1 when it closes (the server waits
+        on these to be idle)."""
+        self.config = config or ServerConfig()
+        self.generator = generator
+        self.renderer = renderer or generator.renderer or O200kRenderer()
+        # every call timed into the metrics (proto_server_store_seconds)
+        self.store = metrics.TimedStore(store or SQLiteStore(":memory:"))
+        #: Seals compaction items; without a kept secret they live as long as this process.
+        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
+        self.suspensions = Suspensions(self.config.max_suspended_rollouts)
+        #: Everything the process keeps for its clients, counted (see server/memory.py).
+        self.memory = MemoryBudget(
+            self.config.max_memory_bytes, flag="--max-memory", name="process"
+        )
+        #: Decodes and renders large requests on worker threads (see server/offload.py).
+        self.offload = Offload(self.config.prepare_threads)
+        #: The most recent Responses' costs, newest last (tests and the benchmark read them).
+        self.turns: collections.deque[TurnRecord] = collections.deque(maxlen=10_000)
+        #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
+        self.observer: ServerObserver | None = None
+        self._on_rollout = on_rollout
+
+    def owner(self, authorization: str | None) -> str | None:
+        """Who sends a request with this `Authorization` header: the owner id of its key (keys
+        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
+        keys = self.config.api_keys
+        if not keys:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None  # an empty token never matches, whatever the keys
+        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return owner_id(matches[0]) if matches else None
+
+    def connection_budget(self) -> MemoryBudget:
+        """The memory budget of one connection, inside the process's."""
+        return self.memory.child(
+            self.config.max_connection_memory_bytes,
+            flag="--max-connection-memory",
+            name="connection",
+        )
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_create(self, create: ResponseCreate) -> None:
+        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
+        refuses, a compaction item this server did not seal, and a forced tool call the
+        generator cannot make."""
+        check_create(create)
+        check_compactions(input_items(create), self.compaction_key)
+        self.check_forcing(parse_tool_choice(create.tool_choice))
+
+    def check_forcing(self, choice: ToolChoice) -> None:
+        """Refuse a forced tool call (`required`, a named function) the generator cannot make."""
+        if choice.mode == "required" and not self.generator.forces_tool_calls:
+            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
+            raise ProtocolError(
+                "unsupported_tool_choice",
+                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
+                'cannot make yet; send "auto" (or "none") instead.',
+                param="tool_choice",
+            )
+
+    def checked_bytes(self, create: ResponseCreate) -> int:
+        """`check_create`, then about how much memory `create` holds while it waits."""
+        self.check_create(create)
+        return request_bytes(create)
+
+    # -- rollouts and Responses ------------------------------------------------------------------
+
+    def new_rollout(
+        self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
+    ) -> Rollout:
+        """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
+        conversation = Conversation(
+            self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
+        )
+        return self.rollout_of(conversation, budget)
+
+    def rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
+        """A rollout on `conversation` (rendered already) with a fresh session: nothing warm."""
+        self._on_rollout(1)
+        return Rollout(
+            conversation,
+            self.generator.open_session(conversation),
+            budget=budget,
+            on_close=lambda _: self._on_rollout(-1),
+        )
+
+    async def begin(
+        self,
+        create: ResponseCreate,
+        events: EventSink,
+        *,
+        budget: MemoryBudget,
+        source: str,
+        owner: str = ANONYMOUS,
+        rollout: Rollout | None = None,
+        history: Sequence[Item] = (),
+        suspend_on_tool_calls: bool = False,
+        announce_suspension: bool = True,
+        response_id: str | None = None,
+        size: int = 0,
+    ) -> SamplingLoop:
+        """A Response for `create`, on a warm `rollout` or on a new one holding `history`.
+
+        Only what is new is rendered: the create's input on a warm rollout; the prefix, the
+        history and the input on a cold one. Rendering runs off the event loop when the input
+        is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
+        adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
+        `rollout` stays its caller's to close). Stored, it belongs to `owner`. `response_id`:
+        the id a `response.queued` already announced; `suspend_on_tool_calls` and
+        `announce_suspension`: see `ResponseMachine`.
+        """
+        arrived_at = trio.current_time()
+        prepared = await self.offload.run(
+            partial(prepare_input, cold=rollout is None),
+            self.renderer,
+            create,
+            history,
+            size=size + 1024 * len(history),
+        )
+        compaction = None
+        discarded = 0  # tokens rendered for a prompt that compaction replaced: work all the same
+        threshold = compaction_threshold(create)
+        warm = rollout.conversation.token_count if rollout is not None else 0
+        if threshold is not None and warm + prepared.tokens > threshold:
+            # the prompt is over the client's threshold: served from its compaction, cold
+            items = rollout.conversation.items if rollout is not None else prepared.history.items
+            discarded = prepared.tokens
+            prepared, compaction = await self.offload.run(
+                compact_turn,
+                self.renderer,
+                create,
+                [*items, *prepared.input.items],
+                self.compaction_key,
+                size=size + 1024 * len(items),
+            )
+            source = "compacted"
+            if rollout is not None:
+                await rollout.aclose()  # its state is of a prompt no longer served
+                rollout = None
+        budget.check(prepared.nbytes, "This request")
+        if rollout is None:
+            rollout = self.new_rollout(create, budget, prepared.prefix)
+            rendered_mark = -discarded
+            rollout.conversation.extend_rendered(prepared.history)
+        else:
+            rendered_mark = rollout.conversation.rendered_tokens
+        conversation = rollout.conversation
+        # a compacted Response stores the history it was served from: a chain restarts there
+        first_item = 0 if compaction is not None else len(conversation.items)
+        conversation.extend_rendered(prepared.input)
+        rollout.account()
+        if self.observer is not None:
+            self.observer.rendered()
+        response = response_template(
+            create,
+            response_id=response_id or new_id("resp"),
+            created_at=int(time.time()),
+            default_model=self.config.default_model,
+        )
+        machine = ResponseMachine(
+            response=response,
+            conversation=conversation,
+            suspend_on_tool_calls=suspend_on_tool_calls,
+            clock=lambda: int(time.time()),
+            compaction=compaction,
+            announce_suspension=announce_suspension,
+            max_pending_steers=self.config.max_pending_steers,
+            # as OpenAI's: a Response with automatic compaction is not steered
+            steering="unsupported" if create.context_management else None,
+        )
+
+        durable = None
+        # a stored prototype Response outlives its process: its suspensions are stored too
+        prototype = suspend_on_tool_calls and announce_suspension
+        if response.store and prototype and self.store.suspensions is not None:
+            first_output = len(conversation.items)
+            durable = Durable(self.store, owner, response.id, first_output=first_output)
+        return self._sampling_loop(
+            machine,
+            rollout,
+            events,
+            source=source,
+            rendered_mark=rendered_mark,
+            persist=self._persister(first_item, owner, durable) if response.store else None,
+            durable=durable,
+            arrived_at=arrived_at,
+            warmup=is_warmup(create),
+        )
+
+    async def resume(
+        self,
+        append: ResponseAppend,
+        *,
+        owner: str,
+        budget: MemoryBudget,
+        events: EventSink,
+        size: int,
+    ) -> SamplingLoop:
+        """The suspended Response `append` names, rebuilt from the store and claimed for this
+        connection, with `append`'s items committed (it resumes when its loop runs): a fresh
+        session on its re-rendered conversation, so its next prefill is cold. Refused with a
+        `ProtocolError` that changes nothing: what `claimable` and `claim` refuse, or the
+        append's own errors (`unknown_call_id`, `missing_tool_output`, ...)."""
+        response_id = append.response_id
+        assert response_id is not None
+        timeout = self.config.suspend_timeout_s
+        found, idle = await claimable(self.store, response_id, owner=owner, timeout_s=timeout)
+        prefix, history = await self.offload.run(
+            rebuild, self.renderer, found, size=size + 1024 * len(found.items)
+        )
+        budget.check(
+            history.nbytes + TOKEN_BYTES * (len(prefix) + len(history.tokens)), "This resume"
+        )
+        conversation = Conversation(
+            self.renderer, instructions=found.instructions, tools=found.tools, prefix=prefix
+        )
+        machine = restored(found, conversation, history)
+        machine.check_append(append.input)
+        if append.tool_choice is not None:
+            self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
+        rendered = await self.offload.run(render_items, self.renderer, append.input, size=size)
+        durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
+        try:
+            loop = self._sampling_loop(
+                machine,
+                self.rollout_of(conversation, budget),
+                events,
+                source="store",
+                rendered_mark=0,  # its whole prompt was rendered again: count it
+                persist=self._persister(0, owner, durable),
+                durable=durable,
+                resumed=True,
+            )
+            loop.append(append.input, rendered, tool_choice=append.tool_choice)
+        except BaseException:
+            await durable.release()
+            raise
+        metrics.RESUMES.labels("resumed").inc()
+        log.info(
+            "response.resumed",
+            extra={"response": response_id, "items": len(found.items), "idle_s": round(idle, 3)},
+        )
+        return loop
+
+    def _sampling_loop(
+        self,
+        machine: ResponseMachine,
+        rollout: Rollout,
+        events: EventSink,
+        *,
+        source: str,
+        rendered_mark: int,
+        persist: Callable[[ResponseMachine], Awaitable[None]] | None,
+        durable: Durable | None,
+        arrived_at: float | None = None,
+        warmup: bool = False,
+        resumed: bool = False,
+    ) -> SamplingLoop:
+        """`machine`'s loop on `rollout`, with this process's queue, measures and suspensions."""
+        return SamplingLoop(
+            machine,
+            rollout,
+            events,
+            chunk_queue=self.config.chunk_queue,
+            source=source,
+            rendered_mark=rendered_mark,
+            persist=persist,
+            on_end=self._turn_ended,
+            observer=self.observer,
+            suspensions=self.suspensions,
+            suspend_timeout_s=self.config.suspend_timeout_s,
+            arrived_at=arrived_at,
+            durable=durable,
+            resumed=resumed,
+            warmup=warmup,
+        )
+
+    def _persister(
+        self, first_item: int, owner: str, durable: Durable | None
+    ) -> Callable[[ResponseMachine], Awaitable[None]]:
+        """How an ended `store: true` Response is written: its items from `first_item` on, its
+        stored suspension (if any) deleted in the same transaction."""
+
+        async def persist(machine: ResponseMachine) -> None:
+            items = tuple(machine.conversation.items[first_item:])
+            stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+            ends = durable.ends if durable is not None else None
+            await self.store.put(stored, ends_suspension=ends)
+
+        return persist
+
+    def _turn_ended(self, record: TurnRecord) -> None:
+        self.turns.append(record)
+        metrics.turn_ended(
+            source=record.source,
+            rendered=record.rendered_input_tokens,
+            prompt=record.prompt_tokens,
+            cached=record.cached_tokens,
+            prepare_s=record.prepare_s,
+            decode_s=record.decode_s,
+            first_event_s=record.first_event_s,
+        )
