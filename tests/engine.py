@@ -122,13 +122,16 @@ class Engine:
             self.kill()
         self.process = None
 
-    def metric(self, name: str) -> float:
-        """A gauge from the engine's Prometheus /metrics (summed over its label sets)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """A series from the engine's Prometheus /metrics, summed over its label sets (those
+        with `labels`, when given)."""
         text = self.scraper.get(f"http://127.0.0.1:{self.port}/metrics").text
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         values = [
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
+            if (line.startswith(name + "{") or line.startswith(name + " "))
+            and all(label in line for label in wanted)
         ]
         assert values, f"{name} is not among the engine's metrics"
         return sum(values)

@@ -34,7 +34,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from .engine import BLOCK_SIZE, SERVED_NAME, Engine
-from .helpers import TERMINAL, connect, in_thread, read_line
+from .helpers import TERMINAL, Checked, connect, in_thread, launched_create, read_line
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
@@ -483,6 +483,51 @@ async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
                 await client.vanish()  # the TCP goes, no close frame
         await wait_running(vllm_engine, 0, timeout_s=10)  # aborted, not decoded to the end
         await served.server.wait_idle()
+
+
+async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_warm(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    """`response.steer` on the engine: the steered segment's stream is closed, so vLLM aborts
+    it (never two requests running: the successor's is the only one), and the successor the
+    server starts by itself finds the steered Response's prompt in the engine's cache."""
+    served = await start_vllm(max_tokens=48)
+    running: list[float] = []
+
+    async def sample(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            running.append(await trio.to_thread.run_sync(vllm_engine.metric, RUNNING))
+            await trio.sleep(0.05)
+
+    with trio.fail_after(180):
+        async with connect(served.address.ws_url) as raw, trio.open_nursery() as nursery:
+            client = Checked(raw)
+            await client.send(
+                launched_create(input=LONG_ASK, model=SERVED_NAME, tools=[], temperature=0)
+            )
+            events = await client.until_lane(None, "response.output_text.delta")
+            first = events[0]["response"]
+            await wait_running(vllm_engine, 1)  # the engine is decoding the first Response
+            steer = {"type": "response.steer", "previous_response_id": first["id"],
+                     "input": "Stop the story. Say only: done."}  # fmt: skip
+            await client.send(steer)
+            await nursery.start(sample)
+            events += await client.until_lane(None, "response.incomplete")
+            steered = events[-1]["response"]
+            events += await client.until_lane(None, "response.completed", "response.incomplete")
+            client.checker.finish()
+            nursery.cancel_scope.cancel()
+        await wait_running(vllm_engine, 0, timeout_s=10)
+    assert steered["id"] == first["id"]
+    assert steered["incomplete_details"] == {"reason": "steered"}
+    follower = events[-1]["response"]
+    assert follower["id"] != first["id"] and follower["previous_response_id"] == first["id"]
+    print("requests running, from the steer to the successor's end:", running)
+    assert 1 in running and max(running) <= 1  # the steered request was aborted, not left on
+    prompt = steered["usage"]["input_tokens"]
+    cached = follower["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= prompt - BLOCK_SIZE, (prompt, cached)  # warm: its prompt was cached
 
 
 async def test_a_shutdown_mid_stream_aborts_the_engine_request(

@@ -343,7 +343,8 @@ def _prototype(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) ->
     async def send(new: Items, tool_choice: str) -> Said:
         nonlocal before
         if not seen:
-            message = {"type": "response.create", "input": new, **ask(tool_choice)}
+            # store: false like every proto-server path; true would also write each suspension
+            message = {"type": "response.create", "input": new, "store": False, **ask(tool_choice)}
         else:
             message = {"type": "response.append", "input": new, "tool_choice": tool_choice}
         event, ttft, took, sent = await _frames(ws, message)
