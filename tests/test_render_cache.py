@@ -43,10 +43,10 @@ def test_a_resent_history_is_rendered_from_what_was_kept_with_the_same_tokens(
 ) -> None:
     kept, fresh = ChatTemplateRenderer(tokenizer), ChatTemplateRenderer(tokenizer, cache_bytes=0)
     first = render(kept, HISTORY[:2])
-    assert (kept.rendered.hits, kept.rendered.misses) == (0, 2)
-    # the next stateless turn: the same history again, and what the turn adds
+    assert (kept.rendered.hits, kept.rendered.misses) == (0, 3)  # the system prompt, 2 items
+    # the next stateless turn: the same prompt and history again, and what the turn adds
     second = render(kept, HISTORY)
-    assert (kept.rendered.hits, kept.rendered.misses) == (2, 4)
+    assert (kept.rendered.hits, kept.rendered.misses) == (3, 5)
     assert second[: len(first)] == first
     assert second == render(fresh, HISTORY)
     assert fresh.rendered.hits == 0 and fresh.rendered.nbytes == 0  # 0: nothing is kept

@@ -84,6 +84,9 @@ def item_message(item: Item) -> dict[str, str] | None:
 RENDER_CACHE_BYTES = 64 * 1024 * 1024
 
 ChatMessage: TypeAlias = tuple[str, str]  # a message as the template reads it: (role, content)
+#: The role a conversation's start (its system prompt, rendered whole) is kept under: no
+#: message has it.
+PREFIX = "\0prefix"
 #: A kept rendering: the message's text (kept alive with it, so counted) and its tokens.
 Kept: TypeAlias = "tuple[str, array[int]]"
 
@@ -173,7 +176,13 @@ class ChatTemplateRenderer:
             parts.append(describe_tools(offered))
         if not parts:
             return self._encode(self._default_prefix)
-        return self._encode(self._text([{"role": "system", "content": "\n\n".join(parts)}]))
+        system = "\n\n".join(parts)
+        key = (PREFIX, system)
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            tokens = array("I", self._encode(self._text([{"role": "system", "content": system}])))
+            self.rendered.put(key, tokens)
+        return list(tokens)
 
     def render_item(self, item: Item) -> Sequence[int]:
         message = item_message(item)
