@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from proto_server.engine.simulated import TimingModel
+from proto_server.server.config import MiB
 from proto_server.server.postgres import PostgresStore
 from proto_server.server.store import (
     SQLiteStore,
@@ -392,6 +393,35 @@ async def test_a_resume_that_cannot_be_served_is_a_typed_error_and_changes_nothi
             again = await exchange(client, checker, frame)
             assert again[-1]["error"]["code"] == "response_already_completed"
             checker.finish()
+
+
+async def test_a_resume_whose_append_does_not_fit_frees_its_rollout_and_stays_resumable(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The rebuilt history fits the connection's budget, the append does not: refused with
+    `connection_memory_limit`, and nothing is kept: no rollout left open (the server goes
+    idle), the claim let go, so the right append resumes it after."""
+    running = await start_server(
+        THREE_SEGMENTS, store=SQLiteStore(tmp_path / "s.sqlite3"), max_connection_memory_bytes=MiB
+    )
+    url = running.prototype_url
+    with trio.fail_after(20):
+        async with connect(url) as client:
+            events = await exchange(client, checked(), create())
+        done = events[-1]["response"]
+        await running.server.wait_idle()
+        async with connect(url) as client:
+            checker = checked(done)
+            (call_id,) = [a["call_id"] for a in answers(events)]
+            big = [{"type": "function_call_output", "call_id": call_id, "output": "x " * 400_000}]
+            frame = {"type": "response.append", "response_id": done["id"], "input": big}
+            refused = await exchange(client, checker, frame)
+            assert refused[-1]["error"]["code"] == "connection_memory_limit"
+        await running.server.wait_idle()  # the rebuilt rollout was closed, not left open
+        async with connect(url) as client:
+            frame = {"type": "response.append", "response_id": done["id"], "input": answers(events)}
+            resumed = await exchange(client, checked(done), frame)
+            assert resumed[-1]["type"] == "response.done"
 
 
 async def test_store_false_and_another_key_cannot_resume(

@@ -303,10 +303,11 @@ class Responses:
             self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
         rendered = await self.offload.run(render_items, self.renderer, append.input, size=size)
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
+        rollout = self.rollout_of(conversation, budget)
         try:
             loop = self._sampling_loop(
                 machine,
-                self.rollout_of(conversation, budget),
+                rollout,
                 events,
                 source="store",
                 rendered_mark=0,  # its whole prompt was rendered again: count it
@@ -315,8 +316,9 @@ class Responses:
                 resumed=True,
             )
             loop.append(append.input, rendered, tool_choice=append.tool_choice)
-        except BaseException:
+        except BaseException:  # refused (the append does not fit its budget): nothing is kept
             await durable.release()
+            await rollout.aclose()
             raise
         metrics.RESUMES.labels("resumed").inc()
         log.info(

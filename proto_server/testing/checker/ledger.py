@@ -36,10 +36,11 @@ from proto_server.wire.events import (
 from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
 
 #: The `error` codes an append that names its Response (`response_id`) may earn as well: the
-#: store decides whether a Response suspended on another connection can be resumed here.
+#: store decides whether a Response suspended on another connection can be resumed here, and
+#: its history, rebuilt, and the append must fit this connection's and the process's memory.
 RESUME_ERRORS = frozenset(
     {"response_not_found", "response_already_completed", "response_already_resumed",
-     "store_unavailable"}
+     "store_unavailable", "connection_memory_limit", "server_busy"}
 )  # fmt: skip
 #: The `error` codes a `response.inject` may earn (its other answers are its own events).
 INJECT_ERRORS = frozenset(
