@@ -46,6 +46,7 @@ from proto_server.server.store import (
 )
 
 E = TypeVar("E", bound=BaseException)
+N = TypeVar("N", int, float)
 
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
@@ -60,28 +61,25 @@ def default_store_path() -> Path:
     return Path(data) / "proto-server" / "responses.sqlite3"
 
 
-def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+def _checked(kind: type[N], ok: Callable[[N], bool], rule: str) -> Callable[[str], N]:
     """For flags that no validated class holds (the local model's); the rest are ranged where
     they live (core/ranges.py) and named by `flag_of`."""
 
-    def parse(text: str) -> float:
+    def parse(text: str) -> N:
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+def _positive(kind: type[N]) -> Callable[[str], N]:
+    return _checked(kind, lambda value: value > 0, "must be positive")
 
 
-_non_negative_int.__name__ = "int"  # argparse names the type in its error messages
+_non_negative_int = _checked(int, lambda value: value >= 0, "must be 0 or more")
 
 
 def _store_location(text: str) -> str:

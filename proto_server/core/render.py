@@ -30,7 +30,10 @@ from proto_server.wire.tools import Tool
 class Renderer(Protocol):
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]: ...
 
-    def render_item(self, item: Item) -> Sequence[int]: ...
+    def render_item(self, item: Item) -> Sequence[int]:
+        """The item's tokens; possibly shared with later calls (a renderer may keep them), so
+        never to be changed by the caller."""
+        ...
 
 
 def item_text(item: Item) -> str:

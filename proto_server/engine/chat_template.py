@@ -91,9 +91,14 @@ PREFIX = "\0prefix"
 Kept: TypeAlias = "tuple[str, array[int]]"
 
 
+#: What an entry costs besides its text and its tokens: the key and value tuples and the
+#: cache's own link and dict slot (measured with tracemalloc: about 300 bytes).
+ENTRY_BYTES = 320
+
+
 def _kept_bytes(kept: Kept) -> int:
     text, tokens = kept
-    return sys.getsizeof(text) + tokens.itemsize * len(tokens) + 128
+    return sys.getsizeof(text) + sys.getsizeof(tokens) + ENTRY_BYTES
 
 
 class RenderedMessages:

@@ -554,7 +554,9 @@ class VllmSession:
                     elif isinstance(event, Piece):
                         if not prefilled:  # the engine has the prompt: the first piece came
                             prefilled = True
-                            await hand_over(send, Prefilled(len(prompt), cached_tokens=0))
+                            await hand_over(
+                                send, Prefilled(prompt_tokens=len(prompt), cached_tokens=0)
+                            )
                         generated.extend(event.token_ids)
                         finish = event.finish_reason or finish
                         text = event.text

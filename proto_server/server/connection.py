@@ -222,7 +222,7 @@ class Connection:
             self._written.set()
 
 
-@attrs.frozen
+@attrs.define
 class WebSocketTransport:
     """Events as WebSocket text frames, framed together (`wsframes`); `/metrics` counts each
     event's JSON."""

@@ -530,7 +530,7 @@ def _count_tokens(
     return conversation.token_count, Conversation(renderer).extend(output)
 
 
-@attrs.frozen
+@attrs.define
 class SSETransport:
     """Events as Server-Sent Events (`event: TYPE`, `data: JSON`), each in its own h11 chunk;
     `/metrics` counts each event's block."""

@@ -148,16 +148,16 @@ class Responses:
 
     # -- rollouts and Responses ------------------------------------------------------------------
 
-    def new_rollout(
+    def _new_rollout(
         self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
     ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
             self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
         )
-        return self.rollout_of(conversation, budget)
+        return self._rollout_of(conversation, budget)
 
-    def rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
+    def _rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
         """A rollout on `conversation` (rendered already) with a fresh session: nothing warm."""
         self._on_rollout(1)
         return Rollout(
@@ -222,7 +222,7 @@ class Responses:
                 rollout = None
         budget.check(prepared.nbytes, "This request")
         if rollout is None:
-            rollout = self.new_rollout(create, budget, prepared.prefix)
+            rollout = self._new_rollout(create, budget, prepared.prefix)
             rendered_mark = -discarded
             rollout.conversation.extend_rendered(prepared.history)
         else:
@@ -303,7 +303,7 @@ class Responses:
             self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
         rendered = await self.offload.run(render_items, self.renderer, append.input, size=size)
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
-        rollout = self.rollout_of(conversation, budget)
+        rollout = self._rollout_of(conversation, budget)
         try:
             loop = self._sampling_loop(
                 machine,
