@@ -4,6 +4,7 @@ history is rendered only where it is new, with the same tokens, in bounded memor
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -60,13 +61,19 @@ def test_the_same_text_from_another_role_is_another_message(tokenizer: Any) -> N
     assert renderer.rendered.hits == 0
 
 
-def test_what_is_kept_stays_within_its_bytes(tokenizer: Any) -> None:
-    """The least recently used go first, and a message bigger than the whole cache is
-    rendered but not kept."""
+def test_what_is_kept_stays_within_its_bytes(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The least recently used go first (the first time, a log line names the flag), and a
+    message bigger than the whole cache is rendered but not kept."""
     renderer = ChatTemplateRenderer(tokenizer, cache_bytes=8 * 1024)
-    for n in range(200):
-        renderer.render_item(Message(role="user", content=f"message {n} " * 10))
-        assert renderer.rendered.nbytes <= 8 * 1024
+    with caplog.at_level(logging.INFO, logger="proto_server.engine.chat_template"):
+        for n in range(200):
+            renderer.render_item(Message(role="user", content=f"message {n} " * 10))
+            assert renderer.rendered.nbytes <= 8 * 1024
+    full = [r for r in caplog.records if r.getMessage() == "render_cache.full"]
+    assert len(full) == 1 and full[0].flag == "--render-cache-mb"  # type: ignore[attr-defined]
+    assert renderer.rendered.evicted > 150
     renderer.render_item(Message(role="user", content="message 199 " * 10))
     renderer.render_item(Message(role="user", content="message 0 " * 10))
     assert renderer.rendered.hits == 1  # the latest is still there, the first long gone

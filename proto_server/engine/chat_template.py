@@ -16,6 +16,7 @@ last are kept (`RenderedMessages`, bounded in bytes), so such a turn renders onl
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from array import array
@@ -80,6 +81,7 @@ def item_message(item: Item) -> dict[str, str] | None:
     raise TypeError(f"not an item: {item!r}")
 
 
+log = logging.getLogger("proto_server.engine.chat_template")
 #: What `--render-cache-mb` defaults to.
 RENDER_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -110,7 +112,7 @@ class RenderedMessages:
         if max_bytes > 0:
             self._cache = LRUCache(max_bytes, getsizeof=_kept_bytes)
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.evicted = 0
 
     def get(self, message: ChatMessage) -> array[int] | None:
         if self._cache is None:
@@ -130,7 +132,15 @@ class RenderedMessages:
         if _kept_bytes(kept) > self._cache.maxsize:
             return  # bigger than the whole cache: not kept
         with self._lock:
+            before = len(self._cache) + (message not in self._cache)
             self._cache[message] = kept
+            let_go = before - len(self._cache)
+            if let_go and not self.evicted:  # the limit is reached: said once
+                log.info(
+                    "render_cache.full",
+                    extra={"max_bytes": self._cache.maxsize, "flag": "--render-cache-mb"},
+                )
+            self.evicted += let_go
 
     @property
     def nbytes(self) -> int:
