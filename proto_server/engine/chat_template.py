@@ -117,6 +117,7 @@ class RenderedMessages:
     def get(self, message: ChatMessage) -> array[int] | None:
         if self._cache is None:
             return None
+        hash(message)  # a long text is hashed once (str keeps it), here, not under the lock
         with self._lock:
             kept = self._cache.get(message)
             if kept is None:
