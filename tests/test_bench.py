@@ -87,6 +87,7 @@ def test_bench_streaming_alone_against_another_tree(
         paced["decode_rate"] == 4000 and 0 < paced["latency_ms_median"] <= paced["latency_ms_p99"]
     )
     assert data["pacing_floor_us_per_token"] > 0 and "Pacing floor" in out.out
+    assert all(us > 0 for us in data["cold_wake_us"].values()) and "Cold wakes" in out.out
     checker = data["targets"][-1]
     assert checker["holds"] is True and "streams" in checker["detail"]
 

@@ -36,6 +36,8 @@ from proto_server.bench.transports import BenchError, CountingStream
 from proto_server.bench.workload import streaming_text
 from proto_server.engine.script import RolloutScript, Segment
 from proto_server.testing.checker import InvariantViolation, StreamChecker, o200k_count
+from proto_server.wire.converter import encode_server_event_bytes
+from proto_server.wire.events import OutputTextDelta
 
 HOST = "127.0.0.1"
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")
@@ -270,6 +272,28 @@ async def pacing_floor(rate: float, tokens: int) -> float:
         if deadline > trio.current_time():
             await trio.sleep_until(deadline)
     return (time.process_time() - started_cpu) / tokens * 1e6
+
+
+def cold_wake(rate: float, rounds: int = 2000) -> tuple[float, float]:
+    """Median microseconds of one fixed piece of the server's per-token work (a text delta
+    encoded to bytes, 8 times) run back to back, and run right after sleeping one token's
+    interval at `rate`. On a machine whose CPU goes cold while idle (a VM's parked vCPU), the
+    second is what every wake of the paced case pays, whatever the code does."""
+    event = OutputTextDelta(item_id="msg_0", output_index=0, content_index=0, delta=" token")
+
+    def median_us(pause: float) -> float:
+        took = []
+        for number in range(rounds):
+            if pause:
+                time.sleep(pause)
+            started = time.perf_counter()
+            for _ in range(8):
+                encode_server_event_bytes(event, number)
+            took.append(time.perf_counter() - started)
+        return statistics.median(took) * 1e6
+
+    median_us(0)  # warm
+    return median_us(0), median_us(1.0 / rate)
 
 
 async def run_streaming_only(
