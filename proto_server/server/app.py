@@ -120,10 +120,9 @@ class ProtoServer:
         self.open_rollouts = 0
         #: Connections ended by an unexpected exception (logged as `connection.crashed`).
         self.crashed_connections = 0
-        #: Draining, then stopping, as the HTTP connections see it (`/readyz`, keep-alive).
+        #: Draining, then stopping (with the deadline `shutdown()` sets once it stops listening),
+        #: as the HTTP connections and the WebSockets accepted since see it.
         self._http = Shutdown()
-        #: Set by `shutdown()` once it stops listening: when streaming segments must have finished.
-        self.stopping: float | None = None
         self._websockets: set[Connection] = set()
         self._listening = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
@@ -209,10 +208,9 @@ class ProtoServer:
         )
         self._listening.cancel()
         deadline = trio.current_time() + grace
-        self.stopping = deadline
+        self._http.stop(deadline)
         for connection in list(self._websockets):
             connection.shut_down(deadline)
-        self._http.stop()
         with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
             while self.open_connections:
                 await self._changed.wait()
@@ -349,8 +347,8 @@ class ProtoServer:
                     responses, connection, nursery, owner=owner, multi_agent=beta
                 )
             self._websockets.add(connection)
-            if self.stopping is not None:  # accepted just as the server began to stop
-                connection.shut_down(self.stopping)
+            if self._http.deadline is not None:  # accepted just as the server began to stop
+                connection.shut_down(self._http.deadline)
             try:
                 await connection.run(
                     nursery, dialect, lifetime_s=self.config.max_connection_lifetime_s

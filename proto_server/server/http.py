@@ -208,11 +208,16 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.draining = False
-        self.stopped = False
+        #: Set by `stop()`: when streaming segments must have finished (trio time).
+        self.deadline: float | None = None
         self._idle: set[trio.CancelScope] = set()
 
-    def stop(self) -> None:
-        self.stopped = True
+    @property
+    def stopped(self) -> bool:
+        return self.deadline is not None
+
+    def stop(self, deadline: float) -> None:
+        self.deadline = deadline
         for idle in list(self._idle):
             idle.cancel()
 
