@@ -27,6 +27,7 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionClosed
 
 from proto_server.core.conversation import Conversation
@@ -477,3 +478,26 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     test's deadline abandons: a client that never returns fails the test instead of hanging
     it (trio cannot cancel a thread, and would wait for it)."""
     return await trio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)
+
+
+#: A `/metrics` scrape: (sample name, its labels) -> value.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(http: httpx.AsyncClient, base: str, **headers: str) -> Samples:
+    answer = await http.get(f"{base}/metrics", headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/plain")
+    return parse(answer.text)

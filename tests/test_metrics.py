@@ -11,30 +11,8 @@ from typing import Any
 
 import httpx
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, connect, read_line
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse(text: str) -> Samples:
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-async def scrape(http: httpx.AsyncClient, base: str, **headers: str) -> Samples:
-    answer = await http.get(f"{base}/metrics", headers=headers)
-    assert answer.status_code == 200, answer.text
-    assert answer.headers["content-type"].startswith("text/plain")
-    return parse(answer.text)
+from .helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, connect, read_line, scrape, value
 
 
 async def test_a_rollout_moves_the_numbers_it_should(start_server: StartServer) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import httpx
 import pytest
+import trio
 
 from .requirements import MODEL_EXTRA, require
 
@@ -18,7 +20,8 @@ from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
 
-from .tinymodel import tiny_tokenizer
+from .helpers import scrape, value
+from .tinymodel import Scripted, make, serve, tiny_tokenizer
 
 HISTORY = [
     Message(role="user", content="the tests fail; fix the bug"),
@@ -92,3 +95,32 @@ def test_the_flag_takes_mebibytes_and_refuses_a_negative_size(
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--render-cache-mb", "-1"])
     assert "must be 0 or more" in capsys.readouterr().err
+
+
+async def test_metrics_say_what_the_cache_found_and_holds(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    """A stateless client resends its history: the second request's messages are hits, the
+    new one a miss, counted as each turn ends; the bytes kept are a gauge (`--render-cache-mb`
+    is tuned by these)."""
+    running = await serve(nursery, make(tokenizer, Scripted(tokenizer, ["Hi.", "Hi."])))
+    base = running.address.http_url.removesuffix("/v1")
+    history = [{"role": "user", "content": "the tests fail; fix the bug"},
+               {"role": "assistant", "content": "Which test?"}]  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as http:
+        with trio.fail_after(120):
+            before = await scrape(http, base)
+            for turn in (history, [*history, {"role": "user", "content": "test_a"}]):
+                body = {"model": "m", "input": turn, "instructions": "Be brief.", "store": False}
+                answer = await http.post(f"{base}/v1/responses", json=body)
+                assert answer.status_code == 200, answer.text
+            after = await scrape(http, base)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # the first turn renders the system prompt, 2 messages and its answer ("Hi.", as the
+    # template says it); the second finds the first 3, renders 1 new, and finds its answer
+    assert delta("proto_server_render_cache_total", outcome="miss") == 4 + 1
+    assert delta("proto_server_render_cache_total", outcome="hit") == 3 + 1
+    assert value(after, "proto_server_render_cache_bytes") > 0

@@ -113,6 +113,7 @@ class RenderedMessages:
             self._cache = LRUCache(max_bytes, getsizeof=_kept_bytes)
         self._lock = threading.Lock()
         self.hits = self.misses = self.evicted = 0
+        self._taken = (0, 0, 0)
 
     def get(self, message: ChatMessage) -> array[int] | None:
         if self._cache is None:
@@ -142,6 +143,13 @@ class RenderedMessages:
                     extra={"max_bytes": self._cache.maxsize, "flag": "--render-cache-mb"},
                 )
             self.evicted += let_go
+
+    def take_counts(self) -> tuple[int, int, int]:
+        """(hits, misses, evicted) since the last call: for counters kept elsewhere (/metrics)."""
+        with self._lock:
+            before, self._taken = self._taken, (self.hits, self.misses, self.evicted)
+        hits, misses, evicted = (now - then for now, then in zip(self._taken, before, strict=True))
+        return hits, misses, evicted
 
     @property
     def nbytes(self) -> int:

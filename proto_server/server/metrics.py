@@ -9,7 +9,9 @@ connections and suspended Responses summed over the workers alive).
 Counted where it happens, each at one place: connections (app.py), the events and bytes each
 connection writes and the Responses they end (`sent`, from the WebSocket writer and the SSE
 writer), turns with their tokens and phases (`turn_ended`, from the sampling loop's record),
-suspensions and evictions (suspension.py, memory.py), store calls (`TimedStore`).
+suspensions and evictions (suspension.py, memory.py), store calls (`TimedStore`), what the
+chat-template renderer's cache did (`rendered`, after each render: the engine's renderer keeps
+its own counts, taken from here).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from proto_server.core.render import Renderer
+from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.server.store import (
     ANONYMOUS,
     ProbedStore,
@@ -37,6 +41,8 @@ from proto_server.wire.events import ErrorEvent, ServerEvent
 #: Set by the supervisor of `--workers` for its workers: their shared directory of values.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+#: The `reason` of `proto_server_evictions` for a rendering the renderer let go.
+RENDER_CACHE_EVICTED = "render_cache"
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -58,6 +64,15 @@ RESPONSES = Counter(
     ["dialect", "status"],
 )  # fmt: skip
 EVICTIONS = Counter("proto_server_evictions", "Responses or caches let go, by reason", ["reason"])
+RENDER_CACHE = Counter(
+    "proto_server_render_cache",
+    "Messages the chat-template renderer found among those it kept (hit) or rendered (miss)",
+    ["outcome"],
+)
+RENDER_CACHE_BYTES = Gauge(
+    "proto_server_render_cache_bytes", "Bytes of rendered messages kept (--render-cache-mb)",
+    multiprocess_mode="livesum",
+)  # fmt: skip
 TURNS = Counter(
     "proto_server_turns",
     "Turns by where their state came from (fresh, cache, store, rebuilt, append, compacted)",
@@ -130,6 +145,18 @@ def turn_ended(
                            ("first_event", first_event_s)):  # fmt: skip
         if seconds is not None:
             PHASE.labels(phase).observe(seconds)
+
+
+def rendered(renderer: Renderer) -> None:
+    """After a render: what the renderer's cache did since the last call (if it keeps one)."""
+    if not isinstance(renderer, ChatTemplateRenderer):
+        return
+    cache = renderer.rendered
+    hits, misses, evicted = cache.take_counts()
+    RENDER_CACHE.labels("hit").inc(hits)
+    RENDER_CACHE.labels("miss").inc(misses)
+    EVICTIONS.labels(RENDER_CACHE_EVICTED).inc(evicted)
+    RENDER_CACHE_BYTES.set(cache.nbytes)
 
 
 def exposition() -> bytes:

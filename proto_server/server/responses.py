@@ -385,3 +385,4 @@ class Responses:
             decode_s=record.decode_s,
             first_event_s=record.first_event_s,
         )
+        metrics.rendered(self.renderer)
