@@ -223,7 +223,9 @@ async def test_a_forced_call_streams_before_the_segment_ends(start_vllm: StartVl
     done = arrivals[-1][0]
     print(f"call opened {done - added:.3f} s before the segment's end, {len(deltas)} deltas")
     assert len(deltas) > 1
-    assert done - added > 0.05 and deltas[0] < done - 0.05  # not all at once at the end
+    # not all at once at the end: they arrive over most of the time the call took to decode
+    # (relative, as a fast engine decodes it in milliseconds; at once, they would be microseconds)
+    assert done - added > 0.005 and deltas[-1] - deltas[0] > 0.5 * (done - added)
 
 
 CITIES = {
@@ -455,6 +457,14 @@ async def test_stateless_http_turns_reuse_the_engine_cache_and_readyz_says_ready
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
 
 
+def decoded_to_end(engine: Engine) -> float:
+    """Requests the engine decoded to their end (an aborted one is counted apart)."""
+    return sum(
+        engine.metric("vllm:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length")
+    )
+
+
 async def wait_running(engine: Engine, value: float, timeout_s: float = 20) -> None:
     """Poll the engine's gauge of running requests until it reads `value`."""
     for _ in range(int(timeout_s * 10)):
@@ -472,19 +482,21 @@ async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
     start_vllm: StartVllm, vllm_engine: Engine, how: str
 ) -> None:
     served = await start_vllm(max_tokens=512)
+    before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
     with trio.fail_after(120):
         async with connect(served.prototype_url) as client:
             await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
+            # the engine is decoding this Response (a fast one, 511 tokens to go: a second)
             await client.until("response.output_text.delta")
-            await wait_running(vllm_engine, 1)  # the engine is decoding this Response
             if how == "cancel":
                 await client.send({"type": "response.cancel"})
                 events = await client.until(*TERMINAL)
                 assert events[-1]["type"] == "response.cancelled"
             else:
                 await client.vanish()  # the TCP goes, no close frame
-        await wait_running(vllm_engine, 0, timeout_s=10)  # aborted, not decoded to the end
+        await wait_running(vllm_engine, 0, timeout_s=10)
         await served.server.wait_idle()
+    assert await trio.to_thread.run_sync(decoded_to_end, vllm_engine) == before  # aborted
 
 
 async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_warm(
@@ -493,17 +505,9 @@ async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_war
     """`response.steer` on the engine: the steered segment's stream is closed, so vLLM aborts
     it (never two requests running: the successor's is the only one), and the successor the
     server starts by itself finds the steered Response's prompt in the engine's cache."""
-    served = await start_vllm(max_tokens=48)
+    served = await start_vllm(max_tokens=64)
     running: list[float] = []
-
-    def finished() -> float:
-        """Requests the engine decoded to their end (an aborted one is counted apart)."""
-        return sum(
-            vllm_engine.metric("vllm:request_success_total", finished_reason=reason)
-            for reason in ("stop", "length")
-        )
-
-    before = await trio.to_thread.run_sync(finished)
+    before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
 
     async def sample(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -518,8 +522,7 @@ async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_war
                 launched_create(input=LONG_ASK, model=SERVED_NAME, tools=[], temperature=0)
             )
             events = await client.until_lane(None, "response.output_text.delta")
-            first = events[0]["response"]
-            await wait_running(vllm_engine, 1)  # the engine is decoding the first Response
+            first = events[0]["response"]  # the engine is decoding it: 63 tokens to go
             steer = {"type": "response.steer", "previous_response_id": first["id"],
                      "input": "Stop the story. Say only: done."}  # fmt: skip
             await client.send(steer)
@@ -537,7 +540,7 @@ async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_war
     print("requests running, from the steer to the successor's end:", running)
     assert max(running) <= 1  # never the steered request beside its successor
     # of the two requests, only the successor's was decoded to its end: the other was aborted
-    assert await trio.to_thread.run_sync(finished) == before + 1
+    assert await trio.to_thread.run_sync(decoded_to_end, vllm_engine) == before + 1
     prompt = steered["usage"]["input_tokens"]
     cached = follower["usage"]["input_tokens_details"]["cached_tokens"]
     assert cached >= prompt - BLOCK_SIZE, (prompt, cached)  # warm: its prompt was cached
@@ -547,17 +550,18 @@ async def test_a_shutdown_mid_stream_aborts_the_engine_request(
     start_vllm: StartVllm, vllm_engine: Engine
 ) -> None:
     served = await start_vllm(max_tokens=512)
+    before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
     with trio.fail_after(60):
         async with connect(served.prototype_url) as client:
             await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
-            await client.until("response.output_text.delta")
-            await wait_running(vllm_engine, 1)
+            await client.until("response.output_text.delta")  # the engine is decoding it
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(served.server.shutdown, grace_s=0))
                 events = await client.until(*TERMINAL)
         assert events[-1]["type"] == "response.incomplete"
         assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
         await wait_running(vllm_engine, 0, timeout_s=10)
+    assert await trio.to_thread.run_sync(decoded_to_end, vllm_engine) == before  # aborted
 
 
 async def test_a_launched_warm_up_fills_the_engine_cache_for_the_turn(
