@@ -432,7 +432,7 @@ def test_an_event_on_another_lanes_numbering_or_of_another_lanes_response_is_cau
     checker.received(lane_stream("a", "resp_a")[0])
     with pytest.raises(InvariantViolation) as caught:  # lane a's Response on lane b
         checker.received(lane_stream("b", "resp_a")[0])
-    assert caught.value.invariant == 8
+    assert caught.value.invariant == 9
 
 
 def test_a_queued_create_must_be_created_with_the_id_it_was_queued_as() -> None:

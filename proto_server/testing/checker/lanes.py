@@ -79,7 +79,7 @@ class LaneChecker:
         stream_id = obj.get("stream_id")
         if stream_id is not None and not isinstance(stream_id, str):
             raise InvariantViolation(
-                8, f"stream_id {stream_id!r} is not a string", sequence_number=None, event=obj
+                9, f"stream_id {stream_id!r} is not a string", sequence_number=None, event=obj
             )
         response = obj.get("response")
         if obj.get("type") in ("response.created", "response.queued") and isinstance(
@@ -89,7 +89,7 @@ class LaneChecker:
             if isinstance(rid, str):
                 if self._home.get(rid, stream_id) != stream_id:
                     raise InvariantViolation(
-                        8,
+                        9,
                         f"Response {rid} of lane {self._home[rid]!r} appeared on {stream_id!r}",
                         sequence_number=obj.get("sequence_number"),
                         event=obj,
