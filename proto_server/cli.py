@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compaction-secret-file",
         metavar="PATH",
         default=None,
-        help="the secret that seals compaction items, made (mode 0600) on first start; "
+        help="the secret that seals compaction items and keys each API key's engine cache "
+        "salt, made (mode 0600) on first start; "
         "default: next to the --store file (STORE.compaction-secret); with :memory:, a new "
         "secret per process",
     )

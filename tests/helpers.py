@@ -326,8 +326,10 @@ class RecordingGenerator:
         self.inner = inner
         self.sessions: list[SimulatedSession] = []
 
-    def open_session(self, conversation: Conversation) -> SimulatedSession:
-        session = self.inner.open_session(conversation)
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> SimulatedSession:
+        session = self.inner.open_session(conversation, cache_salt=cache_salt)
         self.sessions.append(session)
         return session
 

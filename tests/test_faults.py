@@ -74,8 +74,12 @@ class FaultyGenerator:
         self.inner = inner
         self.after = after
 
-    def open_session(self, conversation: Conversation) -> FaultySession:
-        return FaultySession(self.inner.open_session(conversation), self.after)
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> FaultySession:
+        return FaultySession(
+            self.inner.open_session(conversation, cache_salt=cache_salt), self.after
+        )
 
 
 class FaultySession:
@@ -134,9 +138,9 @@ class CountingGenerator:
         self.inner = inner
         self.chunks = 0
 
-    def open_session(self, conversation: Conversation) -> Any:
+    def open_session(self, conversation: Conversation, *, cache_salt: str | None = None) -> Any:
         generator = self
-        session = self.inner.open_session(conversation)
+        session = self.inner.open_session(conversation, cache_salt=cache_salt)
 
         class Counting:
             async def generate(

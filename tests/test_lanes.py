@@ -434,8 +434,10 @@ class GatedGenerator:
         self.renderer = inner.renderer
         self.forces_tool_calls = inner.forces_tool_calls
 
-    def open_session(self, conversation: Any) -> GatedSession:
-        return GatedSession(self._inner.open_session(conversation), self._gate)
+    def open_session(self, conversation: Any, *, cache_salt: str | None = None) -> GatedSession:
+        return GatedSession(
+            self._inner.open_session(conversation, cache_salt=cache_salt), self._gate
+        )
 
 
 async def test_outputs_that_come_as_the_segment_ends_still_resume_it_announced(

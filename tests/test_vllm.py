@@ -477,6 +477,31 @@ async def wait_running(engine: Engine, value: float, timeout_s: float = 20) -> N
 LONG_ASK = "Write a very long story about a dragon who learns to code. Use many chapters."
 
 
+async def test_a_prompt_another_key_sent_is_not_in_the_engine_cache_for_this_one(
+    start_vllm: StartVllm,
+) -> None:
+    """Each key's requests carry its own `cache_salt`: the engine's prefix cache keeps tenants
+    apart (its `cached_tokens` would tell one what another sent), and a key finds its own."""
+    served = await start_vllm(max_tokens=4, api_keys=("k1", "k2"))
+    # the system prompt and the words are the same for both keys: only the salt differs
+    ask = f"{LONG_ASK} ({uuid.uuid4().hex[:8]}) " + "Remember this plan. " * 12
+    cached = []
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(120):
+            for key in ("k1", "k2", "k1", "k2"):
+                answer = await http.post(
+                    "/responses",
+                    json={"model": SERVED_NAME, "input": ask, "temperature": 0, "store": False},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert answer.status_code == 200, answer.text
+                usage = answer.json()["usage"]
+                cached.append(usage["input_tokens_details"]["cached_tokens"])
+    print("cached tokens, k1 k2 k1 k2:", cached, "of", usage["input_tokens"])
+    assert cached[0] == 0 and cached[1] == 0  # nothing of k1's prompt is warm for k2
+    assert cached[2] >= usage["input_tokens"] - BLOCK_SIZE and cached[3] == cached[2]
+
+
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
 async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
     start_vllm: StartVllm, vllm_engine: Engine, how: str

@@ -145,6 +145,12 @@ def test_a_request_sends_the_prompt_as_ids_with_the_sampling_it_was_given() -> N
         stop_token_ids=(), stop_at_call=False,
     )  # fmt: skip
     assert "stop" not in free and "temperature" not in free and "seed" not in free
+    assert "cache_salt" not in free  # no tenant: the engine's cache is shared, as before
+    salted = completion_request(
+        model="m", prompt=[1], max_tokens=1, limits=GenerationLimits(),
+        stop_token_ids=(), stop_at_call=False, cache_salt="k1-salt",
+    )  # fmt: skip
+    assert salted["cache_salt"] == "k1-salt"
 
 
 def test_a_structure_goes_to_the_engine_as_a_structural_tag() -> None:

@@ -41,7 +41,13 @@ class TokenGenerator(Protocol):
         """Whether its sessions can make a call when the request demands one (`tool_choice`
         required or a named function); if not, such a request is refused when it arrives."""
 
-    def open_session(self, conversation: Conversation) -> GeneratorSession: ...
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> GeneratorSession:
+        """A session on `conversation`. Sessions of different `cache_salt`s (one per tenant)
+        share no cached prefix: a shared cache would tell one tenant what another sent (by
+        `cached_tokens`, and by time to first token). None: shared with every unsalted one."""
+        ...
 
 
 @runtime_checkable

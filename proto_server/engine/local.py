@@ -114,7 +114,10 @@ class LocalGenerator:
         loaded = load_model(spec, cache_dir=cache_dir)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, **options)
 
-    def open_session(self, conversation: Conversation) -> LocalSession:
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> LocalSession:
+        """`cache_salt` changes nothing: a session's KV cache is its own, shared with none."""
         return LocalSession(self, conversation)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

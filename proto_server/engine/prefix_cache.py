@@ -27,16 +27,18 @@ class BlockHashes:
     A session keeps one, so its own growing conversation is hashed once, block by block.
     """
 
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, salt: str | None = None) -> None:
         self.block_tokens = block_tokens
         self.hashes: list[int] = []
+        #: What the first block is chained to: a salt's blocks match no other salt's.
+        self._seed = 0 if salt is None else hash(salt)
 
     def update(self, tokens: array[int]) -> list[int]:
         """Hash the full blocks of `tokens` not hashed yet; `tokens` only ever grows."""
         width = self.block_tokens * tokens.itemsize
         data = memoryview(tokens).cast("B")
         hashes = self.hashes
-        previous = hashes[-1] if hashes else 0
+        previous = hashes[-1] if hashes else self._seed
         for start in range(len(hashes) * width, len(data) - width + 1, width):
             previous = hash((previous, data[start : start + width].tobytes()))
             hashes.append(previous)
@@ -61,8 +63,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def hashes(self) -> BlockHashes:
-        return BlockHashes(self.block_tokens)
+    def hashes(self, salt: str | None = None) -> BlockHashes:
+        return BlockHashes(self.block_tokens, salt)
 
     def cached_blocks(self, hashes: list[int], start: int = 0) -> int:
         """How many leading blocks are cached, given that the first `start` are (a session's own

@@ -164,12 +164,13 @@ class SimulatedSession:
         *,
         prefix_cache: PrefixCache | None = None,
         meter: GpuMeter | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self._conversation = conversation
         self._planner = planner
         self._timing = timing
         self._prefix_cache = prefix_cache
-        self._hashes = prefix_cache.hashes() if prefix_cache is not None else None
+        self._hashes = prefix_cache.hashes(cache_salt) if prefix_cache is not None else None
         self._shared = 0  # blocks of this session already in the prefix cache
         self._meter = meter
         self._prefilled_upto = 0
@@ -256,11 +257,14 @@ class SimulatedGenerator:
         """A script or the default model says whatever the request demands (or says why not)."""
         return True
 
-    def open_session(self, conversation: Conversation) -> SimulatedSession:
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> SimulatedSession:
         return SimulatedSession(
             conversation,
             self.planner,
             self.timing,
             prefix_cache=self.prefix_cache,
             meter=self.meter,
+            cache_salt=cache_salt,
         )

@@ -329,11 +329,13 @@ def completion_request(
     stop_at_call: bool,
     structure: dict[str, Any] | None = None,
     stream: bool = True,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The body of one `/v1/completions` request: the prompt as token ids, streamed with its
     ids and usage; the request's sampling passed through; stopping at the model's end of turn
     and (`stop_at_call`) at the close of a tool call; `structure`: a structural tag the output
-    must follow (`forced_call_format`, `strict_call_format`)."""
+    must follow (`forced_call_format`, `strict_call_format`); `cache_salt`: the tenant's, so
+    the engine's prefix cache keeps tenants apart (vLLM's `cache_salt`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -354,6 +356,8 @@ def completion_request(
         body["include_stop_str_in_output"] = True
     if structure is not None:
         body["structured_outputs"] = {"structural_tag": json.dumps(structure)}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -442,8 +446,10 @@ class VllmGenerator:
             )
         return self._client
 
-    def open_session(self, conversation: Conversation) -> VllmSession:
-        return VllmSession(self, conversation)
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> VllmSession:
+        return VllmSession(self, conversation, cache_salt=cache_salt)
 
     async def readiness(self) -> str | None:
         """None when the engine lists its models within a short timeout; else why not."""
@@ -465,9 +471,12 @@ class VllmGenerator:
 class VllmSession:
     """One rollout on the engine: nothing is held there but what its prefix cache keeps."""
 
-    def __init__(self, generator: VllmGenerator, conversation: Conversation) -> None:
+    def __init__(
+        self, generator: VllmGenerator, conversation: Conversation, *, cache_salt: str | None
+    ) -> None:
         self._generator = generator
         self._conversation = conversation
+        self._cache_salt = cache_salt
         self._tools = function_tools(conversation.tools)
         #: The token ids the engine has seen last: the prompt it was sent and what it made.
         self.engine_ids: list[int] = []
@@ -486,6 +495,7 @@ class VllmSession:
             stop_token_ids=(),
             stop_at_call=False,
             stream=False,
+            cache_salt=self._cache_salt,
         )
         try:
             answer = await generator.client.post("/completions", json=body)
@@ -530,6 +540,7 @@ class VllmSession:
             stop_token_ids=generator.stop_ids,
             stop_at_call=bool(names) and limits.max_calls != 0,
             structure=structure,
+            cache_salt=self._cache_salt,
         )
         generated: list[int] = []
         finish: str | None = None

@@ -8,6 +8,7 @@ a `Responses`, a connection's lanes as channels, and events in.
 
 from __future__ import annotations
 
+import base64
 import collections
 import hmac
 import secrets
@@ -84,8 +85,13 @@ class Responses:
         self.renderer = renderer or generator.renderer or O200kRenderer()
         # every call timed into the metrics (proto_server_store_seconds)
         self.store = metrics.TimedStore(store or SQLiteStore(":memory:"))
+        secret = compaction_secret or secrets.token_bytes(32)
         #: Seals compaction items; without a kept secret they live as long as this process.
-        self.compaction_key = CompactionKey(compaction_secret or secrets.token_bytes(32))
+        self.compaction_key = CompactionKey(secret)
+        #: Keys the tenants' cache salts: from the kept secret, so a tenant's salt is the same
+        #: in every worker and after a restart (its prefix stays warm), and no tenant can guess
+        #: another's.
+        self._salt_key = hmac.digest(secret, b"proto-server engine cache salt", "sha256")
         self.suspensions = Suspensions(self.config.max_suspended_rollouts)
         #: Everything the process keeps for its clients, counted (see server/memory.py).
         self.memory = MemoryBudget(
@@ -148,21 +154,34 @@ class Responses:
 
     # -- rollouts and Responses ------------------------------------------------------------------
 
+    def cache_salt(self, owner: str) -> str | None:
+        """The salt of `owner`'s sessions on the engine, so tenants (API keys) share no cached
+        prefix; None without auth (one tenant: every session shares)."""
+        if owner == ANONYMOUS:
+            return None
+        digest = hmac.digest(self._salt_key, owner.encode(), "sha256")
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()  # 43 characters
+
     def _new_rollout(
-        self, create: ResponseCreate, budget: MemoryBudget, prefix: list[int] | None = None
+        self,
+        create: ResponseCreate,
+        budget: MemoryBudget,
+        prefix: list[int] | None,
+        owner: str,
     ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
             self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
         )
-        return self._rollout_of(conversation, budget)
+        return self._rollout_of(conversation, budget, owner)
 
-    def _rollout_of(self, conversation: Conversation, budget: MemoryBudget) -> Rollout:
-        """A rollout on `conversation` (rendered already) with a fresh session: nothing warm."""
+    def _rollout_of(self, conversation: Conversation, budget: MemoryBudget, owner: str) -> Rollout:
+        """A rollout of `owner`'s on `conversation` (rendered already) with a fresh session:
+        nothing warm."""
         self._on_rollout(1)
         return Rollout(
             conversation,
-            self.generator.open_session(conversation),
+            self.generator.open_session(conversation, cache_salt=self.cache_salt(owner)),
             budget=budget,
             on_close=lambda _: self._on_rollout(-1),
         )
@@ -222,7 +241,7 @@ class Responses:
                 rollout = None
         budget.check(prepared.nbytes, "This request")
         if rollout is None:
-            rollout = self._new_rollout(create, budget, prepared.prefix)
+            rollout = self._new_rollout(create, budget, prepared.prefix, owner)
             rendered_mark = -discarded
             rollout.conversation.extend_rendered(prepared.history)
         else:
@@ -303,7 +322,7 @@ class Responses:
             self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
         rendered = await self.offload.run(render_items, self.renderer, append.input, size=size)
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
-        rollout = self._rollout_of(conversation, budget)
+        rollout = self._rollout_of(conversation, budget, owner)
         try:
             loop = self._sampling_loop(
                 machine,
