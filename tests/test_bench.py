@@ -97,6 +97,16 @@ def test_bench_refuses_a_rollout_without_a_tool_round(capsys: pytest.CaptureFixt
     assert "--turns must be at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--stream-rate", "--prefill-rate", "--client-fps"])
+@pytest.mark.parametrize("rate", ["0", "-5", "nan", "inf", "1,2"])
+def test_bench_refuses_a_rate_that_is_not_one_positive_number(
+    capsys: pytest.CaptureFixture[str], flag: str, rate: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "streaming", flag, rate])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err
+
+
 async def test_the_deflate_bench_measures_both_side_by_side() -> None:
     import trio
 

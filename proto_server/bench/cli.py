@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -29,9 +30,17 @@ def _rates(text: str) -> tuple[float, ...]:
         rates = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected rates like 1000,4000, got {text!r}") from None
-    if not rates or min(rates) <= 0:
-        raise argparse.ArgumentTypeError(f"rates must be positive, got {text!r}")
+    if not rates or not all(0 < rate < math.inf for rate in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive and finite, got {text!r}")
     return rates
+
+
+def _rate(text: str) -> float:
+    """One rate (tokens/s, frames/s): positive and finite."""
+    rates = _rates(text)
+    if len(rates) != 1:
+        raise argparse.ArgumentTypeError(f"expected one rate, got {text!r}")
+    return rates[0]
 
 
 def _transports(text: str) -> tuple[str, ...]:
@@ -101,7 +110,7 @@ def add_parser(
     )
     bench.add_argument(
         "--prefill-rate",
-        type=float,
+        type=_rate,
         default=defaults.prefill_rate,
         metavar="TOKENS_PER_S",
         help="modelled prefill tokens/s for tokens not in any cache",
@@ -130,7 +139,7 @@ def add_parser(
     )
     bench.add_argument(
         "--stream-rate",
-        type=float,
+        type=_rate,
         default=defaults.stream_rate,
         help="modelled decode tokens/s of the streaming measurements",
     )
@@ -158,7 +167,7 @@ def add_parser(
     bench.add_argument("--streams", type=int, default=defaults.streams, help="concurrent streams")
     bench.add_argument(
         "--client-fps",
-        type=float,
+        type=_rate,
         default=defaults.client_fps,
         help="frames/s the slow client reads",
     )

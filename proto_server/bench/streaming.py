@@ -274,11 +274,13 @@ async def pacing_floor(rate: float, tokens: int) -> float:
     return (time.process_time() - started_cpu) / tokens * 1e6
 
 
-def cold_wake(rate: float, rounds: int = 2000) -> tuple[float, float]:
+def cold_wake(rate: float) -> tuple[float, float]:
     """Median microseconds of one fixed piece of the server's per-token work (a text delta
     encoded to bytes, 8 times) run back to back, and run right after sleeping one token's
     interval at `rate`. On a machine whose CPU goes cold while idle (a VM's parked vCPU), the
-    second is what every wake of the paced case pays, whatever the code does."""
+    second is what every wake of the paced case pays, whatever the code does. Half a second
+    of sleeps at most (or 100 of them)."""
+    rounds = max(100, min(2000, int(rate / 2)))
     event = OutputTextDelta(item_id="msg_0", output_index=0, content_index=0, delta=" token")
 
     def median_us(pause: float) -> float:

@@ -147,8 +147,9 @@ class RenderedMessages:
     def take_counts(self) -> tuple[int, int, int]:
         """(hits, misses, evicted) since the last call: for counters kept elsewhere (/metrics)."""
         with self._lock:
-            before, self._taken = self._taken, (self.hits, self.misses, self.evicted)
-        hits, misses, evicted = (now - then for now, then in zip(self._taken, before, strict=True))
+            now = (self.hits, self.misses, self.evicted)
+            before, self._taken = self._taken, now
+        hits, misses, evicted = (new - old for new, old in zip(now, before, strict=True))
         return hits, misses, evicted
 
     @property

@@ -69,7 +69,7 @@ RENDER_CACHE = Counter(
     "Messages the chat-template renderer found among those it kept (hit) or rendered (miss)",
     ["outcome"],
 )
-RENDER_CACHE_BYTES = Gauge(
+RENDER_CACHE_KEPT = Gauge(
     "proto_server_render_cache_bytes", "Bytes of rendered messages kept (--render-cache-mb)",
     multiprocess_mode="livesum",
 )  # fmt: skip
@@ -156,7 +156,7 @@ def rendered(renderer: Renderer) -> None:
     RENDER_CACHE.labels("hit").inc(hits)
     RENDER_CACHE.labels("miss").inc(misses)
     EVICTIONS.labels(RENDER_CACHE_EVICTED).inc(evicted)
-    RENDER_CACHE_BYTES.set(cache.nbytes)
+    RENDER_CACHE_KEPT.set(cache.nbytes)
 
 
 def exposition() -> bytes:

@@ -88,9 +88,9 @@ class Responses:
         secret = compaction_secret or secrets.token_bytes(32)
         #: Seals compaction items; without a kept secret they live as long as this process.
         self.compaction_key = CompactionKey(secret)
-        #: Keys the tenants' cache salts: from the kept secret, so a tenant's salt is the same
-        #: in every worker and after a restart (its prefix stays warm), and no tenant can guess
-        #: another's.
+        #: Keys the tenants' cache salts: from the secret, so with a kept one a tenant's salt is
+        #: the same in every worker and after a restart (its prefix stays warm); no tenant can
+        #: guess another's.
         self._salt_key = hmac.digest(secret, b"proto-server engine cache salt", "sha256")
         self.suspensions = Suspensions(self.config.max_suspended_rollouts)
         #: Everything the process keeps for its clients, counted (see server/memory.py).
