@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import re
 import shutil
@@ -76,7 +77,8 @@ def _checked(kind: type[N], ok: Callable[[N], bool], rule: str) -> Callable[[str
 
 
 def _positive(kind: type[N]) -> Callable[[str], N]:
-    return _checked(kind, lambda value: value > 0, "must be positive")
+    rule = "must be positive" if kind is int else "must be positive and finite"
+    return _checked(kind, lambda value: 0 < value < math.inf, rule)
 
 
 _non_negative_int = _checked(int, lambda value: value >= 0, "must be 0 or more")

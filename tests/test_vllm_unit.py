@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 
+from proto_server.cli import build_parser
 from proto_server.core.request import ToolChoice
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.vllm import (
@@ -208,6 +209,19 @@ def test_serve_stops_with_exit_2_when_the_engine_is_not_there() -> None:
         [*command, "--generator", "vllm"], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 2 and "needs --engine-url" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--engine-timeout", "0"), ("--engine-timeout", "inf"), ("--engine-timeout", "nan"),
+     ("--engine-connections", "0"), ("--max-tokens", "-1")],
+)  # fmt: skip
+def test_the_engine_flags_refuse_what_is_not_a_positive_finite_number(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--generator", "vllm", flag, value])
+    assert exited.value.code == 2 and f"{flag}: must be positive" in capsys.readouterr().err
 
 
 def test_help_says_what_model_means_for_each_generator() -> None:
