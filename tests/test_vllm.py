@@ -752,13 +752,10 @@ async def test_temperature_top_p_and_seed_reach_the_engine(start_vllm: StartVllm
     assert narrow == [greedy, greedy]
 
 
-def steps(engine: Engine) -> tuple[float, float]:
-    """(engine steps so far, those that computed more than one token: a prefill, or a decode
-    of two requests side by side), from vLLM's tokens-per-iteration histogram."""
-    return (
-        engine.metric(f"{ITERATION}_count"),
-        engine.metric(f"{ITERATION}_count") - engine.metric(f"{ITERATION}_bucket", le="1.0"),
-    )
+def multi_token_steps(engine: Engine) -> float:
+    """Engine steps so far that computed more than one token (a prefill, or a decode of two
+    requests side by side), from vLLM's tokens-per-iteration histogram."""
+    return engine.metric(f"{ITERATION}_count") - engine.metric(f"{ITERATION}_bucket", le="1.0")
 
 
 @pytest.mark.parametrize("connections", [1, 2])
@@ -779,7 +776,7 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
         done.append(answer.json()["status"])
 
     generated = await trio.to_thread.run_sync(vllm_engine.metric, GENERATED)
-    _, multi_before = await trio.to_thread.run_sync(steps, vllm_engine)
+    multi_before = await trio.to_thread.run_sync(multi_token_steps, vllm_engine)
     async with httpx.AsyncClient(base_url=served.address.http_url, timeout=120) as http:
         with trio.fail_after(180):
             async with trio.open_nursery() as nursery:
@@ -793,7 +790,7 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
                 if await trio.to_thread.run_sync(vllm_engine.metric, GENERATED) >= generated + 128:
                     break
                 await trio.sleep(0.05)
-    _, multi_after = await trio.to_thread.run_sync(steps, vllm_engine)
+    multi_after = await trio.to_thread.run_sync(multi_token_steps, vllm_engine)
     multi = multi_after - multi_before
     print(f"running requests seen: {sorted(set(seen))} over {len(seen)} samples; {multi:g} steps")
     assert done == ["incomplete", "incomplete"]  # each decoded its 64 tokens
