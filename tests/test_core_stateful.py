@@ -46,16 +46,23 @@ from proto_server.wire.events import (
     InjectError,
     ResponseAppend,
     ResponseCancel,
+    ResponseCancelled,
+    ResponseCompleted,
     ResponseCreate,
+    ResponseDone,
+    ResponseIncomplete,
     ResponseInject,
     ResponseInjectCreated,
     ResponseInjectFailed,
     ResponseSteer,
+    ResponseSteerPending,
     ServerEvent,
 )
 from proto_server.wire.items import FunctionCall
 
 RENDERER = O200kRenderer()
+#: The ends a broken store turns into `response.failed` (`SamplingLoop._stored`).
+UNSTORABLE = (ResponseCompleted, ResponseIncomplete, ResponseCancelled)
 TOOL = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
 texts = st.text(min_size=1, max_size=12)
 names = st.sampled_from(["exec_command", "read_file", "apply_patch"])
@@ -81,12 +88,28 @@ class Connection(RuleBasedStateMachine):
         self.segment_begun = False
         self.warm = False
         self.steers = 0
+        #: The store refuses the Response's end / has its suspension fenced off by a resumer.
+        self.store_broken = self.fenced = False
 
     # -- the two sides' plumbing ---------------------------------------------------------------
 
     def emit(self, events: list[ServerEvent]) -> None:
+        """Number and check each event, after the sampling loop's store step (`_emit`): an
+        end the store cannot take fails instead, a fenced suspension fails, and whatever
+        either returns (every queued steer back) is sent in its place."""
+        failed = False
         for event in events:
-            self.checker.received_typed(event, self.sequencer.next())
+            if failed and isinstance(event, ResponseSteerPending):
+                continue
+            durable: list[ServerEvent] = [event]
+            error = ErrorDetail(type="server_error", code="store_unavailable", message="gone")
+            if isinstance(event, ResponseDone) and self.fenced:
+                durable = self.m.fail(error)
+            elif self.store_broken and isinstance(event, UNSTORABLE):
+                durable = self.m.fail_unstored(error)  # a failed one keeps its own error
+            failed = failed or durable[0] is not event
+            for sent in durable:
+                self.checker.received_typed(sent, self.sequencer.next())
 
     def send(self, frame: dict[str, Any]) -> None:
         """A client frame, handled as the prototype dialect does; a refusal changes nothing."""
@@ -306,6 +329,16 @@ class Connection(RuleBasedStateMachine):
         """The sampling loop between two tokens: a due steer cuts the segment, which goes on."""
         self.emit(self.m.take_steers())
         self.segment_begun = False
+
+    @rule()
+    def store_breaks(self) -> None:
+        """From now on no end of a Response can be stored (it fails `store_unavailable`)."""
+        self.store_broken = True
+
+    @rule()
+    def another_connection_resumes_it(self) -> None:
+        """Its next suspension is found claimed elsewhere, and fails."""
+        self.fenced = True
 
     @rule()
     def cancel(self) -> None:

@@ -190,3 +190,33 @@ def test_a_response_that_ends_otherwise_returns_every_steer_it_held() -> None:
         ("steer_2", "two", "response_not_active"),
     ]
     assert m.steers == ()
+
+
+UNSTORED = ErrorDetail(type="server_error", code="store_unavailable", message="disk full")
+
+
+def test_an_unstored_end_fails_and_returns_every_steer_kept_for_the_successor() -> None:
+    """A launched Response completes with a call awaiting output and two steers kept for the
+    create that answers it; the store cannot take it: it fails, and both steers come back
+    (more than one event: the sampling loop sends them all)."""
+    m = machine(successor=True)
+    call(m)
+    m.steer(steer(n=1))
+    m.steer(steer("and spaces", n=2))
+    ended = m.end_segment()
+    assert [e.type for e in ended][-3:] == ["response.completed", *["response.steer.pending"] * 2]
+    events = m.fail_unstored(UNSTORED)
+    assert [e.type for e in events] == ["response.failed", *["response.steer.failed"] * 2]
+    assert all(e.error.code == "successor_creation_failed" for e in events[1:])  # type: ignore[attr-defined]
+    assert [e.steer.id for e in events[1:]] == ["steer_1", "steer_2"]  # type: ignore[attr-defined]
+    assert m.status is Status.FAILED
+
+
+def test_a_suspension_lost_with_a_steer_pending_fails_and_returns_the_steer() -> None:
+    m = machine()
+    call(m)
+    m.steer(steer())
+    assert [e.type for e in m.end_segment()][-2:] == ["response.done", "response.steer.pending"]
+    events = m.fail(UNSTORED)
+    assert [e.type for e in events] == ["response.failed", "response.steer.failed"]
+    assert m.status is Status.FAILED

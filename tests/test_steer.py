@@ -5,11 +5,19 @@ refusal is `response.steer.failed` with the input back. Every stream passes the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from proto_server.engine.simulated import TimingModel
+from proto_server.server.store import (
+    SQLiteStore,
+    StoredResponse,
+    StoreUnavailable,
+    SuspendedResponse,
+    SuspensionLost,
+)
 
 from .helpers import (
     BETA,
@@ -211,3 +219,88 @@ async def test_prototype_a_steer_while_suspended_waits_for_the_append(
             resumed = await client.until_lane(None, "response.done")
             client.checker.finish()
     assert resumed[0]["type"] == "response.in_progress"
+
+
+#: A call, then a second whose arguments stream for about a second: a steer sent once the
+#: first is done is queued (a call awaits output, so it is not due) until the segment ends.
+CALL_THEN_SLOW_CALL = {
+    "segments": [
+        {
+            "tool_calls": [
+                {"name": "exec_command", "arguments": {"cmd": "ls"}},
+                {"name": "exec_command", "arguments": {"cmd": "grep -rn word " * 40}},
+            ]
+        },
+        {"text": "Done."},
+    ]
+}
+
+
+class UnwritableStore(CheckpointStore):
+    """A store that reads but cannot write, as a full disk would."""
+
+    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
+        raise StoreUnavailable("The response store failed (disk full), so it was lost.")
+
+
+async def test_a_response_the_store_cannot_take_fails_with_its_queued_steer_returned(
+    start_server: StartServer,
+) -> None:
+    """It completes with a steer waiting for the call's output, then cannot be stored: the
+    client hears `response.failed` and the steer back, and the connection goes on."""
+    slow = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=100)
+    running = await start_server(CALL_THEN_SLOW_CALL, timing=slow, store=UnwritableStore())
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+            await client.send(launched_create(store=True))
+            events = await client.until_lane(None, "response.function_call_arguments.done")
+            await client.send(steer(events[0]["response"]["id"]))
+            events += await client.until_lane(None, "response.steer.failed")
+            await client.send(launched_create(store=False))
+            after = await client.until_lane(None, *END)
+            client.checker.finish()
+    names = kinds(events)
+    assert "response.completed" not in names
+    assert names[-2:] == ["response.failed", "response.steer.failed"]
+    assert names.index("response.steer.accepted") < names.index("response.failed")
+    assert events[-2]["response"]["error"]["code"] == "store_unavailable"
+    assert events[-1]["error"]["code"] == "successor_creation_failed"
+    assert events[-1]["steer"]["input"] == "Use tabs, not spaces."
+    assert after[0]["type"] == "response.created"  # nothing more came of the failed one
+    assert after[-1]["type"] == "response.completed"
+    assert running.server.crashed_connections == 0
+
+
+class FencingStore(SQLiteStore):
+    """A store in which every suspension is found already resumed elsewhere."""
+
+    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
+        raise SuspensionLost(suspended.response.id)
+
+
+async def test_prototype_a_lost_suspension_fails_the_response_and_its_pending_steer(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Suspended with a steer queued, its suspension is fenced off by another resumer: the
+    Response fails, the steer comes back, and nobody hears of a pending steer or a wait."""
+    slow = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=100)
+    store = FencingStore(tmp_path / "responses.sqlite3")
+    running = await start_server(CALL_THEN_SLOW_CALL, timing=slow, store=store)
+    with trio.fail_after(20):
+        async with connect(running.prototype_url) as raw:
+            client = Checked(raw, "prototype")
+            await client.send(create(store=True))
+            events = await client.until_lane(None, "response.function_call_arguments.done")
+            await client.send(steer(events[0]["response"]["id"]))
+            events += await client.until_lane(None, "response.steer.failed")
+            await client.send(create(store=False))
+            after = await client.until_lane(None, "response.done")
+            client.checker.finish()
+    names = kinds(events)
+    assert "response.done" not in names and "response.steer.pending" not in names
+    assert names[-2:] == ["response.failed", "response.steer.failed"]
+    assert events[-2]["response"]["error"]["code"] == "response_resumed_elsewhere"
+    assert events[-1]["steer"]["input"] == "Use tabs, not spaces."
+    assert after[-1]["type"] == "response.done"  # the next rollout suspends as usual
+    assert running.server.crashed_connections == 0

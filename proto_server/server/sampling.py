@@ -49,6 +49,7 @@ from proto_server.wire.events import (
     ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseSteerPending,
     ServerEvent,
 )
 from proto_server.wire.items import Item
@@ -481,19 +482,32 @@ class SamplingLoop:
     async def _emit(self, events: list[ServerEvent]) -> None:
         if events and self._first_event_s is None:
             self._first_event_s = trio.current_time() - self._arrived_at
+        failed = False
         for event in events:
-            if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
-                event = await self._stored(event)
-            elif isinstance(event, ResponseDone) and self.durable is not None:
-                event = await self._suspension_stored(event)
-                if isinstance(event, ResponseFailed):
-                    event = await self._stored(event)
-            try:  # a scheduling round only when the channel is full (backpressure)
-                self._events.send_nowait(event)
-            except trio.WouldBlock:
-                await self._events.send(event)
+            if failed and isinstance(event, ResponseSteerPending):
+                continue  # the failure that replaced the end failed every queued steer
+            durable = await self._durable(event)
+            failed = failed or durable[0] is not event
+            for sent in durable:
+                try:  # a scheduling round only when the channel is full (backpressure)
+                    self._events.send_nowait(sent)
+                except trio.WouldBlock:
+                    await self._events.send(sent)
 
-    async def _suspension_stored(self, event: ResponseDone) -> ServerEvent:
+    async def _durable(self, event: ServerEvent) -> list[ServerEvent]:
+        """What the client hears instead of `event` once the store has what it must: the
+        event itself, or a `response.failed` (with a `response.steer.failed` for each steer
+        still queued) when the store cannot take the Response."""
+        if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
+            return await self._stored(event)
+        if isinstance(event, ResponseDone) and self.durable is not None:
+            events = await self._suspension_stored(event)
+            if isinstance(events[0], ResponseFailed):
+                return [*await self._stored(events[0]), *events[1:]]
+            return events
+        return [event]
+
+    async def _suspension_stored(self, event: ResponseDone) -> list[ServerEvent]:
         """A suspension is in the store before the client hears of it, so whatever it sends
         next can be resumed anywhere. A store that fails leaves it resumable on this connection
         only (logged); a copy that another connection resumed meanwhile ends here."""
@@ -505,10 +519,10 @@ class SamplingLoop:
             log.warning("response.suspension_unstored", extra=why)
         except SuspensionLost as exc:
             log.warning("response.fenced", extra={"response": self.machine.id})
-            (event,) = self.machine.fail(exc.detail)  # type: ignore[assignment]
-        return event
+            return self.machine.fail(exc.detail)
+        return [event]
 
-    async def _stored(self, event: ServerEvent) -> ServerEvent:
+    async def _stored(self, event: ServerEvent) -> list[ServerEvent]:
         """A stored response is durable before the client hears that it is done; one the store
         cannot take fails instead (a failed one keeps its own error)."""
         assert self._persist is not None
@@ -518,7 +532,6 @@ class SamplingLoop:
             log.warning(
                 "response.unstored", extra={"response": self.machine.id, "reason": str(exc)}
             )
-            if isinstance(event, ResponseFailed):
-                return event
-            (event,) = self.machine.fail_unstored(exc.detail)
-        return event
+            if not isinstance(event, ResponseFailed):
+                return self.machine.fail_unstored(exc.detail)
+        return [event]

@@ -83,6 +83,7 @@ class Frame:
     unconfirmed_in: str | None = None  # accepted by prediction; the Response it touched
     raw: Any = None  # the frame as a JSON value (what an inject.failed must return)
     queued_as: str | None = None  # the id its response.queued announced
+    silent: bool = False  # its effect may have been an end that said otherwise (unstored)
 
     def describe(self) -> str:
         return f"frame #{self.number} ({self.kind})"
@@ -231,12 +232,26 @@ class Ledger:
         if cancel_frame is not None:
             asked = self.frames[cancel_frame]
         else:
-            found = self.first(lambda f: f.kind == "response.cancel" and f.can_accept)
+            found = self.first(self._may_cancel)
             if found is None:
                 raise Broken(7, "a Response was cancelled that no response.cancel asked for")
             asked = found
             asked.outcome = "accepted"
         self.confirm(asked.number + 1)
+
+    def unstored(self, cancel_frame: int | None) -> None:
+        """A Response failed because the store could not take its end: a cancel accepted
+        before took effect; one still unanswered may have (or may yet be refused)."""
+        if cancel_frame is not None:
+            self.cancelled(cancel_frame)
+            return
+        found = self.first(self._may_cancel)
+        if found is not None:
+            found.silent = True
+
+    @staticmethod
+    def _may_cancel(frame: Frame) -> bool:
+        return frame.kind == "response.cancel" and frame.can_accept and not frame.silent
 
     def ended(self, response_id: str) -> None:
         """Frames predicted accepted by a Response that ended before any event confirmed them:
@@ -258,7 +273,9 @@ class Ledger:
         code = detail["code"]
         if code in self.unsolicited_errors:
             return
-        frame = self.first(lambda f: code in f.codes)
+        # a frame whose effect may have been silent is the last to be taken as refused
+        frame = self.first(lambda f: code in f.codes and not f.silent)
+        frame = frame or self.first(lambda f: code in f.codes)
         if frame is None:
             waiting = "; ".join(
                 f"{f.describe()} may earn {sorted(f.codes) or 'no error'}"
@@ -422,6 +439,8 @@ class Ledger:
         for frame in self.unanswered():
             if frame.kind == "response.append" and frame.can_accept:
                 continue  # accepted before the Response ended: its effect was silent
+            if frame.silent:
+                continue  # its Response ended, failing only because it could not be stored
             if waiting and frame.kind == "response.create" and frame.can_accept:
                 continue  # it waits behind the waiting Response, as long as that waits
             wanted = " or ".join(sorted(frame.codes)) or "an error"

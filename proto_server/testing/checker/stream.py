@@ -29,6 +29,9 @@ from proto_server.wire.events import ClientEvent, ResponseCreate
 if TYPE_CHECKING:
     from proto_server.testing.schema import Transport, WireSchema
 
+#: The errors of a Response that ended as decided but could not be stored, so failed instead.
+UNSTORED = ("store_unavailable", "response_resumed_elsewhere")
+
 
 class StreamChecker:
     """Checks one connection's events, and how they answer the frames the client sent."""
@@ -216,10 +219,14 @@ class StreamChecker:
         r = self.model.own(obj)
         status = TERMINAL_EVENTS[obj["type"]]
         self.model.check_end(r, obj, status)
+        response = response_object(obj)  # its incomplete_details checked by check_end
+        # a cancelled `store: true` Response that the store could not take fails instead
+        unstored = status == "failed" and (response.get("error") or {}).get("code") in UNSTORED
         if status == "cancelled":
             self.ledger.cancelled(r.cancel_frame)
+        elif unstored:
+            self.ledger.unstored(r.cancel_frame)
         queued_steers = self.ledger.queued_steers(r.id)
-        response = response_object(obj)  # its incomplete_details checked by check_end
         steered = status == "incomplete" and response["incomplete_details"]["reason"] == "steered"
         if steered:
             if not queued_steers or self.dialect == "prototype":
