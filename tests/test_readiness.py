@@ -48,7 +48,7 @@ async def test_a_store_that_does_not_answer_makes_the_server_unready_not_dead(
 async def test_a_draining_server_is_unready_at_once_and_accepts_until_its_delay_is_over(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
-    delay = 1.5
+    delay = 3.0
     running = await start_server(drain_delay_s=delay, shutdown_grace_s=1)
     root = running.address.http_url.removesuffix("/v1")
     with trio.fail_after(15):
@@ -68,7 +68,7 @@ async def test_a_draining_server_is_unready_at_once_and_accepts_until_its_delay_
         async with httpx.AsyncClient(base_url=root) as fresh:
             served = await fresh.post("/v1/responses", json={"model": "m", "input": "hi"})
             alive = await fresh.get("/healthz")
-        assert trio.current_time() - started < delay
+        assert not stopped.is_set()  # served while the delay lasted
         await stopped.wait()
         assert trio.current_time() - started >= delay
         with pytest.raises(OSError):  # the port is closed now
@@ -100,9 +100,7 @@ async def test_serve_drains_on_sigterm_and_a_second_signal_stops_it_at_once(
             err = await read_line(process.stderr)
             unready = await http.get("/readyz")
         process.send_signal(signal.SIGTERM)
-        started = trio.current_time()
-        assert await process.wait() == 0
-        assert trio.current_time() - started < 10
+        assert await process.wait() == 0  # within the deadline: the 60 s delay is not waited out
     assert "SIGTERM, stopping: no new connections after 60 s, not ready meanwhile" in err
     assert unready.status_code == 503
     assert unready.json()["error"]["code"] == "server_shutting_down"
