@@ -57,6 +57,8 @@ class MemoryBudget:
         self.name = name
         self.parent = parent
         self.used = 0
+        #: The most `used` ever was (benchmarks and tests compare it with the limit).
+        self.peak = 0
         self.closed = False
         #: How many idle holders this budget let go of to make room.
         self.evicted = 0
@@ -82,6 +84,7 @@ class MemoryBudget:
         budget: MemoryBudget | None = self
         while budget is not None:
             budget.used += nbytes
+            budget.peak = max(budget.peak, budget.used)
             budget = budget.parent
 
     def check(self, nbytes: int, what: str) -> None:
