@@ -17,13 +17,13 @@ import orjson
 import pytest
 import trio
 
-from proto_server.core.conversation import Conversation
+from proto_server.core.conversation import Conversation, decoded_bytes
 from proto_server.core.render import O200kRenderer
 from proto_server.core.request import input_items
 from proto_server.server.memory import MEMORY_LIMIT, PREPARING_FACTOR, MemoryBudget, MiB
-from proto_server.wire.converter import decode_client_event
+from proto_server.wire.converter import decode_client_event, steer_items
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ResponseCreate
+from proto_server.wire.events import ResponseCreate, ResponseSteer
 
 from .helpers import THREE_SEGMENTS, USER, StartServer, connect, create, launched_create, turn
 
@@ -253,3 +253,35 @@ async def test_what_a_budget_lets_go_is_really_freed(
     finally:
         tracemalloc.stop()
     assert held - before < 4 * rollout, f"{(held - before) / rollout:.1f} rollouts still held"
+
+
+@pytest.mark.parametrize(
+    "input",
+    [
+        pytest.param("word " * 200_000, id="one long string"),
+        pytest.param("w\U0001f600rd " * 200_000, id="a wide string"),
+        pytest.param([{"role": "user", "content": "w\u00e9rd " * 200_000}], id="one message"),
+        pytest.param([{"role": "user", "content": "hi"}] * 20_000, id="many tiny messages"),
+        pytest.param(
+            [{"role": "user", "content": [{"type": "input_text", "text": "hi"}] * 10}] * 2_000,
+            id="content parts",
+        ),
+    ],
+)  # fmt: skip
+def test_what_a_waiting_steer_is_charged_covers_what_it_holds(input: Any) -> None:
+    """A steer keeps its input as sent beside its items: the charge counts both, and a wide
+    string at its width (`len` would count an emoji string at a quarter of its size)."""
+    frame = orjson.dumps({"type": "response.steer", "previous_response_id": "r", "input": input})
+    gc.collect()
+    tracemalloc.start()
+    try:
+        event = decode_client_event(frame)
+        assert isinstance(event, ResponseSteer)
+        raw, items = event.input, steer_items(event.input)
+        del event
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    charged = decoded_bytes(items, text=isinstance(raw, str))
+    assert 0.95 * held < charged < 2 * held

@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from proto_server.engine.simulated import TimingModel
+from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.store import (
     SQLiteStore,
     StoredResponse,
@@ -304,3 +306,65 @@ async def test_prototype_a_lost_suspension_fails_the_response_and_its_pending_st
     assert events[-1]["steer"]["input"] == "Use tabs, not spaces."
     assert after[-1]["type"] == "response.done"  # the next rollout suspends as usual
     assert running.server.crashed_connections == 0
+
+
+async def test_a_flood_of_big_steers_is_refused_by_the_memory_budget_and_every_lane_lives(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pending steers count against the connection's budget from the moment they wait until
+    they are taken: past it, each is `response.steer.failed` with the budget's own code, its
+    input back, and its lane goes on. Before, 8 per lane waited uncharged (3.8 GB held under
+    256 MiB)."""
+    children: list[MemoryBudget] = []
+    child = MemoryBudget.child
+
+    def recorded(self: MemoryBudget, limit: int, *, flag: str, name: str) -> MemoryBudget:
+        children.append(child(self, limit, flag=flag, name=name))
+        return children[-1]
+
+    monkeypatch.setattr(MemoryBudget, "child", recorded)
+    running = await start_server(
+        THREE_SEGMENTS, store=CheckpointStore(), max_connection_memory_bytes=2 * MiB
+    )
+    big = "word " * 60_000  # about 300 KB held each: 32 of them would be 9.6 MB
+    lanes = [f"l{i}" for i in range(4)]
+    with trio.fail_after(30):
+        async with connect(running.address.ws_url) as raw:
+            client = Checked(raw)
+            rids, calls = {}, {}
+            for lane in lanes:
+                await client.send(launched_create(stream_id=lane, store=True))
+                events = await client.until_lane(lane, "response.completed")
+                rids[lane], calls[lane] = events[0]["response"]["id"], answers(events)
+            (budget,) = children
+            codes: list[str] = []
+            accepted = 0
+            for lane in lanes:
+                for _ in range(9):
+                    await client.send(steer(rids[lane], big))
+                    (*_, answer) = await client.until_lane(
+                        lane, "response.steer.pending", "response.steer.failed"
+                    )
+                    if answer["type"] == "response.steer.failed":
+                        assert answer["steer"]["input"] == big
+                        codes.append(answer["error"]["code"])
+                    else:
+                        accepted += 1
+            assert budget.used > MiB  # what waits is counted
+            for lane in lanes:  # each lane lives: a steer that fits waits as any other
+                await client.send(steer(rids[lane], "short"))
+                await client.until_lane(lane, "response.steer.pending")
+            # the last lane's outputs' create takes its steers (served from the store where
+            # the budget let the lane's idle cache go to make room for the big ones)
+            last = lanes[-1]
+            await client.send(
+                launched_create(stream_id=last, previous_response_id=rids[last],
+                                input=calls[last], store=True)
+            )  # fmt: skip
+            done = await client.until_lane(last, "response.completed", "error")
+            assert done[-1]["type"] == "response.completed", done[-1]
+            assert budget.peak <= budget.limit
+        await running.server.wait_idle()
+    assert accepted >= 1
+    assert codes and set(codes) == {"connection_memory_limit"}, codes
+    assert budget.used == 0 and running.server.responses.memory.used == 0

@@ -7,6 +7,7 @@ is split from extending: `render_items` is pure and safe to run on a worker thre
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -80,6 +81,29 @@ def item_bytes(item: Item) -> int:
         case UnknownItem(raw=raw):
             return ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(orjson.dumps(raw))
     return ITEM_OVERHEAD_BYTES
+
+
+def decoded_bytes(items: Sequence[Item], *, text: bool) -> int:
+    """About what `items` hold with the JSON they were decoded from still kept beside them (a
+    steer keeps its input as sent, to return it): each text counted at its width in memory
+    (`sys.getsizeof`, so one emoji does not make a string four times cheaper), and an item's
+    decoded dict beside it unless the input was one string (`text`), which the item shares."""
+    per_item = ITEM_OVERHEAD_BYTES if text else 2 * ITEM_OVERHEAD_BYTES
+    size = 0
+    for item in items:
+        size += per_item
+        content = getattr(item, "content", None)
+        if isinstance(content, str):
+            size += sys.getsizeof(content)
+        elif isinstance(content, tuple):
+            for part in content:
+                if isinstance(part, UnknownPart):
+                    size += RAW_JSON_FACTOR * len(orjson.dumps(part.raw))
+                else:
+                    size += 2 * PART_OVERHEAD_BYTES + sys.getsizeof(getattr(part, "text", ""))
+        else:
+            size += item_bytes(item)
+    return size
 
 
 def prefix_bytes(instructions: str | None, tools: Sequence[Tool]) -> int:

@@ -143,6 +143,8 @@ class Steer:
     previous_response_id: str
     items: tuple[Item, ...]
     raw_input: Any
+    #: What it holds in memory (`decoded_bytes`): charged to the budgets while it waits.
+    nbytes: int = 0
 
     @property
     def ref(self) -> SteerRef:
@@ -802,13 +804,15 @@ class ResponseMachine:
 
     @property
     def held_bytes(self) -> int:
-        """What the outputs held for the segment's end take in memory (once rendered), so the
-        memory budget counts them before they join the conversation."""
-        return sum(
+        """What the outputs held for the segment's end take in memory (once rendered), and the
+        steers not yet applied, so the memory budget counts them before they join the
+        conversation (or go back)."""
+        outputs = sum(
             rendered.nbytes + TOKEN_BYTES * len(rendered.tokens)
             for _, rendered in self._held
             if rendered is not None
         )
+        return outputs + sum(steer.nbytes for steer in self._steers)
 
     def release_held(self) -> list[ServerEvent]:
         """At a suspension: what was injected while the segment streamed joins the

@@ -21,7 +21,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from proto_server.server.logs import log
-from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
+from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
@@ -180,7 +180,7 @@ class Connection:
         (its rollout, its place in a queue)."""
         size = len(message)
         process = self.budget.parent or self.budget
-        with process.reserve(PREPARING_FACTOR * size, "This frame"):
+        with process.reserve(preparing_bytes(message), "This frame"):
             event = await self._offload.run(decode_client_event, message, size=size)
         if self._observer is not None:
             self._observer.decoded()

@@ -35,7 +35,7 @@ from proto_server.core.request import input_items
 from proto_server.engine.base import ProbedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
-from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
+from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.responses import Responses
 from proto_server.server.sampling import TERMINAL_EVENTS
@@ -382,7 +382,7 @@ class _Exchange:
     async def _decode(self, body: bytes) -> ResponseCreate:
         """The body as a create, decoded off the event loop when it is large, while the process
         budget holds the peak memory that may take."""
-        with self.responses.memory.reserve(PREPARING_FACTOR * len(body), "This request"):
+        with self.responses.memory.reserve(preparing_bytes(body), "This request"):
             return await self.responses.offload.run(
                 decode_request_body, body, ResponseCreate, size=len(body)
             )

@@ -22,9 +22,12 @@ import collections
 from collections.abc import Callable
 from typing import Protocol
 
-from proto_server.core.conversation import render_items
+from proto_server.core.conversation import decoded_bytes, render_items
 from proto_server.core.ids import new_id
 from proto_server.core.response import Steer, steer_failed
+from proto_server.server import metrics
+from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
@@ -207,6 +210,7 @@ async def serve_steer(
     find: Callable[[str], tuple[SteerTarget, LaneSink] | None],
     ended: EndedResponses,
     lane: Callable[[str | None], LaneSink],
+    budget: MemoryBudget,
 ) -> None:
     """Queue `frame` on the Response it names, or return its input with the reason.
 
@@ -214,7 +218,10 @@ async def serve_steer(
     `response.steer.accepted` (and `.pending` if the Response waits on tool outputs), or
     `response.steer.failed` with the input as sent: `invalid_input` (not a string or user
     messages, or sent with a `stream_id`), `response_not_found`, `response_already_completed`,
-    and what the Response itself refuses (`ResponseMachine.steer`). No steer goes unanswered."""
+    what the Response itself refuses (`ResponseMachine.steer`), and the memory budget's own
+    codes (`connection_memory_limit`, `server_busy`) for one that does not fit `budget`. No
+    steer goes unanswered. An accepted steer is charged to `budget` by what holds it (the
+    Response's rollout, `held_bytes`; a lane's queue) until it is applied or fails."""
     response_id = frame.previous_response_id
     found = find(response_id)
     known, stream_id = ended.lane_of(response_id)
@@ -247,10 +254,27 @@ async def serve_steer(
                 "was queued.",
             )
         return
+    nbytes = decoded_bytes(items, text=isinstance(frame.input, str))
+    try:
+        budget.check(nbytes, "This steer")
+    except ProtocolError as exc:
+        code = exc.detail.code
+        metrics.ERRORS.labels(code).inc()
+        log.warning(
+            "steer.refused",
+            extra={"response": response_id, "code": code, "needed": nbytes, "used": budget.used},
+        )
+        await failed(code, exc.detail.message)
+        return
     steer = Steer(
-        id=new_id("steer"), previous_response_id=response_id, items=items, raw_input=frame.input
+        id=new_id("steer"),
+        previous_response_id=response_id,
+        items=items,
+        raw_input=frame.input,
+        nbytes=nbytes,
     )
     try:
+        # nothing awaits between the check and the holder's charge: what fit still fits
         events = found[0].steer(steer)
     except SteerRefused as exc:
         await failed(exc.code, exc.message)

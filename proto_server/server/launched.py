@@ -49,6 +49,7 @@ from proto_server.server.lanes import (
     serve_steer,
 )
 from proto_server.server.logs import log
+from proto_server.server.memory import MemoryBudget
 from proto_server.server.outbox import LaneSink
 from proto_server.server.responses import Responses
 from proto_server.server.rollout import Rollout
@@ -97,15 +98,33 @@ class _Queued:
 
 class _Awaiting:
     """A lane's last Response completed with calls awaiting output: steers for it wait here
-    (`response.steer.pending`) for the create that continues it with the outputs."""
+    (`response.steer.pending`) for the create that continues it with the outputs.
+
+    What they hold is charged to the connection's budget from the moment they wait here
+    (`serve_steer` checked that each fits) until `release`: taken by that create, or failed."""
 
     def __init__(
-        self, response_id: str, required: tuple[RequiredInput, ...], steers: list[Steer], limit: int
+        self,
+        response_id: str,
+        required: tuple[RequiredInput, ...],
+        steers: list[Steer],
+        limit: int,
+        budget: MemoryBudget,
     ) -> None:
         self.response_id = response_id
         self.required = required
         self.steers = steers
         self._limit = limit
+        self._budget = budget
+        self._charged = sum(steer.nbytes for steer in steers)
+        budget.charge(self._charged)
+
+    def release(self) -> tuple[Steer, ...]:
+        """The steers, no longer counted here (once: a second call finds none)."""
+        steers, self.steers = tuple(self.steers), []
+        self._budget.charge(-self._charged)
+        self._charged = 0
+        return steers
 
     def steer(self, steer: Steer) -> list[ServerEvent]:
         if len(self.steers) >= self._limit:
@@ -115,6 +134,8 @@ class _Awaiting:
                 "(--max-pending-steers); continue it first.",
             )
         self.steers.append(steer)
+        self._budget.charge(steer.nbytes)
+        self._charged += steer.nbytes
         ref = steer.ref
         return [
             ResponseSteerAccepted(steer=ref),
@@ -242,7 +263,11 @@ class LaunchedDialect:
                 )
             case ResponseSteer():
                 await serve_steer(
-                    event, find=self._steerable, ended=self._ended, lane=self._connection.lane
+                    event,
+                    find=self._steerable,
+                    ended=self._ended,
+                    lane=self._connection.lane,
+                    budget=self._connection.budget,
                 )
 
     async def _create(self, create: ResponseCreate, frame_bytes: int) -> None:
@@ -377,14 +402,15 @@ class LaunchedDialect:
         awaiting, lane.awaiting = lane.awaiting, None
         if awaiting is not None and awaiting.steers:
             if create.previous_response_id == awaiting.response_id:
-                # the outputs it waited for: the pending steers follow them
+                # the outputs it waited for: the pending steers follow them (still charged
+                # while the create is prepared; its rollout holds them after)
                 steers = tuple(awaiting.steers)
                 items = (*input_items(create), *(i for steer in steers for i in steer.items))
                 create = attrs.evolve(create, input=items)
             else:
                 await _fail_steers(
                     lane.sink,
-                    tuple(awaiting.steers),
+                    awaiting.release(),
                     "response_not_active",
                     f"the next create on its lane did not continue {awaiting.response_id}",
                 )
@@ -398,6 +424,8 @@ class LaunchedDialect:
             return
         finally:
             lane.preparing = False
+            if awaiting is not None:
+                awaiting.release()
         if self._expired is not None:  # the server began stopping while it prepared
             await loop.close()
             await _fail_steers(lane.sink, steers, "response_not_active", self._expired)
@@ -431,12 +459,18 @@ class LaunchedDialect:
         first in the lane's queue, or, if calls await output, wait for the create with them."""
         machine = loop.machine
         steers = machine.hand_over_steers()
+        # the steers' charge moves from the rollout (`held_bytes`) to what holds them now
+        loop.rollout.account(machine.held_bytes)
+        budget = self._connection.budget
         if machine.status is Status.COMPLETED and machine.pending_calls:
             limit = self._responses.config.max_pending_steers
-            lane.awaiting = _Awaiting(machine.id, machine.required_input(), list(steers), limit)
+            required = machine.required_input()
+            lane.awaiting = _Awaiting(machine.id, required, list(steers), limit, budget)
         elif steers:
+            waiting = sum(steer.nbytes for steer in steers)  # released as its turn begins
+            budget.charge(waiting)
             lane.queue.appendleft(
-                _Queued(successor(create, machine.id, steers), 0, 0, None, steers)
+                _Queued(successor(create, machine.id, steers), waiting, waiting, None, steers)
             )
 
     async def _begin(
@@ -502,6 +536,8 @@ class LaunchedDialect:
     async def close(self) -> None:
         self._gone = True  # a lane's turn that ends after this closes its rollout itself
         for lane in self._lanes.values():
+            if lane.awaiting is not None:
+                lane.awaiting.release()
             self._connection.budget.busy(lane)
             cached, lane.cached = lane.cached, None
             if cached is not None:

@@ -15,6 +15,7 @@ without bound, and nothing is dropped silently.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -23,9 +24,10 @@ from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.wire.errors import ProtocolError
 
-#: Peak memory while one frame is decoded and rendered, per byte of the frame (measured with
-#: tracemalloc: 13-30x, the most for many small unknown items).
-PREPARING_FACTOR = 32
+#: Peak memory while one frame is decoded and rendered, per byte of the frame in memory:
+#: `python -m proto_server.bench.memory` measures peak RSS per input shape, 11-40x at 15 MB,
+#: the most for deeply nested JSON (README, limits); 48 covers that with a margin.
+PREPARING_FACTOR = 48
 
 MiB = 1024 * 1024
 
@@ -57,6 +59,8 @@ class MemoryBudget:
         self.name = name
         self.parent = parent
         self.used = 0
+        #: The most `used` ever was (benchmarks and tests compare it with the limit).
+        self.peak = 0
         self.closed = False
         #: How many idle holders this budget let go of to make room.
         self.evicted = 0
@@ -82,6 +86,7 @@ class MemoryBudget:
         budget: MemoryBudget | None = self
         while budget is not None:
             budget.used += nbytes
+            budget.peak = max(budget.peak, budget.used)
             budget = budget.parent
 
     def check(self, nbytes: int, what: str) -> None:
@@ -165,3 +170,12 @@ class MemoryBudget:
             "what this connection holds, or open another connection.",
             status=400,
         )
+
+
+def preparing_bytes(frame: str | bytes) -> int:
+    """What preparing `frame` may take at its peak: `PREPARING_FACTOR` x its size in memory
+    (a str counts its width, so one of 4-byte characters is not four times cheaper)."""
+    size = len(frame)
+    if isinstance(frame, str) and size:
+        size = sys.getsizeof(frame) - sys.getsizeof("")
+    return PREPARING_FACTOR * size

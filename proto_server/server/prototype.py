@@ -119,7 +119,11 @@ class PrototypeDialect:
             case ResponseSteer():
                 # the same Response goes on with the steer's messages (ResponseMachine.steer)
                 await serve_steer(
-                    event, find=self._find, ended=self._ended_ids, lane=self._connection.lane
+                    event,
+                    find=self._find,
+                    ended=self._ended_ids,
+                    lane=self._connection.lane,
+                    budget=self._connection.budget,
                 )
 
     def _resumes(self, response_id: str, stream_id: str | None) -> bool:

@@ -40,7 +40,7 @@ from proto_server.engine.base import TokenGenerator
 from proto_server.server import metrics
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import log
-from proto_server.server.memory import MemoryBudget
+from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import EventSink
@@ -212,13 +212,15 @@ class Responses:
         `announce_suspension`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
-        prepared = await self.offload.run(
-            partial(prepare_input, cold=rollout is None),
-            self.renderer,
-            create,
-            history,
-            size=size + 1024 * len(history),
-        )
+        # rendering peaks as decoding does (bench/memory.py): the process holds room for it
+        with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
+            prepared = await self.offload.run(
+                partial(prepare_input, cold=rollout is None),
+                self.renderer,
+                create,
+                history,
+                size=size + 1024 * len(history),
+            )
         compaction = None
         discarded = 0  # tokens rendered for a prompt that compaction replaced: work all the same
         threshold = compaction_threshold(create)

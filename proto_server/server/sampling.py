@@ -207,6 +207,7 @@ class SamplingLoop:
         cut the segment, so it is applied between this token and the next. Returns the events
         that answer it, for the caller to send: they precede whatever the cut brings."""
         events = self.machine.steer(steer)
+        self.rollout.account(self.machine.held_bytes)  # it waits in the machine: charged
         if self.machine.steer_due:
             self._cut()
         return events

@@ -56,6 +56,9 @@ STEER_CODES = frozenset(
         "response_already_completed",
         "response_not_active",
         "successor_creation_failed",
+        # this server's own: a steer that does not fit a memory budget gets its code
+        "connection_memory_limit",
+        "server_busy",
     }
 )
 
