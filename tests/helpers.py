@@ -181,13 +181,14 @@ async def read_line(stream: trio.abc.ReceiveStream) -> str:
 
 
 async def serve_process(
-    nursery: trio.Nursery, store: str, script: Path, *flags: str
+    nursery: trio.Nursery, store: str, script: Path, *flags: str, stderr: int | None = None
 ) -> tuple[trio.Process, str]:
-    """A real `serve` process on `store`, playing `script`: it and its prototype-dialect URL."""
+    """A real `serve` process on `store`, playing `script`: it and its prototype-dialect URL
+    (`stderr`: `subprocess.PIPE` to read its log)."""
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", store,
                "--script", str(script), "--no-prefix-cache", *flags]  # fmt: skip
     process: trio.Process = await nursery.start(
-        partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        partial(trio.run_process, command, stdout=subprocess.PIPE, stderr=stderr, check=False)
     )
     assert process.stdout is not None
     line = await read_line(process.stdout)

@@ -241,7 +241,7 @@ async def test_a_faulting_wal_index_fails_the_response_not_the_process(
                 assert suspended[-1]["response"]["status"] == "in_progress"  # stored, waiting
                 assert shm.stat().st_size > 0
                 if fault == "immutable":
-                    subprocess.run(["chattr", "+i", shm], check=True)
+                    await trio.run_process(["chattr", "+i", shm])
                 else:
                     os.truncate(shm, 0)
                 append = {"type": "response.append", "input": answers(suspended)}
@@ -264,7 +264,8 @@ async def test_a_faulting_wal_index_fails_the_response_not_the_process(
                     assert again[-1]["response"]["output"][-1]["content"][0]["text"] == "Done."
             assert process.returncode is None
         finally:
-            if fault == "immutable":
-                subprocess.run(["chattr", "-i", shm], check=False)
-            process.terminate()
-            await process.wait()
+            with trio.CancelScope(shield=True):  # tmp_path must stay removable
+                if fault == "immutable":
+                    await trio.run_process(["chattr", "-i", shm], check=False)
+                process.terminate()
+                await process.wait()
