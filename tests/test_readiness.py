@@ -3,16 +3,20 @@ shutting down; a draining server says so at once yet still accepts for `drain_de
 
 from __future__ import annotations
 
+import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import trio
 
-from .helpers import CheckpointStore, StartServer, read_line
+from .helpers import CheckpointStore, StartServer, read_line, scrape, serve_process
 
 
 class DownStore(CheckpointStore):
@@ -104,3 +108,55 @@ async def test_serve_drains_on_sigterm_and_a_second_signal_stops_it_at_once(
     assert "SIGTERM, stopping: no new connections after 60 s, not ready meanwhile" in err
     assert unready.status_code == 503
     assert unready.json()["error"]["code"] == "server_shutting_down"
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+async def test_a_store_file_deleted_or_replaced_under_the_server_makes_it_unready(
+    nursery: trio.Nursery, tmp_path: Path, change: str
+) -> None:
+    """The file at `--store` is no longer the one the server has open: the next `/readyz`
+    says 503 naming the file, the log says so once, `/metrics` shows it, and a write fails
+    `store_unavailable` instead of landing in a file a restart would not find."""
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps({"segments": [{"text": "Done."}]}))
+    path = tmp_path / "s.sqlite3"
+    hi = {"model": "m", "input": "hi"}
+    with trio.fail_after(60):
+        process, url = await serve_process(nursery, str(path), script, stderr=subprocess.PIPE)
+        root = url.split("/v1/")[0].replace("ws://", "http://", 1)
+        try:
+            async with httpx.AsyncClient(base_url=root, timeout=10) as http:
+                assert (await http.get("/readyz")).status_code == 200
+                kept = (await http.post("/v1/responses", json=hi)).json()
+                assert kept["status"] == "completed"
+                assert (await scrape(http, root))[("proto_server_store_file_lost", ())] == 0
+                if change == "deleted":
+                    path.unlink()
+                else:
+                    other = tmp_path / "other.sqlite3"
+                    sqlite3.connect(other).close()
+                    os.replace(other, path)
+                unready, again = await http.get("/readyz"), await http.get("/readyz")
+                refused = (await http.post("/v1/responses", json=hi)).json()
+                looked_up = await http.get(f"/v1/responses/{kept['id']}")
+                lost = (await scrape(http, root))[("proto_server_store_file_lost", ())]
+                alive = await http.get("/healthz")
+        finally:
+            process.terminate()
+            await process.wait()
+        assert process.stderr is not None
+        log = b""
+        while chunk := await process.stderr.receive_some():
+            log += chunk
+    assert unready.status_code == again.status_code == 503
+    error = unready.json()["error"]
+    assert error["code"] == "store_unavailable"
+    assert str(path) in error["message"] and change in error["message"], error
+    assert refused["status"] == "failed"
+    assert (
+        refused["error"]["code"] == "store_unavailable" and str(path) in refused["error"]["message"]
+    )
+    assert looked_up.status_code == 503
+    assert lost == 1
+    assert alive.status_code == 200
+    assert log.decode().count("store.file_lost") == 1, log.decode()

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +39,7 @@ from .helpers import (
     answers,
     connect,
     create,
-    read_line,
+    serve_process,
     stored,
 )
 
@@ -446,18 +443,6 @@ async def test_store_false_and_another_key_cannot_resume(
 # -- real processes: one SIGKILLed, the next on its store -----------------------------------
 
 
-async def serve(nursery: trio.Nursery, store: str, script: Path) -> tuple[trio.Process, str]:
-    command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", store,
-               "--script", str(script), "--no-prefix-cache"]  # fmt: skip
-    process: trio.Process = await nursery.start(
-        partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
-    )
-    assert process.stdout is not None
-    line = await read_line(process.stdout)
-    http = line.split("listening on ")[1].split(" ")[0]
-    return process, http.replace("http://", "ws://", 1) + "/responses?dialect=prototype"
-
-
 POSTGRESQL = pytest.param("postgresql", marks=pytest.mark.postgres)
 
 
@@ -470,7 +455,7 @@ async def test_a_suspended_response_survives_a_sigkilled_process(
     sqlite = str(tmp_path / "s.sqlite3")
     store = sqlite if backend == "sqlite" else request.getfixturevalue("pg_url")
     with trio.fail_after(60):
-        victim, url = await serve(nursery, store, script)
+        victim, url = await serve_process(nursery, store, script)
         first = checked()
         async with connect(url) as client:
             events = await exchange(client, first, create())
@@ -479,7 +464,7 @@ async def test_a_suspended_response_survives_a_sigkilled_process(
             assert await victim.wait() == -signal.SIGKILL
         first.finish(closed=True)
         done = events[-1]["response"]
-        heir, url = await serve(nursery, store, script)
+        heir, url = await serve_process(nursery, store, script)
         checker = checked(done)
         async with connect(url) as client:
             frame = {"type": "response.append", "response_id": done["id"], "input": answers(events)}

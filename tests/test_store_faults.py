@@ -8,16 +8,34 @@ false` traffic goes on, and once the lock is gone the store works again by itsel
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+import pytest
 import trio
 
 from proto_server.server.store import SQLiteStore, StoredResponse, StoreRetention, StoreUnavailable
 from proto_server.testing.checker import StreamChecker, o200k_count
 
-from .helpers import END, Locker, StartServer, body, connect, forged, launched_create, sse, turn
+from .helpers import (
+    END,
+    Locker,
+    StartServer,
+    answers,
+    body,
+    connect,
+    create,
+    forged,
+    launched_create,
+    serve_process,
+    sse,
+    turn,
+)
 
 TEXT = {"segments": [{"text": "Done."}]}
 
@@ -176,3 +194,83 @@ async def test_the_stream_checker_accepts_what_a_failing_store_makes_the_server_
                 ("error", "invalid_field"),
                 ("response.completed", None),
             ], expected[name][1]
+
+
+# -- a fault of the WAL index's mapping (the `-shm` file SQLite maps into memory) -------------
+
+#: A call, then an answer: the Response suspends once, and its end is stored.
+CALL_THEN_TEXT = {
+    "segments": [
+        {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}]},
+        {"text": "Done."},
+    ]
+}
+
+
+async def exchange(client: Any, frame: dict[str, Any], *kinds: str) -> list[dict[str, Any]]:
+    await client.send(frame)
+    events: list[dict[str, Any]] = await client.until(*kinds, "error")
+    return events
+
+
+def chattr_works(directory: Path) -> bool:
+    """Whether `chattr +i` works here (root, and a file system with the attribute)."""
+    probe = directory / "probe"
+    probe.touch()
+    if shutil.which("chattr") is None or os.geteuid() != 0:
+        return False
+    made = subprocess.run(["chattr", "+i", probe], capture_output=True).returncode == 0
+    subprocess.run(["chattr", "-i", probe], capture_output=True)
+    return made
+
+
+@pytest.mark.parametrize("fault", ["immutable", "truncated"])
+async def test_a_faulting_wal_index_fails_the_response_not_the_process(
+    nursery: trio.Nursery, tmp_path: Path, fault: str
+) -> None:
+    """Made immutable (`chattr +i`) or truncated under its mapping, the `-shm` file makes the
+    next access of its mapping a SIGBUS: only the store's connection process dies. The
+    suspended Response fails `store_unavailable`; the server, a connection opened before and
+    one opened after live on."""
+    if fault == "immutable" and not chattr_works(tmp_path):
+        pytest.skip("chattr +i needs root and a file system that has the attribute")
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps(CALL_THEN_TEXT))
+    path = tmp_path / "s.sqlite3"
+    shm = tmp_path / "s.sqlite3-shm"
+    with trio.fail_after(60):
+        process, url = await serve_process(nursery, str(path), script)
+        try:
+            async with connect(url) as client, connect(url) as other:
+                suspended = await exchange(client, create(), "response.done")
+                assert suspended[-1]["response"]["status"] == "in_progress"  # stored, waiting
+                assert shm.stat().st_size > 0
+                if fault == "immutable":
+                    await trio.run_process(["chattr", "+i", shm])
+                else:
+                    os.truncate(shm, 0)
+                append = {"type": "response.append", "input": answers(suspended)}
+                ended = await exchange(client, append, "response.completed", "response.failed")
+                assert ended[-1]["type"] == "response.failed"
+                error = ended[-1]["response"]["error"]
+                assert error["code"] == "store_unavailable", error
+                assert "SIGBUS" in error["message"], error
+                assert process.returncode is None  # the server lives
+                # so do its connections: the one opened before, and a new one, whose
+                # suspension a new connection process stores (or, while the file stays
+                # immutable, leaves unstored: resumable on its connection only)
+                served = await exchange(other, create(store=False), "response.done")
+                assert served[-1]["response"]["error"] is None
+                async with connect(url) as fresh:
+                    served = await exchange(fresh, create(), "response.done")
+                    assert served[-1]["response"]["error"] is None
+                    append = {"type": "response.append", "input": answers(served)}
+                    again = await exchange(fresh, append, "response.completed", "response.failed")
+                    assert again[-1]["response"]["output"][-1]["content"][0]["text"] == "Done."
+            assert process.returncode is None
+        finally:
+            with trio.CancelScope(shield=True):  # tmp_path must stay removable
+                if fault == "immutable":
+                    await trio.run_process(["chattr", "-i", shm], check=False)
+                process.terminate()
+                await process.wait()

@@ -9,9 +9,9 @@ connections and suspended Responses summed over the workers alive).
 Counted where it happens, each at one place: connections (app.py), the events and bytes each
 connection writes and the Responses they end (`sent`, from the WebSocket writer and the SSE
 writer), turns with their tokens and phases (`turn_ended`, from the sampling loop's record),
-suspensions and evictions (suspension.py, memory.py), store calls (`TimedStore`), what the
-chat-template renderer's cache did (`rendered`, after each render: the engine's renderer keeps
-its own counts, taken from here).
+suspensions and evictions (suspension.py, memory.py), store calls and the state of the SQLite
+file (`TimedStore`), what the chat-template renderer's cache did (`rendered`, after each
+render: the engine's renderer keeps its own counts, taken from here).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from proto_server.server.store import (
     ANONYMOUS,
     ProbedStore,
     ResponseStore,
+    SQLiteStore,
     StoredResponse,
     SuspendedResponse,
     SuspensionStore,
@@ -101,6 +102,12 @@ STORE = Histogram(
     "proto_server_store_seconds", "Calls to the persisted store, by operation and outcome",
     ["operation", "outcome"], buckets=_FAST + _SLOW[-6:],
 )  # fmt: skip
+STORE_FILE_LOST = Gauge(
+    "proto_server_store_file_lost",
+    "1 while the SQLite file at --store is not the one the server opened (deleted or "
+    "replaced): /readyz answers 503 and store calls fail store_unavailable",
+    multiprocess_mode="livemax",
+)
 
 _TERMINAL = {
     "response.completed": "completed",
@@ -190,6 +197,12 @@ class TimedStore:
             outcome = "ok"
         finally:
             STORE.labels(operation, outcome).observe(time.perf_counter() - started)
+            self._file_checked()
+
+    def _file_checked(self) -> None:
+        """The SQLite file's state as its last check saw it (every call and `/readyz` check)."""
+        if isinstance(self.inner, SQLiteStore):
+            STORE_FILE_LOST.set(0 if self.inner.file_lost is None else 1)
 
     async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
         with self._timed("put"):
@@ -243,7 +256,9 @@ class TimedStore:
     async def readiness(self) -> str | None:
         """The inner store's answer to `/readyz`, if it has one (else it is as ready as this)."""
         inner = self.inner
-        return await inner.readiness() if isinstance(inner, ProbedStore) else None
+        problem = await inner.readiness() if isinstance(inner, ProbedStore) else None
+        self._file_checked()
+        return problem
 
     async def aclose(self) -> None:
         await self.inner.aclose()

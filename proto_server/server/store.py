@@ -3,7 +3,8 @@
 Behind a small interface (`ResponseStore`), so that a shared store (postgres.py) can serve
 several server processes. The default is embedded SQLite in WAL mode, one transaction per
 write, so a crash in the middle of a write leaves the previous state intact. Its blocking calls
-run in worker threads.
+run in worker threads, each connection to a file in a child process (sqlite_host.py), so that a
+fault of the file's memory mapping (a SIGBUS) kills that process, not the server.
 
 A stored response belongs to its owner (the API key that created it, as an opaque id; with auth
 off, one anonymous owner): a lookup by another owner finds nothing. Every failure of the store,
@@ -16,8 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
+import signal
 import sqlite3
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +36,8 @@ import trio
 from proto_server.core.compaction import compacted_prompt
 from proto_server.core.ranges import InvalidSetting, at_least, positive
 from proto_server.core.settings import setting
+from proto_server.server import sqlite_host
+from proto_server.server.logs import log
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.items import Item
@@ -280,73 +288,120 @@ class SuspensionStore(Protocol):
 
 @runtime_checkable
 class ProbedStore(Protocol):
-    """A store outside the process (a database server) that may be down while the server is
-    up: `/readyz` asks it. An embedded SQLite file is as ready as the process holding it."""
+    """A store that may be unusable while the server is up: `/readyz` asks it. A database
+    server may be down; an embedded SQLite file may have been deleted or replaced."""
 
     async def readiness(self) -> str | None:
         """None when the store answers now, within a short timeout; otherwise why not."""
         ...
 
 
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS responses (
-        id TEXT PRIMARY KEY,
-        previous_response_id TEXT,
-        created_at INTEGER NOT NULL,
-        stored_at REAL NOT NULL,
-        response BLOB NOT NULL,
-        items BLOB NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS responses_stored_at ON responses (stored_at)",
-)
+#: The schema of a file, and its migrations (sqlite_host.py, where the SQL lives).
+_SCHEMA, _MIGRATIONS = sqlite_host.SCHEMA, sqlite_host.MIGRATIONS
+SCHEMA_VERSION = sqlite_host.SCHEMA_VERSION
 
-#: Schema changes in order; `PRAGMA user_version` counts those a file has had.
-_MIGRATIONS = (
-    # 1: API keys are tenants; rows written before belong to the anonymous owner
-    "ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
-    # 2-4: suspended prototype Responses, their items in chunks (each suspension adds one)
-    """CREATE TABLE suspended (
-        id TEXT PRIMARY KEY,
-        owner TEXT NOT NULL,
-        stored_at REAL NOT NULL,
-        version INTEGER NOT NULL,
-        claimed INTEGER NOT NULL DEFAULT 0,
-        items_count INTEGER NOT NULL,
-        state BLOB NOT NULL
-    )""",
-    "CREATE INDEX suspended_stored_at ON suspended (stored_at)",
-    """CREATE TABLE suspended_items (
-        id TEXT NOT NULL,
-        start INTEGER NOT NULL,
-        items BLOB NOT NULL,
-        PRIMARY KEY (id, start)
-    )""",
-)
-SCHEMA_VERSION = len(_MIGRATIONS)
+#: The script a file store's connections run in, each in a process of its own (sqlite_host.py).
+_HOST = str(Path(sqlite_host.__file__))
+#: `/readyz` waits this long at most for the store file's `stat` (a hung disk).
+_PROBE_S = 2.0
 
 
-def _migrate(db: sqlite3.Connection) -> None:
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        for statement in _SCHEMA:
-            db.execute(statement)
-        version = int(db.execute("PRAGMA user_version").fetchone()[0])
-        if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(
-                f"the store has schema version {version}, written by a newer proto-server "
-                f"(this one knows {SCHEMA_VERSION})"
-            )
-        for statement in _MIGRATIONS[version:]:
-            db.execute(statement)
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
+class _StoreProcessDied(Exception):
+    """The process of a connection died (a SIGBUS from a faulting `-shm` mapping, a kill)."""
+
+
+class _InProcess:
+    """A `:memory:` database: its SQL runs here (there is no file whose mapping could fault)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._db = sqlite_host.connect(":memory:", timeout_s, writer=True)
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def call(self, op: str, busy_ms: int, *args: Any) -> Any:
+        return sqlite_host.run(self._db, op, busy_ms, args)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class _Child:
+    """One connection to a file, held by a child process (sqlite_host.py): a fault of the
+    file's mappings kills that process, and the call fails instead of the server."""
+
+    def __init__(self, path: str, timeout_s: float, *, writer: bool) -> None:
+        role = "writer" if writer else "reader"
+        # -I: only the standard library, never a module of this directory (http.py, logs.py)
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", _HOST, path, repr(timeout_s), role],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        self._dead = False
+        try:
+            self._reply()  # the outcome of opening the database
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._process.poll() is None
+
+    def call(self, op: str, busy_ms: int, *args: Any) -> Any:
+        assert self._process.stdin is not None
+        try:
+            sqlite_host.send(self._process.stdin, (op, busy_ms, args))
+        except OSError:
+            raise self._died() from None
+        return self._reply()
+
+    def _reply(self) -> Any:
+        assert self._process.stdout is not None
+        try:
+            status, value = sqlite_host.receive(self._process.stdout)
+        except (EOFError, OSError):
+            raise self._died() from None
+        if status == "ok":
+            return value
+        if status == "fenced":
+            raise sqlite_host.Fenced
+        kind, name, message = value
+        error = getattr(sqlite3, kind, sqlite3.DatabaseError)(message)
+        error.sqlite_errorname = name
+        raise error
+
+    def _died(self) -> _StoreProcessDied:
+        self._dead = True
+        try:
+            status = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # its pipe broke, yet it lives: it is of no use
+            self._process.kill()
+            status = self._process.wait()
+        how = f"died of {signal.Signals(-status).name}" if status < 0 else f"exited ({status})"
+        log.error("store.process_died", extra={"pid": self._process.pid, "how": how})
+        return _StoreProcessDied(f"its process {how}; the next call starts another")
+
+    def close(self) -> None:
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None:
+                pipe.close()  # it sees the end of its input and exits
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # stuck on a hung disk
+            self._process.kill()
+            self._process.wait()
+
+
+_Connection = _InProcess | _Child
 
 
 class SQLiteStore:
-    """Responses in one SQLite file (or `:memory:`), pruned to a retention limit."""
+    """Responses in one SQLite file (or `:memory:`), pruned to a retention limit.
+
+    Each connection to a file lives in a child process (sqlite_host.py says why); every call
+    first checks that the file at the path is still the one opened (`file_lost`)."""
 
     def __init__(
         self,
@@ -360,42 +415,95 @@ class SQLiteStore:
         self.max_responses = retention.max_responses
         self.max_age_s = retention.max_age_s
         self.timeout_s = retention.timeout_s
-        self._db = self._connect()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        _migrate(self._db)
-        self._write_limiter = trio.CapacityLimiter(1)
         self._memory = self.path == ":memory:"
+        self._db = self._connect()
+        # which file was opened, so that one deleted or replaced under the server is noticed
+        self._identity = None if self._memory else _identity(os.stat(self.path))
+        self._lost: str | None = None
+        self._lost_lock = threading.Lock()
+        self._probe_limiter = trio.CapacityLimiter(1)
+        self._write_limiter = trio.CapacityLimiter(1)
         # one in-memory database is one connection: its reads take turns with its writes
         self._read_limiter = self._write_limiter if self._memory else trio.CapacityLimiter(READERS)
-        self._readers: list[sqlite3.Connection] = []
-        self._all_readers: list[sqlite3.Connection] = []
+        self._readers: list[_Connection] = []
+        self._all_readers: list[_Connection] = []
 
-    def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(
-            self.path, check_same_thread=False, isolation_level=None, timeout=self.timeout_s
-        )
+    def _connect(self, writer: bool = True) -> _Connection:
+        if self._memory:
+            return _InProcess(self.timeout_s)
+        return _Child(self.path, self.timeout_s, writer=writer)
+
+    def _writer(self) -> _Connection:
+        """The writing connection: a new one if the last one's process died."""
+        if not self._db.alive:
+            self._db.close()
+            self._db = self._connect()
+        return self._db
+
+    @property
+    def file_lost(self) -> str | None:
+        """Why the file at the path is no longer the one open (as the last check saw it)."""
+        return self._lost
+
+    def _check_file(self) -> str | None:
+        """Compare the path's file with the one opened (a `stat`: no I/O of the database)."""
+        if self._identity is None:
+            return None
+        try:
+            now: tuple[int, int] | None = _identity(os.stat(self.path))
+        except FileNotFoundError:
+            now = None
+        except OSError as exc:
+            return f"the SQLite store's file {self.path} cannot be checked ({exc})"
+        problem = None
+        if now != self._identity:
+            what = "was deleted" if now is None else "was replaced by another file"
+            problem = (
+                f"the SQLite store's file {self.path} {what} while the server had it open "
+                "(what it stores now would be lost at a restart)"
+            )
+        with self._lost_lock:  # logged once when it goes, once if it comes back
+            if problem != self._lost:
+                if problem is None:
+                    log.warning("store.file_back", extra={"path": self.path})
+                else:
+                    log.error("store.file_lost", extra={"path": self.path, "why": what})
+                self._lost = problem
+        return problem
+
+    async def readiness(self) -> str | None:
+        """Whether the file at the path is still the one open (`:memory:` always is)."""
+        if self._memory:
+            return None
+        limit = min(self.timeout_s, _PROBE_S)
+        with trio.move_on_after(limit):
+            return await trio.to_thread.run_sync(
+                self._check_file, limiter=self._probe_limiter, abandon_on_cancel=True
+            )
+        return f"the SQLite store's file {self.path} did not answer a stat within {limit:g} s"
 
     async def _call(
         self,
         limiter: trio.CapacityLimiter,
         what: str,
-        db: sqlite3.Connection | None,
+        db: Callable[[], _Connection] | None,
         fn: Callable[..., T],
         *args: Any,
     ) -> T:
-        """Run `fn(db, *args)` in a worker thread within `timeout_s`, waiting for a turn
-        included; every way it can fail becomes a `StoreUnavailable` here, and only here."""
+        """Run `fn(connection, busy_ms, *args)` in a worker thread within `timeout_s`, waiting
+        for a turn included; every way it can fail becomes a `StoreUnavailable` here, and
+        only here."""
         deadline = time.monotonic() + self.timeout_s
 
         def bounded() -> T:
+            if (lost := self._check_file()) is not None:
+                raise _FileLost(lost)
             if db is None:
                 return fn(*args)
             left = deadline - time.monotonic() - _MARGIN_S  # after waiting for a turn
             if left <= 0:
                 raise trio.TooSlowError
-            db.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
-            return fn(db, *args)
+            return fn(db(), max(1, int(left * 1000)), *args)
 
         try:
             with trio.fail_after(self.timeout_s):
@@ -406,7 +514,9 @@ class SQLiteStore:
                 )
         except trio.TooSlowError:
             why = ""
-        except sqlite3.Error as exc:
+        except _FileLost as exc:
+            raise StoreUnavailable(f"The response store is unavailable: {exc}, so {what}.") from exc
+        except (sqlite3.Error, _StoreProcessDied) as exc:
             name = getattr(exc, "sqlite_errorname", "")
             if not name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
                 raise StoreUnavailable(f"The response store failed ({exc}), so {what}.") from exc
@@ -416,23 +526,27 @@ class SQLiteStore:
             f"{why}, so {what}."
         )
 
+    async def _write(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        return await self._call(self._write_limiter, what, self._writer, fn, *args)
+
     async def _read(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         if self._memory:
-            return await self._call(self._read_limiter, what, self._db, fn, *args)
+            return await self._call(self._read_limiter, what, self._writer, fn, *args)
         async with self._read_limiter:  # as many idle readers as free slots
             reader = self._readers.pop() if self._readers else None
             if reader is None:
-                reader = await self._call(trio.CapacityLimiter(1), what, None, self._connect)
+                reader = await self._call(trio.CapacityLimiter(1), what, None, self._connect, False)
                 self._all_readers.append(reader)
             # a reader whose call failed may still be busy in an abandoned thread: not reused
-            result = await self._call(trio.CapacityLimiter(1), what, reader, fn, *args)
+            this = reader
+            result = await self._call(trio.CapacityLimiter(1), what, lambda: this, fn, *args)
             self._readers.append(reader)
             return result
 
-    # -- blocking bodies, run in a worker thread -------------------------------------------
+    # -- run in a worker thread: encode, call the connection, decode --------------------------
 
     def _put(
-        self, db: sqlite3.Connection, stored: StoredResponse, ends_suspension: int | None
+        self, db: _Connection, busy_ms: int, stored: StoredResponse, ends_suspension: int | None
     ) -> None:
         response = stored.response
         row = (
@@ -443,156 +557,69 @@ class SQLiteStore:
             *encode_row(stored),
             stored.owner,
         )
-        with db:  # one transaction: all of it, or none of it
-            db.execute("BEGIN IMMEDIATE")
-            if ends_suspension is not None:
-                self._end_suspension(db, response.id, ends_suspension)
-            db.execute(
-                "INSERT OR REPLACE INTO responses (id, previous_response_id, created_at, "
-                "stored_at, response, items, owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                row,
-            )
-            db.execute(
-                "DELETE FROM responses WHERE stored_at < ?", (self._clock() - self.max_age_s,)
-            )
-            db.execute(
-                "DELETE FROM responses WHERE id IN (SELECT id FROM responses "
-                "ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
-                (self.max_responses,),
-            )
-
-    @staticmethod
-    def _end_suspension(db: sqlite3.Connection, response_id: str, version: int) -> None:
-        gone = db.execute(
-            "DELETE FROM suspended WHERE id = ? AND version = ?", (response_id, version)
-        )
-        if gone.rowcount != 1:
-            raise SuspensionLost(response_id)
-        db.execute("DELETE FROM suspended_items WHERE id = ?", (response_id,))
+        try:
+            db.call(
+                "put", busy_ms, row, ends_suspension, self._clock() - self.max_age_s,
+                self.max_responses,
+            )  # fmt: skip
+        except sqlite_host.Fenced:
+            raise SuspensionLost(response.id) from None
 
     def _suspend(
-        self, db: sqlite3.Connection, suspended: SuspendedResponse, since: int, expected: int
-    ) -> None:
+        self, db: _Connection, busy_ms: int, suspended: SuspendedResponse, since: int,
+        expected: int,
+    ) -> None:  # fmt: skip
         response_id = suspended.response.id
         now = self._clock()
-        state = encode_suspended(suspended)
         new = suspended.items[since:]
-        with db:
-            db.execute("BEGIN IMMEDIATE")
-            if expected == 0:
-                try:
-                    db.execute(
-                        "INSERT INTO suspended (id, owner, stored_at, version, claimed, "
-                        "items_count, state) VALUES (?, ?, ?, 1, 0, ?, ?)",
-                        (response_id, suspended.owner, now, len(suspended.items), state),
-                    )
-                except sqlite3.IntegrityError:
-                    raise SuspensionLost(response_id) from None
-            else:
-                moved = db.execute(
-                    "UPDATE suspended SET state = ?, version = ?, claimed = 0, stored_at = ?, "
-                    "items_count = ? WHERE id = ? AND version = ?",
-                    (state, expected + 1, now, len(suspended.items), response_id, expected),
-                )
-                if moved.rowcount != 1:
-                    raise SuspensionLost(response_id)
-            if new:
-                db.execute(
-                    "INSERT OR REPLACE INTO suspended_items (id, start, items) VALUES (?, ?, ?)",
-                    (response_id, since, encode_items(new)),
-                )
-            old = [
-                row[0]
-                for row in db.execute(
-                    "SELECT id FROM suspended WHERE stored_at < ? UNION SELECT id FROM "
-                    "(SELECT id FROM suspended ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
-                    (now - self.max_age_s, self.max_responses),
-                )
-            ]
-            for gone in old:
-                db.execute("DELETE FROM suspended WHERE id = ?", (gone,))
-                db.execute("DELETE FROM suspended_items WHERE id = ?", (gone,))
+        try:
+            db.call(
+                "suspend", busy_ms, response_id, suspended.owner, now,
+                encode_suspended(suspended), len(suspended.items), since,
+                encode_items(new) if new else None, expected, now - self.max_age_s,
+                self.max_responses,
+            )  # fmt: skip
+        except sqlite_host.Fenced:
+            raise SuspensionLost(response_id) from None
 
     @staticmethod
     def _suspended(
-        db: sqlite3.Connection, response_id: str, owner: str
+        db: _Connection, busy_ms: int, response_id: str, owner: str
     ) -> SuspendedResponse | None:
-        with db:  # one read transaction: the state and its chunks as of one moment
-            db.execute("BEGIN")
-            row = db.execute(
-                "SELECT state, version, claimed, items_count, stored_at FROM suspended "
-                "WHERE id = ? AND owner = ?",
-                (response_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            chunks = db.execute(
-                "SELECT items FROM suspended_items WHERE id = ? AND start < ? ORDER BY start",
-                (response_id, row[3]),
-            ).fetchall()
+        found = db.call("suspended", busy_ms, response_id, owner)
+        if found is None:
+            return None
+        state, version, claimed, stored_at, chunks = found
         return decode_suspended(
-            row[0], [chunk[0] for chunk in chunks], owner=owner, version=int(row[1]),
-            claimed=bool(row[2]), stored_at=float(row[4]),
+            state, chunks, owner=owner, version=version, claimed=bool(claimed),
+            stored_at=stored_at,
         )  # fmt: skip
 
     @staticmethod
-    def _claim(
-        db: sqlite3.Connection, response_id: str, owner: str, version: int, now: float,
-        lapsed_before: float,
-    ) -> bool:  # fmt: skip
-        # one statement: SQLite runs one writer at a time, so of two racing claims one wins
-        won = db.execute(
-            "UPDATE suspended SET claimed = 1, version = version + 1, stored_at = ? "
-            "WHERE id = ? AND owner = ? AND version = ? AND (claimed = 0 OR stored_at < ?)",
-            (now, response_id, owner, version, lapsed_before),
-        )
-        return won.rowcount == 1
+    def _op(db: _Connection, busy_ms: int, op: str, *args: Any) -> Any:
+        return db.call(op, busy_ms, *args)
 
     @staticmethod
-    def _release(db: sqlite3.Connection, response_id: str, version: int) -> None:
-        db.execute(
-            "UPDATE suspended SET claimed = 0 WHERE id = ? AND version = ?", (response_id, version)
-        )
-
-    @staticmethod
-    def _get(db: sqlite3.Connection, response_id: str, owner: str) -> StoredResponse | None:
-        row = db.execute(
-            "SELECT response, items FROM responses WHERE id = ? AND owner = ?",
-            (response_id, owner),
-        ).fetchone()
+    def _get(db: _Connection, busy_ms: int, response_id: str, owner: str) -> StoredResponse | None:
+        row = db.call("get", busy_ms, response_id, owner)
         return None if row is None else decode_row(row[0], row[1], owner)
 
-    @classmethod
+    @staticmethod
     def _chain(
-        cls, db: sqlite3.Connection, response_id: str, owner: str
+        db: _Connection, busy_ms: int, response_id: str, owner: str
     ) -> list[StoredResponse] | None:
-        chain: list[StoredResponse] = []
-        next_id: str | None = response_id
-        seen = set()
-        with db:  # one read transaction: the chain as of one moment
-            db.execute("BEGIN")
-            while next_id is not None and next_id not in seen:
-                seen.add(next_id)
-                stored = cls._get(db, next_id, owner)
-                if stored is None:
-                    return None
-                chain.append(stored)
-                next_id = stored.response.previous_response_id
-        chain.reverse()
-        return chain
+        rows = db.call("chain", busy_ms, response_id, owner)
+        if rows is None:
+            return None
+        return [decode_row(row[0], row[1], owner) for row in reversed(rows)]
 
     # -- the interface --------------------------------------------------------------------------
 
     async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
-        await self._call(
-            self._write_limiter, PUT_FAILED, self._db, self._put, stored, ends_suspension
-        )
+        await self._write(PUT_FAILED, self._put, stored, ends_suspension)
 
     async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
-        await self._call(
-            self._write_limiter, SUSPEND_FAILED, self._db, self._suspend, suspended, since,
-            expected,
-        )  # fmt: skip
+        await self._write(SUSPEND_FAILED, self._suspend, suspended, since, expected)
 
     async def suspended(
         self, response_id: str, *, owner: str = ANONYMOUS
@@ -602,16 +629,14 @@ class SQLiteStore:
     async def claim(
         self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
     ) -> bool:
-        return await self._call(
-            self._write_limiter, resume_failed(response_id), self._db, self._claim,
-            response_id, owner, version, self._clock(), lapsed_before,
+        won = await self._write(
+            resume_failed(response_id), self._op, "claim", response_id, owner, version,
+            self._clock(), lapsed_before,
         )  # fmt: skip
+        return bool(won)
 
     async def release(self, response_id: str, *, version: int) -> None:
-        await self._call(
-            self._write_limiter, resume_failed(response_id), self._db, self._release,
-            response_id, version,
-        )  # fmt: skip
+        await self._write(resume_failed(response_id), self._op, "release", response_id, version)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         return await self._read(get_failed(response_id), self._get, response_id, owner)
@@ -622,7 +647,7 @@ class SQLiteStore:
         return await self._read(chain_failed(response_id), self._chain, response_id, owner)
 
     def count(self) -> int:
-        return int(self._db.execute("SELECT count(*) FROM responses").fetchone()[0])
+        return int(self._writer().call("count", int(self.timeout_s * 1000)))
 
     async def aclose(self) -> None:
         def close() -> None:
@@ -632,6 +657,14 @@ class SQLiteStore:
 
         async with self._write_limiter:
             await trio.to_thread.run_sync(close)
+
+
+class _FileLost(Exception):
+    """The file at the store's path is not the one open (deleted or replaced)."""
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
 
 
 #: Where a chain is looked for, as `previous_response_not_found` says it.
