@@ -494,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # which was 40% of the server's CPU per turn in front of vLLM.
     gc.freeze()
     try:
-        trio.run(partial(_serve, server, what, getattr(generator, "aclose", None)))
+        closers = [getattr(generator, "aclose", None), store.aclose]
+        trio.run(partial(_serve, server, what, [close for close in closers if close is not None]))
     except OSError as exc:
         print(
             f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
@@ -675,13 +676,15 @@ def _bench_local(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    server: ProtoServer, what: str, close: Callable[[], Awaitable[None]] | None = None
+    server: ProtoServer, what: str, closers: Sequence[Callable[[], Awaitable[None]]] = ()
 ) -> None:
     try:
         await _listen(server, what)
     finally:
-        if close is not None:  # the generator's own resources (an engine's connections)
-            with trio.CancelScope(shield=True):
+        # the generator's own resources (an engine's connections), then the store's (its
+        # connection processes, a database pool)
+        with trio.CancelScope(shield=True):
+            for close in closers:
                 await close()
 
 
