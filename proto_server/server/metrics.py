@@ -73,6 +73,11 @@ RESPONSES = Counter(
     "proto_server_responses", "Responses ended, by dialect and final status",
     ["dialect", "status"],
 )  # fmt: skip
+SEND_TIMEOUTS = Counter(
+    "proto_server_send_timeouts",
+    "Connections let go because their client accepted no bytes for --send-timeout, by transport",
+    ["transport"],
+)
 EVICTIONS = Counter("proto_server_evictions", "Responses or caches let go, by reason", ["reason"])
 RENDER_CACHE = Counter(
     "proto_server_render_cache",
@@ -133,6 +138,12 @@ def sent(event: ServerEvent, *, dialect: str, transport: str, size: int, seconds
     frames.inc()
     nbytes.inc(size)
     write.observe(seconds)
+    ended(event, dialect=dialect)
+
+
+def ended(event: ServerEvent, *, dialect: str) -> None:
+    """What `event` ends or says went wrong, whether or not its client got it (one cut for
+    `--send-timeout` never does)."""
     status = _TERMINAL.get(event.type)
     if status is not None:
         RESPONSES.labels(dialect, status).inc()
