@@ -24,6 +24,8 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "max_request_head_bytes", 0, "at least 1"),
     (ServerConfig, "max_connection_lifetime_s", -5.0, "positive"),
     (ServerConfig, "max_connection_lifetime_s", math.nan, "positive"),
+    (ServerConfig, "send_timeout_s", 0, "positive"),
+    (ServerConfig, "send_timeout_s", math.nan, "positive"),
     (ServerConfig, "max_connections", 0, "at least 1"),
     (ServerConfig, "suspend_timeout_s", 0, "positive"),
     (ServerConfig, "max_suspended_rollouts", 0, "at least 1"),

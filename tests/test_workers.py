@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from .helpers import connect, read_line
+from .helpers import connect, read_line, scrape, value
 
 
 def children(pid: int) -> list[int]:
@@ -110,6 +110,48 @@ async def test_a_worker_that_dies_is_started_again_and_the_server_goes_on(
         assert process.stderr is not None
         said = (await process.stderr.receive_some(65536)).decode()
     assert "worker.restarted" in said and f"pid={first[0]}" in said and "status=-9" in said
+
+
+def metrics_dir(worker: int) -> Path:
+    """The directory the supervisor gave `worker` for its metrics (from its environment)."""
+    for entry in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+            return Path(entry.split(b"=", 1)[1].decode())
+    raise AssertionError(f"worker {worker} has no metrics directory")
+
+
+async def test_dead_workers_leave_their_totals_and_no_files_behind(nursery: trio.Nursery) -> None:
+    """Killed 4 times, the workers leave one archive per type, not two files each time, and
+    what the dead ones counted is still in every scrape."""
+    served, kills = 4, 4
+    labels = {"dialect": "http", "status": "completed"}
+    with trio.fail_after(90):
+        process, http_url = await start_workers(nursery, "--log-level", "warning")
+        base = http_url.removesuffix("/v1")
+        workers = await wait_for_workers(process.pid, 2)
+        directory = metrics_dir(workers[0])
+        body = {"model": "m", "input": "hi", "store": False}
+        for _ in range(served):  # new connections each: the kernel spreads them over the workers
+            async with httpx.AsyncClient(timeout=10) as http:
+                assert (await http.post(f"{http_url}/responses", json=body)).status_code == 200
+        async with httpx.AsyncClient(timeout=10) as http:
+            before = value(await scrape(http, base), "proto_server_responses_total", **labels)
+        assert before == served
+        files = []
+        for kill in range(kills):
+            victim = workers[kill % 2]
+            os.kill(victim, signal.SIGKILL)
+            workers = await wait_for_workers(process.pid, 2, not_in=frozenset({victim}))
+            files.append(len(list(directory.glob("*.db"))))
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(4):  # whichever worker answers
+                samples = await scrape(http, base)
+                assert value(samples, "proto_server_responses_total", **labels) == served
+                assert value(samples, "proto_server_connections_open") >= 1  # the scrape's own
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+    # each live worker: a counter, a histogram and a live gauge file; the dead: two archives
+    assert max(files) <= 2 * 3 + 2, files
 
 
 def test_a_worker_that_cannot_start_stops_the_server_with_its_status(tmp_path: Path) -> None:

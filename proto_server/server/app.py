@@ -48,6 +48,7 @@ from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.responses import Responses
+from proto_server.server.sendtimeout import SendTimeoutStream
 from proto_server.server.store import ResponseStore
 from proto_server.wire.errors import ProtocolError
 
@@ -218,10 +219,11 @@ class ProtoServer:
             self._handlers.cancel_scope.cancel()  # whatever would not finish in time
         log.info("server.stopped", extra={"forced": self.open_connections})
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, socket_stream: trio.SocketStream) -> None:
         if self.open_connections >= self.config.max_connections:
-            await self._turn_away(stream)
+            await self._turn_away(socket_stream)
             return
+        stream = SendTimeoutStream(socket_stream, self.config.send_timeout_s)
         self._count(connections=1)
         try:
             head = None
@@ -285,7 +287,7 @@ class ProtoServer:
                 await stream.aclose()
 
     async def _serve_websocket(
-        self, stream: trio.SocketStream, head: RequestHead, deadline: float
+        self, stream: SendTimeoutStream, head: RequestHead, deadline: float
     ) -> None:
         async with trio.open_nursery() as nursery:
             with trio.move_on_at(deadline) as handshake:

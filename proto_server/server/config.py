@@ -61,6 +61,14 @@ class ServerConfig:
         help="a WebSocket lives this long; then websocket_connection_limit_reached and a clean "
         "close",
     )
+    send_timeout_s: float = setting(
+        60.0,
+        positive,
+        help="a client that accepts no bytes for this long while the server has some for it "
+        "is let go (as nginx's send_timeout): its open Responses end response.incomplete "
+        "(reason slow_reader), a WebSocket is closed with code 1008; a client that reads "
+        "slowly but steadily is not",
+    )
     max_connections: int = setting(
         1000,
         at_least(1),

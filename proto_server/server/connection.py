@@ -8,7 +8,9 @@
 
 When the peer goes away the nursery is cancelled, and every rollout under it with it. When the
 connection reaches its lifetime limit, it stops reading, lets what is streaming finish, says
-`websocket_connection_limit_reached`, and closes cleanly.
+`websocket_connection_limit_reached`, and closes cleanly. When its client takes no bytes for
+`--send-timeout`, it stops reading, ends every open Response `incomplete` (`slow_reader`: stored
+so, counted so, sent to no one) and closes with 1008.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.writer import write_events
-from proto_server.server.wsframes import FrameWriter
+from proto_server.server.sendtimeout import SendTimeout
+from proto_server.server.writer import discard_events, write_events
+from proto_server.server.wsframes import FrameWriter, close_stalled
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
@@ -44,6 +48,11 @@ SERVER_SHUTDOWN = "server_shutdown"
 SHUTDOWN_CLOSE_REASON = "server shutting down; reconnect and resend the conversation"
 #: How long a stopping server waits for a client to take its last events and the close frame.
 CLOSE_WAIT_S = 2.0
+#: `incomplete_details.reason` of the Responses of a client cut for `--send-timeout`...
+SLOW_READER = "slow_reader"
+#: ...and its close code: policy violation (RFC 6455 7.4.1), the client broke the server's
+#: rule; not 1013 (try again later), which would tell it that the server was the one too busy.
+SLOW_READER_CODE = 1008
 
 
 class Dialect(Protocol):
@@ -104,6 +113,8 @@ class Connection:
         self._written = trio.Event()
         self._reading = trio.CancelScope()
         self._shutdown_deadline: float | None = None
+        #: Set when a write made no progress for `--send-timeout`: nothing more is written.
+        self._stalled: SendTimeout | None = None
 
     def lane(self, stream_id: str | None) -> LaneSink:
         """Where the events of lane `stream_id` go: one writer, numbered per lane.
@@ -120,7 +131,9 @@ class Connection:
             with trio.move_on_after(lifetime_s), self._reading:
                 await self._read(dialect)
                 return  # the peer went away
-            if self._shutdown_deadline is not None:
+            if self._stalled is not None:
+                await self._cut(dialect, self._stalled)
+            elif self._shutdown_deadline is not None:
                 await self._shut_down(dialect, self._shutdown_deadline)
             else:
                 await self._retire(dialect, lifetime_s)
@@ -143,7 +156,32 @@ class Connection:
         # a client that stopped reading cannot hold the server's exit hostage
         with trio.move_on_after(CLOSE_WAIT_S):
             await self._written.wait()
-            await self.ws.aclose(code=1001, reason=SHUTDOWN_CLOSE_REASON)
+            await self._close(1001, SHUTDOWN_CLOSE_REASON)
+
+    async def _cut(self, dialect: Dialect, stall: SendTimeout) -> None:
+        """The client took no bytes for `--send-timeout`: its Responses end `incomplete`
+        (`slow_reader`) and release their rollouts, and the connection closes with 1008."""
+        log.warning(
+            "connection.slow_reader",
+            extra={"connection": self.id, "timeout_s": stall.timeout_s,
+                   "unsent_bytes": len(stall.unsent)},
+        )  # fmt: skip
+        metrics.SEND_TIMEOUTS.labels("websocket").inc()
+        await dialect.expire(SLOW_READER)
+        self._channel.close()
+        await self._written.wait()
+        await self._close(SLOW_READER_CODE, "")
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Close with `code`; after a stalled write, the way `close_stalled` does."""
+        stall = self._stalled
+        if stall is None:
+            await self.ws.aclose(code=code, reason=reason)
+            return
+        why = f"send timeout: the client took no bytes for {stall.timeout_s:g} s (--send-timeout)"
+        await close_stalled(
+            self.ws, stall.unsent, code=SLOW_READER_CODE, reason=why, wait_s=CLOSE_WAIT_S
+        )
 
     async def _read(self, dialect: Dialect) -> None:
         while True:
@@ -206,7 +244,7 @@ class Connection:
         await self.events.send(ErrorEvent(status=400, error=detail))
         self._channel.close()
         await self._written.wait()
-        await self.ws.aclose(code=1000, reason="connection lifetime limit reached")
+        await self._close(1000, "connection lifetime limit reached")
 
     async def _write(self) -> None:
         """The one writer (`writer.py`), each event a text frame and each batch one socket write."""
@@ -214,7 +252,14 @@ class Connection:
         frames = WebSocketTransport(FrameWriter(self.ws, compressed=self._compressed))
         try:
             async with self._outbox:
-                await write_events(outbox, frames, dialect=self.dialect, observer=self._observer)
+                try:
+                    await write_events(
+                        outbox, frames, dialect=self.dialect, observer=self._observer
+                    )
+                except SendTimeout as stall:
+                    self._stalled = stall
+                    self._reading.cancel()  # `run` goes on to `_cut`
+                    await discard_events(outbox, dialect=self.dialect)
         except ConnectionClosed:
             # Nothing more can reach this client: end the connection and all it started.
             await self.ws.aclose()

@@ -16,15 +16,18 @@ render: the engine's renderer keeps its own counts, taken from here).
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from proto_server.core.render import Renderer
 from proto_server.engine.chat_template import ChatTemplateRenderer
@@ -42,6 +45,13 @@ from proto_server.wire.events import ErrorEvent, ServerEvent
 #: Set by the supervisor of `--workers` for its workers: their shared directory of values.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+#: In that directory: what dead workers counted, one file per type, read as any worker's is...
+ARCHIVE = "archive"
+#: ...and the lock a scrape shares and a merge takes alone, so a scrape never counts a dead
+#: worker's values twice (in its file and in the archive) or misses them.
+_MERGE_LOCK = "merge.lock"
+#: The types whose values outlive their process (a dead worker's live gauges are dropped).
+_KEPT_TYPES = ("counter", "histogram", "summary")
 #: The `reason` of `proto_server_evictions` for a rendering the renderer let go.
 RENDER_CACHE_EVICTED = "render_cache"
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -64,6 +74,11 @@ RESPONSES = Counter(
     "proto_server_responses", "Responses ended, by dialect and final status",
     ["dialect", "status"],
 )  # fmt: skip
+SEND_TIMEOUTS = Counter(
+    "proto_server_send_timeouts",
+    "Connections let go because their client accepted no bytes for --send-timeout, by transport",
+    ["transport"],
+)
 EVICTIONS = Counter("proto_server_evictions", "Responses or caches let go, by reason", ["reason"])
 RENDER_CACHE = Counter(
     "proto_server_render_cache",
@@ -130,6 +145,12 @@ def sent(event: ServerEvent, *, dialect: str, transport: str, size: int, seconds
     frames.inc()
     nbytes.inc(size)
     write.observe(seconds)
+    ended(event, dialect=dialect)
+
+
+def ended(event: ServerEvent, *, dialect: str) -> None:
+    """What `event` ends or says went wrong, whether or not its client got it (one cut for
+    `--send-timeout` never does)."""
     status = _TERMINAL.get(event.type)
     if status is not None:
         RESPONSES.labels(dialect, status).inc()
@@ -168,18 +189,51 @@ def rendered(renderer: Renderer) -> None:
 
 def exposition() -> bytes:
     """The scrape: this process's metrics, or every worker's under `--workers`."""
-    if os.environ.get(MULTIPROC_ENV):
+    directory = os.environ.get(MULTIPROC_ENV)
+    if directory:
         registry = CollectorRegistry()
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return prometheus_client.generate_latest(registry)
+        MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+        with _locked(directory, fcntl.LOCK_SH):
+            return prometheus_client.generate_latest(registry)
     return prometheus_client.generate_latest()
 
 
-def worker_gone(pid: int, directory: str) -> None:
-    """A worker ended: its live gauges no longer count (its counters still do)."""
-    from prometheus_client import multiprocess
+@contextmanager
+def _locked(directory: str, how: int) -> Iterator[None]:
+    with open(os.path.join(directory, _MERGE_LOCK), "a") as lock:
+        fcntl.flock(lock, how)
+        yield  # closing the file lets go of the lock
 
-    multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+def worker_gone(pid: int, directory: str) -> None:
+    """A worker ended: its live gauges no longer count, and what it counted (counters,
+    histograms) is added to the archive of its type and its own files removed, so a restarted
+    worker leaves one file per type behind however often it dies, and every total stays exact.
+
+    Values are summed key by key: a file holds each series' own value (histogram buckets not
+    yet cumulative), so the sum of two files reads as both did."""
+    with _locked(directory, fcntl.LOCK_EX):
+        mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        for kind in _KEPT_TYPES:
+            dead = os.path.join(directory, f"{kind}_{pid}.db")
+            if not os.path.exists(dead):
+                continue
+            archive = os.path.join(directory, f"{kind}_{ARCHIVE}.db")
+            totals: defaultdict[str, float] = defaultdict(float)
+            for path in (archive, dead):
+                if os.path.exists(path):
+                    values = MmapedDict.read_all_values_from_file(path)  # type: ignore[no-untyped-call]
+                    for key, value, _, _ in values:
+                        totals[key] += value
+            partial = os.path.join(directory, f"{kind}_{ARCHIVE}.partial")  # not a `*.db`
+            merged = MmapedDict(partial)  # type: ignore[no-untyped-call]
+            try:
+                for key, value in totals.items():
+                    merged.write_value(key, value, 0.0)  # type: ignore[no-untyped-call]
+            finally:
+                merged.close()  # type: ignore[no-untyped-call]
+            os.replace(partial, archive)
+            os.remove(dead)
 
 
 class TimedStore:

@@ -81,3 +81,12 @@ async def write_events(
                 observer.sent(outgoing.event, merged)
         if ended:
             return
+
+
+async def discard_events(outbox: Outbox, *, dialect: str) -> None:
+    """Take what `outbox` gives until its channel ends, writing none of it: for a client that
+    stopped reading (`--send-timeout`), so its Responses can still end (their producers wait on
+    the channel) and be counted as ended."""
+    while batch := await outbox.batch(WRITE_BATCH):
+        for outgoing, _ in batch:
+            metrics.ended(outgoing.event, dialect=dialect)

@@ -27,9 +27,14 @@ from typing import Any
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.connection import ConnectionState
-from wsproto.events import TextMessage
+from wsproto.events import CloseConnection, TextMessage
 
-_NEEDED = ("_wsproto", "_stream", "_stream_lock", "_close_reason", "_abort_web_socket")
+from proto_server.server.sendtimeout import SendTimeout
+
+_NEEDED = (
+    "_wsproto", "_stream", "_stream_lock", "_close_reason", "_abort_web_socket",
+    "_close_web_socket", "_close_stream", "_close_handshake",
+)  # fmt: skip
 _TEXT_FIN = 0x81  # FIN, opcode 1 (text)
 _SHORT = struct.Struct("!BB")
 _MEDIUM = struct.Struct("!BBH")
@@ -95,11 +100,36 @@ class FrameWriter:
             await lock.acquire()
         try:
             await inner._stream.send_all(data)
+        except SendTimeout:
+            raise  # the socket is still open: the connection ends it, and says why
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await inner._abort_web_socket()
             raise ConnectionClosed(inner._close_reason) from None
         finally:
             lock.release()
+
+
+async def close_stalled(
+    ws: WebSocketConnection, unsent: bytes, *, code: int, reason: str, wait_s: float
+) -> None:
+    """Close a connection whose client stopped taking bytes: mark it closed with `code` and
+    `reason` (what `ws.closed` says), give the client `wait_s` to take the rest of the frame a
+    timed-out write left (a frame cut short would garble all after it) and the close frame,
+    then close the socket, with or without them."""
+    inner: Any = ws
+    data = unsent
+    if inner._wsproto.state is ConnectionState.OPEN:
+        data += inner._wsproto.send(CloseConnection(code=code, reason=reason))
+    if inner._close_reason is None:
+        await inner._close_web_socket(code, reason)
+    with trio.move_on_after(wait_s):
+        try:
+            async with inner._stream_lock:
+                await inner._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await inner._close_stream()
+    inner._close_handshake.set()  # whoever awaits `ws.aclose()` is done too
 
 
 async def send_messages(
