@@ -129,3 +129,36 @@ async def test_a_client_that_reads_slowly_but_steadily_is_not_cut(
     text = "".join(m["delta"] for m in client.messages if m["type"] == "response.output_text.delta")
     assert text == LONG["segments"][0]["text"]  # type: ignore[index]
     await running.server.wait_idle()
+
+
+async def test_an_sse_client_that_stops_reading_is_cut_and_its_response_ends_incomplete(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    store = CheckpointStore()
+    running = await start_server(LONG, store=store, send_timeout_s=TIMEOUT_S)
+    cut_before = metrics.SEND_TIMEOUTS.labels("http")._value.get()
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    await sock.connect((running.address.host, running.address.port))
+    body = orjson.dumps({"model": "m", "input": "hi", "stream": True})
+    head = (
+        b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    )
+    async with trio.SocketStream(sock) as stream:
+        await stream.send_all(head + body)
+        received = b""
+        while b"response.created" not in received:
+            received += await stream.receive_some(4096)
+        # it reads no more: the kernel buffers fill, and the server's writes stall
+        for _ in range(int(10 * TIMEOUT_S / 0.1)):
+            if store.responses:
+                break
+            await trio.sleep(0.1)
+        assert stored_reason(store) == [("incomplete", {"reason": "slow_reader"})]
+        assert running.server.open_rollouts == 0
+        autojump_clock.autojump_threshold = 1.0
+        while await stream.receive_some(65536):  # the server closed the connection
+            pass
+    assert metrics.SEND_TIMEOUTS.labels("http")._value.get() == cut_before + 1
+    await running.server.wait_idle()

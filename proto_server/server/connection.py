@@ -28,7 +28,7 @@ from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.sendtimeout import SendTimeout
+from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.writer import discard_events, write_events
 from proto_server.server.wsframes import FrameWriter, close_stalled
 from proto_server.wire.converter import decode_client_event
@@ -48,10 +48,9 @@ SERVER_SHUTDOWN = "server_shutdown"
 SHUTDOWN_CLOSE_REASON = "server shutting down; reconnect and resend the conversation"
 #: How long a stopping server waits for a client to take its last events and the close frame.
 CLOSE_WAIT_S = 2.0
-#: `incomplete_details.reason` of the Responses of a client cut for `--send-timeout`...
-SLOW_READER = "slow_reader"
-#: ...and its close code: policy violation (RFC 6455 7.4.1), the client broke the server's
-#: rule; not 1013 (try again later), which would tell it that the server was the one too busy.
+#: The close code of a client cut for `--send-timeout` (its Responses end `SLOW_READER`):
+#: policy violation (RFC 6455 7.4.1), the client broke the server's rule; not 1013 (try again
+#: later), which would tell it that the server was the one too busy.
 SLOW_READER_CODE = 1008
 
 

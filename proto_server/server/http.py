@@ -39,8 +39,9 @@ from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.responses import Responses
 from proto_server.server.sampling import TERMINAL_EVENTS
+from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
-from proto_server.server.writer import write_events
+from proto_server.server.writer import discard_events, write_events
 from proto_server.wire.converter import converter, decode_request_body
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
@@ -49,6 +50,7 @@ from proto_server.wire.response import Usage
 
 if TYPE_CHECKING:
     from proto_server.server.handshake import RequestHead
+    from proto_server.server.sampling import SamplingLoop
 
 JSON = ("content-type", "application/json")
 #: After answering a request whose body it will not read, the server drops at most this much of
@@ -413,24 +415,40 @@ class _Exchange:
             nursery.start_soon(loop.run_and_close)
             async with receive:
                 if create.stream:
-                    await self._stream_events(receive)
+                    await self._stream_events(receive, loop)
                 else:
                     await self._final_response(receive, nursery.cancel_scope)
 
-    async def _stream_events(self, receive: trio.MemoryReceiveChannel[Outgoing]) -> None:
+    async def _stream_events(
+        self, receive: trio.MemoryReceiveChannel[Outgoing], loop: SamplingLoop
+    ) -> None:
         """The one writer (`writer.py`), each event an SSE block in an h11 chunk and each batch
-        one socket write; the stream ends with its Response."""
+        one socket write; the stream ends with its Response. A client that takes no bytes for
+        `--send-timeout` has its Response end `incomplete` (`slow_reader`: stored so, counted
+        so, sent to no one) before its connection is closed."""
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
-        await self.stream.send_all(
-            self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
-        )
-        await write_events(
-            Outbox(receive, merge=self.responses.config.merge_deltas),
-            SSETransport(self.stream, self.conn),
-            dialect="http",
-            observer=self.responses.observer,
-            one_response=True,
-        )
+        outbox = Outbox(receive, merge=self.responses.config.merge_deltas)
+        try:
+            await self.stream.send_all(
+                self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+            )
+            await write_events(
+                outbox,
+                SSETransport(self.stream, self.conn),
+                dialect="http",
+                observer=self.responses.observer,
+                one_response=True,
+            )
+        except SendTimeout as stall:
+            log.warning(
+                "http.slow_reader",
+                extra={"response": loop.machine.id, "timeout_s": stall.timeout_s,
+                       "unsent_bytes": len(stall.unsent)},
+            )  # fmt: skip
+            metrics.SEND_TIMEOUTS.labels("http").inc()
+            loop.expire(SLOW_READER)
+            await discard_events(outbox, dialect="http", one_response=True)
+            raise  # the connection closes: nothing more can be said on it
         await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
     async def _final_response(

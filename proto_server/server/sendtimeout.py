@@ -24,6 +24,10 @@ import trio
 _CHECKS_PER_TIMEOUT = 4
 
 
+#: `incomplete_details.reason` of the Responses of a client cut for `--send-timeout`.
+SLOW_READER = "slow_reader"
+
+
 class SendTimeout(trio.BrokenResourceError):
     """The peer accepted no bytes for `timeout_s`; `unsent` is what this write had left."""
 

@@ -83,10 +83,12 @@ async def write_events(
             return
 
 
-async def discard_events(outbox: Outbox, *, dialect: str) -> None:
-    """Take what `outbox` gives until its channel ends, writing none of it: for a client that
-    stopped reading (`--send-timeout`), so its Responses can still end (their producers wait on
-    the channel) and be counted as ended."""
+async def discard_events(outbox: Outbox, *, dialect: str, one_response: bool = False) -> None:
+    """Take what `outbox` gives until its channel ends (with `one_response`, until a terminal
+    event), writing none of it: for a client that stopped reading (`--send-timeout`), so its
+    Responses can still end (their producers wait on the channel) and be counted as ended."""
     while batch := await outbox.batch(WRITE_BATCH):
         for outgoing, _ in batch:
             metrics.ended(outgoing.event, dialect=dialect)
+            if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
+                return
