@@ -50,7 +50,8 @@ def test_a_reduced_bench_runs_and_reports(
     )
     assert {s["name"] for s in data["streaming"]} == {
         "one stream, 4,000 tok/s", "one stream, unlimited decode",
-        "one stream, unlimited, unmerged", "2 streams, unlimited", "slow client",
+        "one stream, unlimited, unmerged", "2 streams, unlimited", "4 streams, 500 tok/s each",
+        "slow client",
     }  # fmt: skip
     assert all(s["checked"] == s["streams_run"] for s in data["streaming"])
     assert all(t["holds"] in (True, False) for t in data["targets"])
@@ -72,7 +73,7 @@ def test_bench_streaming_alone_against_another_tree(
     for heading in ("Streaming (prototype dialect", "Ratios, this tree / the other", "Targets"):
         assert heading in out.out
     data = orjson.loads((tmp_path / "streaming.json").read_bytes())
-    cases = 6
+    cases = 7
     assert len(data["raw"]) == 2 * 2 * cases  # two servers, two repeats
     assert len(data["streaming"]) == 2 * cases and {s["server"] for s in data["streaming"]} == {
         "this tree",
@@ -88,6 +89,8 @@ def test_bench_streaming_alone_against_another_tree(
     )
     assert data["pacing_floor_us_per_token"] > 0 and "Pacing floor" in out.out
     assert all(us > 0 for us in data["cold_wake_us"].values()) and "Cold wakes" in out.out
+    stepped = next(t for t in data["targets"] if "engine-like steps" in t["name"])
+    assert "8/8 streams passed" in stepped["detail"]  # 4 streams, two repeats
     checker = data["targets"][-1]
     assert checker["holds"] is True and "streams" in checker["detail"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
@@ -40,8 +42,37 @@ async def test_a_thousand_tokens_at_a_thousand_per_second_take_one_second_after_
     assert first_at - start == pytest.approx(prefill)
     texts = [(t, c) for t, c in timeline if isinstance(c, TextDelta)]
     assert sum(c.tokens for _, c in texts) == 1000
-    assert texts[0][0] - start == pytest.approx(prefill + 1 / DECODE)
-    assert texts[-1][0] - start == pytest.approx(prefill + 1.0)
+    # a token is released at the end of the engine step it completes in
+    assert texts[0][0] == pytest.approx(step_end(start + prefill + 1 / DECODE))
+    assert texts[-1][0] == pytest.approx(step_end(start + prefill + 1.0))
+
+
+def step_end(at: float) -> float:
+    """The end of the `1 / DECODE`-long step that time `at` falls in (steps from time 0 on)."""
+    return math.ceil(at * DECODE - 1e-6) / DECODE
+
+
+async def test_streams_that_began_apart_release_their_tokens_on_the_same_steps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As an engine's step gives every running sequence its next token at once, two streams
+    started a third of a step apart wake together: one wake-up a step, not one a stream."""
+    script = parse_script({"segments": [{"text": " ok" * 50}]})
+    generator = SimulatedGenerator(script, TimingModel(prefill_tokens_per_s=1e9))
+    timelines: list[list[float]] = []
+
+    async def stream(after: float) -> None:
+        await trio.sleep(after)
+        timeline = await run_segment(generator.open_session(conversation()))
+        timelines.append([at for at, chunk in timeline if isinstance(chunk, TextDelta)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream, 0.0)
+        nursery.start_soon(stream, 1 / DECODE / 3)
+    first, second = timelines
+    assert len(first) == len(second) == 50
+    assert all(at == pytest.approx(step_end(at)) for at in first + second)  # on the grid
+    assert set(first) & set(second)  # the steps they share, they share to the instant
 
 
 async def test_a_resumed_segment_prefills_only_what_was_appended(

@@ -97,7 +97,17 @@ def streaming_targets(rows: Sequence[dict[str, Any]]) -> list[Target]:
             )
         )
     many = [r for r in rows if r["server"] == THIS and r["streams"] > 1]
-    for row in many:
+    for row in (r for r in many if r["decode_rate"] is not None):
+        found.append(
+            Target(
+                f"{row['streams']} streams at {row['decode_rate']:,.0f} tok/s each (engine-like "
+                "steps): server CPU <= 25 us/token, every stream checked",
+                row["cpu_us_per_token"] <= 25 and row["checked"] == row["streams_run"],
+                f"{row['cpu_us_per_token']:.1f} us/token, {row['tokens_per_s']:,.0f} tok/s, "
+                f"{row['checked']}/{row['streams_run']} streams passed the checker",
+            )
+        )
+    for row in (r for r in many if r["decode_rate"] is None):
         found.append(
             Target(
                 f"{row['streams']} streams, unlimited decode: >= 60,000 tok/s in total, every "

@@ -9,6 +9,8 @@ faster path cannot pass by sending something else. The cases:
 - one stream with unlimited decode, deltas merged (the default) and not: tokens/s delivered,
   server CPU per token and per frame;
 - 32 concurrent streams with unlimited decode: tokens/s in total, from one server process;
+- twice as many (64) at 500 tokens/s each, released on the simulated engine's shared steps:
+  server CPU per token;
 - one stream to a client that can take only so many frames a second: merged deltas keep its
   tokens/s up.
 
@@ -43,6 +45,9 @@ HOST = "127.0.0.1"
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")
 #: A modelled decode rate that never limits: the pacer is always behind, it never sleeps.
 UNLIMITED = 1e9
+#: Twice `--streams` paced streams (64 by default) at this rate: what one server spends a token
+#: when the engine steps them all at once.
+PACED_RATE = 500.0
 CREATE = {"type": "response.create", "model": "bench", "input": "talk", "store": False}
 
 
@@ -101,6 +106,13 @@ def default_cases(*, rate: float, tokens: int, streams: int, client_fps: float) 
         StreamCase("one stream, unlimited decode", 1, tokens, UNLIMITED),
         StreamCase("one stream, unlimited, unmerged", 1, tokens // 2, UNLIMITED, merge=False),
         StreamCase(f"{streams} streams, unlimited", streams, max(8, tokens // 8), UNLIMITED),
+        # engine-like steps: every stream's token of a step is released at once (issue 19)
+        StreamCase(
+            f"{2 * streams} streams, {PACED_RATE:,.0f} tok/s each",
+            2 * streams,
+            max(8, tokens // 8),
+            PACED_RATE,
+        ),
         StreamCase("slow client", 1, tokens // 8, rate, merge=False, client_fps=client_fps),
         StreamCase("slow client", 1, tokens // 8, rate, merge=True, client_fps=client_fps),
     ]

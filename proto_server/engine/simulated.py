@@ -74,6 +74,11 @@ class TimingModel:
         help="share of tokens decoded at the burst rate",
     )
 
+    @property
+    def step_seconds(self) -> float:
+        """One engine step: each running sequence decodes one token in it, at the fastest rate."""
+        return 1.0 / max(self.decode_tokens_per_s, self.burst_tokens_per_s or 0.0)
+
     def prefill_seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
 
@@ -104,10 +109,15 @@ class GpuMeter(Protocol):
 
 
 class _Pacer:
-    """Releases tokens on the decode schedule; never drifts, never sleeps when behind."""
+    """Releases tokens on the decode schedule; never drifts, never sleeps when behind.
+
+    As an engine's step gives one token to every running sequence at once, a token is released
+    at the end of the step it completes in: steps are `TimingModel.step_seconds` long on one
+    grid (trio time 0 on), so every stream of a generator wakes on the same steps, together."""
 
     def __init__(self, timing: TimingModel) -> None:
         self._timing = timing
+        self._step = timing.step_seconds
         self.deadline = trio.current_time()
         self._index = 0
 
@@ -118,8 +128,10 @@ class _Pacer:
             seconds += self._timing.decode_seconds(self._index)
             self._index += 1
         self.deadline += seconds
-        if self.deadline > trio.current_time():  # behind schedule: no need to wait at all
-            await trio.sleep_until(self.deadline)
+        # the end of the step the last of them completes in (a hair of slack for rounding)
+        release = math.ceil(self.deadline / self._step - 1e-6) * self._step
+        if release > trio.current_time():  # behind schedule: no need to wait at all
+            await trio.sleep_until(release)
         return seconds
 
 
