@@ -135,3 +135,58 @@ async def test_without_a_prefix_cache_every_cold_session_prefills_everything(
         conv = long_conversation()
         _, prefilled = (await run_segment(generator.open_session(conv)))[0]
         assert prefilled == Prefilled(prompt_tokens=conv.token_count, cached_tokens=0)
+
+
+def test_blocks_in_use_are_never_let_go_and_come_back_freshest() -> None:
+    cache = PrefixCache(block_tokens=2, capacity_tokens=6)  # three blocks
+    names = BlockHashes(2).update(tokens(*range(1, 13)))  # six blocks
+    cache.insert(names[:2])
+    running = cache.pin(names[:1])  # a sequence runs on block 0
+    cache.insert(names[2:5])  # three more: the free ones go, block 0 stays
+    assert cache.cached_blocks(names) == 1 and len(cache) == 3
+    cache.unpin(running)  # stopped: block 0 is free again, and the freshest
+    cache.insert(names[5:])  # block 5 lets block 3 go, the oldest free one, not block 0
+    assert cache.cached_blocks(names[:1]) == 1
+    assert cache.evicted == 3  # blocks 1, 2 and 3
+
+
+def conversation_of(word: str) -> Conversation:
+    conv = conversation()
+    conv.extend([Message(role="user", content=f"{word} " * 400)])
+    return conv
+
+
+async def test_a_rollout_waiting_on_a_tool_loses_its_warm_state_to_others_and_prefills_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine's cache holds about one rollout: while the first waits on its tool, a second
+    runs and takes the cache, so the first's resumed segment prefills from the start; with
+    room for both, it prefills only what was appended."""
+
+    async def resumed_prefill(capacity_tokens: int) -> Prefilled:
+        cache = PrefixCache(block_tokens=16, capacity_tokens=capacity_tokens)
+        generator = SimulatedGenerator(SCRIPT, prefix_cache=cache)
+        waiting = conversation_of("alpha")
+        session = generator.open_session(waiting)
+        await run_segment(session)  # it calls a tool, and waits
+        waiting.extend(
+            [
+                FunctionCall(call_id="call_1", name="exec_command", arguments="{}"),
+                FunctionCallOutput(call_id="call_1", output="ok"),
+            ]
+        )
+        other = generator.open_session(conversation_of("omega"))
+        await run_segment(other)  # another rollout runs meanwhile
+        await other.aclose()
+        _, prefilled = (await run_segment(session))[0]
+        assert isinstance(prefilled, Prefilled)
+        return prefilled
+
+    roomy = await resumed_prefill(capacity_tokens=100_000)
+    tight = await resumed_prefill(capacity_tokens=512)
+    assert roomy.prompt_tokens == tight.prompt_tokens
+    assert roomy.cached_tokens > roomy.prompt_tokens - 64  # only what was appended
+    alpha, omega = conversation_of("alpha").tokens, conversation_of("omega").tokens
+    common = next(i for i, (a, b) in enumerate(zip(alpha, omega, strict=False)) if a != b)
+    # let go while it waited: prefilled again, but for the instructions both rollouts share
+    assert tight.cached_tokens == common // 16 * 16 < 100

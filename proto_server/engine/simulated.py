@@ -197,18 +197,27 @@ class SimulatedSession:
 
     def _consult_cache(self, warm: int) -> int:
         """Tokens of the prompt's prefix already held, by this session (`warm`) or by the prefix
-        cache; then this session's new full blocks go into the cache."""
+        cache; then this session's new full blocks go into the cache.
+
+        With a prefix cache, this session's own state lives in it too: it is warm only while
+        its blocks are still cached (every one looked up, so each is fresh in the LRU), and
+        from the first one let go (while it waited on a tool) it is prefilled again."""
         cache, hashes = self._prefix_cache, self._hashes
         if cache is None or hashes is None:
             return warm
         started = time.perf_counter()
         names = hashes.update(self._conversation.tokens)
-        found = cache.cached_blocks(names, min(warm // cache.block_tokens, len(names)))
-        self._offer(cache, names, started)
-        return max(warm, found * cache.block_tokens)
+        found = cache.cached_blocks(names)
+        self._offer(cache, names, started, found)
+        if found >= warm // cache.block_tokens:  # none of its own let go: its partial tail too
+            return max(warm, found * cache.block_tokens)
+        return found * cache.block_tokens
 
-    def _offer(self, cache: PrefixCache, names: list[int], started: float) -> None:
-        cache.insert(names, self._shared)
+    def _offer(
+        self, cache: PrefixCache, names: list[int], started: float, cached: int | None = None
+    ) -> None:
+        """Cache this session's blocks past `cached` (default: past those it offered before)."""
+        cache.insert(names, self._shared if cached is None else cached)
         self._shared = len(names)
         if self._meter is not None:
             self._meter.bookkeeping(time.perf_counter() - started)
@@ -232,19 +241,27 @@ class SimulatedSession:
         """Say the planned segment; cut short, `incomplete`, where it would decode more than
         `limits.max_output_tokens` (a chunk that would cross the limit is not said)."""
         segment = self._planner.plan(self._conversation, limits)
-        await send.send(await self.prefill())
-        self._has_spoken = True
-        pacer = _Pacer(self._timing)
-        budget = math.inf if limits.max_output_tokens is None else limits.max_output_tokens
-        for chunk, tokens in _chunks(segment):
-            if tokens > budget:
-                await send.send(SegmentEnd(incomplete="max_output_tokens"))
-                return
-            budget -= tokens
-            if tokens:
-                await self._decode(pacer, tokens)
-            await hand_over(send, chunk)
-        await send.send(SegmentEnd())
+        prefilled = await self.prefill()
+        # running: its blocks are in use, and no other sequence's insert lets them go
+        cache, hashes = self._prefix_cache, self._hashes
+        running = cache.pin(list(hashes.hashes)) if cache is not None and hashes is not None else []
+        try:
+            await send.send(prefilled)
+            self._has_spoken = True
+            pacer = _Pacer(self._timing)
+            budget = math.inf if limits.max_output_tokens is None else limits.max_output_tokens
+            for chunk, tokens in _chunks(segment):
+                if tokens > budget:
+                    await send.send(SegmentEnd(incomplete="max_output_tokens"))
+                    return
+                budget -= tokens
+                if tokens:
+                    await self._decode(pacer, tokens)
+                await hand_over(send, chunk)
+            await send.send(SegmentEnd())
+        finally:
+            if cache is not None:
+                cache.unpin(running)
 
     async def aclose(self) -> None:
         cache, hashes = self._prefix_cache, self._hashes
