@@ -14,6 +14,8 @@ import attrs
 import orjson
 import trio
 
+from proto_server.bench.agents import ENGINES, AgentsSettings
+from proto_server.bench.agents import main as agents_main
 from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
 from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, machine, run_bench
@@ -68,9 +70,10 @@ def add_parser(
     bench.add_argument(
         "section",
         nargs="?",
-        choices=("all", "streaming"),
+        choices=("all", "streaming", "agents"),
         default="all",
-        help="what to run: everything, or only the streaming measurements (issue 13's figures)",
+        help="what to run: everything, only the streaming measurements (issue 13's figures), or "
+        "many agents at once on one engine (issue 19's; its flags are under 'agents')",
     )
     bench.add_argument(
         "--turns",
@@ -183,7 +186,79 @@ def add_parser(
         action="store_true",
         help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
     )
+    _agents_arguments(bench.add_argument_group("agents", "bench agents: many rollouts at once"))
     return bench
+
+
+def _median_p99(text: str) -> tuple[float, float]:
+    """`MEDIAN,P99` of a log-normal: both positive and finite, the median no larger."""
+    try:
+        median, p99 = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MEDIAN,P99 like 1,15, got {text!r}") from None
+    if not 0 < median <= p99 < math.inf:
+        raise argparse.ArgumentTypeError(f"expected 0 < MEDIAN <= P99, finite; got {text!r}")
+    return median, p99
+
+
+def _agents_arguments(group: argparse._ArgumentGroup) -> None:
+    defaults = AgentsSettings()
+    group.add_argument("--rollouts", type=int, default=defaults.rollouts,
+                       help="agents: rollouts at once")  # fmt: skip
+    group.add_argument(
+        "--context-tokens", type=int, default=defaults.context_tokens, metavar="N",
+        help="agents: each rollout's own first message, in the model's tokens",
+    )  # fmt: skip
+    group.add_argument(
+        "--tool-tokens", type=_median_p99, default=defaults.output_tokens, metavar="MEDIAN,P99",
+        help="agents: tool outputs' sizes in the model's tokens (log-normal)",
+    )  # fmt: skip
+    group.add_argument(
+        "--wait-s", type=_median_p99, default=defaults.wait_s, metavar="MEDIAN,P99",
+        help="agents: tools' times in seconds (log-normal; the published gaps' P99/median, "
+        "81.4/5.2 s, scaled to a 1 s median)",
+    )  # fmt: skip
+    group.add_argument(
+        "--decode-tokens", type=int, default=defaults.answer_tokens, metavar="N",
+        help="agents: most tokens decoded a turn (proto-server's --max-tokens; vLLM's "
+        "max_output_tokens on the answer turn, 128 on a forced call's as bench-vllm gives)",
+    )  # fmt: skip
+    group.add_argument(
+        "--engine", choices=ENGINES, default=defaults.engine,
+        help="agents: the simulated GPU (proto-server's paths, engine time modelled) or a vLLM "
+        "CPU engine (SmolLM2, block size 32; vLLM's own /v1/responses too)",
+    )  # fmt: skip
+    group.add_argument(
+        "--engine-url", default=None, metavar="URL",
+        help="agents, --engine vllm: a running engine's base (ending in /v1); default: start one",
+    )  # fmt: skip
+    group.add_argument(
+        "--num-gpu-blocks-override", dest="gpu_blocks", type=int, default=None, metavar="N",
+        help="agents, --engine vllm: the engine's KV cache in blocks of 32 tokens (pressure)",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-python", default=defaults.vllm_python, metavar="PATH",
+        help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
+    )  # fmt: skip
+
+
+def _run_agents(args: argparse.Namespace) -> int:
+    settings = AgentsSettings(
+        rollouts=args.rollouts,
+        turns=4 if args.turns is None else args.turns,
+        context_tokens=args.context_tokens,
+        output_tokens=args.tool_tokens,
+        wait_s=args.wait_s,
+        seed=args.seed,
+        engine=args.engine,
+        engine_url=args.engine_url,
+        gpu_blocks=args.gpu_blocks,
+        vllm_python=args.vllm_python,
+        answer_tokens=args.decode_tokens,
+        prefill_rate=args.prefill_rate,
+        out_dir=args.out,
+    )
+    return agents_main(settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out,
         profile=args.profile,
     )
+    if args.section == "agents":
+        return _run_agents(args)
     progress = partial(print, file=sys.stderr, flush=True)
     if args.section == "streaming":
         return _run_streaming(settings, args.against, progress)

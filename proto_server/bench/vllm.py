@@ -316,7 +316,7 @@ def _request(model: str, instructions: str, tool_choice: str) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def _path(
+async def open_path(
     path: str, proto_url: str, engine_url: str, model: str, instructions: str, answer_tokens: int
 ) -> AsyncIterator[Send]:
     """The client of one path: `await send(new items, tool_choice)` runs one turn."""
@@ -443,8 +443,8 @@ async def run_paths(
             for path in PATHS:
                 # the path's own instructions: nothing of its prompts is in the cache from another
                 instructions = f"[{nonce} {path}] {INSTRUCTIONS}"
-                opened = _path(path, setup.proto_url, setup.engine_url, setup.model, instructions,
-                               setup.answer_tokens)  # fmt: skip
+                opened = open_path(path, setup.proto_url, setup.engine_url, setup.model,
+                                   instructions, setup.answer_tokens)  # fmt: skip
                 try:
                     sends[path] = await stack.enter_async_context(opened)
                 except PATH_FAILURES as exc:
@@ -485,10 +485,16 @@ async def run_paths(
 
 async def start_proto_server(engine_url: str, answer_tokens: int) -> tuple[trio.Process, str]:
     """proto-server as a process of its own in front of the engine, and its HTTP base URL."""
+    vllm = ["--generator", "vllm", "--engine-url", engine_url, "--max-tokens", str(answer_tokens)]
+    return await start_serve(vllm)
+
+
+async def start_serve(arguments: Sequence[str]) -> tuple[trio.Process, str]:
+    """`proto-server serve ARGUMENTS` as a process of its own (an in-memory store, a loopback
+    port of its own), and its HTTP base URL once it listens."""
     command = [
         sys.executable, "-m", "proto_server", "serve", "--port", "0", "--host", "127.0.0.1",
-        "--store", ":memory:", "--generator", "vllm", "--engine-url", engine_url,
-        "--max-tokens", str(answer_tokens), "--log-level", "error",
+        "--store", ":memory:", "--log-level", "error", *arguments,
     ]  # fmt: skip
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
     assert process.stdout is not None

@@ -1,0 +1,604 @@
+"""`proto-server bench agents`: many rollouts at once on one engine, path after path.
+
+N rollouts run at once, each with a context of its own (a first message of about K of the
+model's tokens, so that rollouts share nothing past the instructions and the tool), T turns with
+a forced call on each but the last, and between turns a tool that takes a log-normal time and
+prints a log-normal number of tokens (both seeded: the same seed, the same workload). The client
+runs the tools (it sleeps): the server only sees each rollout suspend and resume. The published
+shapes are the Codex SWE-bench Pro traces' (gaps between turns: median 5.2 s, P99 81.4 s); the
+defaults keep their ratio, scaled down to a 1 s median for a small machine.
+
+The same workload runs through each path, one path after the other, on the same engine:
+proto-server's prototype WebSocket (one Response, suspended at each call), its launched
+WebSocket (`previous_response_id`, `store: false`) and, on a real vLLM, vLLM's own
+`/v1/responses` with the whole history (the clients are `bench.vllm`'s). On the simulated GPU
+(the default) only proto-server's paths run and the engine's time is modelled.
+
+Per path: makespan, the prompt tokens prefilled (each turn's `input_tokens - cached_tokens`)
+against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 (the client's
+first output event after its request) and the engine's preemptions (`/metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from proto_server.bench.tables import table
+from proto_server.bench.vllm import (
+    ASK,
+    INSTRUCTIONS,
+    LAUNCHED,
+    PATH_FAILURES,
+    PROTOTYPE,
+    STATELESS,
+    Items,
+    Said,
+    follow_up,
+    open_path,
+    start_proto_server,
+    start_serve,
+)
+from proto_server.bench.workload import _GUIDANCE, _code_line, _prose
+
+Progress = Callable[[str], None]
+Count = Callable[[str], int]
+ENGINES = ("simulated", "vllm")
+#: The published gaps between turns (Codex SWE-bench Pro traces): P99 over median.
+PUBLISHED_WAIT_RATIO = 81.4 / 5.2
+#: z of the 99th percentile of a standard normal: a log-normal's sigma from its median and p99.
+Z99 = 2.3263
+#: The engine's counters read before and after each path.
+COUNTERS = {
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "finished": "vllm:e2e_request_latency_seconds_count",
+}
+PLOTS = ("agents-ttft.png", "agents-cached-share-per-turn.png")
+#: vLLM's block, as the engine tests use it (the prefix cache's unit).
+BLOCK_SIZE = 32
+ENGINE_READY_S = 300.0
+MAX_MODEL_LEN = 8192
+
+
+@attrs.frozen(kw_only=True)
+class AgentsSettings:
+    rollouts: int = 6
+    turns: int = 4
+    context_tokens: int = 450
+    #: A tool output's size in the model's tokens: median and 99th percentile.
+    output_tokens: tuple[float, float] = (180.0, 540.0)
+    #: A tool's time in seconds: median and 99th percentile.
+    wait_s: tuple[float, float] = (1.0, PUBLISHED_WAIT_RATIO)
+    seed: int = 0
+    engine: str = "simulated"
+    #: A vLLM already running (its base, ending in /v1); None: start one.
+    engine_url: str | None = None
+    gpu_blocks: int | None = None
+    vllm_python: str = ".vllm/bin/python"
+    answer_tokens: int = 32
+    prefill_rate: float = 20_000.0
+    out_dir: Path = Path("bench-results")
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, in words (empty: nothing)."""
+        found = []
+        if self.rollouts < 1 or self.turns < 2:
+            found.append("--rollouts must be at least 1 and --turns at least 2")
+        if self.context_tokens < 1 or self.answer_tokens < 1:
+            found.append("--context-tokens and --decode-tokens must be at least 1")
+        for flag, (median, p99) in (("--tool-tokens", self.output_tokens),
+                                    ("--wait-s", self.wait_s)):  # fmt: skip
+            if not (0 < median <= p99 < math.inf):
+                found.append(f"{flag}: expected 0 < MEDIAN <= P99, finite; got {median} {p99}")
+        if self.gpu_blocks is not None and (self.gpu_blocks < 2 or self.engine != "vllm"):
+            found.append("--num-gpu-blocks-override needs --engine vllm and at least 2 blocks")
+        if self.engine_url is not None and self.engine != "vllm":
+            found.append("--engine-url needs --engine vllm")
+        return found
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Agent:
+    """One rollout's own context, its tools' outputs and waits (turn 2..T's)."""
+
+    index: int
+    context: str
+    outputs: tuple[str, ...]
+    waits_s: tuple[float, ...]
+
+
+def lognormal(rng: random.Random, median: float, p99: float) -> float:
+    """A draw from the log-normal with this median and 99th percentile."""
+    return median * math.exp(rng.gauss(0.0, math.log(p99 / median) / Z99))
+
+
+def _text(count: Count, tokens: int, line: Callable[[], str]) -> str:
+    """Lines from `line()` until about `tokens` of the model's tokens (at least one line)."""
+    lines: list[str] = []
+    total = 0
+    while not lines or total < tokens:
+        text = line()
+        lines.append(text)
+        total += count(text + "\n")
+    return "\n".join(lines)
+
+
+def _numbered(rng: random.Random) -> Callable[[], str]:
+    """Numbered lines of code, as `nl` prints a file."""
+    numbers = iter(range(1, 10**9))
+    return lambda: f"{next(numbers):>5}\t{_code_line(rng)}"
+
+
+def make_agents(settings: AgentsSettings, count: Count, nonce: str) -> list[Agent]:
+    """The rollouts, from `settings.seed` (`nonce` only tags each context's first line)."""
+    rng = random.Random(settings.seed)
+    agents = []
+    for index in range(settings.rollouts):
+        words = rng.getrandbits(64)
+        head = f"Rollout {index} ({nonce} {words:016x}): the repository's notes follow."
+        prose = _prose(rng, settings.context_tokens * 8, _GUIDANCE)
+        paragraphs = iter(prose.split("\n\n"))
+        context = head + "\n" + _text(count, settings.context_tokens, partial(next, paragraphs))
+        outputs, waits = [], []
+        for turn in range(2, settings.turns + 1):
+            size = max(1, round(lognormal(rng, *settings.output_tokens)))
+            outputs.append(_text(count, size, _numbered(rng)))
+            waits.append(lognormal(rng, *settings.wait_s))
+            del turn
+        agents.append(Agent(index, context, tuple(outputs), tuple(waits)))
+    return agents
+
+
+# -- one path ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AgentTurn:
+    path: str
+    rollout: int
+    turn: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float
+    turn_s: float
+    #: When the turn's request went, from the path's start.
+    at_s: float
+
+
+@attrs.frozen
+class PathRun:
+    path: str
+    turns: tuple[AgentTurn, ...]
+    makespan_s: float
+    #: The engine's counters over the path (empty on the simulated GPU).
+    engine: dict[str, float]
+    failed: str | None = None
+
+
+@attrs.frozen
+class Target:
+    """Where a path's clients go."""
+
+    proto_url: str
+    engine_url: str
+    model: str
+    answer_tokens: int
+
+
+async def engine_counters(http: httpx.AsyncClient) -> dict[str, float]:
+    """The engine's COUNTERS now, each summed over its label sets."""
+    values = dict.fromkeys(COUNTERS, 0.0)
+    names = {name: key for key, name in COUNTERS.items()}
+    for line in (await http.get("/metrics")).text.splitlines():
+        key = names.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            values[key] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def _rollout(
+    path: str,
+    target: Target,
+    agent: Agent,
+    instructions: str,
+    started: float,
+    record: Callable[[AgentTurn], None],
+) -> None:
+    """One rollout through one path: the tool's waits are the client's own sleeps."""
+    opened = open_path(path, target.proto_url, target.engine_url, target.model, instructions,
+                       target.answer_tokens)  # fmt: skip
+    async with opened as send:
+        new: Items = [{"role": "user", "content": f"{agent.context}\n\n{ASK}"}]
+        last = len(agent.outputs) + 1
+        for turn in range(1, last + 1):
+            at = time.perf_counter() - started
+            said: Said = await send(new, "required" if turn < last else "none")
+            record(AgentTurn(path, agent.index, turn, *said.usage, said.ttft_s, said.turn_s, at))
+            if turn < last:
+                await trio.sleep(agent.waits_s[turn - 1])
+                new = follow_up(said.output, agent.outputs[turn - 1])
+
+
+async def run_path(
+    path: str,
+    target: Target,
+    agents: Sequence[Agent],
+    nonce: str,
+    engine: httpx.AsyncClient | None,
+    progress: Progress,
+) -> PathRun:
+    """Every rollout at once through `path`; a failure ends the path (and says why), not the run."""
+    instructions = f"[{nonce} {path}] {INSTRUCTIONS}"  # nothing of another path's is cached
+    turns: list[AgentTurn] = []
+    before = await engine_counters(engine) if engine is not None else {}
+    started = time.perf_counter()
+    done = 0
+
+    async def one(agent: Agent) -> None:
+        nonlocal done
+        await _rollout(path, target, agent, instructions, started, turns.append)
+        done += 1
+        mine = [t for t in turns if t.rollout == agent.index]
+        cached = sum(t.cached_tokens for t in mine) / max(1, sum(t.input_tokens for t in mine))
+        progress(f"{path}: rollout {agent.index} done ({done}/{len(agents)}) at "
+                 f"{time.perf_counter() - started:.1f} s, cached share {cached:.0%}")  # fmt: skip
+
+    failed = None
+    try:
+        async with trio.open_nursery() as nursery:
+            for agent in agents:
+                nursery.start_soon(one, agent)
+    except* PATH_FAILURES as group:
+        failed = "; ".join(f"{e.__class__.__name__}: {e}" for e in group.exceptions)
+        progress(f"{path} failed: {failed}")
+    makespan = time.perf_counter() - started
+    counted: dict[str, float] = {}
+    if engine is not None:
+        wanted = before["finished"] + len(turns)
+        for _ in range(100):  # the engine counts a request a moment after its stream ends
+            after = await engine_counters(engine)
+            if after["finished"] >= wanted:
+                break
+            await trio.sleep(0.05)
+        counted = {key: after[key] - before[key] for key in COUNTERS}
+    ordered = sorted(turns, key=lambda t: (t.rollout, t.turn))
+    return PathRun(path, tuple(ordered), makespan, counted, failed)
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def engine_python(settings: AgentsSettings) -> str:
+    """The engine's interpreter: $PROTO_SERVER_VLLM_PYTHON (as the engine tests), else the flag."""
+    return os.environ.get("PROTO_SERVER_VLLM_PYTHON") or settings.vllm_python
+
+
+def engine_command(python: str, model_dir: Path, port: int, gpu_blocks: int | None) -> list[str]:
+    """vLLM's OpenAI server as the engine tests start it (SmolLM2, block size 32, prefix caching,
+    the hermes parser for its own endpoint's calls), its cache bounded by `gpu_blocks`."""
+    # the engine refuses a cache that cannot hold one request of its longest (it found one
+    # block less than the override usable)
+    longest = MAX_MODEL_LEN
+    if gpu_blocks is not None:
+        longest = min(longest, (gpu_blocks - 1) * BLOCK_SIZE)
+    command = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "smollm2",
+        "--dtype", "float32", "--max-model-len", str(longest), "--block-size", str(BLOCK_SIZE),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if gpu_blocks is not None:
+        command += ["--num-gpu-blocks-override", str(gpu_blocks)]
+    return command
+
+
+@contextlib.asynccontextmanager
+async def started_engine(settings: AgentsSettings, progress: Progress) -> AsyncIterator[str]:
+    """A vLLM CPU engine of this run's own (its log in the output folder), stopped after."""
+    from proto_server.engine.model_files import (
+        default_cache_dir,
+        default_model_path,
+        model_directory,
+    )
+
+    python = engine_python(settings)
+    model_dir = model_directory(default_model_path(), default_cache_dir())
+    port = _free_port()
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = settings.out_dir / "agents-engine.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    url = f"http://127.0.0.1:{port}/v1"
+    progress(f"starting vLLM on port {port} (log: {log_path})")
+    with log_path.open("ab") as log:
+        process = await trio.lowlevel.open_process(
+            engine_command(python, model_dir, port, settings.gpu_blocks),
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(timeout=2) as http:
+            with trio.fail_after(ENGINE_READY_S):
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"vLLM exited ({process.returncode}); see {log_path}")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(f"{url}/models")).status_code == 200:
+                            break
+                    await trio.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with trio.move_on_after(30):
+            await process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, Any]:
+    """Every path in turn on one engine; the run's JSON (settings, workload, paths, summary)."""
+    nonce = f"{os.getpid()}-{time.time_ns() % 10**9}"
+    async with contextlib.AsyncExitStack() as stack:
+        if settings.engine == "vllm":
+            from proto_server.engine.model_files import load_tokenizer
+            from proto_server.engine.vllm import discover, tokenizer_source
+
+            url = settings.engine_url
+            if url is None:
+                url = await stack.enter_async_context(started_engine(settings, progress))
+            model = await discover(url, None)
+            tokenizer = load_tokenizer(tokenizer_source(model, None)).tokenizer
+
+            def count(text: str) -> int:
+                return len(tokenizer.encode(text, add_special_tokens=False))
+
+            paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS)
+            name = model.name
+            process, proto_url = await start_proto_server(url, settings.answer_tokens)
+            engine: httpx.AsyncClient | None = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30)
+            )
+        else:
+            from proto_server.core.tokenizer import o200k_base
+
+            encoding = o200k_base()
+
+            def count(text: str) -> int:
+                return len(encoding.encode_ordinary(text))
+
+            paths, name, url, engine = (PROTOTYPE, LAUNCHED), "proto-sim", "", None
+            process, proto_url = await start_serve(["--prefill-rate", str(settings.prefill_rate)])
+        stack.push_async_callback(_stop, process)
+        agents = make_agents(settings, count, nonce)
+        target = Target(proto_url, url, name, settings.answer_tokens)
+        runs = []
+        for index, path in enumerate(paths, 1):
+            progress(f"[{index}/{len(paths)}] {path}: {len(agents)} rollouts x "
+                     f"{settings.turns} turns")  # fmt: skip
+            runs.append(await run_path(path, target, agents, nonce, engine, progress))
+    return report(settings, agents, runs, count)
+
+
+async def _stop(process: trio.Process) -> None:
+    process.terminate()
+    with trio.move_on_after(30):
+        await process.wait()
+
+
+# -- what a run says -----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """The nearest-rank percentile (`share` in [0, 1]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def unbounded_need(turns: Sequence[AgentTurn]) -> int:
+    """What a cache that never evicts would have prefilled for these turns: per rollout, its
+    first prompt whole, then each turn's new tokens (its prompt less the previous prompt and what
+    the model said, whose KV the decode made). The prefix all rollouts share (the instructions,
+    the tool) counts once: it is taken as the most any first turn found cached (each rollout's
+    context is its own, so no first turn can find more in the cache than that prefix)."""
+    firsts = [t.cached_tokens for t in turns if t.turn == 1]
+    need = -max(firsts, default=0) * max(0, len(firsts) - 1)
+    previous: dict[int, AgentTurn] = {}
+    for turn in sorted(turns, key=lambda t: (t.rollout, t.turn)):
+        last = previous.get(turn.rollout)
+        if last is None:
+            need += turn.input_tokens
+        else:
+            need += max(0, turn.input_tokens - last.input_tokens - last.output_tokens)
+        previous[turn.rollout] = turn
+    return need
+
+
+def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
+    """One path's figures."""
+    turns = run.turns
+    prompt = sum(t.input_tokens for t in turns)
+    cached = sum(t.cached_tokens for t in turns)
+    need = unbounded_need(turns)
+    ttfts = [t.ttft_s for t in turns]
+    by_turn: dict[int, list[float]] = {}
+    for t in turns:
+        share = t.cached_tokens / t.input_tokens if t.input_tokens else 0.0
+        by_turn.setdefault(t.turn, []).append(share)
+    return {
+        "path": run.path,
+        "time": "modelled engine time" if modelled else "measured",
+        "failed": run.failed,
+        "turns": len(turns),
+        "makespan_s": run.makespan_s,
+        "input_tokens": prompt,
+        "cached_tokens": cached,
+        "prefilled_tokens": prompt - cached,
+        "unbounded_need_tokens": need,
+        "prefilled_vs_unbounded": (prompt - cached) / need if need else math.nan,
+        "cached_share": cached / prompt if prompt else math.nan,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "cached_share_per_turn": {str(k): statistics.mean(v) for k, v in sorted(by_turn.items())},
+        "engine": run.engine,
+        "preemptions": run.engine.get("preemptions"),
+    }
+
+
+def report(
+    settings: AgentsSettings, agents: Sequence[Agent], runs: Sequence[PathRun], count: Count
+) -> dict[str, Any]:
+    modelled = settings.engine == "simulated"
+    workload = {
+        "rollouts": len(agents),
+        "turns": settings.turns,
+        "context_tokens": [count(a.context) for a in agents],
+        "tool_output_tokens": [[count(o) for o in a.outputs] for a in agents],
+        "waits_s": [list(a.waits_s) for a in agents],
+    }
+    return {
+        "settings": attrs.asdict(settings, value_serializer=_plain),
+        "workload": workload,
+        "paths": [summarize(run, modelled) for run in runs],
+        "turns": [attrs.asdict(t) for run in runs for t in run.turns],
+    }
+
+
+def _plain(instance: Any, field: Any, value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value
+
+
+def render(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    engine = (
+        "the simulated GPU (engine time modelled, front end measured)"
+        if s["engine"] == "simulated"
+        else "vLLM CPU, SmolLM2, block size 32, KV cache "
+        + (f"{s['gpu_blocks']} blocks ({s['gpu_blocks'] * BLOCK_SIZE:,} tokens)"
+           if s["gpu_blocks"] else "unbounded by the bench (VLLM_CPU_KVCACHE_SPACE=2 GiB)")
+    )  # fmt: skip
+    waits = [w for ws in data["workload"]["waits_s"] for w in ws]
+    outs = [o for os_ in data["workload"]["tool_output_tokens"] for o in os_]
+    lines = [
+        f"proto-server bench agents: {s['rollouts']} rollouts x {s['turns']} turns at once on "
+        f"{engine}; contexts of ~{s['context_tokens']} tokens, tool outputs median "
+        f"{statistics.median(outs):.0f} tokens (max {max(outs)}), tool waits median "
+        f"{statistics.median(waits):.2f} s (max {max(waits):.1f} s), seed {s['seed']}",
+        "",
+    ]
+    header = ["path", "makespan s", "prompt", "prefilled", "unbounded need", "prefilled/need",
+              "cached share", "TTFT p50 s", "TTFT p99 s", "preemptions"]  # fmt: skip
+    rows = []
+    for p in data["paths"]:
+        pre = p["preemptions"]
+        rows.append([
+            p["path"] + (" (FAILED)" if p["failed"] else ""), f"{p['makespan_s']:.1f}",
+            str(p["input_tokens"]), str(p["prefilled_tokens"]), str(p["unbounded_need_tokens"]),
+            f"{p['prefilled_vs_unbounded']:.2f}x", f"{p['cached_share']:.0%}",
+            f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p99_s']:.2f}",
+            "n/a" if pre is None else f"{pre:.0f}",
+        ])  # fmt: skip
+    lines += table(header, rows)
+    lines += ["", "Cached share per turn (mean over rollouts):"]
+    turn_keys = sorted({k for p in data["paths"] for k in p["cached_share_per_turn"]}, key=int)
+    lines += table(
+        ["path", *(f"turn {k}" for k in turn_keys)],
+        [[p["path"], *(f"{p['cached_share_per_turn'].get(k, math.nan):.0%}" for k in turn_keys)]
+         for p in data["paths"]],
+    )  # fmt: skip
+    for p in data["paths"]:
+        if p["failed"]:
+            lines.append(f"\n{p['path']} failed: {p['failed']}")
+    return "\n".join(lines)
+
+
+def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:
+    """agents.json and the PNGs, or why there are no plots (matplotlib is the `bench` extra)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "agents.json").write_text(json.dumps(data, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    label = " (modelled engine time)" if data["settings"]["engine"] == "simulated" else ""
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
+    for p in data["paths"]:
+        ttfts = sorted(t["ttft_s"] for t in data["turns"] if t["path"] == p["path"])
+        shares = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        axes.step(ttfts, shares, where="post", label=p["path"])
+    axes.set(title=f"TTFT over every turn, per path{label}", xlabel="s", ylabel="share of turns")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(directory / PLOTS[0])
+    plt.close(figure)
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
+    for p in data["paths"]:
+        per = p["cached_share_per_turn"]
+        axes.plot([int(k) for k in per], list(per.values()), marker=".", label=p["path"])
+    axes.set(title="Cached share of the prompt per turn (mean over rollouts)", xlabel="turn",
+             ylabel="share", ylim=(0, 1))  # fmt: skip
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(directory / PLOTS[1])
+    plt.close(figure)
+    return [directory / name for name in PLOTS]
+
+
+def main(settings: AgentsSettings) -> int:
+    """The command: the run, its table on stdout, its files; 1 when a path failed."""
+    problems = settings.problems()
+    needs_engine = settings.engine == "vllm" and settings.engine_url is None
+    if needs_engine and not Path(engine_python(settings)).exists():
+        problems.append(f"no vLLM environment at {engine_python(settings)}; pass --vllm-python "
+                        "(or set PROTO_SERVER_VLLM_PYTHON), or --engine-url")  # fmt: skip
+    if problems:
+        for problem in problems:
+            print(f"proto-server bench agents: {problem}", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    data = trio.run(run_agents, settings, progress)
+    print(render(data))
+    plots = write_files(data, settings.out_dir)
+    print(f"\nSaved {settings.out_dir / 'agents.json'}")
+    print(plots if isinstance(plots, str) else "Plots: " + ", ".join(map(str, plots)))
+    return 1 if any(p["failed"] for p in data["paths"]) else 0
