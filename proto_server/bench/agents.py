@@ -109,8 +109,8 @@ class AgentsSettings:
                                     ("--wait-s", self.wait_s)):  # fmt: skip
             if not (0 < median <= p99 < math.inf):
                 found.append(f"{flag}: expected 0 < MEDIAN <= P99, finite; got {median} {p99}")
-        if self.gpu_blocks is not None and (self.gpu_blocks < 2 or self.engine != "vllm"):
-            found.append("--num-gpu-blocks-override needs --engine vllm and at least 2 blocks")
+        if self.gpu_blocks is not None and self.gpu_blocks < 2:
+            found.append("--num-gpu-blocks-override needs at least 2 blocks")
         if self.engine_url is not None and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")
         return found
@@ -398,7 +398,10 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
                 return len(encoding.encode_ordinary(text))
 
             paths, name, url, engine = (PROTOTYPE, LAUNCHED), "proto-sim", "", None
-            process, proto_url = await start_serve(["--prefill-rate", str(settings.prefill_rate)])
+            flags = ["--prefill-rate", str(settings.prefill_rate)]
+            if settings.gpu_blocks is not None:  # the simulated GPU's cache, as bounded
+                flags += ["--prefix-cache-tokens", str(settings.gpu_blocks * BLOCK_SIZE)]
+            process, proto_url = await start_serve(flags)
         stack.push_async_callback(_stop, process)
         agents = make_agents(settings, count, nonce)
         target = Target(proto_url, url, name, settings.answer_tokens)
