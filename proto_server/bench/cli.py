@@ -14,6 +14,7 @@ import attrs
 import orjson
 import trio
 
+from proto_server.bench import memory
 from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
 from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, machine, run_bench
@@ -68,9 +69,11 @@ def add_parser(
     bench.add_argument(
         "section",
         nargs="?",
-        choices=("all", "streaming"),
+        choices=("all", "streaming", "memory"),
         default="all",
-        help="what to run: everything, or only the streaming measurements (issue 13's figures)",
+        help="what to run: everything, only the streaming measurements (issue 13's figures), or "
+        "peak RSS per input shape against its memory charge (a server process per shape; "
+        "the --mb, --shapes and --steer-flood flags)",
     )
     bench.add_argument(
         "--turns",
@@ -183,10 +186,13 @@ def add_parser(
         action="store_true",
         help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
     )
+    memory.add_arguments(bench)
     return bench
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.section == "memory":
+        return memory.run(args)
     if args.turns is not None and args.turns < 2:
         print("proto-server bench: --turns must be at least 2 (a tool round and the answer)",
               file=sys.stderr)  # fmt: skip
