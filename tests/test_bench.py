@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proto_server.bench.memory import TRANSPORTS, MiB
 from proto_server.bench.report import PLOTS
 from proto_server.bench.runner import TRANSPORT_NAMES
 from proto_server.cli import main
@@ -126,3 +127,25 @@ async def test_the_deflate_bench_measures_both_side_by_side() -> None:
         assert off["server_cpu_ms"] > 0 and on["server_cpu_ms"] > 0
     table = report(results)
     assert "server_cpu_ms" in table and "ratio" in table
+
+
+def test_bench_memory_every_shape_peaks_within_its_charge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench memory` at 1 MB: each shape (a create over HTTP and over a
+    WebSocket, a steer, an inject) against a real server process of its own; its peak RSS above
+    the baseline is within what the process budget charged for it in the same run. Before the
+    renderer cut long texts into chunks, one run with no whitespace took about 50x its size in
+    the tokenizer alone (past the 48x charge)."""
+    assert main(["bench", "memory", "--mb", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "memory [10/10]: big inject over websocket" in out.err
+    assert "worst peak/charge" in out.out
+    rows = orjson.loads((tmp_path / "memory.json").read_bytes())["shapes"]
+    assert {(r["shape"], r["transport"]) for r in rows} == {
+        (shape, transport) for shape, over in TRANSPORTS.items() for transport in over
+    }
+    for row in rows:
+        assert row["peak_reset"] and row["frame"] > 0.9 * MiB, row
+        assert row["answer"] in ("response.completed", "response.steer.pending"), row
+        assert row["peak"] <= row["charge"], row

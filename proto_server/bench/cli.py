@@ -16,6 +16,7 @@ import trio
 
 from proto_server.bench.agents import ENGINES, AgentsSettings
 from proto_server.bench.agents import main as agents_main
+from proto_server.bench import memory
 from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
 from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, machine, run_bench
@@ -70,10 +71,12 @@ def add_parser(
     bench.add_argument(
         "section",
         nargs="?",
-        choices=("all", "streaming", "agents"),
+        choices=("all", "streaming", "agents", "memory"),
         default="all",
-        help="what to run: everything, only the streaming measurements (issue 13's figures), or "
-        "many agents at once on one engine (issue 19's; its flags are under 'agents')",
+        help="what to run: everything, only the streaming measurements (issue 13's figures), "
+        "many agents at once on one engine (issue 19's; its flags are under 'agents'), or peak "
+        "RSS per input shape against its memory charge (a server process per shape; the --mb, "
+        "--shapes and --steer-flood flags)",
     )
     bench.add_argument(
         "--turns",
@@ -187,6 +190,7 @@ def add_parser(
         help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
     )
     _agents_arguments(bench.add_argument_group("agents", "bench agents: many rollouts at once"))
+    memory.add_arguments(bench)
     return bench
 
 
@@ -262,6 +266,8 @@ def _run_agents(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.section == "memory":
+        return memory.run(args)
     if args.turns is not None and args.turns < 2:
         print("proto-server bench: --turns must be at least 2 (a tool round and the answer)",
               file=sys.stderr)  # fmt: skip

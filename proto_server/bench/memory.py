@@ -1,29 +1,86 @@
-"""`python -m proto_server.bench.memory [MB]`: peak memory per input shape against its charge.
+"""`proto-server bench memory`: peak RSS of a real server per input shape, against its charge.
 
-Each shape runs in a fresh process of its own (peak RSS, `VmHWM`, only grows): the frame is
-built, the tokenizer loaded, the baseline RSS read; then the server's own steps for that frame
-run (decode, check, render, what it keeps) and the peak is read. The ratio printed is peak
-above baseline over what the budgets charge at that peak (`PREPARING_FACTOR` x the frame's
-size while it is prepared, or what is kept after, whichever is more): under 1 is covered.
+Each shape runs against a `proto-server serve` process of its own (nothing else in it grows):
+a small request of the same kind warms it up, its resident set (`VmRSS`) is read and its peak
+(`VmHWM`) reset, then ONE request of the shape is sent, over HTTP (`POST /v1/responses`) or a
+WebSocket, and once it is answered the peak is read again, with the most the server's process
+memory budget ever charged (`proto_server_memory_peak_bytes` on `/metrics`). The ratio printed
+is the peak above the baseline over that charge: at most 1, the budget covers what the shape
+really costs.
+
+`--steer-flood LANES STEERS MB` is the issue-22 attack instead: one connection, LANES lanes each
+with a Response that completed with an unanswered call, then STEERS steers of MB each per lane,
+all sent at once; the peak RSS against `--max-memory` plus the baseline, and the answers by code.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
+import trio
 
+from proto_server.testing.client import WireClient, connect
+
+MiB = 1024 * 1024
 SHAPES = ("huge string", "many items", "many tools", "deep JSON", "big steer", "big inject")
+#: Which transports each shape is sent over: creates over both, a steer and an inject are
+#: WebSocket events only (an inject in the prototype dialect, as the multi-agent beta sends it).
+TRANSPORTS = {
+    "huge string": ("http", "websocket"),
+    "many items": ("http", "websocket"),
+    "many tools": ("http", "websocket"),
+    "deep JSON": ("http", "websocket"),
+    "big steer": ("websocket",),
+    "big inject": ("websocket",),
+}
+#: A tool call, then an answer: a create completes with a call awaiting output (what a steer
+#: waits behind), or suspends on it (what an inject resumes).
+SCRIPT = {
+    "segments": [
+        {
+            "text": "Let me look.",
+            "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}],
+        },
+        {"text": "Done."},
+    ]
+}
+EXEC_COMMAND = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+}
+BETA = ("OpenAI-Beta", "responses_multi_agent=v1")
+END = ("response.completed", "response.failed", "response.incomplete", "response.done", "error")
+#: Generous: a 15 MB frame is decoded and rendered on 2 busy cores.
+EVENT_TIMEOUT_S = 300.0
 
 
-def frame_of(shape: str, nbytes: int) -> dict[str, Any]:
-    """A frame of about `nbytes` of JSON, of `shape`."""
-    create: dict[str, Any] = {"type": "response.create", "model": "m"}
+def text_of(nbytes: int) -> str:
+    """The costliest text to render per byte: one run with no whitespace is one regex piece for
+    the tokenizer (a 15 MB one peaked at 886 MB before its text was cut into chunks)."""
+    return "x" * nbytes
+
+
+def frame_of(shape: str, nbytes: int, *, previous: str = "resp_1") -> dict[str, Any]:
+    """A client frame of about `nbytes` of JSON, of `shape` (`previous`: the Response a steer or
+    an inject names)."""
+    create: dict[str, Any] = {"type": "response.create", "model": "m", "tools": [EXEC_COMMAND]}
     if shape == "huge string":
-        return {**create, "input": [{"role": "user", "content": "word " * (nbytes // 5)}]}
+        return {**create, "input": [{"role": "user", "content": text_of(nbytes)}]}
     if shape == "many items":
         return {**create, "input": [{"role": "user", "content": "hi"}] * (nbytes // 34)}
     if shape == "many tools":
@@ -34,7 +91,7 @@ def frame_of(shape: str, nbytes: int) -> dict[str, Any]:
             "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
         }
         size = len(orjson.dumps(tool)) + 1
-        tools = [{**tool, "name": f"f{i}"} for i in range(nbytes // size)]
+        tools = [EXEC_COMMAND, *({**tool, "name": f"f{i}"} for i in range(nbytes // size))]
         return {**create, "tools": tools, "input": "hi"}
     if shape == "deep JSON":
         deep: Any = 1
@@ -46,93 +103,359 @@ def frame_of(shape: str, nbytes: int) -> dict[str, Any]:
     if shape == "big steer":
         return {
             "type": "response.steer",
-            "previous_response_id": "resp_1",
-            "input": "word " * (nbytes // 5),
+            "previous_response_id": previous,
+            "input": text_of(nbytes),
         }
     if shape == "big inject":
-        text = "word " * (nbytes // 5)
+        text = text_of(nbytes)
         output = {"type": "function_call_output", "call_id": "c1", "output": text}
-        return {"type": "response.inject", "response_id": "resp_1", "input": [output]}
+        return {"type": "response.inject", "response_id": previous, "input": [output]}
     raise ValueError(shape)
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as status:
+# -- the server process --------------------------------------------------------------------------
+
+
+def status_kib(pid: int, field: str) -> int:
+    """`field` (VmRSS, VmHWM) of process `pid`, in bytes."""
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith(field):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+    raise RuntimeError(f"no {field} for process {pid}")
 
 
-def measure(shape: str, nbytes: int) -> dict[str, Any]:
-    """In this process: the server's steps for one frame of `shape`; peak RSS against charge."""
-    from proto_server.core.conversation import (
-        Conversation,
-        decoded_bytes,
-        render_items,
-    )
-    from proto_server.core.render import O200kRenderer
-    from proto_server.core.request import input_items, request_bytes
-    from proto_server.server.memory import preparing_bytes
-    from proto_server.wire.converter import decode_client_event, steer_items
-    from proto_server.wire.events import ResponseCreate, ResponseInject, ResponseSteer
+def reset_peak(pid: int) -> bool:
+    """Reset `VmHWM` to the current RSS (Linux 4.0+, `clear_refs` 5); False where refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
 
-    renderer = O200kRenderer()
-    renderer.render_prefix(None, ())
-    message = orjson.dumps(frame_of(shape, nbytes)).decode()
-    size = len(message)
-    charge = preparing_bytes(message)
-    baseline = _rss("VmRSS")
-    event = decode_client_event(message)
-    if isinstance(event, ResponseCreate):
-        kept = request_bytes(event)
-        conversation = Conversation(renderer, instructions=event.instructions, tools=event.tools)
-        conversation.extend_rendered(render_items(renderer, input_items(event)))
-        kept = max(kept, conversation.retained_bytes)
-    elif isinstance(event, ResponseSteer):
-        items = steer_items(event.input)
-        kept = decoded_bytes(items, text=isinstance(event.input, str))
-        rendered = render_items(renderer, items)  # as its successor renders it
-        kept += rendered.nbytes
+
+class Server:
+    """A `proto-server serve` subprocess on a free port, its log to a file."""
+
+    def __init__(self, flags: list[str], workdir: Path) -> None:
+        script = workdir / "script.json"
+        script.write_text(json.dumps(SCRIPT))
+        self.log = (workdir / "server.log").open("wb")
+        command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store",
+                   ":memory:", "--script", str(script), "--no-prefix-cache",
+                   "--log-level", "warning", "--prefill-rate", "1e12", "--decode-rate", "1e6",
+                   *flags]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().decode()
+        if "listening on " not in line:
+            self.process.kill()
+            raise RuntimeError(f"the server did not start: {line!r} (log: {self.log.name})")
+        http = line.split("listening on ")[1].split(" ")[0]  # http://host:port/v1
+        self.http = http.rsplit("/", 1)[0]
+        self.ws = http.replace("http://", "ws://", 1) + "/responses"
+        self.pid = self.process.pid
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    async def budget_peak(self) -> int:
+        """The most the process memory budget ever charged, from `/metrics`."""
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(self.http + "/metrics", timeout=30)).text
+        for line in text.splitlines():
+            if line.startswith("proto_server_memory_peak_bytes "):
+                return int(float(line.split()[1]))
+        raise RuntimeError(f"no proto_server_memory_peak_bytes on /metrics: {text[:300]!r}")
+
+
+@contextmanager
+def server(flags: list[str]) -> Iterator[Server]:
+    with tempfile.TemporaryDirectory(prefix="proto-bench-memory-") as workdir:
+        running = Server(flags, Path(workdir))
+        try:
+            yield running
+        finally:
+            running.close()
+
+
+def _flags(nbytes: int, max_memory_mib: int, connection_mib: int) -> list[str]:
+    return ["--max-message-bytes", str(max(nbytes * 2, 1 << 24)), "--max-memory",
+            str(max_memory_mib), "--max-connection-memory", str(connection_mib)]  # fmt: skip
+
+
+# -- one shape -----------------------------------------------------------------------------------
+
+
+async def _called(client: WireClient, **fields: Any) -> tuple[str, str]:
+    """A small stored create that ends with a call awaiting output: its id and the call's."""
+    await client.send(frame_of("many items", 64) | {"store": True, **fields})
+    events = await client.until(*END)
+    calls = [e["item"]["call_id"] for e in events if e["type"] == "response.output_item.done"
+             and e["item"]["type"] == "function_call"]  # fmt: skip
+    return str(events[0]["response"]["id"]), str(calls[0])
+
+
+async def _post(http: httpx.AsyncClient, url: str, frame: dict[str, Any]) -> str:
+    """POST the create (its `type` dropped) as SSE; the last event's type."""
+    body = orjson.dumps({k: v for k, v in frame.items() if k != "type"} | {"stream": True})
+    last = ""
+    headers = {"content-type": "application/json"}
+    async with http.stream("POST", url, content=body, headers=headers) as answer:
+        async for line in answer.aiter_lines():
+            if line.startswith("data: "):
+                last = orjson.loads(line[6:]).get("type", last)
+        if answer.status_code != 200:
+            return f"HTTP {answer.status_code}"
+    return last
+
+
+async def _one(running: Server, shape: str, transport: str, nbytes: int) -> dict[str, Any]:
+    """Warm up, reset the peak, send one frame of `shape`, and measure."""
+    warm = max(nbytes // 256, 4096)
+    answer = ""
+
+    async def measured(send: Callable[[], Any]) -> None:
+        nonlocal answer
+        baseline[0] = status_kib(running.pid, "VmRSS")
+        reset[0] = reset_peak(running.pid)
+        answer = await send()
+
+    baseline, reset = [0], [False]
+    frame_bytes = 0
+    if transport == "http":
+        url = running.http + "/v1/responses"
+        timeout = httpx.Timeout(EVENT_TIMEOUT_S)
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            await _post(http, url, frame_of(shape, warm))
+            frame = frame_of(shape, nbytes)
+            frame_bytes = len(orjson.dumps({k: v for k, v in frame.items() if k != "type"}))
+            await measured(partial(_post, http, url, frame))
+            del frame
     else:
-        assert isinstance(event, ResponseInject)
-        rendered = render_items(renderer, event.input)
-        kept = rendered.nbytes
-    peak = _rss("VmHWM") - baseline
-    return {"shape": shape, "frame": size, "peak": peak, "charge": max(charge, kept)}
+        inject = shape == "big inject"
+        url = running.ws + ("?dialect=prototype" if inject else "")
+        async with connect(url, headers=[BETA] if inject else [],
+                           max_message_size=4 * nbytes + MiB,
+                           event_timeout_s=EVENT_TIMEOUT_S) as client:  # fmt: skip
+            target, call_id = "", ""
+            if shape in ("big steer", "big inject"):
+                target, call_id = await _called(client)
+                small = frame_of(shape, warm, previous=target)
+                if inject:  # resumes it to its end; the measured inject resumes another
+                    small["input"][0]["call_id"] = call_id
+                    await client.send(small)
+                    await client.until(*END)
+                    target, call_id = await _called(client)
+                else:  # waits behind the call, as the measured one will
+                    await client.send(small)
+                    await client.until("response.steer.pending", "response.steer.failed")
+            else:
+                await client.send(frame_of(shape, warm))
+                await client.until(*END)
+            frame = frame_of(shape, nbytes, previous=target)
+            if inject:
+                frame["input"][0]["call_id"] = call_id
+            text = orjson.dumps(frame).decode()
+            frame_bytes = len(text)
+            del frame
+            ends = (
+                ("response.steer.pending", "response.steer.failed", "error")
+                if shape == "big steer"
+                else END
+            )
+
+            async def send() -> str:
+                await client.send(text)
+                events = await client.until(*ends)
+                return str(events[-1]["type"])
+
+            await measured(send)
+            del text
+    peak = status_kib(running.pid, "VmHWM") - baseline[0]
+    charge = await running.budget_peak()
+    return {
+        "shape": shape,
+        "transport": transport,
+        "frame": frame_bytes,
+        "baseline": baseline[0],
+        "peak": peak,
+        "charge": charge,
+        "answer": answer,
+        "peak_reset": reset[0],
+    }
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        shape, count = sys.argv[2].rsplit(":", 1)
-        print(json.dumps(measure(shape, int(count))))
-        return 0
-    megabytes = float(sys.argv[1]) if len(sys.argv) > 1 else 15.0
-    nbytes = int(megabytes * 1024 * 1024)
-    print(
-        f"{'shape':<12} {'frame MB':>9} {'peak MB':>9} {'charge MB':>10} {'peak/frame':>11} "
-        f"{'peak/charge':>12}"
+def measure_shape(shape: str, transport: str, nbytes: int) -> dict[str, Any]:
+    """`shape` over `transport` against a server of its own; its row."""
+    budget = max(4096, 200 * nbytes // MiB)  # room for every charge: nothing is refused
+    with server(_flags(nbytes, budget, budget)) as running:
+        return trio.run(_one, running, shape, transport, nbytes)
+
+
+# -- the steer flood -----------------------------------------------------------------------------
+
+
+async def _flood(running: Server, lanes: int, steers: int, nbytes: int) -> dict[str, Any]:
+    text = text_of(nbytes)
+    size = 2 * nbytes + MiB  # a refused steer comes back with its input
+    async with connect(
+        running.ws, max_message_size=size, event_timeout_s=EVENT_TIMEOUT_S, message_queue_size=64
+    ) as client:
+        targets = []
+        for lane in range(lanes):
+            targets.append((await _called(client, stream_id=f"l{lane}"))[0])
+        baseline = status_kib(running.pid, "VmRSS")
+        reset = reset_peak(running.pid)
+        answers: Counter[str] = Counter()
+        peak_seen = [0]
+
+        async def read() -> None:
+            for _ in range(lanes * steers):
+                event = await client.until("response.steer.pending", "response.steer.failed",
+                                           "error")  # fmt: skip
+                last = event[-1]
+                code = last.get("error", {}).get("code", "")
+                answers[f"{last['type']} {code}".strip()] += 1
+                client.received.clear()
+                peak_seen[0] = max(peak_seen[0], status_kib(running.pid, "VmHWM"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for _ in range(steers):
+                for target in targets:
+                    frame = {"type": "response.steer", "previous_response_id": target,
+                             "input": text}  # fmt: skip
+                    await client.send(orjson.dumps(frame).decode())
+    peak = status_kib(running.pid, "VmHWM")
+    return {
+        "lanes": lanes,
+        "steers": steers,
+        "steer_bytes": nbytes,
+        "baseline": baseline,
+        "peak": peak,
+        "peak_above_baseline": peak - baseline,
+        "budget_peak": await running.budget_peak(),
+        "answers": dict(answers),
+        "peak_reset": reset,
+    }
+
+
+def steer_flood(
+    lanes: int, steers: int, nbytes: int, max_memory_mib: int, connection_mib: int
+) -> dict[str, Any]:
+    with server(_flags(nbytes, max_memory_mib, connection_mib)) as running:
+        row = trio.run(_flood, running, lanes, steers, nbytes)
+    row["max_memory"] = max_memory_mib * MiB
+    row["max_connection_memory"] = connection_mib * MiB
+    return row
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mb",
+        type=float,
+        default=15.0,
+        help="memory: size of each shape's frame, in MB",
     )
-    worst = 0.0
-    for shape in SHAPES:
-        out = subprocess.run(
-            [sys.executable, "-m", "proto_server.bench.memory", "--child", f"{shape}:{nbytes}"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        row = json.loads(out)
-        ratio = row["peak"] / row["charge"]
-        worst = max(worst, ratio)
-        mb = 1024 * 1024
+    parser.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        metavar="NAMES",
+        help=f"memory: comma-separated subset of {','.join(SHAPES)}",
+    )
+    parser.add_argument(
+        "--steer-flood",
+        type=float,
+        nargs=3,
+        metavar=("LANES", "STEERS", "MB"),
+        default=None,
+        help="memory: instead of the shapes, one connection with LANES lanes each sent STEERS "
+        "steers of MB (issue 22: 32 9 15), under --flood-max-memory",
+    )
+    parser.add_argument(
+        "--flood-max-memory",
+        type=int,
+        nargs=2,
+        metavar=("MIB", "CONNECTION_MIB"),
+        default=(1024, 256),
+        help="memory: the flood's --max-memory and --max-connection-memory",
+    )
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / MiB:.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """The shapes' table (or the flood's figures), saved as memory.json in --out."""
+    progress = partial(print, file=sys.stderr, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "memory.json"
+    if args.steer_flood is not None:
+        lanes, steers, mb = args.steer_flood
+        if lanes < 1 or steers < 1 or mb <= 0:
+            print("proto-server bench memory: --steer-flood needs LANES, STEERS >= 1, MB > 0",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        progress(f"steer flood: {int(lanes)} lanes x {int(steers)} steers x {mb:g} MB")
+        started = time.perf_counter()
+        row = steer_flood(int(lanes), int(steers), int(mb * MiB), *args.flood_max_memory)
+        within = row["peak_above_baseline"] <= row["max_memory"]
         print(
-            f"{shape:<12} {row['frame'] / mb:>9.1f} {row['peak'] / mb:>9.1f} "
-            f"{row['charge'] / mb:>10.1f} {row['peak'] / row['frame']:>10.1f}x "
-            f"{ratio:>12.2f}"
+            f"steer flood: {row['lanes']} lanes x {row['steers']} steers x "
+            f"{_mb(row['steer_bytes'])} MB, --max-memory {_mb(row['max_memory'])} MiB, "
+            f"--max-connection-memory {_mb(row['max_connection_memory'])} MiB "
+            f"({time.perf_counter() - started:.0f} s)\n"
+            f"  baseline RSS {_mb(row['baseline'])} MiB, peak RSS {_mb(row['peak'])} MiB: "
+            f"{_mb(row['peak_above_baseline'])} MiB above the baseline "
+            f"({'within' if within else 'PAST'} the budget); the budget charged at most "
+            f"{_mb(row['budget_peak'])} MiB\n"
+            "  answers: " + ", ".join(f"{n} {kind}" for kind, n in sorted(row["answers"].items()))
         )
-    print(f"worst peak/charge: {worst:.2f} (at most 1: every shape within its charge)")
-    return 0 if worst <= 1 else 1
+        path.write_bytes(orjson.dumps({"steer_flood": row}, option=orjson.OPT_INDENT_2))
+        print(f"Saved {path}")
+        return 0 if within else 1
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if not shapes or any(s not in SHAPES for s in shapes) or args.mb <= 0:
+        print(f"proto-server bench memory: --shapes from {','.join(SHAPES)}, --mb > 0",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    nbytes = int(args.mb * MiB)
+    rows = []
+    cases = [(shape, transport) for shape in shapes for transport in TRANSPORTS[shape]]
+    for number, (shape, transport) in enumerate(cases, 1):
+        progress(f"memory [{number}/{len(cases)}]: {shape} over {transport}, {args.mb:g} MB")
+        rows.append(row := measure_shape(shape, transport, nbytes))
+        progress(f"  peak {_mb(row['peak'])} MB above a baseline of {_mb(row['baseline'])} MB, "
+                 f"charged {_mb(row['charge'])} MB")  # fmt: skip
+    print(render(rows))
+    path.write_bytes(orjson.dumps({"shapes": rows}, option=orjson.OPT_INDENT_2))
+    print(f"Saved {path}")
+    return 0 if all(r["peak"] <= r["charge"] for r in rows) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'shape':<12} {'over':<10} {'frame MB':>9} {'peak MB':>8} {'peak/frame':>11} "
+        f"{'charge MB':>10} {'peak/charge':>12}  answer"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:<12} {r['transport']:<10} {_mb(r['frame']):>9} {_mb(r['peak']):>8} "
+            f"{r['peak'] / r['frame']:>10.1f}x {_mb(r['charge']):>10} "
+            f"{r['peak'] / r['charge']:>12.2f}  {r['answer']}"
+        )
+    worst = max(r["peak"] / r["charge"] for r in rows)
+    lines.append(f"worst peak/charge: {worst:.2f} (at most 1: every shape within its charge)")
+    return "\n".join(lines)

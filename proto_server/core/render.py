@@ -12,7 +12,7 @@ from typing import Protocol
 import orjson
 
 from proto_server.core.compaction import summary_of
-from proto_server.core.tokenizer import o200k_base
+from proto_server.core.tokenizer import encode_bounded, o200k_base
 from proto_server.wire.converter import unstructure
 from proto_server.wire.items import (
     CustomToolCall,
@@ -73,7 +73,7 @@ class O200kRenderer:
         self._encoding = o200k_base()
 
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
-        return self._encoding.encode_ordinary(prefix_text(instructions, tools))
+        return list(encode_bounded(self._encoding, prefix_text(instructions, tools)))
 
-    def render_item(self, item: Item) -> list[int]:
-        return self._encoding.encode_ordinary(item_text(item))
+    def render_item(self, item: Item) -> Sequence[int]:
+        return encode_bounded(self._encoding, item_text(item))

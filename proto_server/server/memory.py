@@ -25,7 +25,7 @@ from proto_server.server.logs import log
 from proto_server.wire.errors import ProtocolError
 
 #: Peak memory while one frame is decoded and rendered, per byte of the frame in memory:
-#: `python -m proto_server.bench.memory` measures peak RSS per input shape, 11-40x at 15 MB,
+#: `proto-server bench memory` measures a real server's peak RSS per input shape, 2-42x at 15 MB,
 #: the most for deeply nested JSON (README, limits); 48 covers that with a margin.
 PREPARING_FACTOR = 48
 
@@ -83,11 +83,16 @@ class MemoryBudget:
         """Count `nbytes` more (negative: fewer) here and in every parent."""
         if self.closed:
             return
-        budget: MemoryBudget | None = self
-        while budget is not None:
+        budget = self
+        while True:
             budget.used += nbytes
             budget.peak = max(budget.peak, budget.used)
+            if budget.parent is None:
+                break
             budget = budget.parent
+        # the process's budget (the root) is on /metrics
+        metrics.MEMORY_USED.set(budget.used)
+        metrics.MEMORY_PEAK.set(budget.peak)
 
     def check(self, nbytes: int, what: str) -> None:
         """Make sure `nbytes` more fit here and in every parent, letting idle holders go to

@@ -123,6 +123,18 @@ STORE_FILE_LOST = Gauge(
     "replaced): /readyz answers 503 and store calls fail store_unavailable",
     multiprocess_mode="livemax",
 )
+MEMORY_USED = Gauge(
+    "proto_server_memory_used_bytes",
+    "What the process memory budget (--max-memory) charges now: kept rollouts, queued and "
+    "waiting requests and steers, frames in preparation",
+    multiprocess_mode="livesum",
+)
+MEMORY_PEAK = Gauge(
+    "proto_server_memory_peak_bytes",
+    "The most the process memory budget ever charged (`proto-server bench memory` compares it "
+    "with the peak RSS)",
+    multiprocess_mode="livemax",
+)
 
 _TERMINAL = {
     "response.completed": "completed",

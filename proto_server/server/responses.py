@@ -212,7 +212,7 @@ class Responses:
         `announce_suspension`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
-        # rendering peaks as decoding does (bench/memory.py): the process holds room for it
+        # rendering peaks as decoding does (`proto-server bench memory`): room is held for it
         with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
             prepared = await self.offload.run(
                 partial(prepare_input, cold=rollout is None),
