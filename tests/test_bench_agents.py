@@ -127,11 +127,11 @@ def test_bench_agents_refuses_a_distribution_it_cannot_draw(
     assert exited.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_bench_agents_refuses_a_cache_bound_without_an_engine(
+def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["bench", "agents", "--num-gpu-blocks-override", "160"]) == 2
-    assert "--num-gpu-blocks-override needs --engine vllm" in capsys.readouterr().err
+    assert main(["bench", "agents", "--num-gpu-blocks-override", "1"]) == 2
+    assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
 
 
 @pytest.mark.engine

@@ -14,9 +14,9 @@ import attrs
 import orjson
 import trio
 
+from proto_server.bench import memory
 from proto_server.bench.agents import ENGINES, AgentsSettings
 from proto_server.bench.agents import main as agents_main
-from proto_server.bench import memory
 from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
 from proto_server.bench.runner import TRANSPORT_NAMES, BenchSettings, machine, run_bench
