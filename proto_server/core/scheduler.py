@@ -12,7 +12,8 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
   longer reserved), so a rollout whose client went away does not block the others;
 - a rollout larger than what fits is still served when nothing else is admitted (no deadlock);
 - the waiting queue is served by weighted fair share between owners (API keys): the owner with
-  the fewest admitted tokens per unit of weight goes first, first come first served within one.
+  the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
+  ago), first come first served within one.
 
 Sans-IO: no clock (every call that needs the time is given `now`), no awaits. The trio side
 (`server/admission.py`) wakes the rollouts each call returns as admitted.
@@ -62,6 +63,12 @@ class Request:
     woken: tuple[Hashable, ...] = ()
 
 
+#: The answers without a list of others woken, made once: `request` runs before every segment.
+RESIDENT = Request(admitted=True, resident=True)
+ADMITTED = Request(admitted=True, resident=False)
+QUEUED = Request(admitted=False, resident=False)
+
+
 class Scheduler:
     """Rollouts by key (any hashable: the server uses the `Rollout` itself)."""
 
@@ -90,6 +97,10 @@ class Scheduler:
         #: Suspended rollouts whose place lapsed, since the start.
         self.demotions = 0
         self._order = 0
+        #: Per owner, when it last had a rollout admitted (by count): between owners of equal
+        #: share the one served longest ago goes first (round robin when few rollouts fit).
+        self._served: dict[str, int] = {}
+        self._admissions = 0
 
     # -- what the server tells it ---------------------------------------------------------------
 
@@ -99,19 +110,20 @@ class Scheduler:
         and no one waits ahead of it, else it waits (a later answer's `woken` names it)."""
         entry = self._entries.get(key)
         if entry is not None and entry.admitted:
-            self._resize(entry, tokens)
+            if tokens != entry.tokens:
+                self._resize(entry, tokens)
             entry.state = State.STREAMING
-            return Request(admitted=True, resident=True)
+            return RESIDENT
         if entry is None:
             entry = Entry(key, owner, tokens, State.IDLE, now)
             self._entries[key] = entry
         elif entry.state is State.WAITING:
             entry.tokens = tokens  # its place in the queue is kept
-            return Request(admitted=False, resident=False)
+            return QUEUED
         entry.tokens = tokens
         if not self.waiting and self._fits(tokens):  # no pressure: no scan, no queue
             self._admit(entry)
-            return Request(admitted=True, resident=False)
+            return ADMITTED
         self._enqueue(entry, now)
         woken = self.expire(now) or self._pump()
         return Request(
@@ -189,6 +201,8 @@ class Scheduler:
 
     def _admit(self, entry: Entry) -> None:
         entry.state = State.STREAMING
+        self._served[entry.owner] = self._admissions
+        self._admissions += 1
         self.reserved += entry.tokens
         self._owned[entry.owner] += entry.tokens
         self.admitted += 1
@@ -216,7 +230,7 @@ class Scheduler:
 
     def _pump(self) -> list[Hashable]:
         """Admit waiting rollouts while the next one fits: the owner with the lowest share
-        first (the earliest arrival on a tie), its oldest waiting rollout. Strict: when that
+        first (on a tie, the one served longest ago), its oldest waiting rollout. Strict: when that
         one does not fit, nobody behind it goes (so a large rollout is not starved by small
         ones that keep slipping past it)."""
         admitted: list[Hashable] = []
@@ -237,4 +251,5 @@ class Scheduler:
         """The owner whose oldest waiting rollout goes next (None: nobody waits)."""
         if not self._queues:
             return None
-        return min(self._queues, key=lambda o: (self.share(o), self._queues[o][0].order))
+        served = self._served
+        return min(self._queues, key=lambda o: (self.share(o), served.get(o, -1)))
