@@ -35,6 +35,8 @@ from .helpers import (
     body,
     connect,
     create,
+    launched_create,
+    turn,
 )
 
 
@@ -112,6 +114,35 @@ async def test_a_suspended_rollout_keeps_its_place_for_the_ttl_then_yields_it(
             three = await first.until("response.completed")
             assert trio.current_time() - back_at >= 5
             assert three[-1]["response"]["status"] == "completed"
+
+
+async def test_a_launched_chain_keeps_its_place_between_turns(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Launched: the rollout a connection keeps for its next turn holds its place for the TTL
+    as a suspended prototype Response does; its next turn goes at once, a newcomer waits."""
+    running = await start_server(
+        THREE_SEGMENTS, store=CheckpointStore(), kv_capacity_tokens=1, admission_ttl_s=5
+    )
+    url = running.address.ws_url
+    with trio.fail_after(60):
+        async with connect(url) as first, connect(url) as other:
+            one = await turn(first, launched_create())
+            assert one[-1]["type"] == "response.completed"
+            await other.send(launched_create())
+            await other.until("response.in_progress")
+            await trio.sleep(1)
+            chained_at = trio.current_time()
+            follow_up = launched_create(
+                previous_response_id=one[-1]["response"]["id"], input=answers(one)
+            )
+            two = await turn(first, follow_up)
+            assert two[-1]["type"] == "response.completed"
+            assert trio.current_time() - chained_at < 1  # from its cache, at once
+            ended_at = trio.current_time()
+            started = await other.until("response.completed")
+            assert trio.current_time() - ended_at >= 5  # once the first's place lapsed
+            assert started[-1]["response"]["status"] == "completed"
 
 
 async def test_a_rollout_that_waits_behind_a_streaming_one_is_let_in_once_its_place_lapses(
@@ -264,6 +295,19 @@ def test_key_weights_name_owner_ids() -> None:
 async def test_without_a_capacity_there_is_no_admission() -> None:
     server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), ServerConfig(port=0))
     assert server.responses.admission is None
+
+
+async def test_the_configured_capacity_fill_and_weights_are_what_is_scheduled() -> None:
+    heavy = owner_id("k1")
+    config = ServerConfig(
+        port=0, api_keys=("k1", "k2"), kv_capacity_tokens=1000, key_weights=((heavy, 4.0),)
+    )
+    server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), config)
+    scheduler = server.responses.admission.scheduler  # type: ignore[union-attr]
+    assert scheduler.capacity == 900  # x --kv-target-fill 0.9
+    scheduler.request("a", heavy, 400, now=0)
+    scheduler.request("b", owner_id("k2"), 100, now=0)
+    assert scheduler.share(heavy) == 100 == scheduler.share(owner_id("k2"))
 
 
 ENGINE_METRICS = """\

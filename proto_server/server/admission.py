@@ -65,6 +65,8 @@ class Admission:
         """Until `key` (told to wait by `request`) is admitted; raises `AdmissionTimeout`
         past `timeout_s`. However it ends without being admitted, its place is given up."""
         scheduler = self.scheduler
+        entry = scheduler.entry(key)
+        owner = entry.owner if entry is not None else None
         started = trio.current_time()
         deadline = started + self.timeout_s
         try:
@@ -84,7 +86,8 @@ class Admission:
                 self.release(key)
             self._poke()  # its timer goes with it: another waiter takes it up
         metrics.ADMISSION_WAIT.observe(trio.current_time() - started)
-        log.info("admission.admitted", extra={"waited_s": round(trio.current_time() - started, 3)})
+        waited = round(trio.current_time() - started, 3)
+        log.info("admission.admitted", extra={"owner": owner, "waited_s": waited})
 
     def suspended(self, key: Hashable) -> None:
         """`key`'s segment ended; its place is kept for the TTL."""
