@@ -436,8 +436,9 @@ class SamplingLoop:
                     self.machine.request_expire(ADMISSION_TIMEOUT)
                 finally:
                     self._admission_scope = None
-                if self.machine.ending:
-                    return None  # cancelled, expired or timed out while it waited
+                if self.machine.ending:  # cancelled, expired or timed out while it waited
+                    admission.suspended(rollout)  # admitted as it ended: its place may lapse
+                    return None
         if self._engine_priority:
             self._priority = 0 if resident else 1
         return announce
