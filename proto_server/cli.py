@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         "limit (--max-connections, --max-memory, --max-suspended-rollouts, ...) is per worker",
     )
     serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # set by --workers too: how many workers share the engine (each admits by its share)
+    serve.add_argument("--worker-of", type=int, default=1, help=argparse.SUPPRESS)
     serve.add_argument(
         "--store",
         type=_store_location,
@@ -525,10 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.kv_capacity_from_engine and args.generator != "vllm":
         print("proto-server: --kv-capacity-from-engine needs --generator vllm", file=sys.stderr)
         return 2
-    if config.kv_capacity_tokens and args.workers > 1:
+    if config.kv_capacity_tokens and args.worker_of > 1:
         # each worker schedules its own rollouts: the engine's cache is split between them
         config = attrs.evolve(
-            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // args.workers)
+            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // args.worker_of)
         )
     try:  # a socket the supervisor of --workers bound and passed down
         listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
@@ -569,7 +571,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
 
     def command(fd: int) -> list[str]:  # the same serve, one worker on the inherited socket
         return [sys.executable, "-m", "proto_server", *argv, "--workers", "1", "--listen-fd",
-                str(fd)]  # fmt: skip
+                str(fd), "--worker-of", str(args.workers)]  # fmt: skip
 
     metrics_dir = tempfile.mkdtemp(prefix="proto-server-metrics-")
     supervisor = Supervisor(command, args.workers, listener, metrics_dir)
