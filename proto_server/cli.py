@@ -124,6 +124,27 @@ def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[s
     return tuple(keys)
 
 
+def key_weights(flags: Sequence[str] | None) -> tuple[tuple[str, float], ...]:
+    """`--key-weight KEY_ID=W` flags as (owner id, weight) pairs; a malformed one is refused
+    (ValueError): a typo would silently leave a tenant at weight 1."""
+    weights: dict[str, float] = {}
+    for flag in flags or ():
+        owner, equals, weight = flag.rpartition("=")
+        if not equals or not re.fullmatch(r"key:[0-9a-f]{32}", owner.strip()):
+            raise ValueError(
+                f"--key-weight: expected KEY_ID=WEIGHT with KEY_ID as key:<32 hex digits> (the "
+                f"first 32 of the key's SHA-256), got {flag!r}"
+            )
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"--key-weight: {weight!r} is not a number") from None
+        if not 0 < value < math.inf:
+            raise ValueError(f"--key-weight: the weight must be positive, got {weight}")
+        weights[owner.strip()] = value
+    return tuple(weights.items())
+
+
 #: The classes whose fields are `serve` flags.
 SETTINGS = (ServerConfig, TimingModel, StoreRetention)
 
@@ -232,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         "limit (--max-connections, --max-memory, --max-suspended-rollouts, ...) is per worker",
     )
     serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # set by --workers too: how many workers share the engine (each admits by its share)
+    serve.add_argument("--worker-of", type=int, default=1, help=argparse.SUPPRESS)
     serve.add_argument(
         "--store",
         type=_store_location,
@@ -256,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="accept this bearer key (repeatable); also PROTO_SERVER_API_KEYS=k1,k2; "
         "without any, no auth",
+    )
+    serve.add_argument(
+        "--key-weight",
+        action="append",
+        default=None,
+        metavar="KEY_ID=W",
+        help="with --kv-capacity-tokens: this key's weight in the fair share of the engine "
+        "between keys (repeatable; default 1); KEY_ID is key: and the first 32 hex digits of "
+        "the key's SHA-256",
     )
     serve.add_argument(
         "--log-level",
@@ -421,7 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proto-server: {exc}", file=sys.stderr)
         return 2
     try:
-        config = from_flags(ServerConfig, args, api_keys=keys)
+        config = from_flags(
+            ServerConfig, args, api_keys=keys, key_weights=key_weights(args.key_weight)
+        )
         retention = from_flags(StoreRetention, args)
     except InvalidSetting as exc:
         print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
@@ -468,6 +502,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         generator, what = engine, f"vLLM model {engine.name} at {engine.url}"
         config = attrs.evolve(config, default_model=engine.name)
+        if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
+            from proto_server.engine.vllm import engine_kv_capacity
+
+            capacity = trio.run(engine_kv_capacity, args.engine_url)
+            if capacity is None:
+                print(f"proto-server: --kv-capacity-from-engine: the engine at {args.engine_url} "
+                      "does not report vllm:cache_config_info on its /metrics; pass "
+                      "--kv-capacity-tokens", file=sys.stderr)  # fmt: skip
+                return 2
+            config = attrs.evolve(config, kv_capacity_tokens=capacity)
     elif args.generator == "local":
         local = _load_local(
             args, max_tokens=args.max_tokens, render_cache_bytes=args.render_cache_mb * MiB
@@ -480,6 +524,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = f"script {args.script}" if args.script else "the built-in default model"
         generator = SimulatedGenerator(planner, timing, prefix_cache=cache)
         what = f"simulated GPU with {model}"
+    if config.kv_capacity_from_engine and args.generator != "vllm":
+        print("proto-server: --kv-capacity-from-engine needs --generator vllm", file=sys.stderr)
+        return 2
+    if config.kv_capacity_tokens and args.worker_of > 1:
+        # each worker schedules its own rollouts: the engine's cache is split between them
+        config = attrs.evolve(
+            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // args.worker_of)
+        )
     try:  # a socket the supervisor of --workers bound and passed down
         listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
     except OSError as exc:
@@ -519,7 +571,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
 
     def command(fd: int) -> list[str]:  # the same serve, one worker on the inherited socket
         return [sys.executable, "-m", "proto_server", *argv, "--workers", "1", "--listen-fd",
-                str(fd)]  # fmt: skip
+                str(fd), "--worker-of", str(args.workers)]  # fmt: skip
 
     metrics_dir = tempfile.mkdtemp(prefix="proto-server-metrics-")
     supervisor = Supervisor(command, args.workers, listener, metrics_dir)

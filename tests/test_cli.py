@@ -266,7 +266,8 @@ def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
     from proto_server.core.settings import flag_name, from_flags
 
     unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
-    own = {"api_keys": "--api-key"}  # its own flag: it also reads PROTO_SERVER_API_KEYS
+    # their own flags: --api-key also reads PROTO_SERVER_API_KEYS, --key-weight parses pairs
+    own = {"api_keys": "--api-key", "key_weights": "--key-weight"}
     for cls in SETTINGS:
         for field in attrs.fields(cls):
             if field.validator is None or field.name in unset:
@@ -333,3 +334,16 @@ async def test_serve_with_permessage_deflate_compresses_for_a_client_that_offers
         await ws.aclose()
         process.send_signal(signal.SIGTERM)
         assert await process.wait() == 0
+
+
+def test_a_bad_key_weight_or_an_engine_capacity_without_an_engine_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from proto_server.cli import main
+
+    assert main(["serve", "--store", ":memory:", "--key-weight", "k1=2"]) == 2
+    assert "--key-weight: expected KEY_ID=WEIGHT" in capsys.readouterr().err
+    assert main(["serve", "--store", ":memory:", "--kv-capacity-from-engine"]) == 2
+    assert "--kv-capacity-from-engine needs --generator vllm" in capsys.readouterr().err
+    assert main(["serve", "--store", ":memory:", "--kv-target-fill", "2"]) == 2
+    assert "--kv-target-fill: must be between 0.01 and 1" in capsys.readouterr().err

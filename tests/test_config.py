@@ -38,6 +38,11 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "max_memory_bytes", 1000, "at least 1048576"),
     (ServerConfig, "max_connection_memory_bytes", 0, "at least 1048576"),
     (ServerConfig, "prepare_threads", 0, "at least 1"),
+    (ServerConfig, "kv_capacity_tokens", -1, "at least 0"),
+    (ServerConfig, "kv_target_fill", 0, "between 0.01 and 1"),
+    (ServerConfig, "kv_target_fill", 1.5, "between 0.01 and 1"),
+    (ServerConfig, "admission_ttl_s", 0, "positive"),
+    (ServerConfig, "admission_timeout_s", -1, "positive"),
     (TimingModel, "prefill_tokens_per_s", 0, "positive"),
     (TimingModel, "decode_tokens_per_s", -1, "positive"),
     (TimingModel, "burst_tokens_per_s", 0, "positive"),
@@ -81,3 +86,9 @@ def test_the_edges_of_each_range_are_accepted(settings: dict[str, Any]) -> None:
 def test_the_edges_of_the_timing_model_are_accepted() -> None:
     TimingModel(burst_share=0, burst_tokens_per_s=None)
     TimingModel(burst_share=1, burst_tokens_per_s=4000)
+
+
+def test_a_key_weight_must_be_positive() -> None:
+    with pytest.raises(InvalidSetting) as refused:
+        ServerConfig(key_weights=(("key:" + "0" * 32, 0.0),))
+    assert refused.value.field == "key_weights"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -855,3 +856,45 @@ async def test_the_engine_killed_mid_stream_fails_the_response_then_serves_once_
         assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
     async with httpx.AsyncClient(base_url=root, timeout=10) as http:
         assert (await http.get("/readyz")).status_code == 200
+
+
+async def test_the_engines_kv_capacity_is_the_size_it_logged(vllm_engine: Engine) -> None:
+    """`--kv-capacity-from-engine` reads what the engine logged at start-up as its cache."""
+    from proto_server.engine.vllm import engine_kv_capacity
+
+    with trio.fail_after(10):
+        capacity = await engine_kv_capacity(vllm_engine.url)
+    logged = re.search(r"KV cache size: ([\d,]+) tokens", vllm_engine.log_path.read_text())
+    assert logged is not None
+    assert capacity == int(logged.group(1).replace(",", ""))
+
+
+async def test_admitted_by_the_engines_capacity_with_priorities_a_rollout_is_served_warm(
+    start_vllm: StartVllm, vllm_engine: Engine
+) -> None:
+    """Admission on (the capacity the engine says) and `priority` on every segment: an engine
+    on the default policy takes the field, and the rollout resumes warm."""
+    from proto_server.engine.vllm import engine_kv_capacity
+
+    with trio.fail_after(10):
+        capacity = await engine_kv_capacity(vllm_engine.url)
+    assert capacity is not None
+    served = await start_vllm(kv_capacity_tokens=capacity, engine_priority=True)
+    events: list[dict[str, Any]] = []
+    with trio.fail_after(180):
+        async with connect(served.prototype_url) as client:
+            create = {"type": "response.create", "input": ASK, "tools": [TOOL]}
+            await client.send({**create, "tool_choice": "required", "temperature": 0})
+            segment = await client.until("response.done", *TERMINAL)
+            assert segment[-1]["type"] == "response.done", segment[-1]
+            events += segment
+            outputs = [
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "a.py"}
+                for call in calls_of(segment)
+            ]
+            await client.send({"type": "response.append", "input": outputs, "tool_choice": "none"})
+            events += await client.until(*TERMINAL)
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    assert_warm(segment_usage(events))
+    scheduler = served.server.responses.admission.scheduler
+    assert scheduler.capacity == int(capacity * 0.9)

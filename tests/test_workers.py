@@ -181,3 +181,19 @@ def test_a_listen_fd_that_is_no_socket_is_refused(capsys: pytest.CaptureFixture[
 
     assert main(["serve", "--store", ":memory:", "--listen-fd", "987"]) == 2
     assert "--listen-fd 987 is no socket" in capsys.readouterr().err
+
+
+async def test_each_worker_schedules_against_its_share_of_the_engines_cache(
+    nursery: trio.Nursery,
+) -> None:
+    """Workers do not share their admissions: each takes 1/N of the capacity, so together
+    they never admit more than the engine holds."""
+    with trio.fail_after(60):
+        process, http_url = await start_workers(nursery, "--kv-capacity-tokens", "1000")
+        await wait_for_workers(process.pid, 2)
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(4):  # whichever worker answers counts both (the largest, here)
+                answer = await http.get(http_url.removesuffix("/v1") + "/metrics")
+                assert "proto_server_kv_capacity_tokens 450.0" in answer.text  # 1000 / 2 x 0.9
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0

@@ -42,6 +42,8 @@ class GenerationLimits:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    #: The engine's scheduling priority (lower first; `--engine-priority`); None: none sent.
+    priority: int | None = None
 
     @classmethod
     def for_response(

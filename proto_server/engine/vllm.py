@@ -33,6 +33,7 @@ import attrs
 import httpx
 import orjson
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
@@ -347,7 +348,7 @@ def completion_request(
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "priority"):
         value = getattr(limits, name)
         if value is not None:
             body[name] = value
@@ -362,6 +363,44 @@ def completion_request(
 
 
 # -- the generator -------------------------------------------------------------------------------
+
+#: The engine's info gauge whose labels say its KV cache's size (vLLM 0.32 `v1/metrics`).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
+
+def parse_kv_capacity(text: str) -> int | None:
+    """The engine's KV cache in tokens, from its `/metrics` scrape: the labels of
+    `vllm:cache_config_info`, `kv_cache_size_tokens` (what the engine logs as its KV cache
+    size) or else `num_gpu_blocks` times `block_size`, summed over its engines (data
+    parallel: each has its own cache); None if it does not say."""
+    total, found = 0, False
+    for family in text_string_to_metric_families(text):
+        if family.name != CACHE_CONFIG_INFO:
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            try:
+                if labels.get("kv_cache_size_tokens", "None") != "None":
+                    tokens = int(labels["kv_cache_size_tokens"])
+                else:
+                    tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):  # not initialised yet ("None")
+                continue
+            total += tokens
+            found = True
+    return total if found else None
+
+
+async def engine_kv_capacity(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """Ask the engine at `url` (its `/v1` base) how many tokens its KV cache holds, at start-up
+    (`--kv-capacity-from-engine`); None if its `/metrics` does not say or does not answer."""
+    root = url.rstrip("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(base_url=root, timeout=timeout_s) as client:
+            answer = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_kv_capacity(answer.text) if answer.status_code == 200 else None
 
 
 async def discover(url: str, wanted: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> ServedModel:

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from proto_server.core.ranges import at_least, between, positive
+from proto_server.core.ranges import InvalidSetting, at_least, between, positive
 from proto_server.core.settings import setting
 
 MiB = 1024 * 1024
@@ -18,6 +18,15 @@ def _no_blank_keys(instance: Any, attribute: attrs.Attribute[Any], keys: tuple[s
     for key in keys:
         if not key.strip():
             raise ValueError(f"{attribute.name} must not hold an empty or blank key")
+
+
+def _weights(
+    instance: Any, attribute: attrs.Attribute[Any], weights: tuple[tuple[str, float], ...]
+) -> None:
+    """A weight of 0 or less would never be served, or divide by zero."""
+    for owner, weight in weights:
+        if not weight > 0:
+            raise InvalidSetting(attribute.name, f"must be positive, got {weight} for {owner}")
 
 
 @attrs.frozen(kw_only=True)
@@ -148,3 +157,47 @@ class ServerConfig:
     #: Each key is a tenant: what one stores, another cannot read, continue or compact. (Its
     #: flag, `--api-key`, also reads PROTO_SERVER_API_KEYS: the CLI builds it.)
     api_keys: tuple[str, ...] = attrs.field(default=(), validator=_no_blank_keys, repr=False)
+    kv_capacity_tokens: int = setting(
+        0,
+        at_least(0),
+        metavar="TOKENS",
+        help="the engine's KV cache in tokens (vLLM: num_gpu_blocks x block_size); set, the "
+        "server admits rollouts by it (see Scheduling); 0: off",
+    )
+    kv_capacity_from_engine: bool = setting(
+        False,
+        help="vllm: read --kv-capacity-tokens from the engine at start-up (its /metrics: "
+        "vllm:cache_config_info's num_gpu_blocks x block_size); an engine that does not say "
+        "stops the server",
+    )
+    kv_target_fill: float = setting(
+        0.9,
+        between(0.01, 1.0),
+        metavar="FRACTION",
+        help="share of --kv-capacity-tokens the admitted rollouts' tokens may fill",
+    )
+    admission_ttl_s: float = setting(
+        30.0,
+        positive,
+        help="an admitted rollout waiting on its tool keeps its place this long; then, if "
+        "others wait, it is demoted (waits like a new one when it comes back)",
+    )
+    admission_timeout_s: float = setting(
+        300.0,
+        positive,
+        help="longest a rollout waits for room in the engine's KV cache; then its Response "
+        "ends response.incomplete (reason admission_timeout)",
+    )
+    engine_priority: bool = setting(
+        False,
+        help="the engine runs with --scheduling-policy priority: resumed rollouts' segments "
+        "are sent with priority 0, new ones' with 1, so the engine serves resumed ones first",
+    )
+    #: Per owner id (`key:` and 32 hex digits of the key's SHA-256), its weight in the fair
+    #: share of admission between keys (default 1). Its flag, `--key-weight`, the CLI builds.
+    key_weights: tuple[tuple[str, float], ...] = attrs.field(default=(), validator=_weights)
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        """What the admitted rollouts may hold: the capacity times the target fill."""
+        return max(1, int(self.kv_capacity_tokens * self.kv_target_fill))

@@ -136,6 +136,33 @@ MEMORY_PEAK = Gauge(
     multiprocess_mode="livemax",
 )
 
+# admission by KV capacity (server/admission.py), when --kv-capacity-tokens is set
+KV_CAPACITY = Gauge(
+    "proto_server_kv_capacity_tokens",
+    "Engine KV cache tokens the server schedules against (--kv-capacity-tokens x --kv-target-fill)",
+    multiprocess_mode="livemax",
+)
+KV_RESERVED = Gauge(
+    "proto_server_kv_reserved_tokens", "Tokens held by admitted rollouts",
+    multiprocess_mode="livesum",
+)  # fmt: skip
+ADMITTED = Gauge(
+    "proto_server_admitted_rollouts", "Rollouts admitted to the engine (streaming or kept)",
+    multiprocess_mode="livesum",
+)  # fmt: skip
+ADMISSION_WAITING = Gauge(
+    "proto_server_waiting_rollouts", "Rollouts waiting for room in the engine's KV cache",
+    multiprocess_mode="livesum",
+)  # fmt: skip
+ADMISSION_DEMOTIONS = Counter(
+    "proto_server_admission_demotions",
+    "Suspended rollouts whose kept place lapsed (--admission-ttl) while others waited",
+)
+ADMISSION_WAIT = Histogram(
+    "proto_server_admission_wait_seconds", "How long rollouts that had to wait waited",
+    buckets=_SLOW,
+)  # fmt: skip
+
 _TERMINAL = {
     "response.completed": "completed",
     "response.incomplete": "incomplete",

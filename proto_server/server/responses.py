@@ -36,8 +36,10 @@ from proto_server.core.request import (
     response_template,
 )
 from proto_server.core.response import ResponseMachine
+from proto_server.core.scheduler import Scheduler
 from proto_server.engine.base import TokenGenerator
 from proto_server.server import metrics
+from proto_server.server.admission import Admission
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
@@ -104,6 +106,16 @@ class Responses:
         #: Told what each request costs, as it happens (the benchmark sets one); None: no cost.
         self.observer: ServerObserver | None = None
         self._on_rollout = on_rollout
+        #: Admission by the engine's KV capacity (server/admission.py); None: off.
+        self.admission: Admission | None = None
+        config = self.config
+        if config.kv_capacity_tokens:
+            scheduler = Scheduler(
+                config.kv_budget_tokens,
+                ttl_s=config.admission_ttl_s,
+                weights=dict(config.key_weights),
+            )
+            self.admission = Admission(scheduler, timeout_s=config.admission_timeout_s)
 
     def owner(self, authorization: str | None) -> str | None:
         """Who sends a request with this `Authorization` header: the owner id of its key (keys
@@ -183,8 +195,14 @@ class Responses:
             conversation,
             self.generator.open_session(conversation, cache_salt=self.cache_salt(owner)),
             budget=budget,
-            on_close=lambda _: self._on_rollout(-1),
+            on_close=self._rollout_closed,
+            owner=owner,
         )
+
+    def _rollout_closed(self, rollout: Rollout) -> None:
+        if self.admission is not None:
+            self.admission.release(rollout)
+        self._on_rollout(-1)
 
     async def begin(
         self,
@@ -379,6 +397,8 @@ class Responses:
             durable=durable,
             resumed=resumed,
             warmup=warmup,
+            admission=self.admission,
+            engine_priority=self.config.engine_priority,
         )
 
     def _persister(

@@ -17,6 +17,7 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.engine.base import GeneratorSession
 from proto_server.server.memory import MemoryBudget
+from proto_server.server.store import ANONYMOUS
 from proto_server.wire.tools import Tool
 
 
@@ -28,8 +29,13 @@ class Rollout:
         *,
         budget: MemoryBudget,
         on_close: Callable[[Rollout], None],
+        owner: str = ANONYMOUS,
     ) -> None:
         self.conversation = conversation
+        #: Whose it is (the tenant): admission shares the engine between owners.
+        self.owner = owner
+        #: Segments it has run: one before means the engine has seen its prefix.
+        self.segments = 0
         self.session = session
         self.budget = budget
         self.closed = False

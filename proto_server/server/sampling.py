@@ -36,6 +36,8 @@ from proto_server.engine.chunks import (
     ToolCallEnd,
 )
 from proto_server.engine.limits import GenerationLimits, GeneratorError
+from proto_server.server import metrics
+from proto_server.server.admission import ADMISSION_TIMEOUT, Admission, AdmissionTimeout
 from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.outbox import EventSink
@@ -99,11 +101,15 @@ class SamplingLoop:
         durable: Durable | None = None,
         resumed: bool = False,
         warmup: bool = False,
+        admission: Admission | None = None,
+        engine_priority: bool = False,
     ) -> None:
         """`durable`: where a `store: true` prototype Response keeps its suspensions (each is
         written before its `response.done`); `resumed`: `machine` was rebuilt from one, so
         its Response was announced on another connection already (no `response.created`);
-        `warmup`: its create asked for a warm-up (`is_warmup`), so `run` generates nothing."""
+        `warmup`: its create asked for a warm-up (`is_warmup`), so `run` generates nothing;
+        `admission`: who says when a segment may go to the engine (None: at once);
+        `engine_priority`: send each segment with a priority, resumed rollouts first."""
         self.machine = machine
         self.durable = durable
         self._resumed = resumed
@@ -134,6 +140,10 @@ class SamplingLoop:
         self._idle: trio.CancelScope | None = None  # the suspension's idle timer
         self._answered = False  # an inject answered every call; `wake()` resumes
         self._ended = trio.Event()
+        self._admission = admission
+        self._engine_priority = engine_priority
+        self._priority: int | None = None  # the next segment's, when the engine takes one
+        self._admission_scope: trio.CancelScope | None = None
 
     # -- called by the connection's reader (synchronously validated, then handed over) --------
 
@@ -216,6 +226,8 @@ class SamplingLoop:
         """Stop the generator and wake a suspension: the machine has decided what comes next."""
         if self._generator_scope is not None:
             self._generator_scope.cancel()
+        if self._admission_scope is not None and self.machine.ending:
+            self._admission_scope.cancel()  # a steer waits for admission with its Response
         self._wake.set()
 
     def evict(self, reason: str) -> None:
@@ -350,6 +362,10 @@ class SamplingLoop:
         if machine.status is Status.ENDING:
             await self._emit(announce)
             return  # ended before the segment began: nothing to generate
+        waited = await self._admitted(announce)
+        if waited is None:
+            return
+        announce = waited
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         ended = False  # the machine ended the segment (suspended or ended the Response)
         last: list[ServerEvent] = []
@@ -375,6 +391,9 @@ class SamplingLoop:
         await self._emit(last)
         self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
         self.rollout.account(self.machine.held_bytes)
+        self.rollout.segments += 1
+        if self._admission is not None:
+            self._admission.suspended(self.rollout)
         # ended: it may be in progress again already, resumed by outputs that came meanwhile
         if ended or machine.status is not Status.IN_PROGRESS:
             return
@@ -388,6 +407,41 @@ class SamplingLoop:
         self._fault = None
         log.warning("response.failed", extra={"response": machine.id, "reason": str(fault)})
         machine.request_fail(fault.detail)  # said by `run`, as every decided end is
+
+    async def _admitted(self, announce: list[ServerEvent]) -> list[ServerEvent] | None:
+        """Once the segment may go to the engine, what of `announce` is still to send: at
+        once (all of it) when admission is off, the rollout is admitted already or there is
+        room; else after `announce` is sent (the client sees the Response in progress) and a
+        wait that a cancel or an expiry cuts short and `--admission-timeout` bounds (a steer
+        waits with it, applied as the segment starts). None: the Response is ending instead."""
+        rollout = self.rollout
+        admission = self._admission
+        if admission is None:
+            resident = rollout.segments > 0
+        else:
+            answer = admission.request(rollout, rollout.owner, rollout.conversation.token_count)
+            resident = answer.resident
+            if not answer.admitted:
+                await self._emit(announce)
+                announce = []
+                try:
+                    with trio.CancelScope() as self._admission_scope:
+                        await admission.wait(rollout)
+                except AdmissionTimeout as exc:
+                    log.info(
+                        "response.admission_timeout",
+                        extra={"response": self.machine.id, "reason": str(exc)},
+                    )
+                    metrics.EVICTIONS.labels(ADMISSION_TIMEOUT).inc()
+                    self.machine.request_expire(ADMISSION_TIMEOUT)
+                finally:
+                    self._admission_scope = None
+                if self.machine.ending:  # cancelled, expired or timed out while it waited
+                    admission.suspended(rollout)  # admitted as it ended: its place may lapse
+                    return None
+        if self._engine_priority:
+            self._priority = 0 if resident else 1
+        return announce
 
     async def _generate(
         self,
@@ -421,9 +475,10 @@ class SamplingLoop:
     def _limits(self) -> GenerationLimits:
         """What the client's limits leave to the next segment of this Response."""
         machine = self.machine
-        return GenerationLimits.for_response(
+        limits = GenerationLimits.for_response(
             machine.template, output_tokens=machine.output_tokens, tool_calls=machine.tool_calls
         )
+        return limits if self._priority is None else attrs.evolve(limits, priority=self._priority)
 
     def _count_rendered(self) -> int:
         """Add the tokens rendered since the last segment to this Response's count; return them."""

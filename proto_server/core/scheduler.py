@@ -1,0 +1,255 @@
+"""Admission by KV capacity: which rollout's next segment may go to the engine now.
+
+The engine's KV cache is plain LRU: when more rollouts are active than it holds, the one that
+has waited longest on its tool is evicted first, and it is usually the next to come back. This
+server knows what the engine can only guess (when each rollout suspends on a tool and resumes,
+how many tokens it holds), so it admits whole rollouts, first come first served, as long as the
+admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
+
+- an admitted rollout (its KV presumed resident) resumes at once when its tool output comes;
+- a new one is admitted only if its tokens fit beside the admitted ones', else it waits;
+- a suspended admitted rollout keeps its place for `ttl_s`, then is demoted (its tokens no
+  longer reserved), so a rollout whose client went away does not block the others;
+- a rollout larger than what fits is still served when nothing else is admitted (no deadlock);
+- the waiting queue is served by weighted fair share between owners (API keys): the owner with
+  the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
+  ago), first come first served within one.
+
+Sans-IO: no clock (every call that needs the time is given `now`), no awaits. The trio side
+(`server/admission.py`) wakes the rollouts each call returns as admitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+from collections.abc import Hashable, Mapping
+
+import attrs
+
+
+class State(enum.Enum):
+    STREAMING = "streaming"  # admitted, a segment on the engine
+    SUSPENDED = "suspended"  # admitted, waiting on its client (a tool); its place is kept
+    WAITING = "waiting"  # asked to run, not admitted yet
+    IDLE = "idle"  # known, not admitted, not asking (demoted, or never admitted)
+
+
+@attrs.define
+class Entry:
+    key: Hashable
+    owner: str
+    tokens: int
+    state: State
+    #: When it suspended (SUSPENDED) or began to wait (WAITING).
+    since: float
+    #: Arrival order among waiting ones (FCFS within an owner, ties across owners).
+    order: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.state in (State.STREAMING, State.SUSPENDED)
+
+
+@attrs.frozen
+class Request:
+    """The answer to `request`: admitted now (and whether it was resident, so it resumes
+    ahead of new work: the engine's priority), or queued."""
+
+    admitted: bool
+    resident: bool
+    #: Other rollouts admitted by this call (room freed by lapsed places): wake them.
+    woken: tuple[Hashable, ...] = ()
+
+
+#: The answers without a list of others woken, made once: `request` runs before every segment.
+RESIDENT = Request(admitted=True, resident=True)
+ADMITTED = Request(admitted=True, resident=False)
+QUEUED = Request(admitted=False, resident=False)
+
+
+class Scheduler:
+    """Rollouts by key (any hashable: the server uses the `Rollout` itself)."""
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        *,
+        ttl_s: float,
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
+        if capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.capacity = capacity_tokens
+        self.ttl_s = ttl_s
+        self._weights = dict(weights or {})
+        self._entries: dict[Hashable, Entry] = {}
+        #: Per owner, its waiting rollouts in arrival order.
+        self._queues: dict[str, collections.deque[Entry]] = {}
+        #: Admitted tokens: in all, and per owner.
+        self.reserved = 0
+        self._owned: collections.Counter[str] = collections.Counter()
+        self.admitted = 0
+        self.waiting = 0
+        #: Suspended rollouts whose place lapsed, since the start.
+        self.demotions = 0
+        self._order = 0
+        #: Per owner, when it last had a rollout admitted (by count): between owners of equal
+        #: share the one served longest ago goes first (round robin when few rollouts fit).
+        self._served: dict[str, int] = {}
+        self._admissions = 0
+
+    # -- what the server tells it ---------------------------------------------------------------
+
+    def request(self, key: Hashable, owner: str, tokens: int, now: float) -> Request:
+        """`key` wants its next segment on the engine, holding `tokens`. An admitted one goes
+        at once whatever its size now (its KV is resident); another is admitted if it fits
+        and no one waits ahead of it, else it waits (a later answer's `woken` names it)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.admitted:
+            if tokens != entry.tokens:
+                self._resize(entry, tokens)
+            entry.state = State.STREAMING
+            return RESIDENT
+        if entry is None:
+            entry = Entry(key, owner, tokens, State.IDLE, now)
+            self._entries[key] = entry
+        elif entry.state is State.WAITING:
+            entry.tokens = tokens  # its place in the queue is kept
+            return QUEUED
+        entry.tokens = tokens
+        if not self.waiting and self._fits(tokens):  # no pressure: no scan, no queue
+            self._admit(entry)
+            return ADMITTED
+        self._enqueue(entry, now)
+        woken = self.expire(now) or self._pump()
+        return Request(
+            admitted=key in woken, resident=False, woken=tuple(k for k in woken if k != key)
+        )
+
+    def suspend(self, key: Hashable, now: float) -> None:
+        """`key`'s segment ended: it waits on its client, keeping its place for `ttl_s`."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is State.STREAMING:
+            entry.state = State.SUSPENDED
+            entry.since = now
+
+    def release(self, key: Hashable) -> list[Hashable]:
+        """`key` is gone (closed, cancelled, gave up waiting); returns who is admitted now."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return []
+        if entry.admitted:
+            self._unreserve(entry)
+        elif entry.state is State.WAITING:
+            self._queues[entry.owner].remove(entry)
+            if not self._queues[entry.owner]:
+                del self._queues[entry.owner]
+            self.waiting -= 1
+        return self._pump()
+
+    def expire(self, now: float) -> list[Hashable]:
+        """Demote every suspended rollout whose place lapsed by `now`; returns who is admitted
+        in the room they leave."""
+        if not self.waiting:
+            return []  # a lapsed place only matters to someone waiting: demoted when one does
+        lapsed = [
+            e for e in self._entries.values()
+            if e.state is State.SUSPENDED and e.since + self.ttl_s <= now
+        ]  # fmt: skip
+        for entry in lapsed:
+            self._unreserve(entry)
+            entry.state = State.IDLE
+            self.demotions += 1
+        return self._pump() if lapsed else []
+
+    # -- what it tells the server ---------------------------------------------------------------
+
+    def next_expiry(self) -> float:
+        """When the next suspended place lapses (inf: none), for a waiter to wake up then."""
+        if not self.waiting:
+            return math.inf
+        return min(
+            (e.since + self.ttl_s for e in self._entries.values() if e.state is State.SUSPENDED),
+            default=math.inf,
+        )
+
+    def state(self, key: Hashable) -> State | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.state
+
+    def entry(self, key: Hashable) -> Entry | None:
+        return self._entries.get(key)
+
+    def owned(self, owner: str) -> int:
+        """The tokens `owner`'s admitted rollouts hold."""
+        return self._owned[owner]
+
+    def share(self, owner: str) -> float:
+        """`owner`'s admitted tokens per unit of its weight: the lowest is served first."""
+        return self._owned[owner] / self._weights.get(owner, 1.0)
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _fits(self, tokens: int) -> bool:
+        """Room for `tokens` more; or nothing admitted (a rollout larger than the cache is
+        still served, alone)."""
+        return self.reserved + tokens <= self.capacity or self.admitted == 0
+
+    def _admit(self, entry: Entry) -> None:
+        entry.state = State.STREAMING
+        self._served[entry.owner] = self._admissions
+        self._admissions += 1
+        self.reserved += entry.tokens
+        self._owned[entry.owner] += entry.tokens
+        self.admitted += 1
+
+    def _unreserve(self, entry: Entry) -> None:
+        self.reserved -= entry.tokens
+        self._owned[entry.owner] -= entry.tokens
+        if not self._owned[entry.owner]:
+            del self._owned[entry.owner]
+        self.admitted -= 1
+
+    def _resize(self, entry: Entry, tokens: int) -> None:
+        """An admitted rollout grew (its appended outputs, its last segment's tokens)."""
+        self.reserved += tokens - entry.tokens
+        self._owned[entry.owner] += tokens - entry.tokens
+        entry.tokens = tokens
+
+    def _enqueue(self, entry: Entry, now: float) -> None:
+        entry.state = State.WAITING
+        entry.since = now
+        entry.order = self._order
+        self._order += 1
+        self._queues.setdefault(entry.owner, collections.deque()).append(entry)
+        self.waiting += 1
+
+    def _pump(self) -> list[Hashable]:
+        """Admit waiting rollouts while the next one fits: the owner with the lowest share
+        first (on a tie, the one served longest ago), its oldest waiting rollout. Strict: when that
+        one does not fit, nobody behind it goes (so a large rollout is not starved by small
+        ones that keep slipping past it)."""
+        admitted: list[Hashable] = []
+        while (owner := self.next_owner()) is not None:
+            queue = self._queues[owner]
+            head = queue[0]
+            if not self._fits(head.tokens):
+                break
+            queue.popleft()
+            if not queue:
+                del self._queues[owner]
+            self.waiting -= 1
+            self._admit(head)
+            admitted.append(head.key)
+        return admitted
+
+    def next_owner(self) -> str | None:
+        """The owner whose oldest waiting rollout goes next (None: nobody waits)."""
+        if not self._queues:
+            return None
+        served = self._served
+        return min(self._queues, key=lambda o: (self.share(o), served.get(o, -1)))

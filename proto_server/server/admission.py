@@ -1,0 +1,139 @@
+"""The trio side of admission by KV capacity (`core/scheduler.py` decides; this waits).
+
+The sampling loop asks before each segment (`request`: synchronous, a dict lookup when the
+rollout is admitted already or there is room), and only when told to wait does it `wait`:
+cancellable (a cancel or a disconnect gives the place up), and bounded by
+`--admission-timeout` (`AdmissionTimeout`, which ends the Response `incomplete`). No task of its
+own: a waiter wakes when it is admitted (someone's release made room) or when the next
+suspended place lapses, and demotes what lapsed itself; one waiter at a time is poked to look
+at the clock again when that changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import trio
+
+from proto_server.core.scheduler import Request, Scheduler, State
+from proto_server.server import metrics
+from proto_server.server.logs import log
+
+#: `incomplete_details.reason` of a Response that waited past `--admission-timeout`.
+ADMISSION_TIMEOUT = "admission_timeout"
+
+
+class AdmissionTimeout(Exception):
+    """A rollout waited for room on the engine longer than `--admission-timeout`."""
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler, *, timeout_s: float) -> None:
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self._waiters: dict[Hashable, trio.Event] = {}
+        self._demotions = 0
+        metrics.KV_CAPACITY.set(scheduler.capacity)
+        log.info(
+            "admission.on",
+            extra={"capacity_tokens": scheduler.capacity, "ttl_s": scheduler.ttl_s,
+                   "timeout_s": timeout_s},
+        )  # fmt: skip
+
+    def request(self, key: Hashable, owner: str, tokens: int) -> Request:
+        """Whether `key`'s next segment may go now (else `wait`)."""
+        scheduler = self.scheduler
+        answer = scheduler.request(key, owner, tokens, trio.current_time())
+        if answer.resident:
+            metrics.KV_RESERVED.set(scheduler.reserved)
+            return answer
+        self._wake(answer.woken)
+        if not answer.admitted:
+            log.info(
+                "admission.waiting",
+                extra={
+                    "owner": owner,
+                    "tokens": tokens,
+                    "reserved": scheduler.reserved,
+                    "waiting": scheduler.waiting,
+                },
+            )
+        self._changed()
+        return answer
+
+    async def wait(self, key: Hashable) -> None:
+        """Until `key` (told to wait by `request`) is admitted; raises `AdmissionTimeout`
+        past `timeout_s`. However it ends without being admitted, its place is given up."""
+        scheduler = self.scheduler
+        entry = scheduler.entry(key)
+        owner = entry.owner if entry is not None else None
+        started = trio.current_time()
+        deadline = started + self.timeout_s
+        try:
+            while scheduler.state(key) is State.WAITING:
+                if trio.current_time() >= deadline:
+                    raise AdmissionTimeout(
+                        f"waited {self.timeout_s:g} s for room in the engine's KV cache "
+                        "(--admission-timeout)"
+                    )
+                event = self._waiters[key] = trio.Event()
+                with trio.move_on_at(min(deadline, scheduler.next_expiry())):
+                    await event.wait()
+                self._expire()
+        finally:
+            self._waiters.pop(key, None)
+            if scheduler.state(key) is State.WAITING:  # cancelled, or gave up
+                self.release(key)
+            self._poke()  # its timer goes with it: another waiter takes it up
+        metrics.ADMISSION_WAIT.observe(trio.current_time() - started)
+        waited = round(trio.current_time() - started, 3)
+        log.info("admission.admitted", extra={"owner": owner, "waited_s": waited})
+
+    def suspended(self, key: Hashable) -> None:
+        """`key`'s segment ended; its place is kept for the TTL."""
+        scheduler = self.scheduler
+        scheduler.suspend(key, trio.current_time())
+        if scheduler.waiting:
+            self._poke()  # a new expiry: a waiter that knew of none would sleep past it
+
+    def release(self, key: Hashable) -> None:
+        """`key` is gone: its place (or its turn in the queue) goes to the next."""
+        scheduler = self.scheduler
+        if scheduler.state(key) is None:
+            return
+        self._wake(scheduler.release(key))
+        self._changed()
+
+    def _expire(self) -> None:
+        self._wake(self.scheduler.expire(trio.current_time()))
+        self._changed()
+
+    def _poke(self) -> None:
+        """Wake one waiter to look at the clock again. Every waiter sleeps until the earliest
+        expiry it saw; a new suspension's expiry is the latest of all, so only a waiter that
+        saw none, or the going of the waiter that kept the clock, needs one to look again."""
+        for event in self._waiters.values():
+            event.set()
+            return
+
+    def _wake(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            event = self._waiters.get(key)
+            if event is not None:
+                event.set()
+
+    def _changed(self) -> None:
+        """After an admission, a wait, a release or a demotion: the gauges, and demotions
+        counted and logged (they happen inside the scheduler's calls)."""
+        scheduler = self.scheduler
+        demoted = scheduler.demotions - self._demotions
+        if demoted:
+            self._demotions = scheduler.demotions
+            metrics.ADMISSION_DEMOTIONS.inc(demoted)
+            log.info(
+                "admission.demoted",
+                extra={"rollouts": demoted, "ttl_s": scheduler.ttl_s, "waiting": scheduler.waiting},
+            )
+        metrics.ADMITTED.set(scheduler.admitted)
+        metrics.ADMISSION_WAITING.set(scheduler.waiting)
+        metrics.KV_RESERVED.set(scheduler.reserved)

@@ -1,0 +1,239 @@
+"""The admission scheduler (core/scheduler.py), synchronously: its rules one by one, then its
+invariants under hypothesis over arrivals, suspensions, resumptions, releases and TTL expiries."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from proto_server.core.scheduler import Scheduler, State
+
+TTL = 10.0
+
+
+def test_a_rollout_that_fits_is_admitted_and_one_that_does_not_waits() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    assert s.request("a", "k", 60, now=0).admitted
+    assert not s.request("b", "k", 60, now=0).admitted
+    assert (s.admitted, s.waiting, s.reserved) == (1, 1, 60)
+    assert s.release("a") == ["b"]
+    assert s.state("b") is State.STREAMING
+
+
+def test_an_admitted_rollout_resumes_at_once_even_grown_past_the_capacity() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 50, now=0)
+    s.suspend("a", now=1)
+    assert not s.request("b", "k", 60, now=2).admitted  # a keeps its place
+    answer = s.request("a", "k", 120, now=3)
+    assert answer.admitted and answer.resident
+    assert s.reserved == 120
+
+
+def test_a_suspended_place_lapses_after_the_ttl_only_when_someone_waits() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 80, now=0)
+    s.suspend("a", now=0)
+    assert s.expire(now=100) == []  # nobody waits: a keeps its place
+    assert s.state("a") is State.SUSPENDED
+    answer = s.request("b", "k", 80, now=100)  # the lapsed place goes to b at once
+    assert answer.admitted and not answer.resident
+    assert s.state("a") is State.IDLE and s.demotions == 1
+    assert not s.request("a", "k", 80, now=101).admitted  # back: it waits like a new one
+
+
+def test_a_waiter_learns_when_the_next_place_lapses() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 80, now=0)
+    s.suspend("a", now=3)
+    s.request("b", "k", 80, now=4)
+    assert s.next_expiry() == 3 + TTL
+    assert s.expire(now=3 + TTL - 0.5) == []
+    assert s.expire(now=3 + TTL) == ["b"]
+
+
+def test_a_rollout_larger_than_the_cache_is_served_alone() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    assert s.request("huge", "k", 500, now=0).admitted
+    assert not s.request("small", "k", 1, now=0).admitted
+    assert s.release("huge") == ["small"]
+
+
+def test_the_queue_is_first_come_first_served_within_a_key_and_strict() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 100, now=0)
+    s.request("big", "k", 90, now=1)
+    s.request("small", "k", 5, now=2)  # fits beside nothing but would slip past big: it waits
+    assert s.state("small") is State.WAITING
+    assert s.release("a") == ["big", "small"]
+
+
+def test_the_key_with_the_least_admitted_share_goes_first() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    for i in range(10):
+        s.request(("a", i), "ka", 50, now=i)
+    s.request("b", "kb", 50, now=20)  # arrives after all of a's
+    assert s.release(("a", 0)) == ["b"]  # kb holds nothing, ka holds 50: kb first
+    assert s.release(("a", 1)) == [("a", 2)]
+
+
+def test_weights_give_a_key_a_larger_share() -> None:
+    """Weight 3 against 1, both keys always waiting: the heavy key holds most of the cache."""
+    s = Scheduler(40, ttl_s=TTL, weights={"heavy": 3.0})
+    running = []
+    for i in range(200):
+        key = ("heavy" if i < 100 else "light", i)
+        if s.request(key, key[0], 10, now=0).admitted:
+            running.append(key)
+    held = []
+    for _ in range(40):  # the oldest running one ends; the queue fills its place
+        running += s.release(running.pop(0))
+        held.append(s.owned("heavy") / s.reserved)
+    assert 0.65 <= sum(held) / len(held) <= 0.8  # with equal weights: 0.5
+    assert min(held[5:]) >= 0.5 and s.owned("light") > 0
+
+
+def test_a_released_waiter_leaves_the_queue() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 100, now=0)
+    s.request("b", "k", 50, now=0)
+    s.request("c", "k", 50, now=0)
+    assert s.release("b") == []
+    assert s.waiting == 1
+    assert s.release("a") == ["c"]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        Scheduler(0, ttl_s=TTL)
+    with pytest.raises(ValueError):
+        Scheduler(10, ttl_s=0)
+
+
+OWNERS = ("a", "b", "c")
+CAPACITY = 100
+
+
+class Admissions(RuleBasedStateMachine):
+    """Any sequence of what the server tells the scheduler keeps its promises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, weights={"c": 2.0})
+        self.now = 0.0
+        self.keys = itertools.count()
+        self.owner: dict[int, str] = {}
+        self.queued: dict[str, list[int]] = {o: [] for o in OWNERS}  # FCFS order per owner
+
+    # -- what happens ----------------------------------------------------------------------
+
+    def _ask(self, key: int, tokens: int) -> None:
+        was = self.s.state(key)
+        before = (self.s.admitted, self.s.reserved)
+        answer = self.s.request(key, self.owner[key], tokens, self.now)
+        if was in (State.STREAMING, State.SUSPENDED):
+            assert answer.admitted and answer.resident  # an admitted rollout never waits
+            return
+        if was is not State.WAITING:
+            self.queued[self.owner[key]].append(key)
+        admitted = ([key] if answer.admitted else []) + list(answer.woken)
+        self._admitted(admitted, before)
+
+    def _admitted(self, keys: list[int], before: tuple[int, int]) -> None:
+        for key in keys:
+            queue = self.queued[self.owner[key]]
+            assert queue[0] == key  # first come first served within a key
+            queue.pop(0)
+            assert self.s.state(key) is State.STREAMING
+        if keys:  # the server's own admissions never overcommit, but for one rollout alone
+            assert self.s.reserved <= CAPACITY or self.s.admitted == 1, (before, keys)
+
+    @rule(owner=st.sampled_from(OWNERS), tokens=st.integers(1, 150))
+    def arrive(self, owner: str, tokens: int) -> None:
+        key = next(self.keys)
+        self.owner[key] = owner
+        self._ask(key, tokens)
+
+    @rule(data=st.data())
+    def suspend(self, data: st.DataObject) -> None:
+        streaming = self._in(State.STREAMING)
+        if streaming:
+            self.s.suspend(data.draw(st.sampled_from(streaming)), self.now)
+
+    @rule(data=st.data(), grow=st.integers(0, 60))
+    def resume(self, data: st.DataObject, grow: int) -> None:
+        suspended = self._in(State.SUSPENDED)
+        if suspended:
+            key = data.draw(st.sampled_from(suspended))
+            entry = self.s.entry(key)
+            assert entry is not None
+            self._ask(key, entry.tokens + grow)
+
+    @rule(data=st.data())
+    def come_back(self, data: st.DataObject) -> None:
+        idle = self._in(State.IDLE)
+        if idle:
+            key = data.draw(st.sampled_from(idle))
+            entry = self.s.entry(key)
+            assert entry is not None
+            self._ask(key, entry.tokens)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        keys = sorted(self.owner)
+        if keys:
+            key = data.draw(st.sampled_from(keys))
+            if self.s.state(key) is State.WAITING:
+                self.queued[self.owner[key]].remove(key)
+            before = (self.s.admitted, self.s.reserved)
+            del self.owner[key]
+            self._admitted(self.s.release(key), before)
+
+    @rule(dt=st.floats(0, 2 * TTL))
+    def wait(self, dt: float) -> None:
+        self.now += dt
+        before = (self.s.admitted, self.s.reserved)
+        self._admitted(self.s.expire(self.now), before)
+
+    def _in(self, state: State) -> list[int]:
+        return [k for k in sorted(self.owner) if self.s.state(k) is state]
+
+    # -- what always holds ---------------------------------------------------------------------
+
+    @invariant()
+    def counts_agree(self) -> None:
+        entries = [e for k in self.owner if (e := self.s.entry(k)) is not None]
+        assert self.s.reserved == sum(e.tokens for e in entries if e.admitted)
+        assert self.s.admitted == sum(e.admitted for e in entries)
+        assert self.s.waiting == sum(e.state is State.WAITING for e in entries)
+
+    @invariant()
+    def no_room_is_left_idle(self) -> None:
+        """Nobody waits while the next in line would fit: no rollout waits for nothing."""
+        owner = self.s.next_owner()
+        if owner is not None:
+            head = self.queued[owner][0]
+            entry = self.s.entry(head)
+            assert entry is not None
+            assert self.s.reserved + entry.tokens > CAPACITY and self.s.admitted > 0
+            shares = [self.s.share(o) for o in OWNERS if self.queued[o]]
+            assert self.s.share(owner) == min(shares)  # the least served key is next
+
+    def teardown(self) -> None:
+        """No rollout starves: once the admitted ones go, every waiting one is served."""
+        for _ in range(len(self.owner) + 1):
+            admitted = [k for k in sorted(self.owner) if (e := self.s.entry(k)) and e.admitted]
+            if not admitted:
+                break
+            for key in admitted:
+                del self.owner[key]
+                self._admitted(self.s.release(key), (0, 0))
+        assert self.s.waiting == 0
+
+
+TestAdmissions = Admissions.TestCase
+TestAdmissions.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
