@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from proto_server.bench.agents import (
+    ADMITTED,
     PLOTS,
     AgentsSettings,
     AgentTurn,
@@ -134,6 +135,30 @@ def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
 
 
+def test_with_a_bounded_cache_each_proto_server_path_runs_without_and_with_admission(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A known cache size: a second server admits rollouts by it, its paths beside the first's."""
+    args = ["bench", "agents", "--rollouts", "3", "--turns", "2", "--wait-s", "0.01,0.05",
+            "--context-tokens", "120", "--tool-tokens", "40,80",
+            "--num-gpu-blocks-override", "40", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    assert [p["path"] for p in data["paths"]] == [
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED
+    ]  # fmt: skip
+    for path in data["paths"]:
+        _consistent(path, rollouts=3, turns=2)
+    assert PROTOTYPE + ADMITTED in capsys.readouterr().out
+
+
+def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--admission", "both"]) == 2
+    assert "--admission on the simulated GPU needs" in capsys.readouterr().err
+
+
 @pytest.mark.engine
 @pytest.mark.deadline(400)
 def test_agents_on_a_real_engine_measure_all_three_paths(
@@ -144,7 +169,9 @@ def test_agents_on_a_real_engine_measure_all_three_paths(
             "--tool-tokens", "40,60", "--out", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
-    assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED, STATELESS]
+    assert [p["path"] for p in data["paths"]] == [
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS
+    ]  # fmt: skip
     for path in data["paths"]:
         _consistent(path, rollouts=2, turns=2)
         assert path["time"] == "measured" and path["preemptions"] is not None

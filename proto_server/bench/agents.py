@@ -73,6 +73,9 @@ COUNTERS = {
     "finished": "vllm:e2e_request_latency_seconds_count",
 }
 PLOTS = ("agents-ttft.png", "agents-cached-share-per-turn.png")
+#: The name of a proto-server path served by the server that admits rollouts by KV capacity.
+ADMITTED = " + admission"
+ADMISSION_CHOICES = ("auto", "off", "on", "both")
 #: vLLM's block, as the engine tests use it (the prefix cache's unit).
 BLOCK_SIZE = 32
 ENGINE_READY_S = 300.0
@@ -97,6 +100,17 @@ class AgentsSettings:
     answer_tokens: int = 32
     prefill_rate: float = 20_000.0
     out_dir: Path = Path("bench-results")
+    #: proto-server's paths without the server's admission by KV capacity, with it, or both
+    #: side by side (a second server process admits; it needs a known cache size); auto: both
+    #: where the cache's size is known (a vLLM engine, or a bounded simulated one), else off.
+    admission: str = "auto"
+
+    @property
+    def admits(self) -> str:
+        """`admission` decided: off, on or both."""
+        if self.admission != "auto":
+            return self.admission
+        return "both" if self.engine == "vllm" or self.gpu_blocks is not None else "off"
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, in words (empty: nothing)."""
@@ -113,6 +127,10 @@ class AgentsSettings:
             found.append("--num-gpu-blocks-override needs at least 2 blocks")
         if self.engine_url is not None and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")
+        if self.admission not in ADMISSION_CHOICES:
+            found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
+        elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
+            found.append("--admission on the simulated GPU needs --num-gpu-blocks-override")
         return found
 
 
@@ -206,6 +224,12 @@ class Target:
     engine_url: str
     model: str
     answer_tokens: int
+    #: The proto-server that admits rollouts by the engine's KV capacity (its paths' names end
+    #: in `ADMITTED`).
+    admitted_url: str = ""
+
+    def url(self, path: str) -> str:
+        return self.admitted_url if path.endswith(ADMITTED) else self.proto_url
 
 
 async def engine_counters(http: httpx.AsyncClient) -> dict[str, float]:
@@ -228,8 +252,8 @@ async def _rollout(
     record: Callable[[AgentTurn], None],
 ) -> None:
     """One rollout through one path: the tool's waits are the client's own sleeps."""
-    opened = open_path(path, target.proto_url, target.engine_url, target.model, instructions,
-                       target.answer_tokens)  # fmt: skip
+    opened = open_path(path.removesuffix(ADMITTED), target.url(path), target.engine_url,
+                       target.model, instructions, target.answer_tokens)  # fmt: skip
     async with opened as send:
         new: Items = [{"role": "user", "content": f"{agent.context}\n\n{ASK}"}]
         last = len(agent.outputs) + 1
@@ -305,7 +329,9 @@ def engine_python(settings: AgentsSettings) -> str:
 
 def engine_command(python: str, model_dir: Path, port: int, gpu_blocks: int | None) -> list[str]:
     """vLLM's OpenAI server as the engine tests start it (SmolLM2, block size 32, prefix caching,
-    the hermes parser for its own endpoint's calls), its cache bounded by `gpu_blocks`."""
+    the hermes parser for its own endpoint's calls), its cache bounded by `gpu_blocks`; it
+    schedules by priority, which a request without one (every path but an admitting
+    proto-server's) leaves in arrival order."""
     # the engine refuses a cache that cannot hold one request of its longest (it found one
     # block less than the override usable)
     longest = MAX_MODEL_LEN
@@ -317,6 +343,7 @@ def engine_command(python: str, model_dir: Path, port: int, gpu_blocks: int | No
         "--dtype", "float32", "--max-model-len", str(longest), "--block-size", str(BLOCK_SIZE),
         "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--scheduling-policy", "priority",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     if gpu_blocks is not None:
@@ -386,6 +413,10 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS)
             name = model.name
             process, proto_url = await start_proto_server(url, settings.answer_tokens)
+            # the engine this run started schedules by priority (none given: arrival order)
+            admitting = ["--kv-capacity-from-engine"]
+            if settings.engine_url is None:
+                admitting.append("--engine-priority")
             engine: httpx.AsyncClient | None = await stack.enter_async_context(
                 httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30)
             )
@@ -399,12 +430,31 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
 
             paths, name, url, engine = (PROTOTYPE, LAUNCHED), "proto-sim", "", None
             flags = ["--prefill-rate", str(settings.prefill_rate)]
+            admitting = []
             if settings.gpu_blocks is not None:  # the simulated GPU's cache, as bounded
-                flags += ["--prefix-cache-tokens", str(settings.gpu_blocks * BLOCK_SIZE)]
+                tokens = str(settings.gpu_blocks * BLOCK_SIZE)
+                flags += ["--prefix-cache-tokens", tokens]
+                admitting = ["--kv-capacity-tokens", tokens]
             process, proto_url = await start_serve(flags)
         stack.push_async_callback(_stop, process)
+        admitted_url = ""
+        if settings.admits != "off":
+            if settings.engine == "vllm":
+                admitter, admitted_url = await start_proto_server(
+                    url, settings.answer_tokens, admitting
+                )
+            else:
+                admitter, admitted_url = await start_serve([*flags, *admitting])
+            stack.push_async_callback(_stop, admitter)
+            ours = tuple(p for p in paths if p in (PROTOTYPE, LAUNCHED))
+            admitted = tuple(p + ADMITTED for p in ours)
+            if settings.admits == "on":
+                paths = (*admitted, *paths[len(ours) :])
+            else:  # side by side: each of ours, then the same with admission
+                paths = (*(p for pair in zip(ours, admitted, strict=True) for p in pair),
+                         *paths[len(ours) :])  # fmt: skip
         agents = make_agents(settings, count, nonce)
-        target = Target(proto_url, url, name, settings.answer_tokens)
+        target = Target(proto_url, url, name, settings.answer_tokens, admitted_url)
         runs = []
         for index, path in enumerate(paths, 1):
             progress(f"[{index}/{len(paths)}] {path}: {len(agents)} rollouts x "

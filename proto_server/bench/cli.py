@@ -15,7 +15,7 @@ import orjson
 import trio
 
 from proto_server.bench import memory
-from proto_server.bench.agents import ENGINES, AgentsSettings
+from proto_server.bench.agents import ADMISSION_CHOICES, ENGINES, AgentsSettings
 from proto_server.bench.agents import main as agents_main
 from proto_server.bench.measure import ServerSettings
 from proto_server.bench.report import render, write_all
@@ -241,6 +241,12 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         help="agents, --engine vllm: the engine's KV cache in blocks of 32 tokens (pressure)",
     )  # fmt: skip
     group.add_argument(
+        "--admission", choices=ADMISSION_CHOICES, default=defaults.admission,
+        help="agents: proto-server's paths without the server's admission by KV capacity "
+        "(--kv-capacity-tokens; from the engine with vllm), with it, or both side by side; "
+        "auto: both where the cache's size is known (vllm, or --num-gpu-blocks-override)",
+    )  # fmt: skip
+    group.add_argument(
         "--vllm-python", default=defaults.vllm_python, metavar="PATH",
         help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
@@ -261,6 +267,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         answer_tokens=args.decode_tokens,
         prefill_rate=args.prefill_rate,
         out_dir=args.out,
+        admission=args.admission,
     )
     return agents_main(settings)
 

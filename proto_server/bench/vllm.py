@@ -483,10 +483,13 @@ async def run_paths(
     return {path: results[path] for path in PATHS if path in results}
 
 
-async def start_proto_server(engine_url: str, answer_tokens: int) -> tuple[trio.Process, str]:
-    """proto-server as a process of its own in front of the engine, and its HTTP base URL."""
+async def start_proto_server(
+    engine_url: str, answer_tokens: int, extra: Sequence[str] = ()
+) -> tuple[trio.Process, str]:
+    """proto-server as a process of its own in front of the engine (`extra`: more of its flags),
+    and its HTTP base URL."""
     vllm = ["--generator", "vllm", "--engine-url", engine_url, "--max-tokens", str(answer_tokens)]
-    return await start_serve(vllm)
+    return await start_serve([*vllm, *extra])
 
 
 async def start_serve(arguments: Sequence[str]) -> tuple[trio.Process, str]:
