@@ -149,3 +149,25 @@ def test_bench_memory_every_shape_peaks_within_its_charge(
         assert row["peak_reset"] and row["frame"] > 0.9 * MiB, row
         assert row["answer"] in ("response.completed", "response.steer.pending"), row
         assert row["peak"] <= row["charge"], row
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--mb", "0"],
+        ["--mb", "nan"],
+        ["--mb", "inf"],
+        ["--shapes", "nope"],
+        ["--steer-flood", "0", "9", "15"],
+        ["--steer-flood", "1.5", "9", "15"],
+        ["--steer-flood", "2", "2", "1", "--flood-max-memory", "0", "5"],
+    ],
+)
+def test_bench_memory_refuses_sizes_and_counts_it_cannot_measure(
+    flags: list[str], tmp_path: Path
+) -> None:
+    try:
+        code = main(["bench", "memory", *flags, "--out", str(tmp_path)])
+    except SystemExit as exited:  # argparse's own refusal
+        code = exited.code  # type: ignore[assignment]
+    assert code == 2

@@ -69,6 +69,15 @@ class RawClient:
         return [message["type"] for message in self.messages]
 
 
+async def until_stored(store: CheckpointStore) -> None:
+    """The client reads no more: the kernel buffers fill and the server's writes stall, until
+    the server ends its Response and stores it (polled: the client must not read meanwhile)."""
+    for _ in range(int(10 * TIMEOUT_S / 0.1)):
+        if store.responses:
+            return
+        await trio.sleep(0.1)
+
+
 def stored_reason(store: CheckpointStore) -> list[tuple[str, Any]]:
     return [
         (stored.response.status, stored.response.incomplete_details)
@@ -88,11 +97,7 @@ async def test_a_client_that_stops_reading_is_cut_and_its_response_ends_incomple
         while "response.created" not in client.types():
             await client.read()
         stopped = trio.current_time()
-        # it reads no more: the kernel buffers fill, and the server's writes stall
-        for _ in range(int(10 * TIMEOUT_S / 0.1)):  # polled: the client must not read meanwhile
-            if store.responses:
-                break
-            await trio.sleep(0.1)
+        await until_stored(store)
         assert trio.current_time() - stopped >= TIMEOUT_S  # not before the timeout
         assert stored_reason(store) == [("incomplete", {"reason": "slow_reader"})]
         assert running.server.open_rollouts == 0  # released at once
@@ -150,11 +155,7 @@ async def test_an_sse_client_that_stops_reading_is_cut_and_its_response_ends_inc
         received = b""
         while b"response.created" not in received:
             received += await stream.receive_some(4096)
-        # it reads no more: the kernel buffers fill, and the server's writes stall
-        for _ in range(int(10 * TIMEOUT_S / 0.1)):
-            if store.responses:
-                break
-            await trio.sleep(0.1)
+        await until_stored(store)
         assert stored_reason(store) == [("incomplete", {"reason": "slow_reader"})]
         assert running.server.open_rollouts == 0
         autojump_clock.autojump_threshold = 1.0

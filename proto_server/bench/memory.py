@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -361,10 +362,21 @@ def steer_flood(
 # -- the command ---------------------------------------------------------------------------------
 
 
+def _positive(text: str) -> float:
+    """A size or a count: positive and finite (nan, inf and 0 are refused, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mb",
-        type=float,
+        type=_positive,
         default=15.0,
         help="memory: size of each shape's frame, in MB",
     )
@@ -376,7 +388,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steer-flood",
-        type=float,
+        type=_positive,
         nargs=3,
         metavar=("LANES", "STEERS", "MB"),
         default=None,
@@ -404,9 +416,10 @@ def run(args: argparse.Namespace) -> int:
     path = args.out / "memory.json"
     if args.steer_flood is not None:
         lanes, steers, mb = args.steer_flood
-        if lanes < 1 or steers < 1 or mb <= 0:
-            print("proto-server bench memory: --steer-flood needs LANES, STEERS >= 1, MB > 0",
-                  file=sys.stderr)  # fmt: skip
+        low = min(args.flood_max_memory)
+        if lanes < 1 or steers < 1 or lanes % 1 or steers % 1 or low < 1:
+            print("proto-server bench memory: --steer-flood needs whole LANES, STEERS >= 1, "
+                  "--flood-max-memory at least 1 MiB each", file=sys.stderr)  # fmt: skip
             return 2
         progress(f"steer flood: {int(lanes)} lanes x {int(steers)} steers x {mb:g} MB")
         started = time.perf_counter()
@@ -427,8 +440,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Saved {path}")
         return 0 if within else 1
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    if not shapes or any(s not in SHAPES for s in shapes) or args.mb <= 0:
-        print(f"proto-server bench memory: --shapes from {','.join(SHAPES)}, --mb > 0",
+    if not shapes or any(s not in SHAPES for s in shapes):
+        print(f"proto-server bench memory: --shapes from {','.join(SHAPES)}",
               file=sys.stderr)  # fmt: skip
         return 2
     nbytes = int(args.mb * MiB)
