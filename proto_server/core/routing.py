@@ -1,0 +1,124 @@
+"""Which engine replica a rollout's next segment goes to.
+
+A rollout's warm state is the prefix its replica's KV cache holds, so it stays where it began
+(affinity); a new rollout goes where the load is lowest (the tokens its rollouts hold, as a share
+of its KV capacity when the capacities are known; then the fewest rollouts; then the lowest
+index, so that the choice is reproducible). A replica that goes down loses its rollouts'
+placements lazily: each learns at its next `place` that it moved (and must be prefilled again
+on its new replica), and a replica that comes back is given new work at once (it holds the
+least).
+
+Sans-IO, like `core/scheduler.py`: the engine side (`engine/replicas.py`) says what it saw
+(a replica failing, answering again) and asks before each segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import attrs
+
+
+class NoReplicaUp(Exception):
+    """Every replica is down: nothing can serve a segment now."""
+
+
+@attrs.frozen
+class Placement:
+    """Where a segment goes, and where the rollout was before if it moved (its old replica
+    went down): a moved rollout's prefix is not cached on its new replica."""
+
+    replica: int
+    moved_from: int | None = None
+
+
+@attrs.define
+class _Held:
+    replica: int
+    tokens: int
+
+
+class Router:
+    """Rollouts by key (any hashable) over `replicas` replicas, all up at first."""
+
+    def __init__(self, replicas: int, *, capacities: Sequence[int] | None = None) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        if capacities is not None and (
+            len(capacities) != replicas or any(c < 1 for c in capacities)
+        ):
+            raise ValueError(
+                f"capacities must be {replicas} positive token counts, got {capacities}"
+            )
+        self.replicas = replicas
+        self._capacities = tuple(capacities) if capacities is not None else (1,) * replicas
+        self._up = [True] * replicas
+        self._held: dict[Hashable, _Held] = {}
+        #: Per replica: the tokens and the number of rollouts placed on it.
+        self.tokens = [0] * replicas
+        self.rollouts = [0] * replicas
+        #: Rollouts moved off a replica that went down, since the start.
+        self.moves = 0
+
+    # -- what the engine side tells it ---------------------------------------------------------
+
+    def place(self, key: Hashable, tokens: int) -> Placement:
+        """Where `key`'s next segment goes, holding `tokens`: its replica while that is up,
+        else the least loaded one that is. Raises `NoReplicaUp`."""
+        held = self._held.get(key)
+        if held is not None and self._up[held.replica]:
+            self._resize(held, tokens)
+            return Placement(held.replica)
+        replica = self._least_loaded()
+        moved_from = None
+        if held is not None:
+            moved_from = held.replica
+            self._unplace(held)
+            self.moves += 1
+        held = self._held[key] = _Held(replica, 0)
+        self.rollouts[replica] += 1
+        self._resize(held, tokens)
+        return Placement(replica, moved_from)
+
+    def release(self, key: Hashable) -> None:
+        """`key` is gone: its replica holds nothing of it the server will ask for again."""
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._unplace(held)
+
+    def down(self, replica: int) -> None:
+        """`replica` failed: nothing new goes there, and its rollouts move when they next ask."""
+        self._up[replica] = False
+
+    def up(self, replica: int) -> None:
+        """`replica` answers again (with an empty cache, as far as the server knows)."""
+        self._up[replica] = True
+
+    # -- what it tells the engine side ---------------------------------------------------------
+
+    def is_up(self, replica: int) -> bool:
+        return self._up[replica]
+
+    def replica_of(self, key: Hashable) -> int | None:
+        held = self._held.get(key)
+        return None if held is None else held.replica
+
+    def load(self, replica: int) -> float:
+        """The share of `replica`'s capacity its rollouts hold (tokens, without capacities)."""
+        return self.tokens[replica] / self._capacities[replica]
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _least_loaded(self) -> int:
+        candidates = [r for r in range(self.replicas) if self._up[r]]
+        if not candidates:
+            raise NoReplicaUp(f"all {self.replicas} engine replicas are down")
+        return min(candidates, key=lambda r: (self.load(r), self.rollouts[r], r))
+
+    def _resize(self, held: _Held, tokens: int) -> None:
+        self.tokens[held.replica] += tokens - held.tokens
+        held.tokens = tokens
+
+    def _unplace(self, held: _Held) -> None:
+        self.tokens[held.replica] -= held.tokens
+        self.rollouts[held.replica] -= 1
