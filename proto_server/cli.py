@@ -31,6 +31,7 @@ from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.model_files import INSTALL_HINT, ModelError
 from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS, PrefixCache
+from proto_server.engine.replicas import PROBE_INTERVAL_S
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import BoundAddress, ProtoServer
@@ -51,7 +52,7 @@ N = TypeVar("N", int, float)
 
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
-    from proto_server.engine.vllm import VllmGenerator
+    from proto_server.engine.vllm import ServedModel, VllmGenerator
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 LOCAL_BENCH_TURNS = 8
@@ -203,8 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--engine-url",
+        action="append",
         metavar="URL",
-        help="vllm: the engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1",
+        help="vllm: the engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1; "
+        "given again, another replica of the same model (a rollout stays on the one that "
+        "holds its prefix, new ones go to the least loaded, one that dies is taken out)",
+    )
+    serve.add_argument(
+        "--engine-probe-interval",
+        type=_positive(float),
+        default=PROBE_INTERVAL_S,
+        metavar="SECONDS",
+        help="vllm with several --engine-url: how often each replica is asked whether it "
+        "answers (one taken out is given work again once it does)",
     )
     serve.add_argument(
         "--tokenizer",
@@ -497,21 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     generator: TokenGenerator
     if args.generator == "vllm":
-        engine = _connect_vllm(args)
-        if engine is None:
+        engines = _connect_engines(args, config)
+        if engines is None:
             return 2
-        generator, what = engine, f"vLLM model {engine.name} at {engine.url}"
-        config = attrs.evolve(config, default_model=engine.name)
-        if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
-            from proto_server.engine.vllm import engine_kv_capacity
-
-            capacity = trio.run(engine_kv_capacity, args.engine_url)
-            if capacity is None:
-                print(f"proto-server: --kv-capacity-from-engine: the engine at {args.engine_url} "
-                      "does not report vllm:cache_config_info on its /metrics; pass "
-                      "--kv-capacity-tokens", file=sys.stderr)  # fmt: skip
-                return 2
-            config = attrs.evolve(config, kv_capacity_tokens=capacity)
+        generator, config, what = engines
     elif args.generator == "local":
         local = _load_local(
             args, max_tokens=args.max_tokens, render_cache_bytes=args.render_cache_mb * MiB
@@ -628,8 +629,62 @@ def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | No
         return None
 
 
-def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
-    """The engine's model and its tokenizer, or None after saying what to run or pass."""
+def _connect_engines(
+    args: argparse.Namespace, config: ServerConfig
+) -> tuple[TokenGenerator, ServerConfig, str] | None:
+    """`serve --generator vllm`: the engine, or its replicas (one `--engine-url` each), with
+    the settings they imply and what to call them; None after saying what to run or pass."""
+    from proto_server.engine.replicas import Replica, ReplicatedGenerator
+    from proto_server.engine.vllm import EngineSetupError, discover_replicas, engine_kv_capacity
+    from proto_server.server import metrics
+
+    urls: list[str] = args.engine_url
+    try:
+        model, down = trio.run(discover_replicas, urls, args.model)
+    except EngineSetupError as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+        return None
+    for index, problem in down.items():
+        print(f"proto-server: the engine at {urls[index]} does not answer ({problem}); it "
+              "gets work once it does", file=sys.stderr)  # fmt: skip
+    engines = [_connect_vllm(args, url, model) for url in urls]
+    if any(engine is None for engine in engines):
+        return None
+    config = attrs.evolve(config, default_model=model.name)
+    capacities = None
+    if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
+        if down:
+            print("proto-server: --kv-capacity-from-engine needs every engine to answer "
+                  "at start-up; start them, or pass --kv-capacity-tokens",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        capacities = [trio.run(engine_kv_capacity, url) for url in urls]
+        for url, capacity in zip(urls, capacities, strict=True):
+            if capacity is None:
+                print(f"proto-server: --kv-capacity-from-engine: the engine at {url} does not "
+                      "report vllm:cache_config_info on its /metrics; pass "
+                      "--kv-capacity-tokens", file=sys.stderr)  # fmt: skip
+                return None
+        config = attrs.evolve(config, kv_capacity_tokens=sum(c or 0 for c in capacities))
+    if len(urls) == 1:
+        (engine,) = engines
+        assert engine is not None
+        return engine, config, f"vLLM model {model.name} at {engine.url}"
+    replicated = ReplicatedGenerator(
+        [Replica(url, engine) for url, engine in zip(urls, engines, strict=True) if engine],
+        capacities=[c or 0 for c in capacities] if capacities else None,
+        down=list(down),
+        probe_interval_s=args.engine_probe_interval,
+        observer=metrics.ReplicaMetrics(),
+    )
+    return replicated, config, f"vLLM model {model.name} on {len(urls)} engines"
+
+
+def _connect_vllm(
+    args: argparse.Namespace, url: str, model: ServedModel | None = None
+) -> VllmGenerator | None:
+    """The engine at `url`: its model (`model` if known) and tokenizer, or None after saying
+    what to run or pass."""
     from proto_server.engine.vllm import (
         EngineSetupError,
         VllmGenerator,
@@ -638,12 +693,13 @@ def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
     )
 
     try:
-        model = trio.run(discover, args.engine_url, args.model)
+        if model is None:
+            model = trio.run(discover, url, args.model)
         from proto_server.engine.model_files import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_source(model, args.tokenizer))
         return VllmGenerator(
-            args.engine_url,
+            url,
             model,
             tokenizer,
             max_tokens=getattr(args, "max_tokens", 512),
@@ -657,7 +713,7 @@ def _connect_vllm(args: argparse.Namespace) -> VllmGenerator | None:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    generator = _connect_vllm(args)  # the served model's name and tokenizer
+    generator = _connect_vllm(args, args.engine_url)  # the served model's name and tokenizer
     if generator is None:
         return 2
     from proto_server.bench.vllm import measure, render, summarize, write_files

@@ -53,6 +53,18 @@ def test_a_replica_that_comes_back_is_given_new_work() -> None:
     assert router.place("a", 100).replica == 1  # affinity holds: it is warm where it is
 
 
+def test_a_rollout_whose_replica_went_down_and_came_back_is_told_its_prefix_is_lost() -> None:
+    router = Router(2)
+    home = router.place("a", 100).replica
+    router.down(home)
+    router.up(home)  # restarted before the rollout asked again: its cache is empty
+    assert router.place("a", 100).moved_from == home
+    router.down(1 - home)
+    router.down(1 - home)  # said twice (two probes): one loss, not two
+    router.up(1 - home)
+    assert router.place("b", 10).moved_from is None
+
+
 def test_with_every_replica_down_nothing_is_placed() -> None:
     router = Router(1)
     router.place("a", 1)
@@ -88,6 +100,7 @@ def test_the_accounts_hold_and_nothing_goes_to_a_replica_that_is_down(
 ) -> None:
     router = Router(3)
     held: dict[int, tuple[int, int]] = {}  # key -> (replica, tokens): the model
+    lost: set[int] = set()  # keys whose replica went down since they were placed
     for op, arg, tokens in ops:
         if op == "place":
             if not any(router.is_up(r) for r in range(3)):
@@ -97,7 +110,7 @@ def test_the_accounts_hold_and_nothing_goes_to_a_replica_that_is_down(
             before = held.get(arg)
             placement = router.place(arg, tokens)
             assert router.is_up(placement.replica)
-            if before is not None and router.is_up(before[0]):
+            if before is not None and router.is_up(before[0]) and arg not in lost:
                 assert placement == Placement(before[0])  # affinity
             else:
                 assert placement.moved_from == (before[0] if before else None)
@@ -107,11 +120,14 @@ def test_the_accounts_hold_and_nothing_goes_to_a_replica_that_is_down(
                     loads[placement.replica] <= loads[r] for r in range(3) if router.is_up(r)
                 )  # it went where the least was
             held[arg] = (placement.replica, tokens)
+            lost.discard(arg)
         elif op == "release":
             router.release(arg)
             held.pop(arg, None)
+            lost.discard(arg)
         elif op == "down":
             router.down(arg)
+            lost |= {key for key, (replica, _) in held.items() if replica == arg}
         else:
             router.up(arg)
         for r in range(3):

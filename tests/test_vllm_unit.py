@@ -211,10 +211,23 @@ def test_serve_stops_with_exit_2_when_the_engine_is_not_there() -> None:
     assert done.returncode == 2 and "needs --engine-url" in done.stderr
 
 
+def test_serve_with_several_engines_stops_with_exit_2_when_none_answers() -> None:
+    urls = [f"http://127.0.0.1:{free_port()}/v1" for _ in range(2)]
+    done = subprocess.run(
+        [sys.executable, "-m", "proto_server", "serve", "--store", ":memory:", "--generator",
+         "vllm", "--engine-url", urls[0], "--engine-url", urls[1]],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "no engine answers:" in done.stderr
+    assert all(f"no engine answers at {url}" in done.stderr for url in urls)
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--engine-timeout", "0"), ("--engine-timeout", "inf"), ("--engine-timeout", "nan"),
-     ("--engine-connections", "0"), ("--max-tokens", "-1")],
+     ("--engine-connections", "0"), ("--max-tokens", "-1"), ("--engine-probe-interval", "0"),
+     ("--engine-probe-interval", "inf")],
 )  # fmt: skip
 def test_the_engine_flags_refuse_what_is_not_a_positive_finite_number(
     capsys: pytest.CaptureFixture[str], flag: str, value: str

@@ -5,8 +5,8 @@ A rollout's warm state is the prefix its replica's KV cache holds, so it stays w
 of its KV capacity when the capacities are known; then the fewest rollouts; then the lowest
 index, so that the choice is reproducible). A replica that goes down loses its rollouts'
 placements lazily: each learns at its next `place` that it moved (and must be prefilled again
-on its new replica), and a replica that comes back is given new work at once (it holds the
-least).
+on its new replica), even if its replica is back by then (a restarted engine's cache is empty),
+and a replica that comes back is given new work at once (it holds the least).
 
 Sans-IO, like `core/scheduler.py`: the engine side (`engine/replicas.py`) says what it saw
 (a replica failing, answering again) and asks before each segment.
@@ -36,6 +36,8 @@ class Placement:
 class _Held:
     replica: int
     tokens: int
+    #: The replica's `down` count when the rollout was placed: a later one lost its prefix.
+    epoch: int
 
 
 class Router:
@@ -53,6 +55,7 @@ class Router:
         self.replicas = replicas
         self._capacities = tuple(capacities) if capacities is not None else (1,) * replicas
         self._up = [True] * replicas
+        self._epochs = [0] * replicas
         self._held: dict[Hashable, _Held] = {}
         #: Per replica: the tokens and the number of rollouts placed on it.
         self.tokens = [0] * replicas
@@ -66,7 +69,7 @@ class Router:
         """Where `key`'s next segment goes, holding `tokens`: its replica while that is up,
         else the least loaded one that is. Raises `NoReplicaUp`."""
         held = self._held.get(key)
-        if held is not None and self._up[held.replica]:
+        if held is not None and self._holds(held):
             self._resize(held, tokens)
             return Placement(held.replica)
         replica = self._least_loaded()
@@ -75,7 +78,7 @@ class Router:
             moved_from = held.replica
             self._unplace(held)
             self.moves += 1
-        held = self._held[key] = _Held(replica, 0)
+        held = self._held[key] = _Held(replica, 0, self._epochs[replica])
         self.rollouts[replica] += 1
         self._resize(held, tokens)
         return Placement(replica, moved_from)
@@ -88,7 +91,9 @@ class Router:
 
     def down(self, replica: int) -> None:
         """`replica` failed: nothing new goes there, and its rollouts move when they next ask."""
-        self._up[replica] = False
+        if self._up[replica]:
+            self._up[replica] = False
+            self._epochs[replica] += 1
 
     def up(self, replica: int) -> None:
         """`replica` answers again (with an empty cache, as far as the server knows)."""
@@ -108,6 +113,10 @@ class Router:
         return self.tokens[replica] / self._capacities[replica]
 
     # -- inside --------------------------------------------------------------------------------
+
+    def _holds(self, held: _Held) -> bool:
+        """Whether `held`'s replica is up and has not been down since it was placed there."""
+        return self._up[held.replica] and self._epochs[held.replica] == held.epoch
 
     def _least_loaded(self) -> int:
         candidates = [r for r in range(self.replicas) if self._up[r]]

@@ -58,3 +58,11 @@ class ProbedGenerator(Protocol):
     async def readiness(self) -> str | None:
         """None when it can serve now; otherwise why not."""
         ...
+
+
+@runtime_checkable
+class SupervisedGenerator(Protocol):
+    """A generator with a task of its own (probing its engine replicas): the server starts it
+    before it listens and cancels it once it has stopped."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None]) -> None: ...

@@ -1,13 +1,23 @@
 """What a generator session produces, in order, for one segment.
 
-A segment is `Prefilled`, then any mix of text and complete tool calls, then `SegmentEnd`.
-The sampling loop turns each chunk into calls on the Response state machine.
+A segment is `Prefilled`, then any mix of text and complete tool calls, then `SegmentEnd`;
+before `Prefilled`, a `Rerouted` when the rollout's engine replica went down and another
+prefills it again. The sampling loop turns each chunk into calls on the Response state machine.
 """
 
 from __future__ import annotations
 
 import attrs
 import trio
+
+
+@attrs.frozen
+class Rerouted:
+    """The engine replica that held the rollout's prefix (`lost`) went down: this segment is
+    prefilled again, whole, on `engine`. The turn's source says so ("failover")."""
+
+    engine: str
+    lost: str
 
 
 @attrs.frozen
@@ -52,7 +62,15 @@ class SegmentEnd:
     cached_tokens: int | None = None
 
 
-Chunk = Prefilled | TextDelta | ToolCallBegin | ToolCallArgumentsDelta | ToolCallEnd | SegmentEnd
+Chunk = (
+    Rerouted
+    | Prefilled
+    | TextDelta
+    | ToolCallBegin
+    | ToolCallArgumentsDelta
+    | ToolCallEnd
+    | SegmentEnd
+)
 
 
 async def hand_over(send: trio.MemorySendChannel[Chunk], chunk: Chunk) -> None:

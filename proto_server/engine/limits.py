@@ -12,14 +12,21 @@ import attrs
 from proto_server.core.request import ToolChoice, parse_tool_choice
 from proto_server.wire.response import Response
 
+#: The code of a failure that is the engine's absence (not there, or gone mid-stream): with
+#: several replicas, the one that failed is taken out and the rollout goes on another.
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
 
 class GeneratorError(Exception):
     """A segment the generator cannot produce, for a reason it can name: `code` (it ends the
-    Response with `response.failed` carrying that code, no traceback; the connection lives)."""
+    Response with `response.failed` carrying that code, no traceback; the connection lives).
+    `unsent`: nothing of the segment had been handed over yet, so it may be sent again, whole,
+    to another engine replica."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, unsent: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.unsent = unsent
 
 
 class GenerationRefused(GeneratorError):

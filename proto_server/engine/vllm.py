@@ -38,13 +38,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
-from proto_server.engine.limits import GenerationLimits, GeneratorError
+from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.engine.toolcalls import CLOSE, OPEN, ToolCallParser
 from proto_server.wire.tools import FunctionTool, function_tools
 
-ENGINE_UNAVAILABLE = "engine_unavailable"
 ENGINE_ERROR = "engine_error"
 ENGINE_TIMEOUT = "engine_timeout"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -425,6 +424,39 @@ async def discover(url: str, wanted: str | None, timeout_s: float = PROBE_TIMEOU
     return choose_model(parse_models(body), wanted, url)
 
 
+async def discover_replicas(
+    urls: Sequence[str], wanted: str | None, timeout_s: float = PROBE_TIMEOUT_S
+) -> tuple[ServedModel, dict[int, str]]:
+    """Ask every engine at once which model it serves, at start-up: the model, and which of
+    them do not answer (by index, with why). Those that answer must serve the same model under
+    the same name and context length; at least one must answer."""
+    found: dict[int, ServedModel] = {}
+    down: dict[int, str] = {}
+
+    async def ask(index: int, url: str) -> None:
+        try:
+            found[index] = await discover(url, wanted, timeout_s)
+        except EngineSetupError as exc:
+            down[index] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        for index, url in enumerate(urls):
+            nursery.start_soon(ask, index, url)
+    if not found:
+        raise EngineSetupError("no engine answers: " + "; ".join(down[i] for i in sorted(down)))
+    models = {(model.name, model.max_model_len) for model in found.values()}
+    if len(models) > 1:
+        served = ", ".join(
+            f"{urls[i]} serves {found[i].name!r} ({found[i].max_model_len} tokens)"
+            for i in sorted(found)
+        )
+        raise EngineSetupError(
+            f"the engines serve different models ({served}); every --engine-url must serve "
+            "the same model, under the same name and context length"
+        )
+    return found[min(found)], down
+
+
 def tokenizer_source(model: ServedModel, tokenizer: str | None) -> str:
     """Where the served model's tokenizer is read from: `--tokenizer`, else the engine's
     `root` when that path exists on this machine."""
@@ -491,7 +523,7 @@ class VllmGenerator:
         return VllmSession(self, conversation, cache_salt=cache_salt)
 
     async def readiness(self) -> str | None:
-        """None when the engine lists its models within a short timeout; else why not."""
+        """None when the engine lists the served model within a short timeout; else why not."""
         try:
             with trio.fail_after(PROBE_TIMEOUT_S):
                 answer = await self.client.get("/models", timeout=PROBE_TIMEOUT_S)
@@ -499,6 +531,12 @@ class VllmGenerator:
             return f"the engine at {self.url} does not answer ({exc.__class__.__name__})"
         if answer.status_code != 200:
             return f"the engine at {self.url} answered {answer.status_code}"
+        try:
+            served = [model.name for model in parse_models(answer.json())]
+        except (ValueError, EngineSetupError):
+            return f"the engine at {self.url} does not list its models"
+        if self.model.name not in served:  # restarted with another model
+            return f"the engine at {self.url} serves {served}, not {self.model.name!r}"
         return None
 
     async def aclose(self) -> None:
@@ -616,11 +654,14 @@ class VllmSession:
                             await hand_over(send, chunk)
                         chunks = []
         except httpx.HTTPError as exc:
-            raise error_for_exception(exc, generator.url) from exc
+            error = error_for_exception(exc, generator.url)
+            error.unsent = not prefilled  # nothing handed over: another replica may take it
+            raise error from exc
         if finish is None or finish == "abort" or not prefilled:
             raise EngineError(
                 ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
                 f"the engine's stream ended before the segment did (finish reason {finish!r})",
+                unsent=not prefilled,
             )
         held, leftover = parser.finish()
         for chunk in held:

@@ -5,6 +5,7 @@ dialect) and stops gracefully; what a Response is built from is `Responses`' (re
 which it makes once and hands to every dialect and HTTP exchange.
 
 server nursery (serve)
+ ├─ the generator's own task, if it has one (engine replicas' probe: engine/replicas.py)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
      ├─ reader (connection.py) and writer (writer.py)
@@ -22,7 +23,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
 from proto_server.core.render import Renderer
-from proto_server.engine.base import TokenGenerator
+from proto_server.engine.base import SupervisedGenerator, TokenGenerator
 from proto_server.server import metrics
 from proto_server.server.config import ServerConfig
 from proto_server.server.connection import CLOSE_WAIT_S, Connection, Dialect
@@ -160,13 +161,18 @@ class ProtoServer:
         """Listen until cancelled or `shutdown()`; `nursery.start(server.serve)` returns the
         bound address."""
         config = self.config
-        async with trio.open_nursery() as handlers:
-            self._handlers = handlers
-            listeners = await handlers.start(self._listen, handlers)
-            port = listeners[0].socket.getsockname()[1]
-            address = BoundAddress(config.host, port)
-            log.info("server.listening", extra={"url": address.ws_url})
-            task_status.started(address)
+        async with trio.open_nursery() as background:
+            generator = self.responses.generator
+            if isinstance(generator, SupervisedGenerator):  # its engines' probe
+                await background.start(generator.run)
+            async with trio.open_nursery() as handlers:
+                self._handlers = handlers
+                listeners = await handlers.start(self._listen, handlers)
+                port = listeners[0].socket.getsockname()[1]
+                address = BoundAddress(config.host, port)
+                log.info("server.listening", extra={"url": address.ws_url})
+                task_status.started(address)
+            background.cancel_scope.cancel()
 
     async def _listen(
         self,

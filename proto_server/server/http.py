@@ -5,7 +5,8 @@
     POST /v1/responses/compact    a compacted history to start a new chain from
     GET  /healthz                 liveness
     GET  /readyz                  readiness: 503 while shutting down, or the store or engine
-                                  does not answer
+                                  does not answer (with engine replicas: none does; the body
+                                  lists each replica)
     GET  /metrics                 the Prometheus scrape (metrics.py), behind auth when it is on
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
@@ -33,6 +34,7 @@ from proto_server.core.ids import new_id
 from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
 from proto_server.engine.base import ProbedGenerator
+from proto_server.engine.replicas import ReplicatedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget, preparing_bytes
@@ -351,8 +353,17 @@ class _Exchange:
                 problems.append(("store_unavailable", problem))
             if isinstance(generator, ProbedGenerator) and (problem := await generator.readiness()):
                 problems.append(("engine_unavailable", problem))
+        engines = self.responses.generator
+        replicas = (
+            [attrs.asdict(state) for state in engines.states()]
+            if isinstance(engines, ReplicatedGenerator)
+            else None
+        )  # as the readiness check above just saw them
         if not problems:
-            await self._json(200, {"status": "ready"})
+            ready: dict[str, Any] = {"status": "ready"}
+            if replicas is not None:
+                ready["engines"] = replicas
+            await self._json(200, ready)
             return
         message = "; ".join(why for _, why in problems)
         unready = ProtocolError(

@@ -31,6 +31,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from proto_server.core.render import Renderer
 from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,
     ProbedStore,
@@ -91,7 +92,8 @@ RENDER_CACHE_KEPT = Gauge(
 )  # fmt: skip
 TURNS = Counter(
     "proto_server_turns",
-    "Turns by where their state came from (fresh, cache, store, rebuilt, append, compacted)",
+    "Turns by where their state came from (fresh, cache, store, rebuilt, append, compacted, "
+    "failover: prefilled again on another engine replica)",
     ["source"],
 )
 TOKENS = Counter(
@@ -162,6 +164,40 @@ ADMISSION_WAIT = Histogram(
     "proto_server_admission_wait_seconds", "How long rollouts that had to wait waited",
     buckets=_SLOW,
 )  # fmt: skip
+
+# engine replicas (engine/replicas.py), when --engine-url is given more than once
+ENGINE_UP = Gauge(
+    "proto_server_engine_up",
+    "1 while an engine replica answers, 0 while it is taken out (by a failed segment or probe)",
+    ["engine"], multiprocess_mode="livemin",
+)  # fmt: skip
+ENGINE_ROLLOUTS = Gauge(
+    "proto_server_engine_rollouts", "Rollouts placed on each engine replica",
+    ["engine"], multiprocess_mode="livesum",
+)  # fmt: skip
+ENGINE_TOKENS = Gauge(
+    "proto_server_engine_tokens", "Tokens the rollouts placed on each engine replica hold",
+    ["engine"], multiprocess_mode="livesum",
+)  # fmt: skip
+ENGINE_FAILOVERS = Counter(
+    "proto_server_engine_failovers",
+    "Rollouts moved off an engine replica that went down (prefilled again on another), by "
+    "the replica they were warm on",
+    ["engine"],
+)
+
+
+class ReplicaMetrics:
+    """The engine replicas' series: `ReplicatedGenerator` reports to it."""
+
+    def replica_changed(self, state: ReplicaState) -> None:
+        ENGINE_UP.labels(state.name).set(1 if state.up else 0)
+        ENGINE_ROLLOUTS.labels(state.name).set(state.rollouts)
+        ENGINE_TOKENS.labels(state.name).set(state.tokens)
+
+    def rollout_moved(self, lost: str, engine: str) -> None:
+        ENGINE_FAILOVERS.labels(lost).inc()
+
 
 _TERMINAL = {
     "response.completed": "completed",

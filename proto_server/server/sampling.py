@@ -29,6 +29,7 @@ from proto_server.core.response import IllegalTransition, ResponseMachine, Statu
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
+    Rerouted,
     SegmentEnd,
     TextDelta,
     ToolCallArgumentsDelta,
@@ -59,6 +60,8 @@ from proto_server.wire.items import Item
 if TYPE_CHECKING:
     from proto_server.server.resume import Durable
 
+#: A turn's source when its engine replica went down and another prefilled it again.
+FAILOVER = "failover"
 #: `incomplete_details.reason` of a suspension whose client stayed idle too long.
 SUSPEND_TIMEOUT = "suspend_timeout"
 
@@ -70,7 +73,7 @@ class TurnRecord:
     """What one Response cost the server: how much it rendered, and what the model re-read."""
 
     response_id: str
-    source: str  # "fresh", "cache", "store", "rebuilt", "append"
+    source: str  # "fresh", "cache", "store", "rebuilt", "append"; "failover": see `Rerouted`
     rendered_input_tokens: int
     prompt_tokens: int
     cached_tokens: int
@@ -515,6 +518,13 @@ class SamplingLoop:
         if isinstance(chunk, SegmentEnd) and chunk.cached_tokens is not None:
             machine.report_cached(chunk.cached_tokens)
         match chunk:
+            case Rerouted(engine=engine, lost=lost):
+                self._source = FAILOVER  # its warm state was lost with its engine replica
+                log.info(
+                    "response.rerouted",
+                    extra={"response": machine.id, "engine": engine, "lost": lost},
+                )
+                return []
             case Prefilled(prompt_tokens=prompt, cached_tokens=cached):
                 rendered = self._count_rendered()
                 if self._observer is not None:
