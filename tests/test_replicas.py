@@ -270,7 +270,7 @@ async def test_the_probe_takes_a_dead_replica_out_and_gives_it_work_once_it_answ
     seen = Seen()
     replicated, engines = two_replicas(seen)
     async with trio.open_nursery() as nursery:
-        await nursery.start(replicated.run)
+        await nursery.start(replicated.supervise)
         engines[1].pulled = True
         await trio.sleep(replicated.probe_interval_s * 1.5)
         assert [state.up for state in replicated.states()] == [True, False]

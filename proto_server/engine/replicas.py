@@ -11,7 +11,7 @@ client already got cannot be taken back); the rollout's next segment goes elsewh
 rollout moved off a replica it was warm on is prefilled again and its turn says so
 (`Rerouted`, the turn's source "failover").
 
-`run` probes every replica every `probe_interval_s` (the engine's own readiness: it lists
+`supervise` probes every replica every `probe_interval_s` (the engine's own readiness: it lists
 the served model) and gives a replica that answers again new work at once.
 """
 
@@ -32,7 +32,7 @@ from proto_server.engine.chunks import Chunk, Prefilled, Rerouted, hand_over
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 
 log = logging.getLogger("proto_server.engine.replicas")
-#: How often `run` asks every replica whether it answers (`--engine-probe-interval`).
+#: How often `supervise` asks every replica whether it answers (`--engine-probe-interval`).
 PROBE_INTERVAL_S = 2.0
 
 
@@ -128,7 +128,9 @@ class ReplicatedGenerator:
 
     # -- probing ---------------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def supervise(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Probe every replica every `probe_interval_s`, until cancelled."""
         task_status.started()
         while True:

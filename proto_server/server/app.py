@@ -164,7 +164,7 @@ class ProtoServer:
         async with trio.open_nursery() as background:
             generator = self.responses.generator
             if isinstance(generator, SupervisedGenerator):  # its engines' probe
-                await background.start(generator.run)
+                await background.start(generator.supervise)
             async with trio.open_nursery() as handlers:
                 self._handlers = handlers
                 listeners = await handlers.start(self._listen, handlers)
