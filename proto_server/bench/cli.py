@@ -350,7 +350,7 @@ def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
         default=d.ttl_s,
         metavar="S",
         help="fleet, proto-server's policy: how long a suspended rollout keeps "
-        "its place (the server's --admission-ttl-s)",
+        "its place (the server's --admission-ttl)",
     )
 
 

@@ -77,7 +77,7 @@ class FleetSettings:
     #: A step's decode time (one token for every running sequence).
     step_s: float = 0.03
     #: The server's admission: the share of a replica's cache its admitted rollouts may fill
-    #: (--kv-target-fill) and how long a suspended one keeps its place (--admission-ttl-s).
+    #: (--kv-target-fill) and how long a suspended one keeps its place (--admission-ttl).
     target_fill: float = 0.9
     ttl_s: float = 30.0
     out_dir: Path = Path("bench-results")
