@@ -15,6 +15,8 @@ from proto_server.bench.fleet import (
     POLICIES,
     FleetSettings,
     PolicyRun,
+    Replica,
+    Sequence_,
     make_rollouts,
     simulate,
     unbounded_need,
@@ -62,6 +64,24 @@ def test_with_a_cache_too_small_plain_forwarding_prefills_more_than_the_servers_
     assert plain.prefilled_tokens > proto.prefilled_tokens > proto.unbounded_need_tokens
     assert plain.evictions > proto.evictions
     assert proto.demotions >= 0 and len(proto.jct_s) == tight.rollouts
+
+
+def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_again() -> None:
+    settings = FleetSettings(shared_tokens=0, cache_tokens=64, block_tokens=16, max_running=2)
+    replica = Replica(settings)  # a cache of 4 blocks
+    first, second = Sequence_(0, 0, prompt=16, output=40), Sequence_(1, 0, prompt=16, output=40)
+    replica.waiting.extend([first, second])
+    finished: list[Sequence_] = []
+    for _ in range(1000):
+        finished += replica.finish()
+        if not replica.has_work:
+            break
+        replica.step()
+    assert replica.preemptions == 1  # both grow to 3 blocks; 4 fit: the newest gives way
+    assert finished == [first, second]
+    assert all(seq.generated == seq.output for seq in finished)
+    assert replica.prompt_tokens > 16 + 16  # the preempted one was prefilled again, longer
+    assert replica.cache.pinned_blocks == 0
 
 
 def test_the_command_writes_its_table_json_and_plots(
