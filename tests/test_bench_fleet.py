@@ -13,10 +13,10 @@ import pytest
 from proto_server.bench.fleet import (
     PLOTS,
     POLICIES,
+    EngineSequence,
     FleetSettings,
     PolicyRun,
     Replica,
-    Sequence_,
     make_rollouts,
     simulate,
     unbounded_need,
@@ -69,9 +69,12 @@ def test_with_a_cache_too_small_plain_forwarding_prefills_more_than_the_servers_
 def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_again() -> None:
     settings = FleetSettings(shared_tokens=0, cache_tokens=64, block_tokens=16, max_running=2)
     replica = Replica(settings)  # a cache of 4 blocks
-    first, second = Sequence_(0, 0, prompt=16, output=40), Sequence_(1, 0, prompt=16, output=40)
+    first, second = (
+        EngineSequence(0, 0, prompt=16, output=40),
+        EngineSequence(1, 0, prompt=16, output=40),
+    )
     replica.waiting.extend([first, second])
-    finished: list[Sequence_] = []
+    finished: list[EngineSequence] = []
     for _ in range(1000):
         finished += replica.finish()
         if not replica.has_work:

@@ -188,7 +188,7 @@ def unbounded_need(rollouts: Sequence[Rollout], settings: FleetSettings, replica
 
 
 @attrs.define
-class Sequence_:
+class EngineSequence:
     """A segment on a replica: one turn of one rollout."""
 
     rollout: int
@@ -210,9 +210,9 @@ class Replica:
         self.block = settings.block_tokens
         self.shared_blocks = settings.shared_tokens // self.block
         self.cache = PrefixCache(block_tokens=self.block, capacity_tokens=settings.cache_tokens)
-        self.waiting: collections.deque[Sequence_] = collections.deque()
-        self.running: list[Sequence_] = []
-        self.finishing: list[Sequence_] = []
+        self.waiting: collections.deque[EngineSequence] = collections.deque()
+        self.running: list[EngineSequence] = []
+        self.finishing: list[EngineSequence] = []
         self.busy = False
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -276,7 +276,7 @@ class Replica:
             seq.preempted = False
         return self.s.step_s + prefilled / self.s.prefill_rate
 
-    def _grow(self, seq: Sequence_, name: int) -> bool:
+    def _grow(self, seq: EngineSequence, name: int) -> bool:
         """`seq` needs a new block: with none free, preempt the newest running (recomputed
         when it runs again), as vLLM does; False when that was `seq` itself."""
         finishing = {id(s) for s in self.finishing}
@@ -297,7 +297,7 @@ class Replica:
         seq.held += self.cache.pin([name])
         return True
 
-    def finish(self) -> list[Sequence_]:
+    def finish(self) -> list[EngineSequence]:
         """The sequences the last step finished: their blocks are free (cached) again."""
         done, self.finishing = self.finishing, []
         for seq in done:
@@ -367,7 +367,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
         r, turn = rollouts[index], turn_of[index]
         replica = replicas[placed[index]]
         prompt = r.prompt(turn, shared)
-        replica.waiting.append(Sequence_(index, turn, prompt, r.output_tokens[turn]))
+        replica.waiting.append(EngineSequence(index, turn, prompt, r.output_tokens[turn]))
         if not replica.busy:
             replica.busy = True
             push(now, _STEP, placed[index])
@@ -403,7 +403,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             assert isinstance(key, int)
             submit(key, now)
 
-    def finished(seq: Sequence_, now: float) -> None:
+    def finished(seq: EngineSequence, now: float) -> None:
         index = seq.rollout
         r = rollouts[index]
         if seq.turn + 1 < len(r.output_tokens):
