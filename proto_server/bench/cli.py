@@ -14,7 +14,7 @@ import attrs
 import orjson
 import trio
 
-from proto_server.bench import memory
+from proto_server.bench import fleet, memory
 from proto_server.bench.agents import ADMISSION_CHOICES, ENGINES, AgentsSettings
 from proto_server.bench.agents import main as agents_main
 from proto_server.bench.measure import ServerSettings
@@ -71,10 +71,11 @@ def add_parser(
     bench.add_argument(
         "section",
         nargs="?",
-        choices=("all", "streaming", "agents", "memory"),
+        choices=("all", "streaming", "agents", "fleet", "memory"),
         default="all",
         help="what to run: everything, only the streaming measurements (issue 13's figures), "
-        "many agents at once on one engine (issue 19's; its flags are under 'agents'), or peak "
+        "many agents at once on one engine (issue 19's; its flags are under 'agents'), the "
+        "scheduler on many modelled replicas in virtual time (its flags under 'fleet'), or peak "
         "RSS per input shape against its memory charge (a server process per shape; the --mb, "
         "--shapes and --steer-flood flags)",
     )
@@ -190,6 +191,8 @@ def add_parser(
         help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
     )
     _agents_arguments(bench.add_argument_group("agents", "bench agents: many rollouts at once"))
+    _fleet_arguments(bench.add_argument_group(
+        "fleet", "bench fleet: many rollouts on modelled replicas, virtual time"))  # fmt: skip
     memory.add_arguments(bench)
     return bench
 
@@ -207,20 +210,23 @@ def _median_p99(text: str) -> tuple[float, float]:
 
 def _agents_arguments(group: argparse._ArgumentGroup) -> None:
     defaults = AgentsSettings()
-    group.add_argument("--rollouts", type=int, default=defaults.rollouts,
-                       help="agents: rollouts at once")  # fmt: skip
+    group.add_argument("--rollouts", type=int, default=None,
+                       help=f"rollouts at once (agents: {defaults.rollouts}; fleet: "
+                       f"{fleet.FleetSettings().rollouts})")  # fmt: skip
     group.add_argument(
-        "--context-tokens", type=int, default=defaults.context_tokens, metavar="N",
-        help="agents: each rollout's own first message, in the model's tokens",
+        "--context-tokens", type=int, default=None, metavar="N",
+        help=f"each rollout's own first message, in the model's tokens (agents: "
+        f"{defaults.context_tokens}; fleet: the log-normal's median, its p99 4x that)",
     )  # fmt: skip
     group.add_argument(
-        "--tool-tokens", type=_median_p99, default=defaults.output_tokens, metavar="MEDIAN,P99",
-        help="agents: tool outputs' sizes in the model's tokens (log-normal)",
+        "--tool-tokens", type=_median_p99, default=None, metavar="MEDIAN,P99",
+        help=f"tool outputs' sizes in the model's tokens (log-normal; agents: "
+        f"{_pair(defaults.output_tokens)}; fleet: {_pair(fleet.FleetSettings().tool_tokens)})",
     )  # fmt: skip
     group.add_argument(
-        "--wait-s", type=_median_p99, default=defaults.wait_s, metavar="MEDIAN,P99",
-        help="agents: tools' times in seconds (log-normal; the published gaps' P99/median, "
-        "81.4/5.2 s, scaled to a 1 s median)",
+        "--wait-s", type=_median_p99, default=None, metavar="MEDIAN,P99",
+        help="tools' times in seconds (log-normal; agents: the published gaps' P99/median, "
+        "81.4/5.2 s, scaled to a 1 s median; fleet: the published 5.2,81.4)",
     )  # fmt: skip
     group.add_argument(
         "--decode-tokens", type=int, default=defaults.answer_tokens, metavar="N",
@@ -252,13 +258,141 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
     )  # fmt: skip
 
 
+def _pair(pair: tuple[float, float]) -> str:
+    return f"{pair[0]:g},{pair[1]:g}"
+
+
+def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
+    d = fleet.FleetSettings()
+    group.add_argument(
+        "--replicas", type=int, default=d.replicas, help="fleet: modelled engine replicas"
+    )
+    group.add_argument(
+        "--fleet-turns",
+        type=_median_p99,
+        default=d.turns,
+        metavar="MEDIAN,P99",
+        help="fleet: turns a rollout (log-normal; at least 2)",
+    )
+    group.add_argument(
+        "--shared-tokens",
+        type=int,
+        default=d.shared_tokens,
+        metavar="N",
+        help="fleet: the prefix every rollout shares (instructions, tools)",
+    )
+    group.add_argument(
+        "--output-tokens",
+        type=_median_p99,
+        default=d.output_tokens,
+        metavar="MEDIAN,P99",
+        help="fleet: tokens decoded a turn (log-normal)",
+    )
+    group.add_argument(
+        "--arrival-s",
+        type=float,
+        default=d.arrival_s,
+        metavar="S",
+        help="fleet: rollouts start uniformly over this window (0: all at once)",
+    )
+    group.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=d.cache_tokens,
+        metavar="N",
+        help="fleet: each replica's KV cache in tokens",
+    )
+    group.add_argument(
+        "--block-tokens",
+        type=int,
+        default=d.block_tokens,
+        metavar="N",
+        help="fleet: the KV cache's block (vLLM's --block-size)",
+    )
+    group.add_argument(
+        "--max-running",
+        type=int,
+        default=d.max_running,
+        metavar="N",
+        help="fleet: running sequences a replica holds (vLLM's --max-num-seqs)",
+    )
+    group.add_argument(
+        "--step-tokens",
+        type=int,
+        default=d.step_tokens,
+        metavar="N",
+        help="fleet: prompt tokens a step prefills at most (vLLM's --max-num-batched-tokens)",
+    )
+    group.add_argument(
+        "--fleet-prefill-rate",
+        type=_rate,
+        default=d.prefill_rate,
+        metavar="TOKENS_PER_S",
+        help="fleet: modelled prefill tokens/s of a replica",
+    )
+    group.add_argument(
+        "--step-ms",
+        type=_rate,
+        default=d.step_s * 1000,
+        metavar="MS",
+        help="fleet: modelled time of a decode step (a token for every running sequence)",
+    )
+    group.add_argument(
+        "--kv-target-fill",
+        type=float,
+        default=d.target_fill,
+        metavar="FRACTION",
+        help="fleet, proto-server's policy: share of a replica's cache admitted rollouts fill",
+    )
+    group.add_argument(
+        "--ttl-s",
+        type=_rate,
+        default=d.ttl_s,
+        metavar="S",
+        help="fleet, proto-server's policy: how long a suspended rollout keeps "
+        "its place (the server's --admission-ttl)",
+    )
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    d = fleet.FleetSettings()
+    context = (
+        d.context_tokens
+        if args.context_tokens is None
+        else (float(args.context_tokens), 4.0 * args.context_tokens)
+    )
+    settings = fleet.FleetSettings(
+        rollouts=d.rollouts if args.rollouts is None else args.rollouts,
+        replicas=args.replicas,
+        seed=args.seed,
+        turns=args.fleet_turns,
+        shared_tokens=args.shared_tokens,
+        context_tokens=context,
+        tool_tokens=d.tool_tokens if args.tool_tokens is None else args.tool_tokens,
+        output_tokens=args.output_tokens,
+        wait_s=d.wait_s if args.wait_s is None else args.wait_s,
+        arrival_s=args.arrival_s,
+        cache_tokens=args.cache_tokens,
+        block_tokens=args.block_tokens,
+        max_running=args.max_running,
+        step_tokens=args.step_tokens,
+        prefill_rate=args.fleet_prefill_rate,
+        step_s=args.step_ms / 1000,
+        target_fill=args.kv_target_fill,
+        ttl_s=args.ttl_s,
+        out_dir=args.out,
+    )
+    return fleet.main(settings)
+
+
 def _run_agents(args: argparse.Namespace) -> int:
+    d = AgentsSettings()
     settings = AgentsSettings(
-        rollouts=args.rollouts,
+        rollouts=d.rollouts if args.rollouts is None else args.rollouts,
         turns=4 if args.turns is None else args.turns,
-        context_tokens=args.context_tokens,
-        output_tokens=args.tool_tokens,
-        wait_s=args.wait_s,
+        context_tokens=d.context_tokens if args.context_tokens is None else args.context_tokens,
+        output_tokens=d.output_tokens if args.tool_tokens is None else args.tool_tokens,
+        wait_s=d.wait_s if args.wait_s is None else args.wait_s,
         seed=args.seed,
         engine=args.engine,
         engine_url=args.engine_url,
@@ -275,6 +409,8 @@ def _run_agents(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.section == "memory":
         return memory.run(args)
+    if args.section == "fleet":
+        return _run_fleet(args)
     if args.turns is not None and args.turns < 2:
         print("proto-server bench: --turns must be at least 2 (a tool round and the answer)",
               file=sys.stderr)  # fmt: skip

@@ -73,6 +73,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks) + len(self._pinned)
 
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks in use by running sequences (what an engine cannot let go)."""
+        return len(self._pinned)
+
     def hashes(self, salt: str | None = None) -> BlockHashes:
         return BlockHashes(self.block_tokens, salt)
 
