@@ -72,12 +72,13 @@ class Router:
         if held is not None and self._holds(held):
             self._resize(held, tokens)
             return Placement(held.replica)
-        replica = self._least_loaded()
+        candidates = self._up_replicas()  # before anything changes: it may raise
         moved_from = None
-        if held is not None:
+        if held is not None:  # its old place counts no more, even if that replica is back
             moved_from = held.replica
             self._unplace(held)
             self.moves += 1
+        replica = min(candidates, key=lambda r: (self.load(r), self.rollouts[r], r))
         held = self._held[key] = _Held(replica, 0, self._epochs[replica])
         self.rollouts[replica] += 1
         self._resize(held, tokens)
@@ -118,11 +119,11 @@ class Router:
         """Whether `held`'s replica is up and has not been down since it was placed there."""
         return self._up[held.replica] and self._epochs[held.replica] == held.epoch
 
-    def _least_loaded(self) -> int:
+    def _up_replicas(self) -> list[int]:
         candidates = [r for r in range(self.replicas) if self._up[r]]
         if not candidates:
             raise NoReplicaUp(f"all {self.replicas} engine replicas are down")
-        return min(candidates, key=lambda r: (self.load(r), self.rollouts[r], r))
+        return candidates
 
     def _resize(self, held: _Held, tokens: int) -> None:
         self.tokens[held.replica] += tokens - held.tokens
