@@ -22,6 +22,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
@@ -31,7 +32,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from .helpers import TERMINAL, connect
+from .helpers import END, TERMINAL, connect
 from .tinymodel import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve, tiny_tokenizer
 
 pytestmark = pytest.mark.model
@@ -343,3 +344,91 @@ def test_the_mask_of_each_step_allows_the_call_and_refuses_some_tokens(tokenizer
         allowed = constraint.mask(logits)
         assert allowed[token] == 0 and int((allowed == 0).sum()) < len(logits)
         constraint.consume(token)
+
+
+# -- structured output (`text.format`) ------------------------------------------------------------
+
+ANSWER = TextFormat(kind="json_schema", schema=SCHEMAS["pick"], strict=True)
+
+
+def answer_text(items: Sequence[Item]) -> str:
+    (message,) = items
+    assert isinstance(message, Message)
+    return message.content[0].text
+
+
+@pytest.mark.parametrize("prose", ["", "Sure! The colour is green."], ids=["greedy", "prose"])
+async def test_a_json_schema_answer_is_an_instance_whatever_the_model_wants(
+    tokenizer: Any, prose: str
+) -> None:
+    """A random model (greedy), or one that wants to write prose, answers an instance."""
+    generator = make(tokenizer, Prefers(tokenizer, prose), max_tokens=200)
+    session = open_session(generator, [])
+    items = outputs(await bounded(session, GenerationLimits(text_format=ANSWER)))
+    jsonschema.validate(json.loads(answer_text(items)), SCHEMAS["pick"])
+    await session.aclose()
+
+
+async def test_json_object_allows_what_the_model_writes_when_it_is_an_object(
+    tokenizer: Any,
+) -> None:
+    generator = make(tokenizer, Prefers(tokenizer, '{"ok": true, "n": [1, 2]}'), max_tokens=200)
+    session = open_session(generator, [])
+    limits = GenerationLimits(text_format=TextFormat(kind="json_object"))
+    items = outputs(await bounded(session, limits))
+    assert json.loads(answer_text(items)) == {"ok": True, "n": [1, 2]}
+    await session.aclose()
+
+
+async def test_with_tools_under_auto_the_answer_is_an_instance_or_a_valid_call(
+    tokenizer: Any,
+) -> None:
+    """The grammar allows a call block instead of the answer; either one is valid."""
+    wants = call_text("pick", '{"color": "green", "n": 12}')
+    generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=300)
+    session = open_session(generator)
+    (call,) = calls(outputs(await bounded(session, GenerationLimits(text_format=ANSWER))))
+    assert call.name == "pick"
+    await session.aclose()
+    generator = make(tokenizer, Prefers(tokenizer, '{"color": "blue", "n": 3}'), max_tokens=300)
+    session = open_session(generator)
+    items = outputs(await bounded(session, GenerationLimits(text_format=ANSWER)))
+    assert json.loads(answer_text(items)) == {"color": "blue", "n": 3}
+    await session.aclose()
+
+
+async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    """Before any event, over HTTP and WebSocket alike; the connection lives on."""
+    import httpx
+
+    schema = {
+        "type": "object",
+        "properties": {"when": {"type": "string", "pattern": "(?=x)"}},
+        "required": ["when"],
+    }
+    text = {"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}
+    create = {"type": "response.create", "model": "tiny", "input": "hi", "text": text}
+    running = await serve(nursery, make(tokenizer, greedy, max_tokens=4))
+    with trio.fail_after(30):
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                f"{running.address.http_url}/responses",
+                json={k: v for k, v in create.items() if k != "type"},
+            )
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert (error["code"], error["param"]) == (
+            "invalid_json_schema",
+            "text.format.schema.properties.when",
+        )
+        assert "look-around" in error["message"]
+        async with connect(running.address.ws_url) as client:
+            await client.send(create)
+            (refused,) = await client.until(*END)
+            assert refused["type"] == "error" and refused["error"] == error
+            await client.send({**create, "text": {"format": {"type": "json_object"}}})
+            assert (await client.until(*END))[-1]["type"] != "error"
+        await running.server.wait_idle()
