@@ -27,8 +27,10 @@ from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta,
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
+from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.toolcalls import call_text
 from proto_server.wire.converter import converter
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
@@ -432,3 +434,17 @@ async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
             await client.send({**create, "text": {"format": {"type": "json_object"}}})
             assert (await client.until(*END))[-1]["type"] != "error"
         await running.server.wait_idle()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_part_to_blame_is_found_in_a_wide_schema(strict: bool) -> None:
+    """The 400 names the one bad subschema among hundreds (bisected, not tried one by one)."""
+    leaf = {"type": "object", "properties": {f"q{j}": {"type": "string"} for j in range(4)}}
+    properties = {f"p{i}": json.loads(json.dumps(leaf)) for i in range(500)}
+    properties["p371"]["properties"]["q2"] = {"anyOf": [{"type": "string"}, {"type": "bogus"}]}
+    schema = {"type": "object", "properties": properties, "$defs": {"ok": {"type": "string"}}}
+    with pytest.raises(ProtocolError) as refused:
+        check_text_format(TextFormat(kind="json_schema", schema=schema, strict=strict))
+    assert refused.value.detail.param == "text.format.schema.properties.p371.properties.q2.anyOf[1]"
+    assert "bogus" in str(refused.value)
+    check_text_format(TextFormat(kind="json_schema", schema={**schema, "properties": {}}))

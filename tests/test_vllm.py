@@ -281,7 +281,7 @@ CITY_ANSWER = TextFormat(kind="json_schema", schema=CITIES, strict=True)
 async def test_a_json_schema_answer_on_the_engine_is_an_instance(start_vllm: StartVllm) -> None:
     """`text.format` json_schema through proto-server on the real engine (SmolLM2): asked for
     Berlin, the answer is JSON naming a city the schema allows, streamed as text deltas; a
-    `json_object` answer is an object."""
+    `json_object` answer is an object; a schema no grammar takes is a 400 naming its path."""
     served = await start_vllm(max_tokens=96)
     text = {"format": {"type": "json_schema", "name": "city", "schema": CITIES, "strict": True}}
     request = {"model": SERVED_NAME, "input": "Which city is the capital of Germany? Answer as "
@@ -292,6 +292,14 @@ async def test_a_json_schema_answer_on_the_engine_is_an_instance(start_vllm: Sta
             other = await sse(
                 http, "/responses", {**request, "text": {"format": {"type": "json_object"}}}
             )
+            bad = {"type": "object", "properties": {"city": {"type": "bogus"}}}
+            refused = await http.post(
+                "/responses",
+                json={**request, "text": {"format": {**text["format"], "schema": bad}}},
+            )
+    # a schema no grammar takes: refused before anything reaches the engine
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "text.format.schema.properties.city"
     assert events[-1]["type"] == "response.completed"
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     jsonschema.validate(json.loads(deltas), CITIES)

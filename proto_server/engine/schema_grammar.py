@@ -5,7 +5,7 @@ schema (llguidance here, llguidance or xgrammar in vLLM), and a schema the gramm
 compile (a regex with look-around, a `$ref` to a URL, an unknown type; when `strict`, a keyword
 it does not implement) would otherwise fail the Response after it started. The check compiles it
 once with llguidance (no tokenizer needed); when that fails it finds the part to blame by
-compiling subschemas, so the 400's `param` names a path such as
+bisecting its subschemas, so the 400's `param` names a path such as
 `text.format.schema.properties.when` (the subschema whose `pattern` looks ahead).
 """
 
@@ -22,10 +22,6 @@ from proto_server.wire.errors import ProtocolError
 #: How JSON is written under a grammar: as `json.dumps` writes it, no other whitespace, which
 #: keeps a runaway model from padding forever.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-#: Subschemas compiled at most to find the part of a schema to blame (each is small and quick;
-#: the schema itself is within tool_schema.py's budgets).
-MAX_PROBES = 64
 
 _ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else",
         "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
@@ -82,16 +78,20 @@ def _children(schema: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
 
 def _blame(root: Mapping[str, Any], *, strict: bool) -> str:
     """The path of the deepest subschema that fails on its own (with the root's definitions,
-    so local `$ref`s still resolve); the schema itself if none does."""
+    so local `$ref`s still resolve); the schema itself if none does. Each level bisects its
+    children (a group compiled as one `anyOf`), so a wide schema costs a few compiles a level."""
     defs = {key: root[key] for key in _DEFS if isinstance(root.get(key), Mapping)}
-    path, node, probes = SCHEMA_PARAM, root, 0
+
+    def fails(group: list[tuple[str, Mapping[str, Any]]]) -> bool:
+        return bool(grammar_error({**defs, "anyOf": [child for _, child in group]}, strict=strict))
+
+    path, node = SCHEMA_PARAM, root
     while True:
-        for step, child in _children(node):
-            if not isinstance(child, Mapping) or probes >= MAX_PROBES:
-                continue
-            probes += 1
-            if grammar_error({**defs, **child}, strict=strict):
-                path, node = f"{path}.{step}", child
-                break
-        else:
+        group = [(step, child) for step, child in _children(node) if isinstance(child, Mapping)]
+        if not group or not fails(group):
             return path
+        while len(group) > 1:
+            half = group[: len(group) // 2]
+            group = half if fails(half) else group[len(half) :]
+        step, node = group[0]
+        path = f"{path}.{step}"
