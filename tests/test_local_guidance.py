@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from .requirements import MODEL_EXTRA, require
 
@@ -25,6 +26,7 @@ from proto_server.core.request import ToolChoice
 from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
+from proto_server.engine.default_model import example_value
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.schema_grammar import check_text_format
@@ -35,6 +37,7 @@ from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
 from .helpers import END, TERMINAL, connect
+from .test_structured_output import SCHEMAS as SMALL_SCHEMAS
 from .tinymodel import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve, tiny_tokenizer
 
 pytestmark = pytest.mark.model
@@ -448,3 +451,23 @@ def test_the_part_to_blame_is_found_in_a_wide_schema(strict: bool) -> None:
     assert refused.value.detail.param == "text.format.schema.properties.p371.properties.q2.anyOf[1]"
     assert "bogus" in str(refused.value)
     check_text_format(TextFormat(kind="json_schema", schema={**schema, "properties": {}}))
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(schema=SMALL_SCHEMAS)
+def test_the_grammar_accepts_the_default_models_instance_of_small_schemas(
+    tokenizer: Any, schema: dict[str, Any]
+) -> None:
+    """Written as the grammar writes JSON (`json.dumps`, characters unescaped, properties in
+    the schema's order), an instance of the schema (the default model's) is a path through the
+    grammar to its end: strict and not."""
+    generator = make(tokenizer, greedy)
+    text = json.dumps(example_value(schema), ensure_ascii=False)
+    for strict in (True, False):
+        form = TextFormat(kind="json_schema", schema=schema, strict=strict)
+        constraint = generator.guide.constrain([], max_calls=None, answer=form)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            constraint.consume(token)
+        constraint.consume(tokenizer.eos_token_id)

@@ -101,7 +101,8 @@ LEAVES = st.one_of(
 
 
 def _object(properties: dict[str, Any], strict: bool) -> dict[str, Any]:
-    schema = {"type": "object", "properties": properties, "required": sorted(properties)}
+    """Every property required, in their order (a grammar writes them in that order)."""
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
     return {**schema, "additionalProperties": False} if strict else schema
 
 
