@@ -377,6 +377,8 @@ async def test_a_json_schema_answer_is_an_instance_whatever_the_model_wants(
 async def test_json_object_allows_what_the_model_writes_when_it_is_an_object(
     tokenizer: Any,
 ) -> None:
+    """The grammar of `json_object` lets an object through as the model writes it (that it
+    forces one is the json_schema tests' and the engine test's)."""
     generator = make(tokenizer, Prefers(tokenizer, '{"ok": true, "n": [1, 2]}'), max_tokens=200)
     session = open_session(generator, [])
     limits = GenerationLimits(text_format=TextFormat(kind="json_object"))
