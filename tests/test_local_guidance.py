@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from .requirements import MODEL_EXTRA, require
 
@@ -22,16 +23,21 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
+from proto_server.engine.default_model import example_value
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
+from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.toolcalls import call_text
 from proto_server.wire.converter import converter
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from .helpers import TERMINAL, connect
+from .helpers import END, TERMINAL, connect
+from .test_structured_output import SCHEMAS as SMALL_SCHEMAS
 from .tinymodel import INSTRUCTIONS, NO_LIMITS, USER, make, outputs, segment, serve, tiny_tokenizer
 
 pytestmark = pytest.mark.model
@@ -343,3 +349,127 @@ def test_the_mask_of_each_step_allows_the_call_and_refuses_some_tokens(tokenizer
         allowed = constraint.mask(logits)
         assert allowed[token] == 0 and int((allowed == 0).sum()) < len(logits)
         constraint.consume(token)
+
+
+# -- structured output (`text.format`) ------------------------------------------------------------
+
+ANSWER = TextFormat(kind="json_schema", schema=SCHEMAS["pick"], strict=True)
+
+
+def answer_text(items: Sequence[Item]) -> str:
+    (message,) = items
+    assert isinstance(message, Message)
+    return message.content[0].text
+
+
+@pytest.mark.parametrize("prose", ["", "Sure! The colour is green."], ids=["greedy", "prose"])
+async def test_a_json_schema_answer_is_an_instance_whatever_the_model_wants(
+    tokenizer: Any, prose: str
+) -> None:
+    """A random model (greedy), or one that wants to write prose, answers an instance."""
+    generator = make(tokenizer, Prefers(tokenizer, prose), max_tokens=200)
+    session = open_session(generator, [])
+    items = outputs(await bounded(session, GenerationLimits(text_format=ANSWER)))
+    jsonschema.validate(json.loads(answer_text(items)), SCHEMAS["pick"])
+    await session.aclose()
+
+
+async def test_json_object_allows_what_the_model_writes_when_it_is_an_object(
+    tokenizer: Any,
+) -> None:
+    """The grammar of `json_object` lets an object through as the model writes it (that it
+    forces one is the json_schema tests' and the engine test's)."""
+    generator = make(tokenizer, Prefers(tokenizer, '{"ok": true, "n": [1, 2]}'), max_tokens=200)
+    session = open_session(generator, [])
+    limits = GenerationLimits(text_format=TextFormat(kind="json_object"))
+    items = outputs(await bounded(session, limits))
+    assert json.loads(answer_text(items)) == {"ok": True, "n": [1, 2]}
+    await session.aclose()
+
+
+async def test_with_tools_under_auto_the_answer_is_an_instance_or_a_valid_call(
+    tokenizer: Any,
+) -> None:
+    """The grammar allows a call block instead of the answer; either one is valid."""
+    wants = call_text("pick", '{"color": "green", "n": 12}')
+    generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=300)
+    session = open_session(generator)
+    (call,) = calls(outputs(await bounded(session, GenerationLimits(text_format=ANSWER))))
+    assert call.name == "pick"
+    await session.aclose()
+    generator = make(tokenizer, Prefers(tokenizer, '{"color": "blue", "n": 3}'), max_tokens=300)
+    session = open_session(generator)
+    items = outputs(await bounded(session, GenerationLimits(text_format=ANSWER)))
+    assert json.loads(answer_text(items)) == {"color": "blue", "n": 3}
+    await session.aclose()
+
+
+async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
+    nursery: trio.Nursery, tokenizer: Any
+) -> None:
+    """Before any event, over HTTP and WebSocket alike; the connection lives on."""
+    import httpx
+
+    schema = {
+        "type": "object",
+        "properties": {"when": {"type": "string", "pattern": "(?=x)"}},
+        "required": ["when"],
+    }
+    text = {"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}
+    create = {"type": "response.create", "model": "tiny", "input": "hi", "text": text}
+    running = await serve(nursery, make(tokenizer, greedy, max_tokens=4))
+    with trio.fail_after(30):
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                f"{running.address.http_url}/responses",
+                json={k: v for k, v in create.items() if k != "type"},
+            )
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert (error["code"], error["param"]) == (
+            "invalid_json_schema",
+            "text.format.schema.properties.when",
+        )
+        assert "look-around" in error["message"]
+        async with connect(running.address.ws_url) as client:
+            await client.send(create)
+            (refused,) = await client.until(*END)
+            assert refused["type"] == "error" and refused["error"] == error
+            await client.send({**create, "text": {"format": {"type": "json_object"}}})
+            assert (await client.until(*END))[-1]["type"] != "error"
+        await running.server.wait_idle()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_part_to_blame_is_found_in_a_wide_schema(strict: bool) -> None:
+    """The 400 names the one bad subschema among hundreds (bisected, not tried one by one)."""
+    leaf = {"type": "object", "properties": {f"q{j}": {"type": "string"} for j in range(4)}}
+    properties = {f"p{i}": json.loads(json.dumps(leaf)) for i in range(500)}
+    properties["p371"]["properties"]["q2"] = {"anyOf": [{"type": "string"}, {"type": "bogus"}]}
+    schema = {"type": "object", "properties": properties, "$defs": {"ok": {"type": "string"}}}
+    with pytest.raises(ProtocolError) as refused:
+        check_text_format(TextFormat(kind="json_schema", schema=schema, strict=strict))
+    assert refused.value.detail.param == "text.format.schema.properties.p371.properties.q2.anyOf[1]"
+    assert "bogus" in str(refused.value)
+    check_text_format(TextFormat(kind="json_schema", schema={**schema, "properties": {}}))
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(schema=SMALL_SCHEMAS)
+def test_the_grammar_accepts_the_default_models_instance_of_small_schemas(
+    tokenizer: Any, schema: dict[str, Any]
+) -> None:
+    """Written as the grammar writes JSON (`json.dumps`, characters unescaped, properties in
+    the schema's order), an instance of the schema (the default model's) is a path through the
+    grammar to its end: strict and not."""
+    generator = make(tokenizer, greedy)
+    text = json.dumps(example_value(schema), ensure_ascii=False)
+    for strict in (True, False):
+        form = TextFormat(kind="json_schema", schema=schema, strict=strict)
+        constraint = generator.guide.constrain([], max_calls=None, answer=form)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            constraint.consume(token)
+        constraint.consume(tokenizer.eos_token_id)

@@ -17,6 +17,8 @@ import trio
 import trio.testing
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.text_format import TextFormat
+from proto_server.engine.base import GrammarGenerator
 from proto_server.engine.chunks import Chunk, Prefilled, Rerouted, SegmentEnd, TextDelta
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 from proto_server.engine.prefix_cache import PrefixCache
@@ -349,3 +351,24 @@ async def test_the_server_reports_each_replica_and_counts_a_failover(
         error = unready.json()["error"]
         assert error["code"] == "engine_unavailable"
         assert "no engine replica answers" in error["message"]
+
+
+class Checking(Pullable):
+    """An engine whose grammar checks `text.format` schemas (as `VllmGenerator` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: list[TextFormat] = []
+
+    def check_text_format(self, form: TextFormat) -> None:
+        self.checked.append(form)
+
+
+def test_a_text_format_is_checked_as_the_replicas_check_it() -> None:
+    """Behind several engines a schema no grammar takes is still refused when it arrives."""
+    engines = [Checking(), Checking()]
+    replicated = ReplicatedGenerator([Replica(f"engine-{i}", e) for i, e in enumerate(engines)])
+    assert isinstance(replicated, GrammarGenerator)
+    form = TextFormat(kind="json_object")
+    replicated.check_text_format(form)
+    assert [engine.checked for engine in engines] == [[form], [form]]

@@ -178,3 +178,40 @@ async def test_tool_choice_required_makes_even_smollm2_call_a_tool(
     assert call["name"] == "exec_command"
     jsonschema.validate(json.loads(call["arguments"]), EXEC_COMMAND["parameters"])
     assert generator.live_caches == 0
+
+
+async def test_smollm2_answers_an_instance_of_a_json_schema(
+    nursery: trio.Nursery, smollm2: LocalGenerator
+) -> None:
+    """`text.format` json_schema: the real model's answer, decoded under the schema's grammar,
+    streamed as `output_text` deltas, parses as an instance."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0},
+            "capital": {"type": "boolean"},
+        },
+        "required": ["city", "population", "capital"],
+        "additionalProperties": False,
+    }
+    generator = LocalGenerator(smollm2.model, smollm2.tokenizer, threads=1, max_tokens=64)
+    server = ProtoServer(generator, ServerConfig(port=0))
+    address = await nursery.start(server.serve)
+    create = {
+        "type": "response.create",
+        "model": smollm2.name,
+        "input": "Describe Paris as JSON.",
+        "store": False,
+        "text": {
+            "format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}
+        },
+    }
+    with trio.fail_after(120):
+        async with connect(address.ws_url) as client:
+            await client.send(create)
+            events = await client.until(*TERMINAL)
+        await server.wait_idle()
+    assert events[-1]["type"] == "response.completed"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    jsonschema.validate(json.loads(deltas), schema)

@@ -22,9 +22,11 @@ import jsonschema
 import pytest
 import trio
 
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.model_files import LoadedTokenizer, load_tokenizer
 from proto_server.engine.vllm import (
     VllmGenerator,
+    answer_format,
     discover,
     forced_call_format,
     forced_call_head,
@@ -35,7 +37,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from .engine import BLOCK_SIZE, SERVED_NAME, Engine
-from .helpers import TERMINAL, Checked, connect, in_thread, launched_create, read_line
+from .helpers import TERMINAL, Checked, connect, in_thread, launched_create, read_line, sse
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
@@ -272,6 +274,40 @@ async def test_a_strict_tool_under_auto_is_called_within_its_schema(
         assert arguments == {"city": "Berlin"}
 
 
+#: A structured answer: a city the schema allows.
+CITY_ANSWER = TextFormat(kind="json_schema", schema=CITIES, strict=True)
+
+
+async def test_a_json_schema_answer_on_the_engine_is_an_instance(start_vllm: StartVllm) -> None:
+    """`text.format` json_schema through proto-server on the real engine (SmolLM2): asked for
+    Berlin, the answer is JSON naming a city the schema allows, streamed as text deltas; a
+    `json_object` answer is an object; a schema no grammar takes is a 400 naming its path."""
+    served = await start_vllm(max_tokens=96)
+    text = {"format": {"type": "json_schema", "name": "city", "schema": CITIES, "strict": True}}
+    request = {"model": SERVED_NAME, "input": "Which city is the capital of Germany? Answer as "
+               "JSON.", "temperature": 0, "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(120):
+            events = await sse(http, "/responses", {**request, "text": text})
+            other = await sse(
+                http, "/responses", {**request, "text": {"format": {"type": "json_object"}}}
+            )
+            bad = {"type": "object", "properties": {"city": {"type": "bogus"}}}
+            refused = await http.post(
+                "/responses",
+                json={**request, "text": {"format": {**text["format"], "schema": bad}}},
+            )
+    # a schema no grammar takes: refused before anything reaches the engine
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "text.format.schema.properties.city"
+    assert events[-1]["type"] == "response.completed"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    jsonschema.validate(json.loads(deltas), CITIES)
+    assert output_text(events[-1]["response"]) == deltas
+    assert other[-1]["type"] == "response.completed"
+    assert isinstance(json.loads(output_text(other[-1]["response"])), dict)
+
+
 #: Runs in the engine's own Python: its grammar library, as vLLM compiles what it is sent.
 ACCEPTS = """
 import json, sys
@@ -318,6 +354,18 @@ def test_the_call_structures_accept_exactly_the_calls_allowed(vllm_engine: Engin
             ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>',
              False),
             (f'<tool_call>[{{"name": "{RUN}", "arguments": {{"any": 1}}}}]</tool_call>', True),
+        ]),
+        (answer_format(CITY_ANSWER, [], None), [
+            ('{"city": "Paris"}', True),
+            ('{"city": "Berlin"}', False),
+            ("Paris", False),
+            (f"<tool_call>[{call}]</tool_call>", False),
+        ]),
+        (answer_format(CITY_ANSWER, [weather], 1), [
+            ('{"city": "Rome"}', True),
+            (f"<tool_call>[{call}]</tool_call>", True),
+            (f"<tool_call>[{call}, {call}]</tool_call>", False),
+            ("Rome", False),
         ]),
     ]  # fmt: skip
     assert forced_call_head([weather]) == '<tool_call>[{"name": "get_weather", "arguments":'

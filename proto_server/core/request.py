@@ -17,6 +17,7 @@ from proto_server.core.conversation import (
     render_items,
 )
 from proto_server.core.render import Renderer
+from proto_server.core.text_format import parse_text_format
 from proto_server.core.tool_schema import check_tool_schemas
 from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
@@ -52,9 +53,10 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 
 
 def check_create(create: ResponseCreate) -> None:
-    """What decoding cannot see: tool schemas within budget, `tool_choice` naming an offered
-    function, the values of `prompt_cache_options` and `context_management`, `conversation`
-    (refused), a `truncation` the Response can echo. Run when a create is accepted, before
+    """What decoding cannot see: tool schemas within budget, a `text.format` this server
+    honours (text_format.py), `tool_choice` naming an offered function, the values of
+    `prompt_cache_options` and `context_management`, `conversation` (refused), a `truncation`
+    the Response can echo. Run when a create is accepted, before
     anything is built for it."""
     if create.background:  # on every transport alike: the answer is its own stream
         raise ProtocolError(
@@ -64,6 +66,7 @@ def check_create(create: ResponseCreate) -> None:
             param="background",
         )
     check_tool_schemas(create.tools)
+    parse_text_format(create.text)
     check_tool_choice(create.tool_choice, create.tools)
     check_prompt_cache_options(create.prompt_cache_options)
     compaction_threshold(create)

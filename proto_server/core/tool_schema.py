@@ -1,7 +1,8 @@
-"""Budgets on the JSON schemas of offered function tools, checked when a request is accepted.
+"""Budgets on the JSON schemas a request sends, checked when it is accepted.
 
 The server reads every function tool's `parameters` (the default model builds arguments from
-them), so one request must not be able to make that reading expensive. The check walks each
+them) and the `text.format` schema (text_format.py), so one request must not be able to make
+that reading expensive. The check walks each
 schema once, iteratively, and refuses one that is too deep or too large with a 400
 `invalid_tool_schema` whose `param` is the path of the offending part, e.g.
 `tools[0].parameters.properties.a.properties.a`.
@@ -48,10 +49,19 @@ def check_tool_schemas(tools: Sequence[Tool]) -> None:
     O(size of the schemas)."""
     for index, tool in enumerate(tools):
         if isinstance(tool, FunctionTool) and tool.parameters is not None:
-            _check(tool.parameters, ("parameters", (index, ("tools", None))))
+            _check(tool.parameters, ("parameters", (index, ("tools", None))), "invalid_tool_schema")
 
 
-def _check(schema: Mapping[str, Any], root: _Trail) -> None:
+def check_schema(schema: Mapping[str, Any], where: Sequence[str | int], code: str) -> None:
+    """The same budgets for a schema at `where` (its path's keys) in the request; `code` is the
+    error's."""
+    trail: _Trail = None
+    for key in where:
+        trail = (key, trail)
+    _check(schema, trail, code)
+
+
+def _check(schema: Mapping[str, Any], root: _Trail, code: str) -> None:
     """Only containers are visited; their sizes are counted before their children are read."""
     nodes = 1
     stack: list[tuple[Mapping[str, Any] | list[Any], int, _Trail]] = [(schema, 1, root)]
@@ -60,17 +70,17 @@ def _check(schema: Mapping[str, Any], root: _Trail) -> None:
         if depth > MAX_SCHEMA_DEPTH:
             path = _path(trail)
             raise ProtocolError(
-                "invalid_tool_schema",
-                f"`{path}` nests deeper than {MAX_SCHEMA_DEPTH} levels inside the tool's "
-                "parameters; this server reads schemas at most that deep. Flatten the schema.",
+                code,
+                f"`{path}` nests deeper than {MAX_SCHEMA_DEPTH} levels inside its schema;"
+                " this server reads schemas at most that deep. Flatten the schema.",
                 param=path,
             )
         nodes += len(value)
         if nodes > MAX_SCHEMA_NODES:
             raise ProtocolError(
-                "invalid_tool_schema",
+                code,
                 f"`{_path(root)}` holds more than {MAX_SCHEMA_NODES} JSON values; this server "
-                "reads at most that many per tool schema. Simplify the schema.",
+                "reads at most that many per schema. Simplify the schema.",
                 param=_path(root),
             )
         children = value.items() if isinstance(value, Mapping) else enumerate(value)

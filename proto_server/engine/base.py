@@ -8,6 +8,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import Renderer
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import Chunk, Prefilled
 from proto_server.engine.limits import GenerationLimits
 
@@ -66,3 +67,14 @@ class SupervisedGenerator(Protocol):
     before it listens and cancels it once it has stopped."""
 
     async def supervise(self, *, task_status: trio.TaskStatus[None]) -> None: ...
+
+
+@runtime_checkable
+class GrammarGenerator(Protocol):
+    """A generator that decodes a structured answer (`text.format`) under a grammar, which
+    cannot take every schema: the server asks it when the request arrives, before any event."""
+
+    def check_text_format(self, form: TextFormat) -> None:
+        """Raise `ProtocolError` (400, `param` the path in the schema) for a schema its grammar
+        cannot take."""
+        ...

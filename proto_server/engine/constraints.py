@@ -17,7 +17,8 @@ example shows them (toolcalls.describe_tools), which keeps a runaway model from 
 A forced call (`required`, a named function) starts at the first token. Under `auto`, when an
 offered tool is `strict`, text is free (any text; of the special tokens only the end of turn)
 and the grammar takes over once the model writes the open tag (a lazy trigger), so a call it
-opens is a valid one.
+opens is a valid one. Under a structured `text.format` the answer is a JSON instance of its
+schema (in the same JSON style), or, when calls are allowed, a call block instead.
 
 Each decode step computes the set of tokens the grammar allows next and masks the others out
 of the logits (`-inf`): the greedy chooser stays deterministic, it only chooses among fewer.
@@ -33,12 +34,12 @@ import llguidance
 import numpy as np
 import torch
 
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.limits import GenerationRefused
+from proto_server.engine.schema_grammar import JSON_STYLE, guidance_schema
 from proto_server.engine.toolcalls import CLOSE, OPEN
 from proto_server.wire.tools import FunctionTool
 
-#: How the arguments' JSON is written: as `json.dumps` writes it, no other whitespace.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -56,7 +57,7 @@ def _compiles(schema: dict[str, Any], tokenizer: llguidance.LLTokenizer) -> str:
 def arguments_schema(tool: FunctionTool, tokenizer: llguidance.LLTokenizer) -> dict[str, Any]:
     """The schema a call's arguments are held to, with the JSON style (module docstring)."""
     parameters = dict(tool.parameters) if tool.parameters is not None else ANY_OBJECT
-    schema = {**parameters, "x-guidance": {**JSON_STYLE, "lenient": not tool.strict}}
+    schema = guidance_schema(parameters, strict=bool(tool.strict))
     error = _compiles(schema, tokenizer)
     if not error:
         return schema
@@ -75,23 +76,19 @@ def call_grammar(
     *,
     max_calls: int | None,
     lazy: bool = False,
+    answer: TextFormat | None = None,
 ) -> str:
     """The Lark grammar of a call block naming one of `tools`, at most `max_calls` calls in it;
-    `lazy`: free text until the model opens a block (and it need not)."""
-    rules = []
-    for number, tool in enumerate(tools):
-        head = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-        schema = json.dumps(arguments_schema(tool, tokenizer))
-        rules.append(f'call_{number}: {head} args_{number} "}}"')
-        rules.append(f"args_{number}: %json {schema}")
-    if max_calls is None:
-        more = '(", " call)*'
-    else:
-        more = f'(", " call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-    calls = [
-        f'calls: "[" call {more} "]" {_literal(CLOSE)}',
-        "call: " + " | ".join(f"call_{number}" for number in range(len(tools))),
-    ]
+    `lazy`: free text until the model opens a block (and it need not); `answer`: a JSON answer
+    of that format, or (with `tools`) a block."""
+    if answer is not None:
+        schema = json.dumps(guidance_schema(answer.schema, strict=answer.strict))
+        rules = [f"answer: %json {schema}"]
+        if not tools:
+            return llguidance.LLMatcher.grammar_from_lark("\n".join(["start: answer", *rules]))
+        either = f"start: answer | {_literal(OPEN)} calls"
+        rules += _calls(tools, tokenizer, max_calls)
+        return llguidance.LLMatcher.grammar_from_lark("\n".join([either, *rules]))
     if lazy:  # how llguidance's StructTag writes a trigger in running text
         start = [
             "%llguidance {}",
@@ -102,7 +99,30 @@ def call_grammar(
         ]
     else:
         start = [f"start: {_literal(OPEN)} calls"]
-    return llguidance.LLMatcher.grammar_from_lark("\n".join([*start, *calls, *rules]))
+    return llguidance.LLMatcher.grammar_from_lark(
+        "\n".join([*start, *_calls(tools, tokenizer, max_calls)])
+    )
+
+
+def _calls(
+    tools: Sequence[FunctionTool], tokenizer: llguidance.LLTokenizer, max_calls: int | None
+) -> list[str]:
+    """The rules of `calls`: what follows the open tag."""
+    rules = []
+    for number, tool in enumerate(tools):
+        head = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+        schema = json.dumps(arguments_schema(tool, tokenizer))
+        rules.append(f'call_{number}: {head} args_{number} "}}"')
+        rules.append(f"args_{number}: %json {schema}")
+    if max_calls is None:
+        more = '(", " call)*'
+    else:
+        more = f'(", " call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+    return [
+        f'calls: "[" call {more} "]" {_literal(CLOSE)}',
+        "call: " + " | ".join(f"call_{number}" for number in range(len(tools))),
+        *rules,
+    ]
 
 
 def byte_level_json(backend: Any) -> str:
@@ -150,10 +170,15 @@ class Guide:
         return self._tokenizer
 
     def constrain(
-        self, tools: Sequence[FunctionTool], *, max_calls: int | None, lazy: bool = False
+        self,
+        tools: Sequence[FunctionTool],
+        *,
+        max_calls: int | None,
+        lazy: bool = False,
+        answer: TextFormat | None = None,
     ) -> Constraint:
         """The constraint of one segment (blocking: compiling a schema can take a while)."""
-        grammar = call_grammar(tools, self.tokenizer, max_calls=max_calls, lazy=lazy)
+        grammar = call_grammar(tools, self.tokenizer, max_calls=max_calls, lazy=lazy, answer=answer)
         return Constraint(llguidance.LLMatcher(self.tokenizer, grammar))
 
 

@@ -7,7 +7,9 @@
 
 It obeys the request's limits: `tool_choice: "none"` (or `max_tool_calls` spent) means text;
 `"required"` means a call even after tool outputs; a named function is the one it calls. A
-schema it cannot fill in (not an object) gets a text answer saying so, never a crash.
+schema it cannot fill in (not an object) gets a text answer saying so, never a crash. Under a
+structured `text.format` its text answer is JSON: `{"answer": TEXT}` for `json_object`, and for
+`json_schema` an instance built from the schema as tool arguments are.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import orjson
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import ScriptedCall, Segment
 from proto_server.wire.items import (
@@ -62,6 +65,20 @@ EXAMPLE_DEPTH = 32
 #: Characters of the user's text searched for a tool's name: enough for any instruction, and
 #: a 12 MB message costs no more than this to read.
 NAME_SEARCH_CHARS = 100_000
+
+#: What a string of a known `format` is (the formats OpenAI's structured outputs allow).
+_STRINGS_BY_FORMAT = {
+    "date-time": "2026-01-01T00:00:00Z",
+    "time": "00:00:00Z",
+    "date": "2026-01-01",
+    "duration": "P1D",
+    "email": "user@example.com",
+    "hostname": "example.com",
+    "ipv4": "127.0.0.1",
+    "ipv6": "::1",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "uri": "http://127.0.0.1/",
+}
 
 _IDENTIFIER = re.compile(r"[a-z0-9_-]+")  # what a function name may hold
 _SAFE_NUMBER = 2**53  # beyond it a JSON number is not an exact integer (nor encodable past 2^64)
@@ -159,7 +176,7 @@ class _Examples:
             return False
         if kind == "null":
             return None
-        return _STRINGS_BY_NAME.get(name.lower(), "example")
+        return _string(schema, name)
 
     def _object(self, schema: Mapping[str, Any], depth: int, refs: frozenset[str]) -> Any:
         properties = schema.get("properties")
@@ -190,12 +207,37 @@ class _Examples:
             return values
         if name.lower() in ("command", "cmd", "argv") and _is_string_schema(items):
             return ["echo", "hello from proto-server"]
+        least, most = _bound(schema, "minItems"), _bound(schema, "maxItems")
+        if most is not None and most < 1:
+            return []
         item = self.build(items, name, depth + 1, refs)
-        return [] if isinstance(item, _Omit) else [item]
+        if isinstance(item, _Omit):
+            return []
+        count = max(1, int(least or 0))
+        return [item] * count if self._spend(count) else [item]
 
 
 def _is_string_schema(schema: Any) -> bool:
-    return isinstance(schema, Mapping) and schema.get("type") == "string"
+    """Any string at all: a `type` and words about it, no other constraint."""
+    return (
+        isinstance(schema, Mapping)
+        and schema.get("type") == "string"
+        and set(schema) <= {"type", "description", "title"}
+    )
+
+
+def _string(schema: Mapping[str, Any], name: str) -> str:
+    """A string for `schema`: by its `format`, else its property's name, fitted to its
+    `minLength` and `maxLength`."""
+    text = _STRINGS_BY_FORMAT.get(str(schema.get("format")))
+    if text is None:
+        text = _STRINGS_BY_NAME.get(name.lower(), "example")
+    least, most = _bound(schema, "minLength"), _bound(schema, "maxLength")
+    if least is not None and len(text) < least:
+        text += "x" * (int(least) - len(text))
+    if most is not None and len(text) > most:
+        text = text[: max(int(most), 0)]
+    return text
 
 
 def _bound(schema: Mapping[str, Any], key: str) -> float | None:
@@ -230,6 +272,14 @@ def _choose_tool(tools: list[FunctionTool], user_text: str) -> FunctionTool:
     return next((tool for tool in tools if tool.name.lower() in said), tools[0])
 
 
+def _answer(text: str, form: TextFormat | None) -> Segment:
+    """The text answer `text`, in the shape `form` asks for."""
+    if form is None:
+        return Segment(text=text)
+    value = {"answer": text} if form.kind == "json_object" else example_value(form.schema)
+    return Segment(text=orjson.dumps(value).decode())
+
+
 class DefaultModel:
     """A `Planner` that needs no script."""
 
@@ -244,9 +294,10 @@ class DefaultModel:
             tool = _choose_tool(tools, user_text)
             arguments = example_value(tool.parameters or {"type": "object"}, tool.name)
             if not isinstance(arguments, dict):
-                return Segment(
-                    text=f"I cannot call {tool.name}: its parameters do not describe a JSON "
-                    "object I can fill in."
+                return _answer(
+                    f"I cannot call {tool.name}: its parameters do not describe a JSON "
+                    "object I can fill in.",
+                    limits.text_format,
                 )
             return Segment(
                 tool_calls=(
@@ -256,15 +307,17 @@ class DefaultModel:
         outputs = [i for i in items if isinstance(i, FunctionCallOutput | CustomToolCallOutput)]
         if not offered or not outputs:
             said = f" You said: “{_clip(user_text, 200)}”" if user_text else ""
-            return Segment(
-                text="Hello from proto-server's built-in simulated model."
+            return _answer(
+                "Hello from proto-server's built-in simulated model."
                 + said
-                + " Start the server with --script FILE to script a rollout."
+                + " Start the server with --script FILE to script a rollout.",
+                limits.text_format,
             )
         calls = {i.call_id: i.name for i in items if isinstance(i, FunctionCall)}
         last = outputs[-1]
         name = calls.get(last.call_id, "the tool")
-        return Segment(
-            text=f"I ran {name} and read {len(outputs)} tool output(s). The last one says: "
-            f"“{_clip(content_text(last.output), 160)}”"
+        return _answer(
+            f"I ran {name} and read {len(outputs)} tool output(s). The last one says: "
+            f"“{_clip(content_text(last.output), 160)}”",
+            limits.text_format,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from proto_server.core.request import ToolChoice, parse_tool_choice
+from proto_server.core.text_format import TextFormat, parse_text_format
 from proto_server.wire.response import Response
 
 #: The code of a failure that is the engine's absence (not there, or gone mid-stream): with
@@ -49,6 +50,8 @@ class GenerationLimits:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    #: The shape the text answer must have (`text.format`); None: free text.
+    text_format: TextFormat | None = None
     #: The engine's scheduling priority (lower first; `--engine-priority`); None: none sent.
     priority: int | None = None
 
@@ -67,6 +70,7 @@ class GenerationLimits:
             temperature=response.temperature,
             top_p=response.top_p,
             seed=response.seed,
+            text_format=parse_text_format(response.text),
         )
 
     @property

@@ -8,8 +8,9 @@ prefilled. When the chat template renders the model's output exactly as the mode
 where it differs, the differing tail is prefilled again, so the output always equals a cold
 re-prefill of the whole history. Decoding is greedy (deterministic), token by token; a complete
 tool call or an end-of-turn token ends the segment and the cache stays warm until `aclose`.
-A call the request forces (`tool_choice` required or a named function), and the arguments of a
-`strict` tool, are decoded under a grammar (constraints.py) that masks the logits of each step.
+A call the request forces (`tool_choice` required or a named function), the arguments of a
+`strict` tool, and a structured answer (`text.format`) are decoded under a grammar
+(constraints.py) that masks the logits of each step.
 
 The blocking torch work runs off the trio thread, one forward pass (a decode step or a prefill
 chunk) per call, so a cancellation waits at most one step; a `CapacityLimiter` of one lets
@@ -27,13 +28,16 @@ import torch
 import trio
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
+from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.engine.toolcalls import ToolCallParser
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.tools import FunctionTool, function_tools
 
 if TYPE_CHECKING:
@@ -101,6 +105,19 @@ class LocalGenerator:
         """A forced call is decoded under a grammar of the model's call syntax (constraints.py),
         which needs a fast tokenizer."""
         return self.guide.available
+
+    def check_text_format(self, form: TextFormat) -> None:
+        """A structured answer is decoded under a grammar of its schema, which needs a fast
+        tokenizer and a schema llguidance compiles."""
+        if not self.guide.available:
+            raise ProtocolError(
+                "unsupported_text_format",
+                f"`text.format` {form.kind!r} needs a grammar, and {self.name}'s tokenizer is "
+                'not a fast (Rust) one; send `text.format` {"type": "text"}, or serve a model '
+                "with a tokenizer.json.",
+                param="text.format",
+            )
+        check_text_format(form)
 
     @property
     def threads(self) -> int:
@@ -179,13 +196,20 @@ class LocalSession:
 
     async def _constraint(self, limits: GenerationLimits) -> Constraint | None:
         """The grammar this segment decodes under: a forced call to the offered tools (the named
-        one); under `auto` with a `strict` tool, any call the model opens; else none."""
-        if limits.max_calls == 0:
-            return None
+        one); under a structured `text.format`, its answer or a call; under `auto` with a
+        `strict` tool, any call the model opens; else none."""
         guide = self._generator.guide
         tools: Sequence[FunctionTool] = self._tools
         if limits.tool_choice.name is not None:
             tools = [tool for tool in tools if tool.name == limits.tool_choice.name]
+        form = limits.text_format
+        if form is not None and not limits.must_call:
+            callable_tools = tools if limits.max_calls != 0 else ()
+            return await self._generator.run(
+                partial(guide.constrain, callable_tools, max_calls=limits.max_calls, answer=form)
+            )
+        if limits.max_calls == 0:
+            return None
         lazy = not limits.must_call
         if lazy and not (guide.available and any(tool.strict for tool in tools)):
             return None

@@ -27,7 +27,13 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import Renderer
 from proto_server.core.routing import NoReplicaUp, Router
-from proto_server.engine.base import GeneratorSession, ProbedGenerator, TokenGenerator
+from proto_server.core.text_format import TextFormat
+from proto_server.engine.base import (
+    GeneratorSession,
+    GrammarGenerator,
+    ProbedGenerator,
+    TokenGenerator,
+)
 from proto_server.engine.chunks import Chunk, Prefilled, Rerouted, hand_over
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 
@@ -101,6 +107,12 @@ class ReplicatedGenerator:
     @property
     def forces_tool_calls(self) -> bool:
         return all(replica.generator.forces_tool_calls for replica in self.replicas)
+
+    def check_text_format(self, form: TextFormat) -> None:
+        """A schema is checked as any replica would check it (the same model on each)."""
+        for replica in self.replicas:
+            if isinstance(replica.generator, GrammarGenerator):
+                replica.generator.check_text_format(form)
 
     def open_session(
         self, conversation: Conversation, *, cache_salt: str | None = None

@@ -13,7 +13,10 @@ engine's own count, `usage.prompt_tokens_details.cached_tokens`, is what the Res
 A forced call (`tool_choice` required or named) opens the call in the prompt (`<tool_call>`)
 and constrains the rest to a JSON list of calls of the allowed tools with vLLM's structured
 outputs; both go through the same parser as the local model's, the forced one streamed as it
-decodes (it cannot be invalid), an unforced one held until its block closes.
+decodes (it cannot be invalid), an unforced one held until its block closes. A structured
+answer (`text.format`) is constrained the same way, to a JSON instance of its schema (or a call
+block, when calls are allowed); the schema is checked with llguidance when the request arrives,
+so one no grammar takes is a 400 rather than a failed Response.
 
 Every failure of the engine becomes an `EngineError` with a code (`engine_unavailable`,
 `engine_error`, `engine_timeout`, `context_length_exceeded`), raised here and turned into
@@ -36,6 +39,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto_server.core.conversation import Conversation
+from proto_server.core.text_format import TextFormat
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
@@ -303,6 +307,28 @@ def forced_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> 
     }
 
 
+def answer_format(
+    form: TextFormat, tools: Sequence[FunctionTool], max_calls: int | None
+) -> dict[str, Any]:
+    """The structured output of a structured answer: JSON valid against `form`'s schema, with
+    at most `MAX_WHITESPACE` whitespace in a row; with `tools`, a call block instead is allowed
+    (a `strict` tool's arguments valid against its parameters)."""
+    answer = {
+        "type": "json_schema",
+        "json_schema": dict(form.schema),
+        "max_whitespace_cnt": MAX_WHITESPACE,
+    }
+    if not tools:
+        return {"type": "structural_tag", "format": answer}
+    block = _sequence(
+        _const(f'{OPEN}[{{"name": "'),
+        _named(tools, False),
+        *_more_calls(tools, max_calls, False),
+        _const(f"]{CLOSE}"),
+    )
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [answer, block]}}
+
+
 def strict_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
     """The structured output under `auto` when a tool is `strict`: text is free, and a block the
     model opens holds calls of the offered tools, a `strict` one's arguments valid against its
@@ -334,8 +360,8 @@ def completion_request(
     """The body of one `/v1/completions` request: the prompt as token ids, streamed with its
     ids and usage; the request's sampling passed through; stopping at the model's end of turn
     and (`stop_at_call`) at the close of a tool call; `structure`: a structural tag the output
-    must follow (`forced_call_format`, `strict_call_format`); `cache_salt`: the tenant's, so
-    the engine's prefix cache keeps tenants apart (vLLM's `cache_salt`)."""
+    must follow (`forced_call_format`, `strict_call_format`, `answer_format`); `cache_salt`:
+    the tenant's, so the engine's prefix cache keeps tenants apart (vLLM's `cache_salt`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -517,6 +543,16 @@ class VllmGenerator:
             )
         return self._client
 
+    def check_text_format(self, form: TextFormat) -> None:
+        """Refuse a schema llguidance cannot compile, which vLLM (whose backends are llguidance
+        and xgrammar) cannot either. Without llguidance installed the engine is the judge: its
+        refusal fails the Response."""
+        try:
+            from proto_server.engine.schema_grammar import check_text_format
+        except ImportError:
+            return
+        check_text_format(form)
+
     def open_session(
         self, conversation: Conversation, *, cache_salt: str | None = None
     ) -> VllmSession:
@@ -596,6 +632,9 @@ class VllmSession:
             head = forced_call_head(allowed)
             structure = forced_call_format(allowed, limits.max_calls)
             prompt += generator.tokenizer.encode(head, add_special_tokens=False)
+        elif limits.text_format is not None:
+            callable_tools = self._tools if limits.max_calls != 0 else []
+            structure = answer_format(limits.text_format, callable_tools, limits.max_calls)
         elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
             structure = strict_call_format(self._tools, limits.max_calls)
         most = generator.max_tokens

@@ -37,7 +37,8 @@ from proto_server.core.request import (
 )
 from proto_server.core.response import ResponseMachine
 from proto_server.core.scheduler import Scheduler
-from proto_server.engine.base import TokenGenerator
+from proto_server.core.text_format import parse_text_format
+from proto_server.engine.base import GrammarGenerator, TokenGenerator
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
 from proto_server.server.config import ServerConfig
@@ -143,10 +144,13 @@ class Responses:
     def check_create(self, create: ResponseCreate) -> None:
         """Refuse, when it arrives, a create this server cannot serve: what `check_create`
         refuses, a compaction item this server did not seal, and a forced tool call the
-        generator cannot make."""
+        generator cannot make, a `text.format` schema its grammar cannot take."""
         check_create(create)
         check_compactions(input_items(create), self.compaction_key)
         self.check_forcing(parse_tool_choice(create.tool_choice))
+        form = parse_text_format(create.text)
+        if form is not None and isinstance(self.generator, GrammarGenerator):
+            self.generator.check_text_format(form)
 
     def check_forcing(self, choice: ToolChoice) -> None:
         """Refuse a forced tool call (`required`, a named function) the generator cannot make."""
