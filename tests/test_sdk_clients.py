@@ -124,3 +124,28 @@ async def test_openai_agents_websocket_session(start_server: StartServer, chain:
     sources = [t.source for t in running.server.responses.turns]
     # chaining is served from the connection's warm cache; full history starts fresh each call
     assert sources == (["fresh", "cache"] if chain else ["fresh", "fresh"])
+
+
+def list_and_retrieve_models(http_url: str) -> tuple[list[Any], Any, int]:
+    import openai
+
+    client = OpenAI(base_url=http_url, api_key="sk-test", max_retries=0)
+    listed = list(client.models.list())
+    retrieved = client.models.retrieve(listed[0].id)
+    try:
+        client.models.retrieve("no-such-model")
+    except openai.NotFoundError as exc:
+        return listed, retrieved, exc.status_code
+    raise AssertionError("an unknown model was found")
+
+
+async def test_openai_python_lists_the_served_model(start_server: StartServer) -> None:
+    running = await start_server()
+    with trio.fail_after(60):
+        listed, retrieved, missing = await in_thread(
+            list_and_retrieve_models, running.address.http_url
+        )
+    served = running.server.responses.config.default_model
+    assert [model.id for model in listed] == [served]
+    assert (retrieved.id, retrieved.object, retrieved.owned_by) == (served, "model", "proto-server")
+    assert missing == 404

@@ -2,6 +2,7 @@
 
     POST /v1/responses            stream: true -> Server-Sent Events; else one JSON Response
     GET  /v1/responses/{id}       a stored Response
+    GET  /v1/models[/{id}]        the served model, as OpenAI lists models
     POST /v1/responses/compact    a compacted history to start a new chain from
     GET  /healthz                 liveness
     GET  /readyz                  readiness: 503 while shutting down, or the store or engine
@@ -331,6 +332,10 @@ class _Exchange:
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
             await self._compact()
+        elif route == ("GET", "/v1/models"):
+            await self._json(200, {"object": "list", "data": [self._model()]})
+        elif self.method == "GET" and self.path.startswith("/v1/models/"):
+            await self._retrieve_model(self.path.removeprefix("/v1/models/"))
         elif self.method == "GET" and self.path.startswith("/v1/responses/"):
             await self._retrieve(self.path.removeprefix("/v1/responses/"))
         else:
@@ -512,6 +517,25 @@ class _Exchange:
                 status=404,
             )
         await self._json(200, converter.unstructure(stored.response))
+
+    def _model(self) -> dict[str, Any]:
+        """The one model this process serves, as an OpenAI Model object."""
+        return {
+            "id": self.responses.config.default_model,
+            "object": "model",
+            "created": self.responses.started_at,
+            "owned_by": "proto-server",
+        }
+
+    async def _retrieve_model(self, model_id: str) -> None:
+        model = self._model()
+        if model_id != model["id"]:
+            raise ProtocolError(
+                "model_not_found",
+                f"No model {quoted(model_id)}: this server serves {quoted(model['id'])}.",
+                status=404,
+            )
+        await self._json(200, model)
 
     async def _compact(self) -> None:
         body = await self._body()

@@ -85,6 +85,8 @@ class Responses:
         on these to be idle)."""
         self.config = config or ServerConfig()
         self.generator = generator
+        #: When this process began serving: the `created` of the model it lists.
+        self.started_at = int(time.time())
         self.renderer = renderer or generator.renderer or O200kRenderer()
         # every call timed into the metrics (proto_server_store_seconds)
         self.store = metrics.TimedStore(store or SQLiteStore(":memory:"))
