@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any
@@ -89,8 +90,10 @@ async def front(
 
 
 def forced(**fields: Any) -> dict[str, Any]:
+    """A forced call, its prompt new to every engine (the session's engine served ASK before)."""
     return {
         "type": "response.create",
+        "instructions": f"Rollout {uuid.uuid4().hex}. You are helpful.",
         "input": ASK,
         "tools": [TOOL],
         "tool_choice": "required",
@@ -121,7 +124,7 @@ async def test_two_engines_spread_stay_warm_fail_over_and_take_work_again(
             await a.send(forced())
             a_first = await a.until("response.done", *TERMINAL)
             assert a_first[-1]["type"] == "response.done", a_first[-1]
-            await b.send(forced(instructions="You are terse."))
+            await b.send(forced())
             b_first = await b.until("response.done", *TERMINAL)
             assert b_first[-1]["type"] == "response.done", b_first[-1]
             engines = await front.engines()
