@@ -117,7 +117,7 @@ async def test_json_mode_get_and_errors(start_server: StartServer) -> None:
         assert (broken.status_code, broken.json()["error"]["code"]) == (400, "invalid_json")
         unknown = await http.post(url, json=body(previous_response_id="resp_x"))
         assert unknown.json()["error"]["code"] == "previous_response_not_found"
-        nowhere = await http.get(f"{running.address.http_url}/models")
+        nowhere = await http.get(f"{running.address.http_url}/embeddings")
         assert nowhere.status_code == 404
         # one keep-alive connection served all of that
         assert running.server.open_connections == 1

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from .requirements import MODEL_EXTRA, require
 
@@ -459,6 +459,7 @@ def test_the_part_to_blame_is_found_in_a_wide_schema(strict: bool) -> None:
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(schema=SMALL_SCHEMAS)
+@example(schema={"enum": ["\x7f"]})
 def test_the_grammar_accepts_the_default_models_instance_of_small_schemas(
     tokenizer: Any, schema: dict[str, Any]
 ) -> None:
@@ -466,7 +467,8 @@ def test_the_grammar_accepts_the_default_models_instance_of_small_schemas(
     the schema's order), an instance of the schema (the default model's) is a path through the
     grammar to its end: strict and not."""
     generator = make(tokenizer, greedy)
-    text = json.dumps(example_value(schema), ensure_ascii=False)
+    # DEL is a control character to llguidance's JSON strings: it writes it escaped
+    text = json.dumps(example_value(schema), ensure_ascii=False).replace("\x7f", "\\u007f")
     for strict in (True, False):
         form = TextFormat(kind="json_schema", schema=schema, strict=strict)
         constraint = generator.guide.constrain([], max_calls=None, answer=form)
