@@ -41,6 +41,7 @@ import attrs
 import httpx
 import trio
 
+from proto_server.bench.report import NO_PLOTS, pyplot
 from proto_server.bench.tables import table
 from proto_server.bench.vllm import (
     ASK,
@@ -601,13 +602,9 @@ def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:
     """agents.json and the PNGs, or why there are no plots (matplotlib is the `bench` extra)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "agents.json").write_text(json.dumps(data, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    plt = pyplot()
+    if plt is None:
+        return NO_PLOTS
     label = " (modelled engine time)" if data["settings"]["engine"] == "simulated" else ""
     figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
     for p in data["paths"]:

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from proto_server.bench.agents import PUBLISHED_WAIT_RATIO, lognormal, percentile
+from proto_server.bench.report import NO_PLOTS, pyplot
 from proto_server.bench.tables import table
 from proto_server.core.routing import Router
 from proto_server.core.scheduler import Scheduler
@@ -585,13 +586,9 @@ def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:
     """fleet.json and the PNGs, or why there are no plots (matplotlib is the `bench` extra)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "fleet.json").write_text(json.dumps(data, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    plt = pyplot()
+    if plt is None:
+        return NO_PLOTS
     figure, axes = plt.subplots(figsize=(7, 4), dpi=80)
     for policy, jct in data["jct_s"].items():
         ordered = sorted(jct)

@@ -366,15 +366,27 @@ def write_json(run: BenchRun, summary: dict[str, Any], path: Path) -> None:
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
 
 
-def write_plots(run: BenchRun, summary: dict[str, Any], directory: Path) -> list[Path] | str:
-    """The PNGs, or why there are none (matplotlib is the `bench` extra)."""
+#: What a benchmark says instead of its plots when matplotlib is not installed.
+NO_PLOTS = "plots skipped: install the extra, pip install 'proto-server[bench]'"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend, or None without the `bench` extra."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+        return None
+    return plt
+
+
+def write_plots(run: BenchRun, summary: dict[str, Any], directory: Path) -> list[Path] | str:
+    """The PNGs, or why there are none (matplotlib is the `bench` extra)."""
+    plt = pyplot()
+    if plt is None:
+        return NO_PLOTS
     names = _transports(run)
     written = []
 

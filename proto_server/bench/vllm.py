@@ -34,6 +34,8 @@ import httpx
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
 
+from proto_server.bench.report import NO_PLOTS, pyplot
+
 INSTRUCTIONS = "You are a coding agent. Run the tests, read their output and say what to fix."
 ASK = "Find the failing test in this repository."
 #: The commands the tool takes: its one argument is an enum, so a forced call is a few tokens.
@@ -704,13 +706,9 @@ def write_files(
         for path, turns in results.items()
     }
     (directory / "bench-vllm.json").write_text(json.dumps({**summary, "turns": raw}, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plots skipped: install the extra, pip install 'proto-server[bench]'"
+    plt = pyplot()
+    if plt is None:
+        return NO_PLOTS
     written = []
     fields: list[tuple[str, str, str, Callable[[Turn], float]]] = [
         (PLOTS[0], "Time to first output seen by the client per turn (measured)", "ms",
