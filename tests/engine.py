@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -137,6 +138,17 @@ class Engine:
         return sum(values)
 
 
+@contextmanager
+def running(engine: Engine) -> Iterator[Engine]:
+    """`engine` started, and stopped (its scraper closed) when the block ends."""
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+        engine.scraper.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     python = engine_python()
@@ -152,10 +164,5 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
     # the project's own loader converts SmolLM2's GGUF file once; vLLM serves that directory
     model_dir = model_directory(default_model_path(), default_cache_dir())
-    engine = Engine(python, model_dir, tmp_path_factory.mktemp("vllm") / "engine.log")
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
-        engine.scraper.close()
+    with running(Engine(python, model_dir, tmp_path_factory.mktemp("vllm") / "engine.log")) as e:
+        yield e

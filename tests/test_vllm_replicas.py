@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from .engine import Engine
+from .engine import Engine, running
 from .helpers import TERMINAL, connect, parse, read_line, value
 from .test_vllm import ASK, TOOL, assert_warm, calls_of, segment_usage
 
@@ -31,15 +31,9 @@ def second_engine(
     vllm_engine: Engine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     """Another engine of the same model, on its own port (this module's; stopped after it)."""
-    engine = Engine(
-        vllm_engine.python, vllm_engine.model_dir, tmp_path_factory.mktemp("vllm-b") / "engine.log"
-    )
-    engine.start()
-    try:
+    log = tmp_path_factory.mktemp("vllm-b") / "engine.log"
+    with running(Engine(vllm_engine.python, vllm_engine.model_dir, log)) as engine:
         yield engine
-    finally:
-        engine.stop()
-        engine.scraper.close()
 
 
 class Front:
