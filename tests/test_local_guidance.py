@@ -5,6 +5,7 @@ the tools it is offered, with arguments their schemas allow (which is the point)
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -407,7 +408,9 @@ async def test_with_tools_under_auto_the_answer_is_an_instance_or_a_valid_call(
 async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
     nursery: trio.Nursery, tokenizer: Any
 ) -> None:
-    """Before any event, over HTTP and WebSocket alike; the connection lives on."""
+    """Before any event, over HTTP and WebSocket alike; the connection lives on. Compiling a
+    schema (and bisecting it for the part to blame) takes time no byte count foretells, so it
+    runs on a preparation thread however small the request."""
     import httpx
 
     schema = {
@@ -417,7 +420,16 @@ async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
     }
     text = {"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}
     create = {"type": "response.create", "model": "tiny", "input": "hi", "text": text}
-    running = await serve(nursery, make(tokenizer, greedy, max_tokens=4))
+    generator = make(tokenizer, greedy, max_tokens=4)
+    checked_on: list[tuple[str, bool]] = []  # (format, on the event loop's thread)
+    check = generator.check_text_format
+
+    def spy(form: TextFormat) -> None:
+        checked_on.append((form.kind, threading.current_thread() is threading.main_thread()))
+        check(form)
+
+    generator.check_text_format = spy  # type: ignore[method-assign]
+    running = await serve(nursery, generator)
     with trio.fail_after(30):
         async with httpx.AsyncClient() as http:
             answer = await http.post(
@@ -439,6 +451,7 @@ async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
             await client.send({**create, "text": {"format": {"type": "json_object"}}})
             assert (await client.until(*END))[-1]["type"] != "error"
         await running.server.wait_idle()
+    assert checked_on == [("json_schema", False), ("json_schema", False), ("json_object", True)]
 
 
 @pytest.mark.parametrize("strict", [True, False])

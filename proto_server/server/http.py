@@ -414,7 +414,7 @@ class _Exchange:
         create = await self._decode(body)
         if observer is not None:
             observer.decoded()
-        await responses.offload.run(responses.check_create, create, size=len(body))
+        await responses.check(create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
         loop = await responses.begin(

@@ -283,9 +283,7 @@ class LaunchedDialect:
                 f"{limit} response.create frames are already waiting behind the one in "
                 f"flight{where}; wait for a response.completed before sending more.",
             )
-        waiting = await self._responses.offload.run(
-            self._responses.checked_bytes, create, size=frame_bytes
-        )
+        waiting = await self._responses.check(create, size=frame_bytes)
         if len(lane.queue) >= limit:  # filled while this one was checked off the event loop
             raise ProtocolError(
                 "concurrent_request",

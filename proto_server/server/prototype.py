@@ -221,7 +221,7 @@ class PrototypeDialect:
         if (warmup := warmup_field(create)) is not None:
             raise _unsupported(warmup, "warm-ups belong to the launched dialect")
         lane = self._lane(create.stream_id)
-        await self._responses.offload.run(self._responses.check_create, create, size=frame_bytes)
+        await self._responses.check(create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
             raise _unsupported("context_management", PROTOTYPE_COMPACTION)
         loop = await self._responses.begin(

@@ -13,7 +13,7 @@ import collections
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 
 import trio
@@ -45,7 +45,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.observe import ServerObserver
-from proto_server.server.offload import Offload
+from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.server.outbox import EventSink
 from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollout import Rollout
@@ -169,6 +169,15 @@ class Responses:
         """`check_create`, then about how much memory `create` holds while it waits."""
         self.check_create(create)
         return request_bytes(create)
+
+    async def check(self, create: ResponseCreate, *, size: int) -> int:
+        """`checked_bytes` for a create that took `size` bytes on the wire, off the event loop
+        when its work grows with more than its size: a `text.format` schema a grammar engine
+        compiles (a small schema can cost a tenth of a second to compile, or to bisect for the
+        part to blame) runs on a preparation thread, whatever its size."""
+        if isinstance(self.generator, GrammarGenerator) and _has_schema(create):
+            size = max(size, INLINE_BYTES + 1)
+        return await self.offload.run(self.checked_bytes, create, size=size)
 
     # -- rollouts and Responses ------------------------------------------------------------------
 
@@ -433,3 +442,10 @@ class Responses:
             first_event_s=record.first_event_s,
         )
         metrics.rendered(self.renderer)
+
+
+def _has_schema(create: ResponseCreate) -> bool:
+    """Whether `create` asks for a `json_schema` answer (valid or not: checking it is the
+    work)."""
+    form = create.text.get("format") if isinstance(create.text, Mapping) else None
+    return isinstance(form, Mapping) and form.get("type") == "json_schema"
