@@ -810,6 +810,7 @@ async def _listen(server: ProtoServer, what: str) -> None:
                     print(f"proto-server: {name} again, stopping now", file=sys.stderr)
                     nursery.cancel_scope.cancel()
                     break
+                await nursery.start(_stop, server, nursery.cancel_scope)  # not ready now
                 grace, delay = server.config.shutdown_grace_s, server.config.drain_delay_s
                 after = f" after {delay:g} s, not ready meanwhile" if delay else ""
                 print(
@@ -818,9 +819,12 @@ async def _listen(server: ProtoServer, what: str) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-                nursery.start_soon(_stop, server, nursery.cancel_scope)
 
 
-async def _stop(server: ProtoServer, everything: trio.CancelScope) -> None:
-    await server.shutdown()
+async def _stop(
+    server: ProtoServer,
+    everything: trio.CancelScope,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await server.shutdown(task_status=task_status)
     everything.cancel()  # the signal listener; serve() has returned already

@@ -196,16 +196,22 @@ class ProtoServer:
                 task_status=task_status,
             )
 
-    async def shutdown(self, grace_s: float | None = None) -> None:
+    async def shutdown(
+        self,
+        grace_s: float | None = None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Stop gracefully: first be not ready (`/readyz` 503) while still accepting and
         serving for `drain_delay_s`, so a balancer's health check takes this process out of
         rotation before its port closes (a client the balancer still sends meanwhile is served);
         then accept no more connections; let streaming segments finish within `grace_s`
         (default `shutdown_grace_s`); end every open Response with `response.incomplete` (reason
         `server_shutdown`) and close its WebSocket with 1001; return once every connection is
-        closed, and `serve()` returns too."""
+        closed, and `serve()` returns too. Started (`nursery.start`) once `/readyz` says 503."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self._http.draining = True
+        task_status.started()
         if self.config.drain_delay_s > 0:
             log.info("server.draining", extra={"delay_s": self.config.drain_delay_s})
             await trio.sleep(self.config.drain_delay_s)
