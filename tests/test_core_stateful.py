@@ -360,6 +360,14 @@ class Connection(RuleBasedStateMachine):
         self.prefill()
         self.emit(self.m.text_delta(text, tokens=len(text)))
 
+    @precondition(
+        lambda self: self.streaming() and not self.call_open() and not self.m.pending_calls
+    )
+    @rule(text=texts)
+    def reasoning(self, text: str) -> None:
+        self.prefill()
+        self.emit(self.m.reasoning_delta(text, tokens=len(text)))
+
     @precondition(lambda self: self.streaming() and not self.call_open())
     @rule(name=names, deltas=st.lists(texts, max_size=3))
     def tool_call(self, name: str, deltas: list[str]) -> None:
@@ -401,7 +409,7 @@ class Connection(RuleBasedStateMachine):
         self.end_of_segment()
 
     @precondition(lambda self: self.machine is not None)
-    @rule(chunk=st.sampled_from(["text", "call", "arguments", "end_call", "stop"]))
+    @rule(chunk=st.sampled_from(["reasoning", "text", "call", "arguments", "end_call", "stop"]))
     def generator_misbehaves(self, chunk: str) -> None:
         """A chunk that is illegal now raises and changes nothing; the rollout then fails."""
         m = self.m
@@ -410,6 +418,7 @@ class Connection(RuleBasedStateMachine):
         before = self.state()
         try:
             events = {
+                "reasoning": lambda: m.reasoning_delta("x", tokens=1),
                 "text": lambda: m.text_delta("x", tokens=1),
                 "call": lambda: m.begin_function_call("f", tokens=1),
                 "arguments": lambda: m.function_call_arguments_delta("x", tokens=1),

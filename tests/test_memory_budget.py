@@ -50,7 +50,7 @@ from .helpers import THREE_SEGMENTS, USER, StartServer, connect, create, launche
             id="content parts",
         ),
         pytest.param(
-            [{"type": "reasoning", "summary": [{"a": 1, "b": [1, 2, 3]}]}] * 10_000,
+            [{"type": "mcp_list_tools", "tools": [{"a": 1, "b": [1, 2, 3]}]}] * 10_000,
             id="unknown items",
         ),
     ],

@@ -82,13 +82,14 @@ def test_an_easy_input_message_needs_no_type() -> None:
 
 
 def test_unknown_items_and_tools_are_carried_untouched() -> None:
-    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "xyz"}
+    listing = {"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "s", "tools": []}
     namespace = {"type": "namespace", "name": "mcp", "tools": [{"name": "a"}]}
     event = decode_client_event(
-        orjson.dumps({"type": "response.create", "input": [reasoning], "tools": [namespace]})
+        orjson.dumps({"type": "response.create", "input": [listing], "tools": [namespace]})
     )
     assert isinstance(event, ResponseCreate)
-    assert event.input == (UnknownItem(reasoning),)
+    assert event.input == (UnknownItem(listing),)
+    assert converter.unstructure(event.input[0]) == listing
     assert event.tools == (UnknownTool(namespace),)
     assert converter.unstructure(event.tools[0]) == namespace
 

@@ -98,7 +98,7 @@ def frame_of(shape: str, nbytes: int, *, previous: str = "resp_1") -> dict[str, 
         deep: Any = 1
         for _ in range(60):  # 120 levels: within the decoder's 128
             deep = {"a": [deep]}
-        item = {"type": "reasoning", "summary": [deep]}
+        item = {"type": "mcp_list_tools", "tools": [deep]}  # carried whole, as unknown items are
         size = len(orjson.dumps(item)) + 1
         return {**create, "input": [item] * (nbytes // size)}
     if shape == "big steer":

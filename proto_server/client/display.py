@@ -24,6 +24,8 @@ from proto_server.wire.events import (
     OutputItemDone,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     ServerEvent,
 )
 from proto_server.wire.items import CustomToolCall, FunctionCall, Item, Message, ToolCall
@@ -82,10 +84,14 @@ def _describe(event: ServerEvent) -> tuple[str, str]:
             return f"#{index} {_item_label(item)}", text
         case (
             OutputTextDelta(output_index=index, delta=text)
+            | ReasoningTextDelta(output_index=index, delta=text)
             | FunctionCallArgumentsDelta(output_index=index, delta=text)
         ):
             return f"#{index}", text
-        case OutputTextDone(output_index=index, text=text):
+        case (
+            OutputTextDone(output_index=index, text=text)
+            | ReasoningTextDone(output_index=index, text=text)
+        ):
             return f"#{index}", text
         case FunctionCallArgumentsDone(output_index=index, name=name, arguments=text):
             return f"#{index} {name}", text

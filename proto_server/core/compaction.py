@@ -60,7 +60,8 @@ def _summary(body: bytes) -> str | None:
 
 @attrs.frozen
 class CompactionKey:
-    """The server's secret for compaction items (kept across restarts by the server layer)."""
+    """The server's secret for what it seals: compaction items, and reasoning items'
+    `encrypted_content` (reasoning.py). Kept across restarts by the server layer."""
 
     secret: bytes = attrs.field(repr=False)
 
@@ -71,6 +72,23 @@ class CompactionKey:
 
     def _tag(self, body: bytes) -> bytes:
         return hmac.new(self.secret, _DOMAIN + body, hashlib.sha256).digest()
+
+    def seal_text(self, domain: bytes, text: str) -> str:
+        """`text` sealed for another use than compaction (`domain` names it, so no seal made
+        for one use verifies for another)."""
+        body = orjson.dumps({"text": text})
+        return f"{_b64(body)}.{_b64(self._tag(domain + body))}"
+
+    def open_text(self, domain: bytes, sealed: object) -> str | None:
+        """The text if `sealed` was made by `seal_text(domain, ...)` with this secret."""
+        parts = _body(sealed)
+        if parts is None or not hmac.compare_digest(parts[1], self._tag(domain + parts[0])):
+            return None
+        try:
+            text = orjson.loads(parts[0]).get("text")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return text if isinstance(text, str) else None
 
     def seal(self, summary: str, *, model_turns: int = 0, tool_outputs: int = 0) -> str:
         """`model_turns`, `tool_outputs`: what the summarized items counted, so a model that

@@ -23,6 +23,7 @@ from proto_server.wire.items import (
     FunctionCallOutput,
     Item,
     Message,
+    Reasoning,
     UnknownItem,
     UnknownPart,
 )
@@ -44,10 +45,8 @@ def is_model_item(item: Item) -> bool:
     match item:
         case FunctionCall() | CustomToolCall():
             return True
-        case Message(role="assistant"):
+        case Message(role="assistant") | Reasoning():
             return True
-        case UnknownItem():
-            return item.type == "reasoning"
     return False
 
 
@@ -78,6 +77,10 @@ def item_bytes(item: Item) -> int:
             | CustomToolCallOutput(call_id=call_id, output=output)
         ):
             return ITEM_OVERHEAD_BYTES + len(call_id) + _content_bytes(output)
+        case Reasoning(id=item_id, encrypted_content=sealed):
+            extra = len(item_id or "") + len(sealed or "")
+            extra += sum(PART_OVERHEAD_BYTES + len(part.text) for part in item.summary)
+            return ITEM_OVERHEAD_BYTES + PART_OVERHEAD_BYTES + extra + len(item.text)
         case UnknownItem(raw=raw):
             return ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(orjson.dumps(raw))
     return ITEM_OVERHEAD_BYTES

@@ -21,6 +21,7 @@ from proto_server.wire.items import (
     FunctionCallOutput,
     Item,
     Message,
+    Reasoning,
     UnknownItem,
     content_text,
 )
@@ -50,6 +51,8 @@ def item_text(item: Item) -> str:
             | CustomToolCallOutput(call_id=call_id, output=output)
         ):
             return f"<|tool|> {call_id}\n{content_text(output)}\n"
+        case Reasoning():
+            return f"<|reasoning|>\n{item.text}\n"
         case UnknownItem(raw=raw):
             if item.type == "compaction" and (summary := summary_of(item)) is not None:
                 return f"<|compaction|>\n{summary}\n"

@@ -48,6 +48,8 @@ from proto_server.wire.events import (
     OutputItemDone,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     RequiredInput,
     ResponseCancelled,
     ResponseCompleted,
@@ -70,9 +72,11 @@ from proto_server.wire.items import (
     Item,
     Message,
     OutputText,
+    Reasoning,
+    ReasoningText,
     UnknownItem,
 )
-from proto_server.wire.response import InputTokensDetails, Response, Usage
+from proto_server.wire.response import InputTokensDetails, OutputTokensDetails, Response, Usage
 
 
 class Status(enum.Enum):
@@ -180,6 +184,13 @@ class _OpenMessage:
 
 
 @attrs.define
+class _OpenReasoning:
+    item_id: str
+    output_index: int
+    deltas: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
 class _OpenCall:
     item_id: str
     output_index: int
@@ -201,6 +212,7 @@ class ResponseMachine:
         steering: Steering | None = None,
         max_pending_steers: int = 8,
         new_id: Callable[[str], str] = ids.new_id,
+        seal: Callable[[str], str] | None = None,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
@@ -209,10 +221,12 @@ class ResponseMachine:
         default a successor where calls end the Response, in place where they suspend it
         and it says so (the prototype dialect), none for the multi-agent beta. `new_id(prefix)`
         names the items it makes (`msg_...`, `fc_...`, `call_...`): random unless a test gives
-        a counter."""
+        a counter. `seal(text)`: a finished reasoning item's `encrypted_content` (the client
+        asked for it with `include`); without it the item carries none."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self._new_id = new_id
+        self._seal = seal
         self.completed_at: int | None = None
         self._compaction = compaction
         self.suspend_on_tool_calls = suspend_on_tool_calls
@@ -230,11 +244,12 @@ class ResponseMachine:
         self.answered_calls: set[str] = set()
         self.segments = 0
         self._output: list[Item] = []
-        self._open: _OpenMessage | _OpenCall | None = None
+        self._open: _OpenMessage | _OpenReasoning | _OpenCall | None = None
         self._input_tokens = 0
         self._cached_tokens = 0
         self._segment_cached = 0
         self._output_tokens = 0
+        self._reasoning_tokens = 0
         self._tool_calls = 0
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
@@ -293,6 +308,7 @@ class ResponseMachine:
             machine._input_tokens = usage.input_tokens
             machine._cached_tokens = usage.input_tokens_details.cached_tokens
             machine._output_tokens = usage.output_tokens
+            machine._reasoning_tokens = usage.output_tokens_details.reasoning_tokens
         return machine
 
     # -- what the Response looks like ------------------------------------------------------
@@ -335,6 +351,7 @@ class ResponseMachine:
             input_tokens=self._input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=self._cached_tokens),
             output_tokens=self._output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens),
             total_tokens=self._input_tokens + self._output_tokens,
         )
 
@@ -397,7 +414,7 @@ class ResponseMachine:
             raise IllegalTransition("a segment ended inside a tool call")
         self._output_tokens += tokens
         self.segment_open = False
-        events = self._close_message()
+        events = self._close_text()
         if self.pending_calls and self.suspend_on_tool_calls:
             self._move(Status.SUSPENDED)
             if not self.announce_suspension or self.pending_calls.keys() <= self._held_ids:
@@ -596,7 +613,7 @@ class ResponseMachine:
         if self.pending_calls:
             # a suspension must follow the calls it waits for (`response.done` ends on them)
             raise IllegalTransition("text arrived after a tool call; a segment's calls come last")
-        events: list[ServerEvent] = []
+        events = self._close_reasoning()
         if self._open is None:
             item_id = self._new_id("msg")
             index = len(self._output)
@@ -621,11 +638,48 @@ class ResponseMachine:
         )
         return events
 
+    def reasoning_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
+        """The model thinks: a `reasoning` item opens (closing the text before it) and grows."""
+        self._require_streaming("stream reasoning")
+        if isinstance(self._open, _OpenCall):
+            raise IllegalTransition("reasoning arrived inside a tool call")
+        if self.pending_calls:
+            raise IllegalTransition(
+                "reasoning arrived after a tool call; a segment's calls come last"
+            )
+        events = self._close_message()
+        if self._open is None:
+            item_id = self._new_id("rs")
+            index = len(self._output)
+            self._open = _OpenReasoning(item_id, index)
+            empty = Reasoning(id=item_id, content=(), status="in_progress")
+            events.append(OutputItemAdded(output_index=index, item=empty))
+            events.append(
+                ContentPartAdded(
+                    item_id=item_id, output_index=index, content_index=0,
+                    part=ReasoningText(text=""),
+                )
+            )  # fmt: skip
+        reasoning = self._open
+        assert isinstance(reasoning, _OpenReasoning)
+        reasoning.deltas.append(delta)
+        self._output_tokens += tokens
+        self._reasoning_tokens += tokens
+        events.append(
+            ReasoningTextDelta(
+                item_id=reasoning.item_id,
+                output_index=reasoning.output_index,
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
     def begin_function_call(self, name: str, *, tokens: int = 0) -> list[ServerEvent]:
         self._require_streaming("call a tool")
         if isinstance(self._open, _OpenCall):
             raise IllegalTransition("a tool call began inside another")
-        events = self._close_message()
+        events = self._close_text()
         call = _OpenCall(self._new_id("fc"), len(self._output), self._new_id("call"), name)
         self._open = call
         self._output_tokens += tokens
@@ -863,13 +917,38 @@ class ResponseMachine:
             OutputItemDone(output_index=index, item=item),
         ]
 
+    def _close_reasoning(self, status: str = "completed") -> list[ServerEvent]:
+        reasoning = self._open
+        if not isinstance(reasoning, _OpenReasoning):
+            return []
+        self._open = None
+        text = "".join(reasoning.deltas)
+        part = ReasoningText(text=text)
+        item = Reasoning(
+            id=reasoning.item_id,
+            content=(part,),
+            encrypted_content=self._seal(text) if self._seal is not None else None,
+            status=status,
+        )
+        self._finish(item)
+        item_id, index = reasoning.item_id, reasoning.output_index
+        return [
+            ReasoningTextDone(item_id=item_id, output_index=index, content_index=0, text=text),
+            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
+            OutputItemDone(output_index=index, item=item),
+        ]
+
+    def _close_text(self, status: str = "completed") -> list[ServerEvent]:
+        """Close the message or reasoning item that is streaming, if one is."""
+        return [*self._close_message(status), *self._close_reasoning(status)]
+
     def _abandon_open_item(self) -> list[ServerEvent]:
         """Close whatever was streaming as `incomplete`, so every `added` gets its `done`."""
         if self.status.terminal:
             raise IllegalTransition(f"Response already {self.status.value}")
         call = self._open
         if not isinstance(call, _OpenCall):
-            return self._close_message("incomplete")
+            return self._close_text("incomplete")
         self._open = None
         item = FunctionCall(
             id=call.item_id,

@@ -34,6 +34,7 @@ from proto_server.wire.items import (
     FunctionCallOutput,
     Item,
     Message,
+    Reasoning,
     UnknownItem,
     content_text,
 )
@@ -76,8 +77,10 @@ def item_message(item: Item) -> dict[str, str] | None:
         case UnknownItem(type="compaction") if (summary := summary_of(item)) is not None:
             # what server-side compaction kept of the history: the model reads it as context
             return {"role": "user", "content": f"{COMPACTION_PREAMBLE}\n{summary}"}
+        case Reasoning():
+            return None  # earlier turns' reasoning: SmolLM2's template has no place for it
         case UnknownItem():
-            return None  # reasoning and the like: opaque to another model
+            return None  # opaque to another model
     raise TypeError(f"not an item: {item!r}")
 
 

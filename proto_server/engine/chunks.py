@@ -1,6 +1,7 @@
 """What a generator session produces, in order, for one segment.
 
-A segment is `Prefilled`, then any mix of text and complete tool calls, then `SegmentEnd`;
+A segment is `Prefilled`, then any mix of reasoning, text and complete tool calls, then
+`SegmentEnd`;
 before `Prefilled`, a `Rerouted` when the rollout's engine replica went down and another
 prefills it again. The sampling loop turns each chunk into calls on the Response state machine.
 """
@@ -30,6 +31,15 @@ class Prefilled:
 
 @attrs.frozen
 class TextDelta:
+    text: str
+    tokens: int = 1
+
+
+@attrs.frozen
+class ReasoningDelta:
+    """What the model thinks before it answers (a `<think>` block, harmony's analysis
+    channel): a `reasoning` item's text, counted as reasoning tokens."""
+
     text: str
     tokens: int = 1
 
@@ -65,6 +75,7 @@ class SegmentEnd:
 Chunk = (
     Rerouted
     | Prefilled
+    | ReasoningDelta
     | TextDelta
     | ToolCallBegin
     | ToolCallArgumentsDelta

@@ -1,14 +1,16 @@
 """Rollout scripts: what the simulated model says and which tools it calls, segment by segment.
 
     {"segments": [
-      {"text": "Let me look.",
+      {"reasoning": "The test fails at the last index; look at the loop first.",
+       "text": "Let me look.",
        "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}]},
       {"text": "Fixed: the loop was off by one."}
     ]}
 
-A segment with tool calls ends in a suspension; one without ends the Response. Which segment
-comes next is derived from the conversation (how many model turns it already holds), so a client
-that reconnects and resends its whole history continues where it was.
+A segment thinks (`reasoning`: a reasoning item), then speaks (`text`), then calls (`tool_calls`),
+each optional. A segment with tool calls ends in a suspension; one without ends the Response.
+Which segment comes next is derived from the conversation (how many model turns it already
+holds), so a client that reconnects and resends its whole history continues where it was.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ScriptedCall:
 @attrs.frozen(kw_only=True)
 class Segment:
     text: str = ""
+    reasoning: str = ""
     tool_calls: tuple[ScriptedCall, ...] = ()
 
 
@@ -121,12 +124,15 @@ def parse_script(data: Any, *, source: str = "script") -> RolloutScript:
         where = f"segments[{i}]"
         if not isinstance(raw, Mapping):
             raise fail(where, "must be an object")
-        unknown = raw.keys() - {"text", "tool_calls"}
+        unknown = raw.keys() - {"reasoning", "text", "tool_calls"}
         if unknown:
-            raise fail(where, f"has unknown keys {sorted(unknown)}; use text and tool_calls")
-        text = raw.get("text", "")
-        if not isinstance(text, str):
-            raise fail(f"{where}.text", "must be a string")
+            raise fail(
+                where, f"has unknown keys {sorted(unknown)}; use reasoning, text and tool_calls"
+            )
+        text, reasoning = raw.get("text", ""), raw.get("reasoning", "")
+        for key, value in (("text", text), ("reasoning", reasoning)):
+            if not isinstance(value, str):
+                raise fail(f"{where}.{key}", "must be a string")
         calls = []
         for j, call in enumerate(raw.get("tool_calls", [])):
             at = f"{where}.tool_calls[{j}]"
@@ -140,7 +146,7 @@ def parse_script(data: Any, *, source: str = "script") -> RolloutScript:
             calls.append(ScriptedCall(name=call["name"], arguments=arguments))
         if not text and not calls:
             raise fail(where, "says nothing; give it text, tool_calls, or both")
-        segments.append(Segment(text=text, tool_calls=tuple(calls)))
+        segments.append(Segment(text=text, reasoning=reasoning, tool_calls=tuple(calls)))
     return RolloutScript(tuple(segments))
 
 

@@ -30,6 +30,7 @@ from proto_server.core.tokenizer import o200k_base
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
+    ReasoningDelta,
     SegmentEnd,
     TextDelta,
     ToolCallArgumentsDelta,
@@ -157,6 +158,8 @@ def _pieces(text: str) -> tuple[tuple[str, int], ...]:
 
 def _chunks(segment: Segment) -> Iterator[tuple[Chunk, int]]:
     """What the model decodes to say `segment`, chunk by chunk, with the tokens each costs."""
+    for piece, tokens in _pieces(segment.reasoning):
+        yield ReasoningDelta(piece, tokens), tokens
     for piece, tokens in _pieces(segment.text):
         yield TextDelta(piece, tokens), tokens
     for call in segment.tool_calls:

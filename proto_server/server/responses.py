@@ -16,11 +16,18 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 
+import attrs
 import trio
 
 from proto_server.core.compaction import CompactionKey, check_compactions
 from proto_server.core.conversation import TOKEN_BYTES, Conversation, render_items
 from proto_server.core.ids import new_id
+from proto_server.core.reasoning import (
+    ENCRYPTED_CONTENT,
+    ReasoningSealer,
+    check_reasonings,
+    replayed,
+)
 from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
     ToolChoice,
@@ -149,6 +156,7 @@ class Responses:
         generator cannot make, a `text.format` schema its grammar cannot take."""
         check_create(create)
         check_compactions(input_items(create), self.compaction_key)
+        check_reasonings(input_items(create), self.compaction_key)
         self.check_forcing(parse_tool_choice(create.tool_choice))
         form = parse_text_format(create.text)
         if form is not None and isinstance(self.generator, GrammarGenerator):
@@ -245,6 +253,8 @@ class Responses:
         `announce_suspension`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
+        if not isinstance(create.input, str):  # the model reads sealed reasoning as it wrote it
+            create = attrs.evolve(create, input=replayed(create.input, self.compaction_key))
         # rendering peaks as decoding does (`proto-server bench memory`): room is held for it
         with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
             prepared = await self.offload.run(
@@ -304,6 +314,9 @@ class Responses:
             max_pending_steers=self.config.max_pending_steers,
             # as OpenAI's: a Response with automatic compaction is not steered
             steering="unsupported" if create.context_management else None,
+            seal=ReasoningSealer(self.compaction_key)
+            if ENCRYPTED_CONTENT in (create.include or ())
+            else None,
         )
 
         durable = None

@@ -29,6 +29,7 @@ from proto_server.core.response import IllegalTransition, ResponseMachine, Statu
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
+    ReasoningDelta,
     Rerouted,
     SegmentEnd,
     TextDelta,
@@ -531,6 +532,8 @@ class SamplingLoop:
                     self._observer.prefilled(rendered=rendered, prompt=prompt, cached=cached)
                 machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached)
                 return []
+            case ReasoningDelta(text=text, tokens=tokens):
+                return machine.reasoning_delta(text, tokens=tokens)
             case TextDelta(text=text, tokens=tokens):
                 return machine.text_delta(text, tokens=tokens)
             case ToolCallBegin(name=name, tokens=tokens):

@@ -12,8 +12,10 @@ Five overlays on the published document, each explicit here and in the README:
   `response.cancelled`), checked against schemas of their own whose `response` is still a
   published `ResponseResource`. They are the only events outside the schema, beside
 - `OPENAI_EVENTS`: OpenAI's own events the document does not define yet
-  (`response.compaction.compacting`, `response.inject.created` and `.failed`,
-  `response.steer.accepted`, `.pending` and `.failed`), held to the shape OpenAI documents.
+  (`response.compaction.compacting`, `response.reasoning_text.delta` and `.done` (the
+  document's `response.reasoning.delta` and `.done` under OpenAI's names),
+  `response.inject.created` and `.failed`, `response.steer.accepted`, `.pending` and
+  `.failed`), held to the shape OpenAI documents.
 - `OPENAI_REQUIRES`: what OpenAI's own API requires beyond the document (openai-python 3.57's
   `ResponseUsage` requires `input_tokens_details.cache_write_tokens`).
 - Carried tools: the document's `Tool` is only `FunctionTool`; tools of other types a client
@@ -182,6 +184,22 @@ OPENAI_EVENTS: Mapping[str, Extension] = {
             },
         ),
     ),
+    **{
+        f"response.reasoning_text.{end}": Extension(
+            why=f"OpenAI's name for the document's response.reasoning.{end} (openai-python "
+            f"ResponseReasoningText{end.title()}Event), which clients parse",
+            schema=_plain_event(
+                f"response.reasoning_text.{end}",
+                {
+                    "item_id": {"type": "string"},
+                    "output_index": {"type": "integer", "minimum": 0},
+                    "content_index": {"type": "integer", "minimum": 0},
+                    text: {"type": "string"},
+                },
+            ),
+        )
+        for end, text in (("delta", "delta"), ("done", "text"))
+    },
     "response.compaction.compacting": Extension(
         why="context_management compaction began (openai-python ResponseCompactionCompactingEvent)",
         schema={

@@ -38,6 +38,9 @@ from proto_server.wire.items import (
     Item,
     Message,
     OutputText,
+    Reasoning,
+    ReasoningText,
+    StreamedPart,
     UnknownItem,
     UnknownPart,
 )
@@ -130,6 +133,13 @@ def _structure_part(value: Any, _: Any) -> ContentPart:
     return UnknownPart(obj)
 
 
+def _structure_streamed_part(value: Any, _: Any) -> StreamedPart:
+    obj, tag = _tagged(value)
+    if tag == "reasoning_text":
+        return converter.structure(obj, ReasoningText)
+    return converter.structure(obj, OutputText)
+
+
 def _structure_content(value: Any, _: Any) -> Content:
     if isinstance(value, str):
         return value
@@ -200,6 +210,7 @@ converter.register_structure_hook(NonNegativeInt, _at_least(0, "an integer of 0 
 converter.register_structure_hook(StreamId, _stream_id)
 converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], lambda v, _: _object(v))
 converter.register_structure_hook_func(lambda t: t == ContentPart, _structure_part)
+converter.register_structure_hook_func(lambda t: t == StreamedPart, _structure_streamed_part)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_structure_hook_func(lambda t: t == Item, _structure_item)
 converter.register_structure_hook_func(_is_array_type, _structure_array)
@@ -214,6 +225,15 @@ for carried in (UnknownItem, UnknownPart, UnknownTool):
     converter.register_unstructure_hook(carried, lambda obj: obj.raw)
 converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)
 _failed_steer = converter.gen_unstructure_attrs_fromdict(FailedSteer)
+_reasoning = converter.gen_unstructure_attrs_fromdict(Reasoning)
+
+
+def _unstructure_reasoning(item: Reasoning) -> dict[str, Any]:
+    """A reasoning item omits what it lacks (`encrypted_content` is a string or absent)."""
+    return {key: value for key, value in _reasoning(item).items() if value is not None}
+
+
+converter.register_unstructure_hook(Reasoning, _unstructure_reasoning)
 
 
 def _unstructure_failed_steer(steer: FailedSteer) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, NewType
 import attrs
 
 from proto_server.wire.errors import ErrorDetail
-from proto_server.wire.items import Item, OutputText
+from proto_server.wire.items import Item, StreamedPart
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -62,6 +62,8 @@ class ResponseCreate:
     safety_identifier: str | None = None
     max_tool_calls: NonNegativeInt | None = None
     top_logprobs: int | None = None
+    #: What the Response should carry besides: `reasoning.encrypted_content` is honoured.
+    include: tuple[str, ...] | None = None
     #: Sampling seed, passed to an engine that takes one (the vLLM generator); carried.
     seed: int | None = None
     # read by core/request.py: a warm-up, server-side compaction, and a refused `conversation`
@@ -321,7 +323,7 @@ class ContentPartAdded:
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: StreamedPart
 
 
 @attrs.frozen(kw_only=True)
@@ -330,7 +332,7 @@ class ContentPartDone:
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: StreamedPart
 
 
 @attrs.frozen(kw_only=True)
@@ -351,6 +353,26 @@ class OutputTextDone:
     content_index: int
     text: str
     logprobs: tuple[Any, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningTextDelta:
+    """OpenAI's name; the Open Responses document calls it `response.reasoning.delta`."""
+
+    type: str = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningTextDone:
+    type: str = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 @attrs.frozen(kw_only=True)
@@ -422,6 +444,8 @@ ItemEvent = (
     | ContentPartDone
     | OutputTextDelta
     | OutputTextDone
+    | ReasoningTextDelta
+    | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
     | CustomToolCallInputDelta
@@ -449,6 +473,8 @@ SERVER_EVENT_TYPES: Mapping[str, type[ServerEvent]] = {
         ContentPartDone,
         OutputTextDelta,
         OutputTextDone,
+        ReasoningTextDelta,
+        ReasoningTextDone,
         FunctionCallArgumentsDelta,
         FunctionCallArgumentsDone,
         CustomToolCallInputDelta,

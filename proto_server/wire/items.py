@@ -1,6 +1,6 @@
 """Conversation items and content parts, as the Responses API spells them.
 
-Known items are typed; anything else a client sends (reasoning, compaction, future types) is kept
+Known items are typed; anything else a client sends (compaction, future types) is kept
 whole as an `UnknownItem` and carried through untouched, so no client is refused for being newer
 than this server.
 """
@@ -26,6 +26,24 @@ class OutputText:
     type: str = "output_text"
     text: str
     annotations: tuple[Any, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningText:
+    """What a model thought, as it wrote it (a `reasoning` item's content)."""
+
+    type: str = "reasoning_text"
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class SummaryText:
+    type: str = "summary_text"
+    text: str
+
+
+#: The parts a streamed item's `content_part.added` and `.done` carry.
+StreamedPart = OutputText | ReasoningText
 
 
 @attrs.frozen
@@ -85,9 +103,27 @@ class CustomToolCallOutput:
     output: Content
 
 
+@attrs.frozen(kw_only=True)
+class Reasoning:
+    """A model's reasoning before it answered or called. `encrypted_content`: the same,
+    sealed by the server that made it (asked for with `include`), so a client that stores
+    nothing can send it back for the model to read again."""
+
+    type: str = "reasoning"
+    id: str | None = None
+    summary: tuple[SummaryText, ...] = ()
+    content: tuple[ReasoningText, ...] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ())
+
+
 @attrs.frozen
 class UnknownItem:
-    """An item of a type this server carries but does not interpret (reasoning, compaction...)."""
+    """An item of a type this server carries but does not interpret (compaction...)."""
 
     raw: Mapping[str, Any]
 
@@ -102,6 +138,7 @@ Item = (
     | FunctionCallOutput
     | CustomToolCall
     | CustomToolCallOutput
+    | Reasoning
     | UnknownItem
 )
 ToolCall = FunctionCall | CustomToolCall
@@ -113,6 +150,7 @@ ITEM_TYPES: Mapping[str, type[Item]] = {
     "function_call_output": FunctionCallOutput,
     "custom_tool_call": CustomToolCall,
     "custom_tool_call_output": CustomToolCallOutput,
+    "reasoning": Reasoning,
 }
 
 

@@ -25,6 +25,13 @@ TERMINAL_EVENTS: Mapping[str, str] = {
     "response.cancelled": "cancelled",
 }
 CALL_TYPES = frozenset({"function_call", "custom_tool_call"})
+#: The text events, and the item type each streams in.
+TEXT_EVENTS = {
+    "response.output_text.delta": "message",
+    "response.output_text.done": "message",
+    "response.reasoning_text.delta": "reasoning",
+    "response.reasoning_text.done": "reasoning",
+}
 
 
 @functools.cache
@@ -286,15 +293,18 @@ class Responses:
             raise Broken(3, f"{kind} names item {obj.get('item_id')!r}, but {index} is {item.id}")
         if kind in ("response.content_part.added", "response.content_part.done"):
             self._content_part(item, obj)
-        elif kind in ("response.output_text.delta", "response.output_text.done"):
+        elif kind in TEXT_EVENTS:
+            text = kind.split(".")[1]  # output_text, reasoning_text
+            if item.type != TEXT_EVENTS[kind]:
+                raise Broken(3, f"{kind} inside a {item.type} item")
             part = self._open_part(item, obj)
             if kind.endswith(".delta"):
                 if part in item.texts_done:
-                    raise Broken(3, "an output_text.delta after its output_text.done")
+                    raise Broken(3, f"a {text}.delta after its {text}.done")
                 item.parts[part].append(_text(obj, "delta"))
             else:
                 if obj.get("text") != "".join(item.parts[part]):
-                    raise Broken(3, "output_text.done's text is not the concatenated deltas")
+                    raise Broken(3, f"{text}.done's text is not the concatenated deltas")
                 item.texts_done.add(part)
         elif kind in (
             "response.function_call_arguments.delta",
@@ -352,7 +362,7 @@ class Responses:
         )
 
     def _content_part(self, item: Item, obj: Mapping[str, Any]) -> None:
-        if item.type != "message":
+        if item.type not in ("message", "reasoning"):
             raise Broken(3, f"a content part inside a {item.type} item")
         part = obj.get("content_index")
         if obj["type"].endswith(".added"):
@@ -364,7 +374,7 @@ class Responses:
         part = self._open_part(item, obj)
         text = "".join(item.parts[part])
         if part not in item.texts_done:
-            raise Broken(3, "content_part.done before its output_text.done")
+            raise Broken(3, "content_part.done before its text's .done")
         shown = obj.get("part")
         if not isinstance(shown, Mapping) or shown.get("text") != text:
             raise Broken(3, "content_part.done's text is not the concatenated deltas")
@@ -384,11 +394,11 @@ class Responses:
             raise Broken(3, f"item {item.id} was added as {item.type}, done as {raw.get('type')}")
         if item.parts_open:
             raise Broken(3, f"output_item.done while content part(s) {item.parts_open} are open")
-        if item.type == "message":
+        if item.type in ("message", "reasoning"):
             content = raw.get("content")
             texts = [p.get("text") for p in content if isinstance(p, Mapping)] if content else []
             if texts != ["".join(deltas) for deltas in item.parts]:
-                raise Broken(3, "the done message's text is not the concatenated deltas")
+                raise Broken(3, f"the done {item.type}'s text is not the concatenated deltas")
         elif item.type in CALL_TYPES:
             field = "arguments" if item.type == "function_call" else "input"
             if raw.get(field) != "".join(item.arguments):
@@ -437,15 +447,22 @@ class Responses:
         if any(a < b for a, b in zip(now, r.usage, strict=True)):
             raise Broken(6, f"usage went down from {r.usage} to {now} (input, cached, output)")
         r.usage = now
+        details = usage.get("output_tokens_details")
+        reasoning = details.get("reasoning_tokens", 0) if isinstance(details, Mapping) else 0
+        if not isinstance(reasoning, int) or not 0 <= reasoning <= output:
+            raise Broken(6, f"reasoning_tokens {reasoning!r} is not within output {output}")
         if self.count_tokens is not None:
             streamed = sum(self._tokens(item) for item in r.items)
             if output != streamed:
                 raise Broken(6, f"output_tokens is {output}, but what streamed counts {streamed}")
+            thought = sum(self._tokens(item) for item in r.items if item.type == "reasoning")
+            if reasoning != thought:
+                raise Broken(6, f"reasoning_tokens is {reasoning}, but reasoning counts {thought}")
 
     def _tokens(self, item: Item) -> int:
         count = self.count_tokens
         assert count is not None
-        if item.type == "message":
+        if item.type in ("message", "reasoning"):
             return sum(count("".join(deltas)) for deltas in item.parts)
         if item.type in CALL_TYPES:
             return count(item.name or "") + count("".join(item.arguments))
