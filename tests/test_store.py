@@ -278,3 +278,17 @@ async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Pa
         "a_resp_old", "q_resp_old",
     ]  # fmt: skip
     await migrated.aclose()
+
+
+async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
+    store = SQLiteStore(":memory:")
+    await store.put(identified("resp_1"))
+    # a later response holding the same item (a client replayed it, its id with it)
+    replayed = identified("resp_2")
+    await store.put(attrs.evolve(replayed, items=(*replayed.items, identified("resp_1").items[1])))
+    wanted = [f"msg_{i}" for i in range(1_200)] + ["a_resp_1", "q_resp_2"]
+    found = await store.items(wanted, owner="")
+    assert sorted(found) == ["a_resp_1", "q_resp_2"]
+    where, _ = store._writer().call("items", 1000, "", ["a_resp_1"])
+    assert where == {"a_resp_1": "resp_2"}
+    await store.aclose()

@@ -405,3 +405,20 @@ async def test_models_are_the_engines_when_it_lists_them(nursery: trio.Nursery) 
         nowhere.status_code == 404 and "'org/base', 'adapter'" in nowhere.json()["error"]["message"]
     )
     assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable"
+
+
+async def test_the_prototype_dialect_refuses_an_output_answering_no_call_too(
+    start_server: StartServer,
+) -> None:
+    running = await start_server()
+    stray = {"type": "function_call_output", "call_id": "call_nope", "output": "?"}
+    user = {"type": "message", "role": "user", "content": "hi"}
+    with trio.fail_after(20):
+        async with connect(running.prototype_url) as ws:
+            refused = await turn(ws, launched_create(input=[user, stray]))
+            served = await turn(ws, launched_create(tools=[], input=[user]))
+    assert refused[-1]["type"] == "error"
+    assert (refused[-1]["error"]["code"], refused[-1]["error"]["param"]) == (
+        "unknown_call_id", "input[1]",
+    )  # fmt: skip
+    assert served[-1]["type"] == "response.completed"  # the connection lives on

@@ -159,26 +159,34 @@ def delete(db: sqlite3.Connection, response_id: str, owner: str) -> bool:
     return found is not None
 
 
+#: Ids looked up by one statement (SQLite's limit on parameters is far above it).
+ITEMS_PER_QUERY = 500
+
+
 def items(
     db: sqlite3.Connection, owner: str, item_ids: list[str]
 ) -> tuple[dict[str, str], dict[str, bytes]]:
     """Where `owner`'s items of these ids are: each found id's response (the newest stored that
     holds it), and those responses' items."""
-    where: dict[str, str] = {}
+    newest: dict[str, tuple[float, str]] = {}
     blobs: dict[str, bytes] = {}
     with db:  # one read transaction
         db.execute("BEGIN")
-        for item_id in item_ids:
-            row = db.execute(
-                "SELECT r.id, r.items FROM response_items i JOIN responses r "
-                "ON r.id = i.response_id WHERE i.owner = ? AND i.item_id = ? "
-                "ORDER BY r.stored_at DESC LIMIT 1",
-                (owner, item_id),
-            ).fetchone()
-            if row is not None:
-                where[item_id] = row[0]
-                blobs[row[0]] = row[1]
-    return where, blobs
+        for start in range(0, len(item_ids), ITEMS_PER_QUERY):
+            some = item_ids[start : start + ITEMS_PER_QUERY]
+            rows = db.execute(
+                "SELECT i.item_id, r.id, r.stored_at, r.items FROM response_items i "
+                "JOIN responses r ON r.id = i.response_id WHERE i.owner = ? AND i.item_id IN "
+                f"({', '.join('?' * len(some))})",
+                (owner, *some),
+            )
+            for item_id, response_id, stored_at, blob in rows:
+                if item_id not in newest or stored_at > newest[item_id][0]:
+                    newest[item_id] = (stored_at, response_id)
+                    blobs[response_id] = blob
+    where = {item_id: response_id for item_id, (_, response_id) in newest.items()}
+    held = set(where.values())
+    return where, {response_id: blob for response_id, blob in blobs.items() if response_id in held}
 
 
 def _end_suspension(db: sqlite3.Connection, response_id: str, version: int) -> None:
