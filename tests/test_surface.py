@@ -12,14 +12,21 @@ import httpx
 import openai
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from openai import OpenAI
 
+from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation
+from proto_server.core.paging import MAX_LIMIT, page, parse_page_query
+from proto_server.core.request import check_tool_outputs
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.items import CustomToolCallOutput, FunctionCall, FunctionCallOutput, Message
 
 from .helpers import (
     FAST,
@@ -422,3 +429,44 @@ async def test_the_prototype_dialect_refuses_an_output_answering_no_call_too(
         "unknown_call_id", "input[1]",
     )  # fmt: skip
     assert served[-1]["type"] == "response.completed"  # the connection lives on
+
+
+# -- the pure pieces ------------------------------------------------------------------------------
+
+
+@given(
+    count=st.integers(0, 250),
+    limit=st.integers(1, MAX_LIMIT),
+    order=st.sampled_from(["asc", "desc"]),
+)
+def test_following_after_walks_every_item_once_in_order(count: int, limit: int, order: str) -> None:
+    items = [{"id": f"msg_{i}"} for i in range(count)]
+    seen: list[str] = []
+    after = ""
+    for _ in range(count + 1):  # bounded: one page at least per item, and the empty one
+        query = parse_page_query(
+            f"limit={limit}&order={order}" + (f"&after={after}" if after else "")
+        )
+        listed = page(items, query)
+        seen += [item["id"] for item in listed["data"]]
+        assert len(listed["data"]) <= limit
+        if not listed["has_more"]:
+            break
+        after = listed["last_id"]
+    expected = [item["id"] for item in items]
+    assert seen == (expected if order == "asc" else expected[::-1])
+
+
+def test_a_tool_output_needs_a_call_before_it_unless_a_compaction_hides_it() -> None:
+    call = FunctionCall(call_id="call_1", name="f", arguments="{}")
+    output = FunctionCallOutput(call_id="call_1", output="ok")
+    check_tool_outputs([call], [output])  # the call in the history
+    check_tool_outputs([], [call, output])  # or earlier in the input
+    with pytest.raises(ProtocolError) as refused:
+        check_tool_outputs([], [output, call])  # after it: OpenAI reads the input in order
+    assert refused.value.detail.param == "input[0]"
+    hidden = compact([Message(role="user", content="hi"), call], CompactionKey(b"k" * 32))[0]
+    check_tool_outputs([*hidden], [output])  # the call was summarized away: not refused
+    custom = CustomToolCallOutput(call_id="call_2", output="ok")
+    with pytest.raises(ProtocolError, match="custom tool call output with call_id call_2"):
+        check_tool_outputs([call], [custom])
