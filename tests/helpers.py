@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import httpx
 import orjson
 import pytest
@@ -39,7 +40,7 @@ from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.connection import Dialect
 from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.outbox import LaneSink, Outgoing
-from proto_server.server.store import ANONYMOUS, StoredResponse
+from proto_server.server.store import ANONYMOUS, StoredResponse, owner_id
 from proto_server.testing.checker import LaneChecker
 from proto_server.testing.client import MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
@@ -385,6 +386,39 @@ def stored(response_id: str, previous: str | None = None, text: str = "x") -> St
             Message(role="assistant", content=text),
         ),
     )
+
+
+def identified(
+    response_id: str, previous: str | None = None, owner: str = ANONYMOUS
+) -> StoredResponse:
+    """`stored(...)` with ids on its items, as the server stores them: `q_ID` and `a_ID`."""
+    plain = stored(response_id, previous, text=f"answer of {response_id}")
+    question, answer = plain.items
+    answer = attrs.evolve(answer, id=f"a_{response_id}")  # type: ignore[misc]
+    return attrs.evolve(
+        plain,
+        items=(attrs.evolve(question, id=f"q_{response_id}"), answer),  # type: ignore[misc]
+        response=attrs.evolve(plain.response, output=(answer,)),
+        owner=owner,
+    )
+
+
+async def items_and_deletion(store: Any) -> None:
+    """What every store does with item ids and deletion (SQLite's and PostgreSQL's alike)."""
+    k1, k2 = owner_id("k1"), owner_id("k2")
+    for response_id, previous in [("resp_1", None), ("resp_2", "resp_1")]:
+        await store.put(identified(response_id, previous, owner=k1))
+    found = await store.items(["a_resp_1", "q_resp_2", "a_nowhere"], owner=k1)
+    assert sorted(found) == ["a_resp_1", "q_resp_2"]
+    assert found["a_resp_1"].content == "answer of resp_1"
+    assert await store.items(["a_resp_1"], owner=k2) == {}  # another owner's: not found
+    assert not await store.delete("resp_1", owner=k2)  # nor deleted
+    assert await store.delete("resp_1", owner=k1)
+    assert not await store.delete("resp_1", owner=k1)  # once
+    assert await store.get("resp_1", owner=k1) is None
+    assert await store.items(["a_resp_1", "q_resp_1"], owner=k1) == {}  # its items went with it
+    assert await store.get("resp_2", owner=k1) is not None  # the next is kept, its chain broken
+    assert await store.chain("resp_2", owner=k1) is None
 
 
 LOCK = """

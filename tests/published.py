@@ -28,20 +28,20 @@ class SchemaNet:
     def __init__(self) -> None:
         self.schema = wire_schema()
         self.violations: list[str] = []
-        #: What was sent and not yet validated: (transport or HTTP path, status, text).
-        self.sent: list[tuple[str, int, str | bytes]] = []
+        #: What was sent and not yet validated: (transport or HTTP path, status, text, method).
+        self.sent: list[tuple[str, int, str | bytes, str]] = []
         self.checked: Counter[str] = Counter()
 
     def event(self, text: str, transport: Transport) -> None:
-        self.sent.append((transport, 0, text))
+        self.sent.append((transport, 0, text, ""))
 
-    def body(self, path: str, status: int, body: bytes) -> None:
-        self.sent.append((path or "error", status, body))
+    def body(self, path: str, status: int, body: bytes, method: str = "GET") -> None:
+        self.sent.append((path or "error", status, body, method))
 
     def validate(self) -> list[str]:
         """Validate what was sent since the last call; the violations found so far."""
         sent, self.sent = self.sent, []
-        for where, status, text in sent:
+        for where, status, text, method in sent:
             obj = orjson.loads(text)
             if where in ("websocket", "sse"):
                 self.checked[where] += 1
@@ -49,7 +49,7 @@ class SchemaNet:
                 errors = self.schema.event_errors(obj, transport=transport)
             else:
                 self.checked["http"] += 1
-                errors = self.schema.body_errors(where, status, obj)
+                errors = self.schema.body_errors(where, status, obj, method)
             shown = text if isinstance(text, str) else text.decode()
             self._record(errors, shown)
         return self.violations
@@ -75,7 +75,7 @@ class SchemaNet:
 
         async def json_body(exchange: Any, status: int, body: Any) -> int:
             if exchange.path.startswith("/v1/"):
-                self.body(exchange.path, status, orjson.dumps(body))
+                self.body(exchange.path, status, orjson.dumps(body), exchange.method)
             return await exchange_json(exchange, status, body)  # type: ignore[no-any-return]
 
         def checked_error_body(error: Any) -> bytes:

@@ -25,7 +25,7 @@ from proto_server.server.store import (
     owner_id,
 )
 
-from .helpers import connect, read_line, stored
+from .helpers import connect, identified, items_and_deletion, read_line, stored
 from .postgres import Cluster
 
 pytestmark = pytest.mark.postgres
@@ -71,6 +71,39 @@ async def test_a_response_belongs_to_its_owner(pg_url: str) -> None:
     chain = await store.chain("resp_2", owner=owner_id("k1"))
     assert chain is not None and len(chain) == 2
     await store.aclose()
+
+
+async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_response(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    await items_and_deletion(store)
+    await store.aclose()
+
+
+async def test_a_pruned_response_takes_its_items_ids_with_it(pg_url: str) -> None:
+    store = PostgresStore(pg_url, retention=StoreRetention(max_responses=2))
+    for i in range(3):
+        await store.put(identified(f"resp_{i}"))
+    found = await store.items(["a_resp_0", "a_resp_1", "a_resp_2"], owner="")
+    assert sorted(found) == ["a_resp_1", "a_resp_2"]
+    with psycopg.connect(pg_url) as conn:
+        row = conn.execute("SELECT count(*) FROM proto_server_response_items").fetchone()
+    assert row == (4,)
+    await store.aclose()
+
+
+async def test_a_database_from_before_the_item_index_gets_its_items_ids(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    await store.put(identified("resp_old"))
+    await store.aclose()
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # as a version 6 database was
+        conn.execute("DROP TABLE proto_server_response_items")
+        conn.execute("UPDATE proto_server_schema SET version = 6")
+    migrated = await trio.to_thread.run_sync(PostgresStore, pg_url)
+    found = await migrated.items(["a_resp_old", "q_resp_old"], owner="")
+    assert sorted(found) == ["a_resp_old", "q_resp_old"]
+    await migrated.aclose()
 
 
 async def test_stores_of_two_processes_share_responses_schema_and_secret(pg_url: str) -> None:

@@ -27,7 +27,7 @@ from proto_server.server.store import (
 from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 
-from .helpers import Locker, stored
+from .helpers import Locker, identified, items_and_deletion, stored
 
 
 async def test_a_chain_comes_back_in_order() -> None:
@@ -242,3 +242,53 @@ async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
         assert failed.value.detail.code == "store_unavailable"
         with pytest.raises(StoreUnavailable, match="retry shortly"):
             await store.get("resp_1")
+
+
+async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_response() -> None:
+    store = SQLiteStore(":memory:")
+    await items_and_deletion(store)
+    await store.aclose()
+
+
+async def test_a_pruned_response_takes_its_items_ids_with_it(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite3", retention=StoreRetention(max_responses=2))
+    for i in range(3):
+        await store.put(identified(f"resp_{i}"))
+    assert list(await store.items(["a_resp_0", "a_resp_1", "a_resp_2"], owner="")) == [
+        "a_resp_1", "a_resp_2",
+    ]  # fmt: skip
+    await store.aclose()
+    db = sqlite3.connect(tmp_path / "s.sqlite3")
+    assert db.execute("SELECT count(*) FROM response_items").fetchone() == (4,)
+    db.close()
+
+
+async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Path) -> None:
+    path = tmp_path / "v4.sqlite3"
+    old = SQLiteStore(path)
+    await old.put(identified("resp_old"))
+    await old.aclose()
+    db = sqlite3.connect(path)  # as a version 4 file was: no index of item ids
+    db.execute("DROP TABLE response_items")
+    db.execute("PRAGMA user_version = 4")
+    db.commit()
+    db.close()
+    migrated = SQLiteStore(path)
+    assert list(await migrated.items(["a_resp_old", "q_resp_old"], owner="")) == [
+        "a_resp_old", "q_resp_old",
+    ]  # fmt: skip
+    await migrated.aclose()
+
+
+async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
+    store = SQLiteStore(":memory:")
+    await store.put(identified("resp_1"))
+    # a later response holding the same item (a client replayed it, its id with it)
+    replayed = identified("resp_2")
+    await store.put(attrs.evolve(replayed, items=(*replayed.items, identified("resp_1").items[1])))
+    wanted = [f"msg_{i}" for i in range(1_200)] + ["a_resp_1", "q_resp_2"]
+    found = await store.items(wanted, owner="")
+    assert sorted(found) == ["a_resp_1", "q_resp_2"]
+    where, _ = store._writer().call("items", 1000, "", ["a_resp_1"])
+    assert where == {"a_resp_1": "resp_2"}
+    await store.aclose()

@@ -506,6 +506,34 @@ async def test_stateless_http_turns_reuse_the_engine_cache_and_readyz_says_ready
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
 
 
+async def test_the_engines_models_token_counts_and_references_on_the_engine(
+    start_vllm: StartVllm,
+) -> None:
+    """The rest of the surface on the real engine: its own model list, and input tokens counted
+    with the real tokenizer and chat template, as a create is served (a reference too)."""
+    served = await start_vllm(max_tokens=8)
+    ask = f"Say hello. ({uuid.uuid4().hex[:8]})"
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=60) as http:
+        with trio.fail_after(120):
+            models = (await http.get("/models")).json()
+            counted = await http.post("/responses/input_tokens", json={"input": ask})
+            created = await http.post(
+                "/responses", json={"model": SERVED_NAME, "input": ask, "temperature": 0}
+            )
+            assert created.status_code == 200, created.text
+            reply = created.json()["output"][0]
+            user = {"type": "message", "role": "user", "content": ask}
+            counts = [
+                await http.post("/responses/input_tokens", json={"input": [user, item]})
+                for item in (reply, {"type": "item_reference", "id": reply["id"]})
+            ]
+    (listed,) = [model for model in models["data"] if model["id"] == SERVED_NAME]
+    assert listed["owned_by"] == "vllm" and listed["max_model_len"] > 0  # as vLLM lists it
+    assert counted.json()["input_tokens"] == created.json()["usage"]["input_tokens"]
+    inline, referenced = (count.json()["input_tokens"] for count in counts)
+    assert referenced == inline > counted.json()["input_tokens"]
+
+
 def decoded_to_end(engine: Engine) -> float:
     """Requests the engine decoded to their end (an aborted one is counted apart)."""
     return sum(

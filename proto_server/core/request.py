@@ -21,7 +21,15 @@ from proto_server.core.text_format import parse_text_format
 from proto_server.core.tool_schema import check_tool_schemas
 from proto_server.wire.errors import ProtocolError, quoted, some_of
 from proto_server.wire.events import ResponseCreate
-from proto_server.wire.items import Item, Message, UnknownItem
+from proto_server.wire.items import (
+    CustomToolCall,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    ToolOutput,
+    UnknownItem,
+)
 from proto_server.wire.options import PromptCacheOptions
 from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool, function_tools
@@ -206,6 +214,47 @@ def input_items(create: ResponseCreate) -> tuple[Item, ...]:
     if isinstance(create.input, str):
         return (Message(role="user", content=create.input),)
     return create.input
+
+
+def _call_made(item: Item) -> str | None:
+    """The call id of a tool call `item` is (a function's, a custom tool's, or a hosted tool's
+    carried whole), or None."""
+    if isinstance(item, FunctionCall | CustomToolCall):
+        return item.call_id
+    if isinstance(item, UnknownItem) and not item.type.endswith("_output"):
+        call_id = item.raw.get("call_id")
+        return call_id if isinstance(call_id, str) else None
+    return None
+
+
+def check_tool_outputs(history: Sequence[Item], items: Sequence[Item]) -> None:
+    """Refuse, as OpenAI does, a tool output in `items` (a turn's new input) that answers no
+    call of the conversation (`history`, then `items` before it). History is walked from its
+    end, only while some output is unanswered; a compaction stops the walk (the calls it
+    summarized are not there to be seen), as it does in `items`."""
+    made: set[str] = set()
+    unanswered: dict[str, tuple[int, ToolOutput]] = {}
+    for index, item in enumerate(items):
+        if is_compaction(item):
+            return
+        if (call_id := _call_made(item)) is not None:
+            made.add(call_id)
+        elif isinstance(item, ToolOutput) and item.call_id not in made:
+            unanswered.setdefault(item.call_id, (index, item))
+    for item in reversed(history):
+        if not unanswered or is_compaction(item):
+            return
+        if (call_id := _call_made(item)) is not None:
+            unanswered.pop(call_id, None)
+    if not unanswered:
+        return
+    index, output = min(unanswered.values(), key=lambda found: found[0])
+    kind = "function call" if isinstance(output, FunctionCallOutput) else "custom tool call"
+    raise ProtocolError(
+        "unknown_call_id",
+        f"No tool call found for {kind} output with call_id {output.call_id}.",
+        param=f"input[{index}]",
+    )
 
 
 @attrs.frozen

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
@@ -77,4 +77,14 @@ class GrammarGenerator(Protocol):
     def check_text_format(self, form: TextFormat) -> None:
         """Raise `ProtocolError` (400, `param` the path in the schema) for a schema its grammar
         cannot take."""
+        ...
+
+
+@runtime_checkable
+class ListedGenerator(Protocol):
+    """A generator whose engine lists models of its own (vLLM's `/v1/models`): `GET /v1/models`
+    lists those, as the engine describes them."""
+
+    async def engine_models(self) -> list[dict[str, Any]] | None:
+        """The engine's model objects as it lists them now; None if it does not answer."""
         ...

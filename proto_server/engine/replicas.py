@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -31,6 +31,7 @@ from proto_server.core.text_format import TextFormat
 from proto_server.engine.base import (
     GeneratorSession,
     GrammarGenerator,
+    ListedGenerator,
     ProbedGenerator,
     TokenGenerator,
 )
@@ -118,6 +119,15 @@ class ReplicatedGenerator:
         self, conversation: Conversation, *, cache_salt: str | None = None
     ) -> ReplicatedSession:
         return ReplicatedSession(self, conversation, cache_salt=cache_salt)
+
+    async def engine_models(self) -> list[dict[str, Any]] | None:
+        """The models the first replica that answers lists (each serves the same model)."""
+        for replica in self.replicas:
+            if isinstance(replica.generator, ListedGenerator):
+                models = await replica.generator.engine_models()
+                if models is not None:
+                    return models
+        return None
 
     async def readiness(self) -> str | None:
         """None while at least one replica answers (asked now); else why none does."""

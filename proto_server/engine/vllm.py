@@ -575,6 +575,19 @@ class VllmGenerator:
             return f"the engine at {self.url} serves {served}, not {self.model.name!r}"
         return None
 
+    async def engine_models(self) -> list[dict[str, Any]] | None:
+        """The engine's `/v1/models` entries, as it lists them (within a short timeout)."""
+        try:
+            with trio.fail_after(PROBE_TIMEOUT_S):
+                answer = await self.client.get("/models", timeout=PROBE_TIMEOUT_S)
+            body = answer.json()
+        except (httpx.HTTPError, trio.TooSlowError, ValueError):
+            return None
+        data = body.get("data") if answer.status_code == 200 and isinstance(body, dict) else None
+        if not isinstance(data, list):
+            return None
+        return [entry for entry in data if isinstance(entry, dict) and "id" in entry]
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()

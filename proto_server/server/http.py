@@ -1,9 +1,12 @@
 """Plain HTTP on the same port, with h11: the stateless Responses API and its SSE stream.
 
-    POST /v1/responses            stream: true -> Server-Sent Events; else one JSON Response
-    GET  /v1/responses/{id}       a stored Response
-    GET  /v1/models[/{id}]        the served model, as OpenAI lists models
-    POST /v1/responses/compact    a compacted history to start a new chain from
+    POST   /v1/responses                  stream: true -> Server-Sent Events; else one Response
+    GET    /v1/responses/{id}             a stored Response
+    GET    /v1/responses/{id}/input_items what it was given as input, paged as OpenAI pages it
+    DELETE /v1/responses/{id}             a stored Response deleted (a chain through it breaks)
+    POST   /v1/responses/input_tokens     the prompt tokens a create would be served with
+    GET    /v1/models[/{id}]              the engine's models (vLLM), else the served model
+    POST   /v1/responses/compact          a compacted history to start a new chain from
     GET  /healthz                 liveness
     GET  /readyz                  readiness: 503 while shutting down, or the store or engine
                                   does not answer (with engine replicas: none does; the body
@@ -32,9 +35,10 @@ import trio
 from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation, counted
 from proto_server.core.ids import new_id
+from proto_server.core.paging import page, parse_page_query
 from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
-from proto_server.engine.base import ProbedGenerator
+from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
 from proto_server.server import metrics
 from proto_server.server.logs import log
@@ -43,12 +47,19 @@ from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.responses import Responses
 from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
-from proto_server.server.store import ANONYMOUS, ProbedStore, StoreUnavailable, history_of
+from proto_server.server.store import (
+    ANONYMOUS,
+    ProbedStore,
+    StoredResponse,
+    StoreUnavailable,
+    chain_items,
+    history_of,
+)
 from proto_server.server.writer import discard_events, write_events
 from proto_server.wire.converter import converter, decode_request_body
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
-from proto_server.wire.items import Item
+from proto_server.wire.items import Item, item_id, listed
 from proto_server.wire.response import Usage
 
 if TYPE_CHECKING:
@@ -60,6 +71,19 @@ JSON = ("content-type", "application/json")
 #: what the client still sends, for at most this long, before it closes the connection.
 LINGER_BYTES = 64 * 1024
 LINGER_S = 1.0
+
+
+RESPONSES = "/v1/responses/"
+INPUT = "/input_items"
+
+
+def _not_stored(response_id: str) -> ProtocolError:
+    return ProtocolError(
+        "response_not_found",
+        f"No stored response {quoted(response_id)}: only store: true responses are kept, "
+        "until the retention limit or until deleted.",
+        status=404,
+    )
 
 
 def unauthorized() -> ProtocolError:
@@ -303,7 +327,8 @@ class _Exchange:
         self.stream = stream
         self.conn = conn
         self.method = request.method.decode()
-        self.path = request.target.decode("latin-1").split("?", 1)[0].rstrip("/")
+        path, _, self.query = request.target.decode("latin-1").partition("?")
+        self.path = path.rstrip("/")
         self.authorization = next(
             (v.decode("latin-1") for k, v in request.headers if k == b"authorization"), None
         )
@@ -332,12 +357,18 @@ class _Exchange:
             await self._create()
         elif route == ("POST", "/v1/responses/compact"):
             await self._compact()
+        elif route == ("POST", "/v1/responses/input_tokens"):
+            await self._input_tokens()
         elif route == ("GET", "/v1/models"):
-            await self._json(200, {"object": "list", "data": [self._model()]})
+            await self._json(200, {"object": "list", "data": await self._models()})
         elif self.method == "GET" and self.path.startswith("/v1/models/"):
             await self._retrieve_model(self.path.removeprefix("/v1/models/"))
-        elif self.method == "GET" and self.path.startswith("/v1/responses/"):
-            await self._retrieve(self.path.removeprefix("/v1/responses/"))
+        elif self.method == "GET" and self.path.startswith(RESPONSES) and self.path.endswith(INPUT):
+            await self._input_items(self.path.removeprefix(RESPONSES).removesuffix(INPUT))
+        elif self.method == "GET" and self.path.startswith(RESPONSES):
+            await self._retrieve(self.path.removeprefix(RESPONSES))
+        elif self.method == "DELETE" and self.path.startswith(RESPONSES):
+            await self._delete(self.path.removeprefix(RESPONSES))
         else:
             raise ProtocolError(
                 "not_found",
@@ -507,16 +538,47 @@ class _Exchange:
             self.conn.receive_data(bytes(data))
             kept += len(data)
 
-    async def _retrieve(self, response_id: str) -> None:
+    async def _stored(self, response_id: str) -> StoredResponse:
+        """The owner's stored Response, or a 404."""
         stored = await self.responses.store.get(response_id, owner=self.owner)
         if stored is None:
-            raise ProtocolError(
-                "response_not_found",
-                f"No stored response {quoted(response_id)}: only store: true responses are kept, "
-                "until the retention limit.",
-                status=404,
-            )
+            raise _not_stored(response_id)
+        return stored
+
+    async def _retrieve(self, response_id: str) -> None:
+        stored = await self._stored(response_id)
         await self._json(200, converter.unstructure(stored.response))
+
+    async def _input_items(self, response_id: str) -> None:
+        """What the Response was given as input: the items of the chain it continued (their
+        inputs and outputs, as far as the chain is still stored) and its own input items."""
+        query = parse_page_query(self.query)
+        stored = await self._stored(response_id)
+        chain = await self.responses.store.chain(response_id, owner=self.owner)
+        outputs = {item_id(item) for item in stored.response.output}
+        items = [
+            converter.unstructure(listed(item))
+            for item in chain_items(chain or [stored])
+            if item_id(item) not in outputs
+        ]
+        await self._json(200, page(items, query))
+
+    async def _delete(self, response_id: str) -> None:
+        if not await self.responses.store.delete(response_id, owner=self.owner):
+            raise _not_stored(response_id)
+        log.info("http.deleted", extra={"response": response_id})
+        await self._json(200, {"id": response_id, "object": "response", "deleted": True})
+
+    async def _input_tokens(self) -> None:
+        """The prompt a create of this body would be served with, counted: its history, its
+        items (references resolved) and instructions and tools, rendered as a create is."""
+        body = await self._body()
+        create = await self._decode(body)
+        responses = self.responses
+        await responses.check(create, size=len(body))
+        history = await self._history(create.previous_response_id)
+        tokens = await responses.input_tokens(create, history, owner=self.owner, size=len(body))
+        await self._json(200, {"object": "response.input_tokens", "input_tokens": tokens})
 
     def _model(self) -> dict[str, Any]:
         """The one model this process serves, as an OpenAI Model object."""
@@ -527,15 +589,33 @@ class _Exchange:
             "owned_by": "proto-server",
         }
 
-    async def _retrieve_model(self, model_id: str) -> None:
-        model = self._model()
-        if model_id != model["id"]:
+    async def _models(self) -> list[dict[str, Any]]:
+        """The engine's models as it lists them (vLLM), or the one this process serves."""
+        generator = self.responses.generator
+        if not isinstance(generator, ListedGenerator):
+            return [self._model()]
+        models = await generator.engine_models()
+        if models is None:
             raise ProtocolError(
-                "model_not_found",
-                f"No model {quoted(model_id)}: this server serves {quoted(model['id'])}.",
-                status=404,
+                "engine_unavailable",
+                "The engine did not list its models; retry shortly (GET /readyz says why).",
+                error_type="server_error",
+                status=503,
             )
-        await self._json(200, model)
+        return models
+
+    async def _retrieve_model(self, model_id: str) -> None:
+        models = await self._models()
+        for model in models:
+            if model.get("id") == model_id:
+                await self._json(200, model)
+                return
+        served = ", ".join(quoted(str(model.get("id"))) for model in models)
+        raise ProtocolError(
+            "model_not_found",
+            f"No model {quoted(model_id)}: this server serves {served}.",
+            status=404,
+        )
 
     async def _compact(self) -> None:
         body = await self._body()

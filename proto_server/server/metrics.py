@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import prometheus_client
@@ -34,6 +34,7 @@ from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,
+    ItemStore,
     ProbedStore,
     ResponseStore,
     SQLiteStore,
@@ -42,6 +43,7 @@ from proto_server.server.store import (
     SuspensionStore,
 )
 from proto_server.wire.events import ErrorEvent, ServerEvent
+from proto_server.wire.items import Item
 
 #: Set by the supervisor of `--workers` for its workers: their shared directory of values.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -381,6 +383,21 @@ class TimedStore:
     ) -> list[StoredResponse] | None:
         with self._timed("chain"):
             return await self.inner.chain(response_id, owner=owner)
+
+    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+        """The inner store's items of these ids (none, if it cannot look items up)."""
+        if not isinstance(self.inner, ItemStore):
+            return {}
+        with self._timed("items"):
+            return await self.inner.items(item_ids, owner=owner)
+
+    async def delete(self, response_id: str, *, owner: str) -> bool:
+        """Whether the inner store held and deleted it (one that cannot delete holds nothing
+        it could)."""
+        if not isinstance(self.inner, ItemStore):
+            return False
+        with self._timed("delete"):
+            return await self.inner.delete(response_id, owner=owner)
 
     async def readiness(self) -> str | None:
         """The inner store's answer to `/readyz`, if it has one (else it is as ready as this)."""

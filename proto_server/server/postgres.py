@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -30,6 +30,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from proto_server.server.store import (
     ANONYMOUS,
     DEFAULT_RETENTION,
+    ITEMS_FAILED,
     PUT_FAILED,
     SUSPEND_FAILED,
     StoredResponse,
@@ -41,12 +42,16 @@ from proto_server.server.store import (
     chain_failed,
     decode_row,
     decode_suspended,
+    delete_failed,
     encode_items,
     encode_row,
     encode_suspended,
+    found_items,
     get_failed,
     resume_failed,
+    stored_item_ids,
 )
+from proto_server.wire.items import Item
 
 T = TypeVar("T")
 
@@ -60,6 +65,7 @@ _MIGRATION_LOCK = 0x70726F746F  # "proto"
 _RESPONSES = "proto_server_responses"
 _SUSPENDED = "proto_server_suspended"
 _SUSPENDED_ITEMS = "proto_server_suspended_items"
+_ITEMS = "proto_server_response_items"
 
 #: Schema changes in order; `proto_server_schema.version` counts those a database has had.
 _MIGRATIONS = (
@@ -91,6 +97,18 @@ _MIGRATIONS = (
         items bytea NOT NULL,
         PRIMARY KEY (id, start)
     )""",
+    # 7-9: which stored response holds each item id (`item_reference`), filled for old rows;
+    # deleted with its response (pruned or deleted by id)
+    f"""CREATE TABLE {_ITEMS} (
+        owner text NOT NULL,
+        item_id text NOT NULL,
+        response_id text NOT NULL REFERENCES {_RESPONSES} (id) ON DELETE CASCADE,
+        PRIMARY KEY (owner, item_id, response_id)
+    )""",
+    f"CREATE INDEX {_ITEMS}_response ON {_ITEMS} (response_id)",
+    f"INSERT INTO {_ITEMS} SELECT DISTINCT r.owner, e.value->>'id', r.id FROM {_RESPONSES} r, "
+    "jsonb_array_elements(convert_from(r.items, 'UTF8')::jsonb) e "
+    "WHERE jsonb_typeof(e.value->'id') = 'string' ON CONFLICT DO NOTHING",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -199,6 +217,13 @@ class PostgresStore:
                 (response.id, response.previous_response_id, stored.owner, response.created_at,
                  now, response_blob, items_blob),
             )  # fmt: skip
+            conn.execute(f"DELETE FROM {_ITEMS} WHERE response_id = %s", (response.id,))
+            with conn.cursor() as cursor:
+                cursor.executemany(
+                    f"INSERT INTO {_ITEMS} (owner, item_id, response_id) VALUES (%s, %s, %s) "
+                    "ON CONFLICT DO NOTHING",
+                    [(stored.owner, item, response.id) for item in stored_item_ids(stored)],
+                )
             conn.execute(f"DELETE FROM {_RESPONSES} WHERE stored_at < %s", (now - self.max_age_s,))
             conn.execute(
                 f"DELETE FROM {_RESPONSES} WHERE id IN (SELECT id FROM {_RESPONSES} "
@@ -304,6 +329,24 @@ class PostgresStore:
         ).fetchone()
         return None if row is None else decode_row(row[0], row[1], owner)
 
+    @staticmethod
+    def _items(conn: psycopg.Connection[Any], item_ids: list[str], owner: str) -> dict[str, Item]:
+        rows = conn.execute(
+            f"SELECT DISTINCT ON (i.item_id) i.item_id, r.id, r.items FROM {_ITEMS} i "
+            f"JOIN {_RESPONSES} r ON r.id = i.response_id "
+            "WHERE i.owner = %s AND i.item_id = ANY(%s) ORDER BY i.item_id, r.stored_at DESC",
+            (owner, item_ids),
+        ).fetchall()
+        where = {row[0]: row[1] for row in rows}
+        return found_items(where, {row[1]: bytes(row[2]) for row in rows})
+
+    @staticmethod
+    def _delete(conn: psycopg.Connection[Any], response_id: str, owner: str) -> bool:
+        gone = conn.execute(  # its items' ids go with it (ON DELETE CASCADE)
+            f"DELETE FROM {_RESPONSES} WHERE id = %s AND owner = %s", (response_id, owner)
+        )
+        return gone.rowcount == 1
+
     def _chain(
         self, conn: psycopg.Connection[Any], response_id: str, owner: str
     ) -> list[StoredResponse] | None:
@@ -350,6 +393,12 @@ class PostgresStore:
         self, response_id: str, *, owner: str = ANONYMOUS
     ) -> list[StoredResponse] | None:
         return await self._call(chain_failed(response_id), self._chain, response_id, owner)
+
+    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+        return await self._call(ITEMS_FAILED, self._items, list(item_ids), owner)
+
+    async def delete(self, response_id: str, *, owner: str) -> bool:
+        return await self._call(delete_failed(response_id), self._delete, response_id, owner)
 
     async def count(self) -> int:
         def count(conn: psycopg.Connection[Any]) -> int:

@@ -28,11 +28,13 @@ from proto_server.core.reasoning import (
     check_reasonings,
     replayed,
 )
+from proto_server.core.references import find_in, references, resolve, with_ids
 from proto_server.core.render import O200kRenderer, Renderer
 from proto_server.core.request import (
     ToolChoice,
     check_create,
     check_tool_choice,
+    check_tool_outputs,
     compact_turn,
     compaction_threshold,
     input_items,
@@ -46,6 +48,7 @@ from proto_server.core.response import ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
 from proto_server.engine.base import GrammarGenerator, TokenGenerator
+from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
 from proto_server.server.config import ServerConfig
@@ -253,8 +256,8 @@ class Responses:
         `announce_suspension`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
-        if not isinstance(create.input, str):  # the model reads sealed reasoning as it wrote it
-            create = attrs.evolve(create, input=replayed(create.input, self.compaction_key))
+        known = rollout.conversation.items if rollout is not None else history
+        create = await self.resolved(create, known, owner)
         # rendering peaks as decoding does (`proto-server bench memory`): room is held for it
         with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
             prepared = await self.offload.run(
@@ -336,6 +339,45 @@ class Responses:
             arrived_at=arrived_at,
             warmup=is_warmup(create),
         )
+
+    async def resolved(
+        self, create: ResponseCreate, history: Sequence[Item], owner: str
+    ) -> ResponseCreate:
+        """`create` with its `item_reference`s replaced by the items they name (from `history`,
+        the conversation it continues, else from what `owner` stored), its tool outputs each
+        answering a call of the conversation; refused (400) otherwise, changing nothing. Its
+        sealed reasoning items get their text back: the model reads it as it wrote it."""
+        items = input_items(create)
+        wanted = references(items)
+        if wanted:
+            found = find_in(history, list(wanted))
+            elsewhere = [named for named in wanted if named not in found]
+            if elsewhere:
+                found |= await self.store.items(elsewhere, owner=owner)
+            items = resolve(items, found)
+        check_tool_outputs(history, items)
+        if (unsealed := replayed(items, self.compaction_key)) is not items or wanted:
+            create = attrs.evolve(create, input=unsealed)
+        return create
+
+    async def input_tokens(
+        self, create: ResponseCreate, history: Sequence[Item], *, owner: str, size: int
+    ) -> int:
+        """The prompt tokens `create` would be served with on a cold rollout holding `history`:
+        rendered as `begin` renders it (references resolved), with the chat template's
+        generation prompt where the model has one."""
+        create = await self.resolved(create, history, owner)
+        with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
+            prepared = await self.offload.run(
+                partial(prepare_input, cold=True),
+                self.renderer,
+                create,
+                history,
+                size=size + 1024 * len(history),
+            )
+        renderer = self.renderer
+        prompt = renderer.generation_prompt if isinstance(renderer, ChatTemplateRenderer) else ()
+        return prepared.tokens + len(prompt)
 
     async def resume(
         self,
@@ -436,7 +478,7 @@ class Responses:
         stored suspension (if any) deleted in the same transaction."""
 
         async def persist(machine: ResponseMachine) -> None:
-            items = tuple(machine.conversation.items[first_item:])
+            items = with_ids(machine.conversation.items[first_item:])
             stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
             ends = durable.ends if durable is not None else None
             await self.store.put(stored, ends_suspension=ends)

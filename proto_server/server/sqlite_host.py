@@ -56,6 +56,17 @@ MIGRATIONS = (
         items BLOB NOT NULL,
         PRIMARY KEY (id, start)
     )""",
+    # 5-7: which stored response holds each item id (`item_reference`), filled for old rows
+    """CREATE TABLE response_items (
+        owner TEXT NOT NULL,
+        item_id TEXT NOT NULL,
+        response_id TEXT NOT NULL,
+        PRIMARY KEY (owner, item_id, response_id)
+    )""",
+    "CREATE INDEX response_items_response ON response_items (response_id)",
+    "INSERT OR IGNORE INTO response_items SELECT r.owner, json_extract(j.value, '$.id'), r.id "
+    "FROM responses r, json_each(CAST(r.items AS TEXT)) j "
+    "WHERE json_type(j.value, '$.id') = 'text'",
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -101,24 +112,81 @@ def migrate(db: sqlite3.Connection) -> None:
 
 
 def put(
-    db: sqlite3.Connection, row: tuple[Any, ...], ends_suspension: int | None,
-    older_than: float, keep: int,
+    db: sqlite3.Connection, row: tuple[Any, ...], item_ids: list[str],
+    ends_suspension: int | None, older_than: float, keep: int,
 ) -> None:  # fmt: skip
+    """Store a row and the ids of its items; prune to the retention limit, the items' ids of
+    what is pruned with it."""
+    response_id, owner = row[0], row[-1]
     with db:  # one transaction: all of it, or none of it
         db.execute("BEGIN IMMEDIATE")
         if ends_suspension is not None:
-            _end_suspension(db, row[0], ends_suspension)
+            _end_suspension(db, response_id, ends_suspension)
         db.execute(
             "INSERT OR REPLACE INTO responses (id, previous_response_id, created_at, "
             "stored_at, response, items, owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
             row,
         )
-        db.execute("DELETE FROM responses WHERE stored_at < ?", (older_than,))
-        db.execute(
-            "DELETE FROM responses WHERE id IN (SELECT id FROM responses "
-            "ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
-            (keep,),
+        db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
+        db.executemany(
+            "INSERT OR IGNORE INTO response_items (owner, item_id, response_id) VALUES (?, ?, ?)",
+            [(owner, item_id, response_id) for item_id in item_ids],
         )
+        # the oldest go first (by age, then past the count): both are a tail by stored_at
+        gone = db.execute(
+            "SELECT id FROM responses WHERE stored_at < ? UNION SELECT id FROM "
+            "(SELECT id FROM responses ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
+            (older_than, keep),
+        ).fetchall()
+        for (old,) in gone:
+            _delete(db, old)
+
+
+def _delete(db: sqlite3.Connection, response_id: str) -> None:
+    db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+    db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
+
+
+def delete(db: sqlite3.Connection, response_id: str, owner: str) -> bool:
+    """Delete `owner`'s stored response `response_id`; whether there was one."""
+    with db:
+        db.execute("BEGIN IMMEDIATE")
+        found = db.execute(
+            "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+        ).fetchone()
+        if found is not None:
+            _delete(db, response_id)
+    return found is not None
+
+
+#: Ids looked up by one statement (SQLite's limit on parameters is far above it).
+ITEMS_PER_QUERY = 500
+
+
+def items(
+    db: sqlite3.Connection, owner: str, item_ids: list[str]
+) -> tuple[dict[str, str], dict[str, bytes]]:
+    """Where `owner`'s items of these ids are: each found id's response (the newest stored that
+    holds it), and those responses' items."""
+    newest: dict[str, tuple[float, str]] = {}
+    blobs: dict[str, bytes] = {}
+    with db:  # one read transaction
+        db.execute("BEGIN")
+        for start in range(0, len(item_ids), ITEMS_PER_QUERY):
+            some = item_ids[start : start + ITEMS_PER_QUERY]
+            rows = db.execute(
+                "SELECT i.item_id, r.id, r.stored_at, r.items FROM response_items i "
+                "JOIN responses r ON r.id = i.response_id WHERE i.owner = ? AND i.item_id IN "
+                f"({', '.join('?' * len(some))})",
+                (owner, *some),
+            )
+            for item_id, response_id, stored_at, blob in rows:
+                if item_id not in newest or stored_at > newest[item_id][0]:
+                    newest[item_id] = (stored_at, response_id)
+                    blobs[response_id] = blob
+    where = {item_id: response_id for item_id, (_, response_id) in newest.items()}
+    held = set(where.values())
+    return where, {response_id: blob for response_id, blob in blobs.items() if response_id in held}
 
 
 def _end_suspension(db: sqlite3.Connection, response_id: str, version: int) -> None:
@@ -239,7 +307,8 @@ def count(db: sqlite3.Connection) -> int:
 
 
 OPS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (put, suspend, suspended, claim, release, get, chain, count)
+    f.__name__: f
+    for f in (put, delete, items, suspend, suspended, claim, release, get, chain, count)
 }
 
 

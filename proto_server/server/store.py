@@ -40,7 +40,7 @@ from proto_server.server import sqlite_host
 from proto_server.server.logs import log
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError, ServerFault, quoted
-from proto_server.wire.items import Item
+from proto_server.wire.items import Item, item_id
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
 
@@ -170,12 +170,34 @@ def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
     )
 
 
+def decode_items(items: bytes) -> tuple[Item, ...]:
+    return tuple(converter.structure(orjson.loads(items), list[Item]))  # type: ignore[arg-type,unused-ignore]
+
+
 def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
     return StoredResponse(
         response=converter.structure(orjson.loads(response), Response),
-        items=tuple(converter.structure(orjson.loads(items), list[Item])),  # type: ignore[arg-type,unused-ignore]
+        items=decode_items(items),
         owner=owner,
     )
+
+
+def stored_item_ids(stored: StoredResponse) -> list[str]:
+    """The ids of a stored response's items, each once: what `item_reference` may name."""
+    return list(dict.fromkeys(found for item in stored.items if (found := item_id(item))))
+
+
+def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Item]:
+    """The items of the ids found (`where`: each id's response; `blobs`: their items)."""
+    held = {
+        response_id: {item_id(item): item for item in decode_items(blob)}
+        for response_id, blob in blobs.items()
+    }
+    return {
+        wanted: held[response_id][wanted]
+        for wanted, response_id in where.items()
+        if wanted in held[response_id]
+    }
 
 
 DAY_S = 24 * 3600.0
@@ -225,6 +247,13 @@ def resume_failed(response_id: str) -> str:
     return f"suspended response {response_id!r} could not be looked up or claimed; retry shortly"
 
 
+ITEMS_FAILED = "the referenced items could not be looked up; retry shortly, or send the items"
+
+
+def delete_failed(response_id: str) -> str:
+    return f"response {response_id!r} could not be deleted; retry shortly"
+
+
 def get_failed(response_id: str) -> str:
     return f"response {response_id!r} could not be looked up; retry shortly"
 
@@ -253,6 +282,22 @@ class ResponseStore(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ItemStore(Protocol):
+    """A store that finds stored items by their ids (what `item_reference` names) and deletes
+    stored responses (`DELETE /v1/responses/{id}`); both stores do, a test's dict may not."""
+
+    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+        """Those of the ids that name an item of a response `owner` stored, with the item (from
+        the newest such response, if several hold it)."""
+        ...
+
+    async def delete(self, response_id: str, *, owner: str) -> bool:
+        """Delete `owner`'s stored response; whether there was one. A chain through it breaks
+        there: a later response that continues it can no longer be continued from the store."""
+        ...
 
 
 @runtime_checkable
@@ -559,8 +604,8 @@ class SQLiteStore:
         )
         try:
             db.call(
-                "put", busy_ms, row, ends_suspension, self._clock() - self.max_age_s,
-                self.max_responses,
+                "put", busy_ms, row, stored_item_ids(stored), ends_suspension,
+                self._clock() - self.max_age_s, self.max_responses,
             )  # fmt: skip
         except sqlite_host.Fenced:
             raise SuspensionLost(response.id) from None
@@ -605,6 +650,10 @@ class SQLiteStore:
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
+    def _items(db: _Connection, busy_ms: int, item_ids: list[str], owner: str) -> dict[str, Item]:
+        return found_items(*db.call("items", busy_ms, owner, item_ids))
+
+    @staticmethod
     def _chain(
         db: _Connection, busy_ms: int, response_id: str, owner: str
     ) -> list[StoredResponse] | None:
@@ -645,6 +694,15 @@ class SQLiteStore:
         self, response_id: str, *, owner: str = ANONYMOUS
     ) -> list[StoredResponse] | None:
         return await self._read(chain_failed(response_id), self._chain, response_id, owner)
+
+    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+        return await self._read(ITEMS_FAILED, self._items, list(item_ids), owner)
+
+    async def delete(self, response_id: str, *, owner: str) -> bool:
+        deleted = await self._write(
+            delete_failed(response_id), self._op, "delete", response_id, owner
+        )
+        return bool(deleted)
 
     def count(self) -> int:
         return int(self._writer().call("count", int(self.timeout_s * 1000)))

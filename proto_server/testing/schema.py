@@ -337,14 +337,22 @@ class WireSchema:
             return [f"event type {kind!r} is neither in the schema nor a listed extension"]
         return _errors(checker, event, str(kind))
 
-    def body_errors(self, path: str, status: int, body: Any) -> list[str]:
+    def body_errors(self, path: str, status: int, body: Any, method: str = "GET") -> list[str]:
         """Every way an HTTP JSON body fails: a Response (`POST /v1/responses`, `GET
-        /v1/responses/{id}`), a compaction (`/v1/responses/compact`), or any error body."""
+        /v1/responses/{id}`), a compaction (`/v1/responses/compact`), each item of an input
+        items list, or any error body. What the document does not describe (a deletion, a
+        token count, models) is not checked."""
         if status >= 400:
             return _errors(self.http_error, body, "an HTTP error body")
         path = path.split("?", 1)[0].rstrip("/")
         if path == "/v1/responses/compact":
             return _errors(self.compaction, body, "CompactResource")
+        if path.endswith("/input_items"):
+            return [
+                e for item in body.get("data", []) for e in _errors(self.item, item, "ItemField")
+            ]
+        if method == "DELETE" or path == "/v1/responses/input_tokens":
+            return []
         if path.startswith("/v1/responses"):
             return _errors(self.response, body, "ResponseResource")
         return []  # /healthz, /readyz: not the API's

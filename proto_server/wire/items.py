@@ -154,6 +154,47 @@ ITEM_TYPES: Mapping[str, type[Item]] = {
 }
 
 
+#: The id prefix of each item type, as OpenAI spells it (`item` for types it names otherwise).
+ID_PREFIXES: Mapping[str, str] = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+    "compaction": "cmp",
+}
+
+
+def item_id(item: Item) -> str | None:
+    """The id an item carries (a client's own, or the server's), if it has one."""
+    if isinstance(item, UnknownItem):
+        found = item.raw.get("id")
+        return found if isinstance(found, str) else None
+    return item.id
+
+
+def with_id(item: Item, new: str) -> Item:
+    """`item` carrying the id `new`."""
+    if isinstance(item, UnknownItem):
+        return UnknownItem({**item.raw, "id": new})
+    return attrs.evolve(item, id=new)
+
+
+def listed(item: Item) -> Item:
+    """`item` as OpenAI lists a stored one (`input_items`): a message's text always a list of
+    parts (`input_text`, or `output_text` for the assistant's), a status on every item."""
+    match item:
+        case Message(content=str(text), role=role):
+            part: ContentPart = (
+                OutputText(text=text) if role == "assistant" else InputText(text=text)
+            )
+            return attrs.evolve(item, content=(part,), status=item.status or "completed")
+        case Message() | FunctionCall() | FunctionCallOutput() | CustomToolCall():
+            return attrs.evolve(item, status=item.status or "completed")
+    return item
+
+
 def content_text(content: Content) -> str:
     """The plain text of a message or tool output, parts joined; parts without text are skipped."""
     if isinstance(content, str):

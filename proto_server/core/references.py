@@ -1,0 +1,86 @@
+"""`item_reference` input items: an earlier item named by its id, replaced by the item itself
+before anything renders it, so the model reads what was referenced.
+
+A client that stores its responses may send references instead of the items (the Vercel AI
+SDK, with `store: true`, replaces each earlier assistant reply of a resent history by one). A
+reference is resolved from the conversation it continues first (the chain of
+`previous_response_id`, warm or stored), then from every response its owner stored; one found
+nowhere is refused, naming it, so no history is served with a hole in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from proto_server.core.ids import new_id
+from proto_server.wire.errors import ProtocolError, quoted
+from proto_server.wire.items import ID_PREFIXES, Item, UnknownItem, item_id, with_id
+
+REFERENCE = "item_reference"
+#: Where a reference is looked for, as its refusal says.
+LOOKED_IN = (
+    "in the conversation this request continues, nor an item of a response stored "
+    "(store: true) with this API key"
+)
+
+
+def references(items: Sequence[Item]) -> dict[str, int]:
+    """The ids `items` reference, each with the index of its first reference; a malformed
+    reference (no string `id`) is refused."""
+    wanted: dict[str, int] = {}
+    for index, item in enumerate(items):
+        if not (isinstance(item, UnknownItem) and item.type == REFERENCE):
+            continue
+        named = item.raw.get("id")
+        if not isinstance(named, str) or not named:
+            raise ProtocolError(
+                "invalid_field",
+                f"`input[{index}]` is an item_reference without an `id`; send "
+                '{"type": "item_reference", "id": "<an item id>"}.',
+                param=f"input[{index}].id",
+            )
+        wanted.setdefault(named, index)
+    return wanted
+
+
+def find_in(history: Sequence[Item], wanted: Sequence[str]) -> dict[str, Item]:
+    """Those of `wanted` that name an item of `history`, newest first, stopping once all are
+    found (a reference is most often to what was just said: a long history is not walked)."""
+    missing = set(wanted)
+    found: dict[str, Item] = {}
+    for item in reversed(history):
+        if not missing:
+            break
+        named = item_id(item)
+        if named in missing:
+            missing.discard(named)
+            found[named] = item
+    return found
+
+
+def resolve(items: Sequence[Item], found: Mapping[str, Item]) -> tuple[Item, ...]:
+    """`items` with every reference replaced by the item it names; one not in `found` is a 400
+    naming it and where it is in `input`."""
+    resolved: list[Item] = []
+    for index, item in enumerate(items):
+        if isinstance(item, UnknownItem) and item.type == REFERENCE:
+            named = str(item.raw.get("id"))
+            if named not in found:
+                raise ProtocolError(
+                    "item_not_found",
+                    f"Item {quoted(named)} referenced by `input[{index}]` not found: it is not "
+                    f"{LOOKED_IN}. Send the item itself instead of a reference.",
+                    param=f"input[{index}]",
+                )
+            item = found[named]
+        resolved.append(item)
+    return tuple(resolved)
+
+
+def with_ids(items: Sequence[Item]) -> tuple[Item, ...]:
+    """`items`, each without an id given one (`msg_...` for a message, as OpenAI's): a stored
+    item is listed, and may be referenced, by its id."""
+    return tuple(
+        item if item_id(item) else with_id(item, new_id(ID_PREFIXES.get(item.type, "item")))
+        for item in items
+    )
