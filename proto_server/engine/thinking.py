@@ -1,0 +1,128 @@
+"""A model's thinking, split from its answer as it streams: `<think> ... </think>` first.
+
+Qwen3, QwQ and DeepSeek R1 think in a block of their own before they answer or call:
+
+    <think>
+    The loop stops one short; check range().
+    </think>
+
+    Let me look.<tool_call>...</tool_call>
+
+`ThinkingParser` sits in front of the call parser (toolcalls.py): what is inside the block
+becomes `ReasoningDelta` chunks, what follows goes to the call parser as the model wrote it. It
+keeps that parser's guarantees: text streams at once (only a possible start of a tag is held),
+and every token fed is carried by exactly one chunk or returned by `finish`. A block is looked
+for only at the start of the turn; a template whose generation prompt opens the block itself
+(DeepSeek R1's ends in `<think>\n`) starts the parser inside it (`thinking=True`). The blank
+lines around the thoughts are the template's, not the model's: they are carried by the chunks
+(their tokens counted) but not shown.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proto_server.engine.chunks import Chunk, ReasoningDelta
+
+OPEN = "<think>"
+CLOSE = "</think>"
+_WHITESPACE = " \t\r\n"
+
+
+class CallParser(Protocol):
+    """What follows the thinking: toolcalls.ToolCallParser, or a family's own."""
+
+    @property
+    def called(self) -> bool: ...
+
+    def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
+
+    def finish(self) -> tuple[list[Chunk], int]: ...
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held: the tag may follow)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class ThinkingParser:
+    def __init__(self, answer: CallParser, *, thinking: bool = False) -> None:
+        self._answer = answer
+        #: "start" (a block may open), "thinking" (inside it), "after" (the blank lines after
+        #: it), "answer" (past those, or no block came)
+        self._phase = "thinking" if thinking else "start"
+        self._held = ""  # text not yet handed on: a possible tag, or whitespace at an edge
+        self._tokens = 0  # tokens fed and not yet carried by a chunk
+        self._thought = False  # a reasoning chunk went out (leading whitespace is shown after)
+
+    @property
+    def called(self) -> bool:
+        return self._answer.called
+
+    def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
+        if self._phase == "answer":
+            return self._answer.feed(text, tokens)
+        self._held += text
+        self._tokens += tokens
+        if self._phase == "after":
+            return self._after()
+        if self._phase == "start":
+            head = self._held.lstrip(_WHITESPACE)
+            if OPEN.startswith(head) and len(head) < len(OPEN):
+                return []  # the block may still open
+            if not head.startswith(OPEN):
+                return self._to_answer(self._held)
+            self._phase = "thinking"
+            self._held = head[len(OPEN) :]
+        return self._think()
+
+    def finish(self) -> tuple[list[Chunk], int]:
+        """The chunks still held when decoding stopped, and the tokens no chunk carries."""
+        chunks: list[Chunk] = []
+        if self._phase == "thinking":
+            chunks += self._reason(self._held.rstrip(_WHITESPACE))
+        elif self._phase == "start" and self._held.strip(_WHITESPACE):
+            chunks += self._to_answer(self._held)
+        self._held = ""
+        more, tokens = self._answer.finish()
+        tokens += self._tokens
+        self._tokens = 0
+        return chunks + more, tokens
+
+    def _think(self) -> list[Chunk]:
+        if not self._thought:
+            self._held = self._held.lstrip(_WHITESPACE)
+        end = self._held.find(CLOSE)
+        if end >= 0:
+            thought, rest = self._held[:end], self._held[end + len(CLOSE) :]
+            chunks = self._reason(thought.rstrip(_WHITESPACE))
+            self._phase, self._held = "after", rest
+            return chunks + self._after()
+        # hold a possible start of the close tag, and whitespace that may be the block's end
+        keep = _tag_prefix(self._held, CLOSE)
+        body = self._held[: len(self._held) - keep]
+        out = body.rstrip(_WHITESPACE)
+        self._held = self._held[len(out) :]
+        return self._reason(out)
+
+    def _after(self) -> list[Chunk]:
+        answer = self._held.lstrip(_WHITESPACE)
+        return self._to_answer(answer) if answer else []
+
+    def _reason(self, text: str) -> list[Chunk]:
+        if not text:
+            return []
+        self._thought = True
+        tokens, self._tokens = self._tokens, 0
+        return [ReasoningDelta(text, tokens)]
+
+    def _to_answer(self, text: str) -> list[Chunk]:
+        self._phase = "answer"
+        self._held = ""
+        tokens, self._tokens = self._tokens, 0
+        if not text and not tokens:
+            return []
+        return self._answer.feed(text, tokens)
