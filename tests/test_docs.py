@@ -1,0 +1,55 @@
+"""The documentation site's promises that need no build: the flag page is generated, and says
+what `serve` takes. (`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from proto_server import flag_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS_PAGE = ROOT / "docs" / "flags.md"
+
+
+def test_the_flag_page_is_the_generators_output() -> None:
+    assert FLAGS_PAGE.read_text() == flag_reference.render(), (
+        "docs/flags.md is stale: run python -m proto_server.flag_reference > docs/flags.md"
+    )
+
+
+def test_the_flag_page_lists_every_serve_flag_and_no_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The flags come from the settings' fields (core/settings.py) and `serve --help` lists
+    them; the page must list each, and nothing else."""
+    from proto_server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    usage = capsys.readouterr().out.split("\n\n", 1)[0]  # the usage lines: every flag once
+    flags = set(re.findall(r"(--[a-z0-9-]+)", usage))
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", FLAGS_PAGE.read_text().split("|---|", 1)[1]))
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)`", FLAGS_PAGE.read_text(), re.M)
+
+    def pair(flag: str) -> str:  # a bool's other half: --x and --no-x
+        return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
+
+    missing = {flag for flag in flags if flag not in listed and pair(flag) not in listed}
+    assert not missing, f"serve flags docs/flags.md does not list: {sorted(missing)}"
+    unknown = set(rows) - flags
+    assert not unknown, f"docs/flags.md lists flags serve does not take: {sorted(unknown)}"
+
+
+def test_every_page_is_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")}
+    assert pages == set(re.findall(r": ([a-z-]+\.md)$", nav, re.M))
+
+
+def test_the_readme_links_only_to_pages_that_exist() -> None:
+    links = re.findall(r"\]\((docs/[^)#]+)", (ROOT / "README.md").read_text())
+    assert links, "the README links into the docs"
+    assert [link for link in links if not (ROOT / link).is_file()] == []
