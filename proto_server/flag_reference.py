@@ -47,7 +47,7 @@ def _default(action: argparse.Action) -> str:
     if action.dest == "store" and default == str(default_store_path()):
         return "`$XDG_DATA_HOME/proto-server/responses.sqlite3` (`~/.local/share/...`)"
     if default is None:
-        return "none"
+        return "not set"
     if isinstance(default, bool):
         return "on" if default else "off"
     if isinstance(default, float):
