@@ -4,6 +4,7 @@ what `serve` takes. (`mkdocs build --strict`, in .ci/run, checks the links and t
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,17 @@ def test_every_page_is_in_the_nav() -> None:
     assert pages == set(re.findall(r": ([a-z-]+\.md)$", nav, re.M))
 
 
-def test_the_readme_links_only_to_pages_that_exist() -> None:
-    links = re.findall(r"\]\((docs/[^)#]+)", (ROOT / "README.md").read_text())
+def slug(heading: str) -> str:
+    """A heading's anchor as MkDocs makes it (Python-Markdown's `toc.slugify`)."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_the_readme_links_only_to_pages_and_anchors_that_exist() -> None:
+    """mkdocs checks the pages' links; the README is no page, so its links are checked here."""
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", (ROOT / "README.md").read_text())
     assert links, "the README links into the docs"
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+    assert [page for page, _ in links if not (ROOT / page).is_file()] == []
+    for page, anchor in links:
+        headings = re.findall(r"^#+ (.*)$", (ROOT / page).read_text(), re.M)
+        assert not anchor or anchor in {slug(heading) for heading in headings}, (page, anchor)
