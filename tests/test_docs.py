@@ -64,3 +64,20 @@ def test_the_readme_links_only_to_pages_and_anchors_that_exist() -> None:
     for page, anchor in links:
         headings = re.findall(r"^#+ (.*)$", (ROOT / page).read_text(), re.M)
         assert not anchor or anchor in {slug(heading) for heading in headings}, (page, anchor)
+
+
+def test_the_metrics_table_lists_every_metric_and_no_other() -> None:
+    import prometheus_client
+
+    import proto_server.server.metrics  # noqa: F401  (registers them)
+
+    served = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in prometheus_client.REGISTRY.collect()
+        if family.name.startswith("proto_server_")
+    }
+    section = (ROOT / "docs" / "deployment.md").read_text().split("\n## Metrics\n", 1)[1]
+    table = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
+    listed = {name for cell in table for name in re.findall(r"`(proto_server_\w+)`", cell)}
+    assert served - listed == set(), "metrics docs/deployment.md's table does not list"
+    assert listed - served == set(), "metrics docs/deployment.md lists that /metrics lacks"
