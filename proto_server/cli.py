@@ -272,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_store_location,
         default=str(default_store_path()),
         metavar="PATH",
-        help="SQLite file for store: true responses; ':memory:' keeps them in memory "
-        "(URLs such as postgresql:// are not supported by this build)",
+        help="SQLite file for store: true responses; ':memory:' keeps them in memory; a "
+        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE URL puts them in PostgreSQL, shared "
+        "by every server process pointed at it (needs the [postgresql] extra)",
     )
     serve.add_argument(
         "--compaction-secret-file",

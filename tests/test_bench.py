@@ -1,6 +1,6 @@
 """`proto-server bench`, reduced: it runs end to end, and its table and JSON are well formed.
 
-Timings are not asserted: this machine is shared and noisy; the README shows a real run.
+Timings are not asserted: this machine is shared and noisy; docs/benchmarks.md shows a real run.
 """
 
 from __future__ import annotations

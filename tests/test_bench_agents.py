@@ -1,6 +1,6 @@
 """`proto-server bench agents`, reduced: many rollouts at once, every path's figures consistent.
 
-Timings are not asserted (a shared, noisy machine); the README shows a real run.
+Timings are not asserted (a shared, noisy machine); docs/benchmarks.md shows a real run.
 """
 
 from __future__ import annotations

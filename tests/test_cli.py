@@ -301,7 +301,7 @@ def test_permessage_deflate_is_one_flag_both_ways() -> None:
     def parsed(*flags: str) -> bool:
         return bool(build_parser().parse_args(["serve", *flags]).permessage_deflate)
 
-    assert parsed() is ServerConfig().permessage_deflate is False  # off: see the README
+    assert parsed() is ServerConfig().permessage_deflate is False  # off: see docs/flags.md
     assert parsed("--permessage-deflate") is True
     assert parsed("--permessage-deflate", "--no-permessage-deflate") is False
     with pytest.raises(SystemExit):

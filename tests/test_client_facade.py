@@ -112,11 +112,11 @@ def test_a_rollout_shows_its_events_pending_calls_and_timing_chart() -> None:
 
 
 def python_blocks() -> list[str]:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)\n```", readme, re.S)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "clients.md").read_text()
+    return re.findall(r"```python\n(.*?)\n```", page, re.S)
 
 
-def test_the_readme_client_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_client_pages_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
     trio_example, blocking_example = (
         block for block in python_blocks() if "proto_server.client" in block
     )

@@ -1,4 +1,4 @@
-"""The deployment of README's "Running more than one", for real: HAProxy (Debian's package, with
+"""The deployment of docs/deployment.md, for real: HAProxy (Debian's package, with
 `deploy/haproxy.cfg` as shipped) in front of two separate `proto-server serve` processes that
 share a throwaway PostgreSQL store, everything on loopback.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,24 +26,18 @@ def test_the_run_command_starts_the_server_with_its_defaults() -> None:
     assert shell_blocks()[0].endswith("pip install -e . && proto-server serve")
 
 
-def test_the_flags_table_lists_every_serve_flag_and_no_other(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The flags come from the settings' fields (core/settings.py) and `serve --help` lists
-    them; the README's table must keep up with them."""
-    from proto_server.cli import main
+@pytest.mark.timeout(60)
+def test_the_readme_python_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """The openai SDK's WebSocket mode chained through a tool call, then the blocking client
+    (which defines `tools` from the first), against the default model as `serve` has it."""
+    from proto_server.client import RolloutState
+    from proto_server.hosted import serving
 
-    with pytest.raises(SystemExit):
-        main(["serve", "--help"])
-    usage = capsys.readouterr().out.split("\n\n", 1)[0]  # the usage lines: every flag once
-    flags = set(re.findall(r"(--[a-z0-9-]+)", usage))
-    section = (ROOT / "README.md").read_text().split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `(--[a-z0-9-]+)", section, re.M))
-
-    def pair(flag: str) -> str:  # a bool's other half: --x and --no-x
-        return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
-
-    missing = {flag for flag in flags if flag not in listed and pair(flag) not in listed}
-    assert not missing, f"serve flags the README's Flags table does not list: {sorted(missing)}"
-    unknown = listed - flags
-    assert not unknown, f"the README lists flags serve does not take: {sorted(unknown)}"
+    sdk, blocking = re.findall(r"```python\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    with serving() as host:
+        assert host.url is not None
+        namespace: dict[str, Any] = {}
+        exec(sdk.replace("http://127.0.0.1:8000/v1", host.url), namespace)
+        assert "I ran exec_command" in capsys.readouterr().out  # the answer after the call
+        exec(blocking, namespace)
+        assert namespace["rollout"].state is RolloutState.COMPLETED

@@ -26,7 +26,7 @@ from proto_server.wire.errors import ProtocolError
 
 #: Peak memory while one frame is decoded and rendered, per byte of the frame in memory:
 #: `proto-server bench memory` measures a real server's peak RSS per input shape, 2-42x at 15 MB,
-#: the most for deeply nested JSON (README, limits); 48 covers that with a margin.
+#: the most for deeply nested JSON (docs/limits.md); 48 covers that with a margin.
 PREPARING_FACTOR = 48
 
 MiB = 1024 * 1024

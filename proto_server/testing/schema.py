@@ -6,7 +6,7 @@ define the Response object, the items and every streamed event. `WireSchema` val
 them with `jsonschema` (draft 2020-12; `$ref`s resolved through one `referencing` registry,
 built once), so a strict client's parser would accept what passes.
 
-Five overlays on the published document, each explicit here and in the README:
+Five overlays on the published document, each explicit here and in docs/checker.md:
 
 - `EXTENSION_EVENTS`: this project's events that the schema does not define (`response.done`,
   `response.cancelled`), checked against schemas of their own whose `response` is still a
@@ -78,7 +78,7 @@ def response_event(kind: str, status: str) -> dict[str, Any]:
 
 
 #: This project's server events outside the published schema, the only ones: each is held to
-#: its own schema (README, "The published schema").
+#: its own schema (docs/checker.md, "The published schema").
 EXTENSION_EVENTS: Mapping[str, Extension] = {
     "response.done": Extension(
         why="prototype dialect: a segment ended on tool calls; the Response is suspended",
