@@ -13,6 +13,7 @@ from proto_server.core.response import (
     TERMINAL,
     TRANSITIONS,
     IllegalTransition,
+    Mode,
     ResponseMachine,
     Status,
 )
@@ -234,7 +235,7 @@ def test_in_the_launched_dialect_a_segment_with_tool_calls_completes() -> None:
     m = ResponseMachine(
         response=Response(id="resp_2", created_at=0, status="in_progress", model="m"),
         conversation=Conversation(O200kRenderer()),
-        suspend_on_tool_calls=False,
+        mode=Mode.SUCCESSOR,
     )
     m.start()
     m.begin_segment(prompt_tokens=1, cached_tokens=0)

@@ -6,7 +6,7 @@ import pytest
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
-from proto_server.core.response import STEERED, ResponseMachine, Status, Steer
+from proto_server.core.response import STEERED, Mode, ResponseMachine, Status, Steer
 from proto_server.wire.errors import ErrorDetail, ProtocolError, SteerRefused
 from proto_server.wire.events import (
     OutputItemDone,
@@ -25,7 +25,7 @@ def machine(*, successor: bool = False, max_pending_steers: int = 8) -> Response
     m = ResponseMachine(
         response=Response(id="resp_1", created_at=0, status="in_progress", model="m"),
         conversation=conv,
-        suspend_on_tool_calls=not successor,
+        mode=Mode.SUCCESSOR if successor else Mode.SUSPEND,
         max_pending_steers=max_pending_steers,
     )
     m.start()
@@ -170,7 +170,7 @@ def test_refusals_name_their_code_and_change_nothing() -> None:
     beta = ResponseMachine(
         response=Response(id="resp_2", created_at=0, status="in_progress", model="m"),
         conversation=conv,
-        announce_suspension=False,
+        mode=Mode.WAIT,
     )
     with pytest.raises(SteerRefused) as refused:
         beta.steer(steer())

@@ -126,6 +126,18 @@ TRANSITIONS: Mapping[Status, frozenset[Status]] = {
 _OUTPUTS = (FunctionCallOutput, CustomToolCallOutput)
 
 
+class Mode(enum.Enum):
+    """How a Response meets the tool calls its model makes: the dialect, as one value."""
+
+    #: Launched (WebSocket mode, HTTP): the calls end the Response; the next create answers.
+    SUCCESSOR = "successor"
+    #: Prototype: it suspends, says `response.done`, and `response.append` resumes it.
+    SUSPEND = "suspend"
+    #: The multi-agent beta: it waits, silently, for `response.inject`; clients act on each
+    #: call's `output_item.done`.
+    WAIT = "wait"
+
+
 class IllegalTransition(Exception):
     """The generator drove the machine somewhere it cannot go: a server bug, never the client's."""
 
@@ -136,6 +148,12 @@ STEERED = "steered"
 #: dialect), it streams on as itself (the prototype dialect), or it takes none (the
 #: multi-agent beta, as OpenAI: steering is for single-agent Responses).
 Steering = Literal["successor", "in_place", "unsupported"]
+
+#: How a Response of each mode is steered unless told: by a successor where calls end it, in
+#: place where it suspends and says so, not at all in the multi-agent beta.
+_STEERING: Mapping[Mode, Steering] = {
+    Mode.SUCCESSOR: "successor", Mode.SUSPEND: "in_place", Mode.WAIT: "unsupported"
+}  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)
@@ -205,10 +223,9 @@ class ResponseMachine:
         *,
         response: Response,
         conversation: Conversation,
-        suspend_on_tool_calls: bool = True,
+        mode: Mode = Mode.SUSPEND,
         clock: Callable[[], int] | None = None,
         compaction: UnknownItem | None = None,
-        announce_suspension: bool = True,
         steering: Steering | None = None,
         max_pending_steers: int = 8,
         new_id: Callable[[str], str] = ids.new_id,
@@ -229,10 +246,7 @@ class ResponseMachine:
         self._seal = seal
         self.completed_at: int | None = None
         self._compaction = compaction
-        self.suspend_on_tool_calls = suspend_on_tool_calls
-        #: Prototype: a suspension says `response.done`. The multi-agent beta says nothing: its
-        #: clients act on each call's `output_item.done` and answer with `response.inject`.
-        self.announce_suspension = announce_suspension
+        self.mode = mode
         #: Outputs injected while the segment that called them still streamed, in order: they
         #: join the conversation when it suspends (after the calls, never among them).
         self._held: list[tuple[tuple[Item, ...], RenderedItems | None]] = []
@@ -255,13 +269,7 @@ class ResponseMachine:
         self.incomplete_reason: str | None = None
         self._ending: _Ending | None = None
         if steering is None:
-            steering = (
-                "successor"
-                if not suspend_on_tool_calls
-                else "in_place"
-                if announce_suspension
-                else "unsupported"
-            )
+            steering = _STEERING[mode]
         if compaction is not None:  # as OpenAI: a compacted Response is not steered
             steering = "unsupported"
         self.steering: Steering = steering
@@ -406,7 +414,7 @@ class ResponseMachine:
         """The model stopped (its last `tokens` carried no output): suspend if it called tools
         (prototype), otherwise complete.
 
-        In the launched dialect (`suspend_on_tool_calls=False`) a Response always completes;
+        In the launched dialect (`Mode.SUCCESSOR`) a Response always completes;
         its tool calls are answered by the next `response.create`.
         """
         self._require_streaming("end a segment")
@@ -415,9 +423,9 @@ class ResponseMachine:
         self._output_tokens += tokens
         self.segment_open = False
         events = self._close_text()
-        if self.pending_calls and self.suspend_on_tool_calls:
+        if self.pending_calls and self.mode is not Mode.SUCCESSOR:
             self._move(Status.SUSPENDED)
-            if not self.announce_suspension or self.pending_calls.keys() <= self._held_ids:
+            if self.mode is Mode.WAIT or self.pending_calls.keys() <= self._held_ids:
                 # silent: a beta client waits on no response.done, and a Response whose every
                 # call was injected already resumes at once (`release_held`), waiting for nobody
                 return events

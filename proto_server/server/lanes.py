@@ -24,7 +24,7 @@ from typing import Protocol
 
 from proto_server.core.conversation import decoded_bytes, render_items
 from proto_server.core.ids import new_id
-from proto_server.core.response import Steer, steer_failed
+from proto_server.core.response import Mode, Steer, steer_failed
 from proto_server.server import metrics
 from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget
@@ -152,7 +152,7 @@ async def serve_inject(
             await failed("response_not_found", message, lane(None))
         return
     loop, sink = found
-    if not loop.machine.suspend_on_tool_calls:
+    if loop.machine.mode is Mode.SUCCESSOR:
         error = ProtocolError(
             "invalid_field",
             f"Response {quoted(response_id)} does not wait for injected input; create it with "

@@ -38,7 +38,7 @@ import trio
 
 from proto_server.core.ids import new_id
 from proto_server.core.request import input_items, response_template
-from proto_server.core.response import STEERED, Status, Steer
+from proto_server.core.response import STEERED, Mode, Status, Steer
 from proto_server.server.lanes import (
     EndedResponses,
     LaneNames,
@@ -488,8 +488,7 @@ class LaunchedDialect:
                 size=size,
                 owner=owner,
                 response_id=response_id,
-                suspend_on_tool_calls=create.waits_for_injects,
-                announce_suspension=False,
+                mode=Mode.WAIT if create.waits_for_injects else Mode.SUCCESSOR,
                 **state,
             )
 

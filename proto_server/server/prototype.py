@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
+from proto_server.core.response import Mode
 from proto_server.server.lanes import (
     EndedResponses,
     LaneNames,
@@ -230,7 +231,7 @@ class PrototypeDialect:
             budget=self._connection.budget,
             source="fresh",
             owner=self._owner,
-            suspend_on_tool_calls=True,
+            mode=Mode.SUSPEND,
             size=frame_bytes,
         )
         lane.current = loop

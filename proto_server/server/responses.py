@@ -44,7 +44,7 @@ from proto_server.core.request import (
     request_bytes,
     response_template,
 )
-from proto_server.core.response import ResponseMachine
+from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
 from proto_server.engine.base import GrammarGenerator, TokenGenerator
@@ -240,8 +240,7 @@ class Responses:
         owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
-        suspend_on_tool_calls: bool = False,
-        announce_suspension: bool = True,
+        mode: Mode = Mode.SUCCESSOR,
         response_id: str | None = None,
         size: int = 0,
     ) -> SamplingLoop:
@@ -252,8 +251,7 @@ class Responses:
         is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
         adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
         `rollout` stays its caller's to close). Stored, it belongs to `owner`. `response_id`:
-        the id a `response.queued` already announced; `suspend_on_tool_calls` and
-        `announce_suspension`: see `ResponseMachine`.
+        the id a `response.queued` already announced; `mode`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
         known = rollout.conversation.items if rollout is not None else history
@@ -310,10 +308,9 @@ class Responses:
         machine = ResponseMachine(
             response=response,
             conversation=conversation,
-            suspend_on_tool_calls=suspend_on_tool_calls,
+            mode=mode,
             clock=lambda: int(time.time()),
             compaction=compaction,
-            announce_suspension=announce_suspension,
             max_pending_steers=self.config.max_pending_steers,
             # as OpenAI's: a Response with automatic compaction is not steered
             steering="unsupported" if create.context_management else None,
@@ -324,7 +321,7 @@ class Responses:
 
         durable = None
         # a stored prototype Response outlives its process: its suspensions are stored too
-        prototype = suspend_on_tool_calls and announce_suspension
+        prototype = mode is Mode.SUSPEND
         if response.store and prototype and self.store.suspensions is not None:
             first_output = len(conversation.items)
             durable = Durable(self.store, owner, response.id, first_output=first_output)
