@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proto_server.server import app, connection, http
+from proto_server.server import app, connection, http, routes, sse
 from proto_server.testing.schema import Transport, wire_schema
 
 #: What the net quotes of one violation; the first few of a test are shown.
@@ -61,8 +61,8 @@ class SchemaNet:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         add_frame = connection.WebSocketTransport.add
-        add_block = http.SSETransport.add
-        exchange_json = http._Exchange._json
+        add_block = sse.SSETransport.add
+        exchange_json = routes._Exchange._json
         error_body = http.error_body
 
         def websocket_event(transport: Any, event: Any, payload: bytes) -> int:
@@ -84,8 +84,8 @@ class SchemaNet:
             return body
 
         monkeypatch.setattr(connection.WebSocketTransport, "add", websocket_event)
-        monkeypatch.setattr(http.SSETransport, "add", sse_event)
-        monkeypatch.setattr(http._Exchange, "_json", json_body)
+        monkeypatch.setattr(sse.SSETransport, "add", sse_event)
+        monkeypatch.setattr(routes._Exchange, "_json", json_body)
         monkeypatch.setattr(http, "error_body", checked_error_body)
         monkeypatch.setattr(app, "error_body", checked_error_body)
 

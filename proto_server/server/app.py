@@ -35,20 +35,13 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.server.http import (
-    LINGER_S,
-    Shutdown,
-    error_body,
-    linger,
-    send_error,
-    serve_http,
-    unauthorized,
-)
+from proto_server.server.http import LINGER_S, Shutdown, error_body, linger, send_error
 from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.responses import Responses
+from proto_server.server.routes import serve_http, unauthorized
 from proto_server.server.sendtimeout import SendTimeoutStream
 from proto_server.server.store import ResponseStore
 from proto_server.wire.errors import ProtocolError
