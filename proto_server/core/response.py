@@ -194,18 +194,37 @@ class _Ending:
     error: ErrorDetail | None = None
 
 
+#: The two items whose text streams: what the model says, and what it thinks first.
+TextKind = Literal["message", "reasoning"]
+
+
 @attrs.define
-class _OpenMessage:
+class _OpenText:
+    """A message or reasoning item streaming: its text so far."""
+
+    kind: TextKind
     item_id: str
     output_index: int
     deltas: list[str] = attrs.field(factory=list)
 
+    def part(self) -> OutputText | ReasoningText:
+        text = "".join(self.deltas)
+        return OutputText(text=text) if self.kind == "message" else ReasoningText(text=text)
 
-@attrs.define
-class _OpenReasoning:
-    item_id: str
-    output_index: int
-    deltas: list[str] = attrs.field(factory=list)
+    def item(self, status: str, *, seal: Callable[[str], str] | None = None) -> Item:
+        """The item with the text so far (none while `in_progress`); a finished reasoning
+        item carries its `seal` when the client asked for it."""
+        done = status != "in_progress"
+        text = "".join(self.deltas)
+        if self.kind == "message":
+            content = (OutputText(text=text),) if done else ()
+            return Message(id=self.item_id, role="assistant", content=content, status=status)
+        return Reasoning(
+            id=self.item_id,
+            content=(ReasoningText(text=text),) if done else (),
+            encrypted_content=seal(text) if seal is not None and done else None,
+            status=status,
+        )
 
 
 @attrs.define
@@ -258,7 +277,7 @@ class ResponseMachine:
         self.answered_calls: set[str] = set()
         self.segments = 0
         self._output: list[Item] = []
-        self._open: _OpenMessage | _OpenReasoning | _OpenCall | None = None
+        self._open: _OpenText | _OpenCall | None = None
         self._input_tokens = 0
         self._cached_tokens = 0
         self._segment_cached = 0
@@ -615,70 +634,45 @@ class ResponseMachine:
     # -- what the generator produced -------------------------------------------------------------
 
     def text_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
-        self._require_streaming("stream text")
-        if isinstance(self._open, _OpenCall):
-            raise IllegalTransition("text arrived inside a tool call")
-        if self.pending_calls:
-            # a suspension must follow the calls it waits for (`response.done` ends on them)
-            raise IllegalTransition("text arrived after a tool call; a segment's calls come last")
-        events = self._close_reasoning()
-        if self._open is None:
-            item_id = self._new_id("msg")
-            index = len(self._output)
-            self._open = _OpenMessage(item_id, index)
-            empty = Message(id=item_id, role="assistant", content=(), status="in_progress")
-            events.append(OutputItemAdded(output_index=index, item=empty))
-            events.append(
-                ContentPartAdded(
-                    item_id=item_id, output_index=index, content_index=0, part=OutputText(text="")
-                )
-            )
-        message = self._open
-        message.deltas.append(delta)
-        self._output_tokens += tokens
-        events.append(
-            OutputTextDelta(
-                item_id=message.item_id,
-                output_index=message.output_index,
-                content_index=0,
-                delta=delta,
-            )
-        )
-        return events
+        """The model speaks: an assistant message opens (closing reasoning before it) and grows."""
+        return self._stream_text("message", delta, tokens)
 
     def reasoning_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
-        """The model thinks: a `reasoning` item opens (closing the text before it) and grows."""
-        self._require_streaming("stream reasoning")
+        """The model thinks: a `reasoning` item opens (closing text before it) and grows; its
+        tokens are reasoning tokens too."""
+        events = self._stream_text("reasoning", delta, tokens)
+        self._reasoning_tokens += tokens
+        return events
+
+    def _stream_text(self, kind: TextKind, delta: str, tokens: int) -> list[ServerEvent]:
+        self._require_streaming(f"stream {kind} text")
         if isinstance(self._open, _OpenCall):
-            raise IllegalTransition("reasoning arrived inside a tool call")
+            raise IllegalTransition(f"{kind} text arrived inside a tool call")
         if self.pending_calls:
+            # a suspension must follow the calls it waits for (`response.done` ends on them)
             raise IllegalTransition(
-                "reasoning arrived after a tool call; a segment's calls come last"
+                f"{kind} text arrived after a tool call; a segment's calls come last"
             )
-        events = self._close_message()
+        events: list[ServerEvent] = []
+        if self._open is not None and self._open.kind != kind:
+            events += self._close_text()
         if self._open is None:
-            item_id = self._new_id("rs")
+            item_id = self._new_id("msg" if kind == "message" else "rs")
             index = len(self._output)
-            self._open = _OpenReasoning(item_id, index)
-            empty = Reasoning(id=item_id, content=(), status="in_progress")
-            events.append(OutputItemAdded(output_index=index, item=empty))
+            self._open = _OpenText(kind, item_id, index)
+            events.append(OutputItemAdded(output_index=index, item=self._open.item("in_progress")))
             events.append(
                 ContentPartAdded(
-                    item_id=item_id, output_index=index, content_index=0,
-                    part=ReasoningText(text=""),
+                    item_id=item_id, output_index=index, content_index=0, part=self._open.part()
                 )
-            )  # fmt: skip
-        reasoning = self._open
-        assert isinstance(reasoning, _OpenReasoning)
-        reasoning.deltas.append(delta)
+            )
+        text = self._open
+        text.deltas.append(delta)
         self._output_tokens += tokens
-        self._reasoning_tokens += tokens
+        delta_event = OutputTextDelta if kind == "message" else ReasoningTextDelta
         events.append(
-            ReasoningTextDelta(
-                item_id=reasoning.item_id,
-                output_index=reasoning.output_index,
-                content_index=0,
-                delta=delta,
+            delta_event(
+                item_id=text.item_id, output_index=text.output_index, content_index=0, delta=delta
             )
         )
         return events
@@ -909,46 +903,22 @@ class ResponseMachine:
         self._output.append(item)
         self.conversation.extend((item,))
 
-    def _close_message(self, status: str = "completed") -> list[ServerEvent]:
-        message = self._open
-        if not isinstance(message, _OpenMessage):
-            return []
-        self._open = None
-        text = "".join(message.deltas)
-        part = OutputText(text=text)
-        item = Message(id=message.item_id, role="assistant", content=(part,), status=status)
-        self._finish(item)
-        item_id, index = message.item_id, message.output_index
-        return [
-            OutputTextDone(item_id=item_id, output_index=index, content_index=0, text=text),
-            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
-            OutputItemDone(output_index=index, item=item),
-        ]
-
-    def _close_reasoning(self, status: str = "completed") -> list[ServerEvent]:
-        reasoning = self._open
-        if not isinstance(reasoning, _OpenReasoning):
-            return []
-        self._open = None
-        text = "".join(reasoning.deltas)
-        part = ReasoningText(text=text)
-        item = Reasoning(
-            id=reasoning.item_id,
-            content=(part,),
-            encrypted_content=self._seal(text) if self._seal is not None else None,
-            status=status,
-        )
-        self._finish(item)
-        item_id, index = reasoning.item_id, reasoning.output_index
-        return [
-            ReasoningTextDone(item_id=item_id, output_index=index, content_index=0, text=text),
-            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
-            OutputItemDone(output_index=index, item=item),
-        ]
-
     def _close_text(self, status: str = "completed") -> list[ServerEvent]:
         """Close the message or reasoning item that is streaming, if one is."""
-        return [*self._close_message(status), *self._close_reasoning(status)]
+        text = self._open
+        if not isinstance(text, _OpenText):
+            return []
+        self._open = None
+        item = text.item(status, seal=self._seal)
+        part = text.part()
+        self._finish(item)
+        item_id, index = text.item_id, text.output_index
+        done_event = OutputTextDone if text.kind == "message" else ReasoningTextDone
+        return [
+            done_event(item_id=item_id, output_index=index, content_index=0, text=part.text),
+            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
+            OutputItemDone(output_index=index, item=item),
+        ]
 
     def _abandon_open_item(self) -> list[ServerEvent]:
         """Close whatever was streaming as `incomplete`, so every `added` gets its `done`."""
