@@ -291,6 +291,31 @@ async def test_the_probe_takes_a_dead_replica_out_and_gives_it_work_once_it_answ
     assert [up for i, up in enumerate(ups) if i == 0 or up != ups[i - 1]] == [True, False, True]
 
 
+async def test_admission_counts_only_the_capacity_of_replicas_that_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With one of two replicas down, half the room is admitted against; a rollout that waits
+    for the rest is admitted once the probe sees the replica back, with nobody releasing."""
+    replicated, engines = two_replicas()
+    server = ProtoServer(replicated, ServerConfig(port=0, kv_capacity_tokens=1000))
+    admission = server.responses.admission
+    assert admission is not None
+    scheduler = admission.scheduler
+    full = scheduler.capacity
+    async with trio.open_nursery() as nursery:
+        await nursery.start(replicated.supervise)
+        assert admission.request("a", "k", full // 2 - 10).admitted
+        engines[1].pulled = True
+        await trio.sleep(replicated.probe_interval_s * 1.5)
+        assert not admission.request("b", "k", full // 4).admitted
+        assert scheduler.capacity == round(full / 2)
+        engines[1].pulled = False
+        with trio.fail_after(replicated.probe_interval_s * 3):
+            await admission.wait("b")
+        assert scheduler.capacity == full and scheduler.state("b") is not None
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_warm_up_prefill_moves_too(autojump_clock: trio.testing.MockClock) -> None:
     replicated, engines = two_replicas()
     session = replicated.open_session(conversation())

@@ -24,6 +24,19 @@ def test_a_rollout_that_fits_is_admitted_and_one_that_does_not_waits() -> None:
     assert s.state("b") is State.STREAMING
 
 
+def test_a_smaller_room_keeps_who_is_admitted_and_a_larger_one_admits_who_waits() -> None:
+    """An engine replica went down (the room shrinks) and came back (it grows)."""
+    s = Scheduler(100, ttl_s=TTL)
+    assert s.request("a", "k", 40, now=0).admitted
+    assert s.set_capacity(50) == []
+    assert s.state("a") is State.STREAMING  # nothing admitted is taken back
+    assert not s.request("b", "k", 40, now=1).admitted
+    assert s.set_capacity(100) == ["b"]
+    assert (s.admitted, s.waiting, s.reserved) == (2, 0, 80)
+    with pytest.raises(ValueError):
+        s.set_capacity(0)
+
+
 def test_an_admitted_rollout_resumes_at_once_even_grown_past_the_capacity() -> None:
     s = Scheduler(100, ttl_s=TTL)
     s.request("a", "k", 50, now=0)

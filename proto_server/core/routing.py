@@ -105,6 +105,12 @@ class Router:
     def is_up(self, replica: int) -> bool:
         return self._up[replica]
 
+    def up_share(self) -> float:
+        """The share of all the replicas' KV capacity on those that answer now (by count,
+        without capacities)."""
+        up = sum(c for c, answers in zip(self._capacities, self._up, strict=True) if answers)
+        return up / sum(self._capacities)
+
     def replica_of(self, key: Hashable) -> int | None:
         held = self._held.get(key)
         return None if held is None else held.replica

@@ -151,6 +151,16 @@ class Scheduler:
             self.waiting -= 1
         return self._pump()
 
+    def set_capacity(self, capacity_tokens: int) -> list[Hashable]:
+        """The engine's room changed (a replica went down or came back): what is admitted
+        keeps its place; a larger room admits who waits (returned: wake them), a smaller one
+        admits nobody until enough is released."""
+        if capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
+        grew = capacity_tokens > self.capacity
+        self.capacity = capacity_tokens
+        return self._pump() if grew else []
+
     def expire(self, now: float) -> list[Hashable]:
         """Demote every suspended rollout whose place lapsed by `now`; returns who is admitted
         in the room they leave."""

@@ -70,6 +70,18 @@ class SupervisedGenerator(Protocol):
 
 
 @runtime_checkable
+class SharedGenerator(Protocol):
+    """A generator over engine replicas, some of which may be down: admission counts only the
+    KV capacity of those that answer, as often as the replicas are probed."""
+
+    probe_interval_s: float
+
+    def up_share(self) -> float:
+        """The share of the whole capacity that is up now (0 to 1)."""
+        ...
+
+
+@runtime_checkable
 class GrammarGenerator(Protocol):
     """A generator that decodes a structured answer (`text.format`) under a grammar, which
     cannot take every schema: the server asks it when the request arrives, before any event."""

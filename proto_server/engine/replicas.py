@@ -129,6 +129,9 @@ class ReplicatedGenerator:
                     return models
         return None
 
+    def up_share(self) -> float:
+        return self.router.up_share()
+
     async def readiness(self) -> str | None:
         """None while at least one replica answers (asked now); else why none does."""
         await self.probe()

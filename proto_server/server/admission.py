@@ -11,7 +11,7 @@ at the clock again when that changes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import trio
 
@@ -28,9 +28,22 @@ class AdmissionTimeout(Exception):
 
 
 class Admission:
-    def __init__(self, scheduler: Scheduler, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        timeout_s: float,
+        up_share: Callable[[], float] | None = None,
+        recheck_s: float = 2.0,
+    ) -> None:
+        """`up_share`: the share of the engines' capacity that answers now (engine replicas);
+        the capacity admitted against is that share of the scheduler's, looked at before each
+        request and, by waiters, every `recheck_s` (how often the replicas are probed)."""
         self.scheduler = scheduler
         self.timeout_s = timeout_s
+        self._full = scheduler.capacity
+        self._up_share = up_share
+        self._recheck_s = recheck_s
         self._waiters: dict[Hashable, trio.Event] = {}
         self._demotions = 0
         metrics.KV_CAPACITY.set(scheduler.capacity)
@@ -43,6 +56,7 @@ class Admission:
     def request(self, key: Hashable, owner: str, tokens: int) -> Request:
         """Whether `key`'s next segment may go now (else `wait`)."""
         scheduler = self.scheduler
+        self._refresh_capacity()
         answer = scheduler.request(key, owner, tokens, trio.current_time())
         if answer.resident:
             metrics.KV_RESERVED.set(scheduler.reserved)
@@ -77,8 +91,12 @@ class Admission:
                         "(--admission-timeout)"
                     )
                 event = self._waiters[key] = trio.Event()
-                with trio.move_on_at(min(deadline, scheduler.next_expiry())):
+                wake = min(deadline, scheduler.next_expiry())
+                if self._up_share is not None:
+                    wake = min(wake, trio.current_time() + self._recheck_s)
+                with trio.move_on_at(wake):
                     await event.wait()
+                self._refresh_capacity()
                 self._expire()
         finally:
             self._waiters.pop(key, None)
@@ -102,6 +120,22 @@ class Admission:
         if scheduler.state(key) is None:
             return
         self._wake(scheduler.release(key))
+        self._changed()
+
+    def _refresh_capacity(self) -> None:
+        """Admit against the capacity of the engine replicas that answer now."""
+        if self._up_share is None:
+            return
+        capacity = max(1, round(self._full * self._up_share()))
+        scheduler = self.scheduler
+        if capacity == scheduler.capacity:
+            return
+        log.info(
+            "admission.capacity",
+            extra={"capacity_tokens": capacity, "was": scheduler.capacity, "full": self._full},
+        )
+        self._wake(scheduler.set_capacity(capacity))
+        metrics.KV_CAPACITY.set(capacity)
         self._changed()
 
     def _expire(self) -> None:

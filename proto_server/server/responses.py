@@ -47,7 +47,7 @@ from proto_server.core.request import (
 from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
-from proto_server.engine.base import GrammarGenerator, TokenGenerator
+from proto_server.engine.base import GrammarGenerator, SharedGenerator, TokenGenerator
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
@@ -128,7 +128,14 @@ class Responses:
                 ttl_s=config.admission_ttl_s,
                 weights=dict(config.key_weights),
             )
-            self.admission = Admission(scheduler, timeout_s=config.admission_timeout_s)
+            # over engine replicas, admitted against the capacity of those that answer
+            shared = generator if isinstance(generator, SharedGenerator) else None
+            self.admission = Admission(
+                scheduler,
+                timeout_s=config.admission_timeout_s,
+                up_share=shared.up_share if shared is not None else None,
+                recheck_s=shared.probe_interval_s if shared is not None else 0,
+            )
 
     def owner(self, authorization: str | None) -> str | None:
         """Who sends a request with this `Authorization` header: the owner id of its key (keys
