@@ -1,4 +1,4 @@
-"""Tool calls in a model's own syntax: how offered tools are described, and a streaming parser.
+"""The Hermes family (Hermes, Qwen, SmolLM2): calls as JSON inside `<tool_call>` tags.
 
 SmolLM2 was tuned to call tools as a JSON list inside tags (Hermes- and Qwen-style models write
 one object there, which is accepted too):
@@ -20,10 +20,8 @@ which decides whether the tokens after the arguments go to it or to the next cal
 
 from __future__ import annotations
 
-import itertools
 import json
-from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -35,51 +33,50 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.wire.tools import FunctionTool
+from proto_server.engine.families.base import (
+    WHITESPACE,
+    CallFrame,
+    CallParser,
+    ParsedCall,
+    ToolSyntax,
+    call_chunks,
+)
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-_WHITESPACE = " \t\r\n"
 _decoder = json.JSONDecoder()
 
 
-def describe_tools(tools: Sequence[FunctionTool]) -> str:
-    """The system-prompt text that offers `tools` to the model and shows it the call syntax."""
-    specs = [
-        {
-            "name": tool.name,
-            "description": tool.description or "",
-            "parameters": tool.parameters or {"type": "object", "properties": {}},
-        }
-        for tool in tools
-    ]
-    return (
-        "You have access to the following tools:\n"
-        f"<tools>{json.dumps(specs)}</tools>\n\n"
-        "To call tools, answer with only this, and nothing after it:\n"
-        f'{OPEN}[{{"name": "tool_name", "arguments": {{"argument": "value"}}}}]{CLOSE}'
-    )
+FRAME = CallFrame(
+    open=OPEN,
+    list_open="[",
+    name_prefix='{"name": "',
+    name_suffix='", "arguments": ',
+    args_suffix="}",
+    separator=", ",
+    close="]" + CLOSE,
+)
 
 
-def call_text(name: str, arguments: str) -> str:
-    """A call written as the model writes it, so a rendered call matches the model's tokens."""
-    try:
-        valid = isinstance(json.loads(arguments), dict)
-    except ValueError:
-        valid = False
-    args = arguments if valid else json.dumps(arguments)
-    return f'{OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]{CLOSE}'
+class Hermes(ToolSyntax):
+    """Offered tools through the template where it takes them (Qwen's), else the system prompt
+    of `describe_tools`; calls read by `ToolCallParser`, which also takes Qwen's single object
+    and arguments written as a JSON string."""
+
+    name = "hermes"
+    frame = FRAME
+
+    @property
+    def stop(self) -> list[str]:
+        return [CLOSE]  # a Qwen block holds one object, without the list's `]`
+
+    def parser(
+        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
+    ) -> CallParser:
+        return ToolCallParser(tool_names, max_calls=max_calls, forced=forced)
 
 
-@attrs.frozen
-class ParsedCall:
-    name: str
-    arguments: str
-    #: Where `arguments` lies in the payload, when it is the model's own text (not a JSON string).
-    span: tuple[int, int] | None
-    #: Where the whole call object lies in the payload.
-    start: int
-    end: int
+HERMES = Hermes()
 
 
 class _Invalid(Exception):
@@ -87,7 +84,7 @@ class _Invalid(Exception):
 
 
 def _skip(text: str, index: int) -> int:
-    while index < len(text) and text[index] in _WHITESPACE:
+    while index < len(text) and text[index] in WHITESPACE:
         index += 1
     return index
 
@@ -266,7 +263,7 @@ class ToolCallParser:
             chunks += self._cut_stream()
         elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)
-        if self._text.strip(_WHITESPACE) or (self._spoke and self._text):
+        if self._text.strip(WHITESPACE) or (self._spoke and self._text):
             chunks += self._emit_text(self._text)
         self._text = ""
         tokens, self._tokens = self._tokens, 0
@@ -282,7 +279,7 @@ class ToolCallParser:
             return self._emit_text(self._take_text(len(self._text) - _open_tag_prefix(self._text)))
         before, rest = self._text[:start], self._text[start + len(OPEN) :]
         chunks: list[Chunk] = []
-        if self._spoke or before.strip(_WHITESPACE):
+        if self._spoke or before.strip(WHITESPACE):
             chunks = self._emit_text(before)
         else:  # leading whitespace: dropped if a call follows, its tokens going to the call
             self._lead = before
@@ -296,7 +293,7 @@ class ToolCallParser:
     def _take_text(self, length: int) -> str:
         """The first `length` held characters, unless they are only leading whitespace."""
         head = self._text[:length]
-        if not self._spoke and not head.strip(_WHITESPACE):
+        if not self._spoke and not head.strip(WHITESPACE):
             return ""
         self._text = self._text[length:]
         return head
@@ -313,7 +310,7 @@ class ToolCallParser:
     def _scan_block(self) -> list[Chunk]:
         block = self._block
         assert block is not None
-        head = block.lstrip(_WHITESPACE)
+        head = block.lstrip(WHITESPACE)
         if head and head[0] not in "[{":  # cannot be a call: it was prose after all
             return self._release_block(OPEN) + self._rescan(block)
         end = block.find(CLOSE)
@@ -325,7 +322,8 @@ class ToolCallParser:
             return self._release_block(OPEN + payload + CLOSE) + self._rescan(rest)
         if self._max_calls is not None:
             del calls[self._max_calls :]
-        chunks = self._call_chunks(payload, calls)
+        chunks = call_chunks(payload, calls, self._marks)
+        self._marks = []
         self.calls += len(calls)
         self._block = None
         self._lead = ""
@@ -347,38 +345,6 @@ class ToolCallParser:
         self._stream = None
         lead, self._lead = self._lead, ""
         return self._emit_text(lead + text)
-
-    def _call_chunks(self, payload: str, calls: list[ParsedCall]) -> list[Chunk]:
-        """Begin, argument deltas and end per call, each piece's tokens on the chunk it opens."""
-        chunks: list[Chunk] = []
-        marks = self._marks
-        self._marks = []
-        boundary = 0  # pieces starting before a call's arguments belong to its begin
-        for number, call in enumerate(calls):
-            a_start, a_end = call.span or (call.start, call.end)
-            last = number == len(calls) - 1
-            begin = sum(t for offset, t in marks if boundary <= offset < a_start)
-            chunks.append(ToolCallBegin(call.name, begin))
-            inside = [(o, t) for o, t in marks if a_start <= o < a_end]
-            after = sum(t for o, t in marks if o >= a_end) if last else 0
-            if call.span is None:
-                chunks.append(ToolCallArgumentsDelta(call.arguments, sum(t for _, t in inside)))
-            else:
-                cuts = sorted({a_start, *(o for o, _ in inside), a_end})
-                tokens_at: dict[int, int] = defaultdict(int)
-                for offset, tokens in inside:
-                    tokens_at[offset] += tokens
-                for left, right in itertools.pairwise(cuts):
-                    chunks.append(
-                        ToolCallArgumentsDelta(payload[left:right], tokens_at.get(left, 0))
-                    )
-            if after:
-                final = chunks[-1]
-                assert isinstance(final, ToolCallArgumentsDelta)
-                chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
-            chunks.append(ToolCallEnd())
-            boundary = a_end
-        return chunks
 
     # -- a forced block, streamed ------------------------------------------------------------------
 
@@ -511,7 +477,7 @@ class ToolCallParser:
 
     def _pieces(self, stream: _Stream, limit: int) -> list[tuple[str, int]]:
         """The arguments' text from what was sent up to `limit`, cut where the model's pieces
-        start, each with the tokens of the pieces starting there (`_call_chunks`' cuts)."""
+        start, each with the tokens of the pieces starting there (`call_chunks`' cuts)."""
         block = self._block
         assert block is not None
         pieces: list[tuple[str, int]] = []
