@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from proto_server.core.ranges import InvalidSetting
 from proto_server.engine import families
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import (
@@ -40,6 +41,7 @@ from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
+from proto_server.server.config import ServerConfig
 from proto_server.wire.items import FunctionCall, FunctionCallOutput
 from proto_server.wire.tools import FunctionTool
 
@@ -183,6 +185,8 @@ def test_the_flag_overrides_what_the_tokenizer_shows() -> None:
     assert families.choose(qwen, "mistral") is MISTRAL
     assert families.choose(qwen, families.AUTO) is HERMES
     assert set(families.CHOICES) == {"auto", *(syntax.name for syntax in EVERY)}
+    with pytest.raises(InvalidSetting, match="tool_syntax must be one of auto, hermes"):
+        ServerConfig(tool_syntax="llama")
 
 
 # -- what the template renders, the parser reads -------------------------------------------------

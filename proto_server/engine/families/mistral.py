@@ -42,6 +42,10 @@ class MistralJson(ToolSyntax):
         close="]",
     )
 
+    @property
+    def stop(self) -> list[str]:
+        return []  # a `]` is no mark of a call's end in text: the turn's end (`</s>`) is
+
 
 MISTRAL = Mistral()
 MISTRAL_JSON = MistralJson()
