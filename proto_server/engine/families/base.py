@@ -41,6 +41,9 @@ class CallFrame:
     list_open: str = ""
     #: The block may also start without `open`, at the start of the message (Llama's JSON).
     bare: bool = False
+    #: A call the model writes may hold this key after its arguments, a string (Mistral's
+    #: `"id"`); a grammar writes none.
+    id_key: str | None = None
 
     @property
     def forced_open(self) -> str:
@@ -103,6 +106,20 @@ def object_arguments(arguments: str) -> str:
     except ValueError:
         valid = False
     return arguments if valid else json.dumps(arguments)
+
+
+def string_end(text: str, index: int) -> int:
+    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
+    escaped = False
+    for at in range(index + 1, len(text)):
+        char = text[at]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return at + 1
+    return -1
 
 
 def tool_specs(tools: Sequence[FunctionTool]) -> str:

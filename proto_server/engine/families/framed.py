@@ -32,7 +32,13 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.families.base import WHITESPACE, CallFrame, ParsedCall, call_chunks
+from proto_server.engine.families.base import (
+    WHITESPACE,
+    CallFrame,
+    ParsedCall,
+    call_chunks,
+    string_end,
+)
 
 #: What a function's name is made of (OpenAI's `^[a-zA-Z0-9_-]+$`, and dots).
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
@@ -270,6 +276,8 @@ class FramedCallParser:
             elif scan.phase == "args_start":
                 self._open_arguments(block, scan, chunks)
             elif scan.phase == "args_suffix":
+                if frame.id_key is not None:
+                    scan.pos = self._call_id(block, scan.pos, frame.id_key)
                 scan.pos, scan.phase = _literal(block, scan.pos, frame.args_suffix), "after"
             elif scan.phase == "after":
                 self._after_call(block, scan, chunks)
@@ -281,6 +289,26 @@ class FramedCallParser:
         except _More:
             return False
         return True
+
+    @staticmethod
+    def _call_id(block: str, pos: int, key: str) -> int:
+        """Past `, "key": "..."` at `pos`, if the call holds it there."""
+        comma = _try(block, pos, ",")
+        if isinstance(comma, _Deviation):
+            return pos
+        if isinstance(comma, _More):
+            raise _More
+        start = _literal(block, comma, f'"{key}":')
+        while start < len(block) and block[start] in WHITESPACE:
+            start += 1
+        if start >= len(block):
+            raise _More
+        if block[start] != '"':
+            raise _Deviation
+        end = string_end(block, start)
+        if end < 0:
+            raise _More
+        return end
 
     def _open_arguments(self, block: str, scan: _Scan, chunks: list[Chunk]) -> None:
         at = scan.pos

@@ -40,6 +40,7 @@ from proto_server.engine.families.base import (
     ParsedCall,
     ToolSyntax,
     call_chunks,
+    string_end,
 )
 
 OPEN = "<tool_call>"
@@ -177,20 +178,6 @@ def _open_tag_prefix(text: str) -> int:
         if OPEN.startswith(text[-length:]):
             return length
     return 0
-
-
-def _string_end(text: str, index: int) -> int:
-    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
-    escaped = False
-    for at in range(index + 1, len(text)):
-        char = text[at]
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            return at + 1
-    return -1
 
 
 @attrs.define
@@ -400,7 +387,7 @@ class ToolCallParser:
         if expected is None:  # a string: a key or the name
             if char != '"':
                 raise _Deviation
-            end = _string_end(block, at)
+            end = string_end(block, at)
             if end < 0:
                 return False
             value = json.loads(block[at:end])

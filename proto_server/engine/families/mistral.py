@@ -2,8 +2,9 @@
 
 From tokenizer version 11 (the vocabulary has `[ARGS]`) each call is
 `[TOOL_CALLS]NAME[ARGS]{...}`, calls one after another; before it, one `[TOOL_CALLS]` opens a
-JSON list, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. Either way the block ends with
-the turn (`</s>`), as vLLM's `mistral` parser reads it.
+JSON list, `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}, ...]` (mistral-common
+writes the call's id, which the server reads past: `call_id`s are its own). Either way the
+block ends with the turn (`</s>`), as vLLM's `mistral` parser reads it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class MistralJson(ToolSyntax):
         args_suffix="}",
         separator=", ",
         close="]",
+        id_key="id",
     )
 
     @property
