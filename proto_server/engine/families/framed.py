@@ -27,8 +27,6 @@ import attrs
 
 from proto_server.engine.chunks import (
     Chunk,
-    TextDelta,
-    ToolCallArgumentsDelta,
     ToolCallBegin,
     ToolCallEnd,
 )
@@ -39,6 +37,7 @@ from proto_server.engine.families.base import (
     call_chunks,
     string_end,
 )
+from proto_server.engine.families.stream import BlockStream, Braces, opening_prefix
 
 #: What a function's name is made of (OpenAI's `^[a-zA-Z0-9_-]+$`, and dots).
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
@@ -82,9 +81,7 @@ class _Scan:
     pos: int = 0
     name: str = ""
     a_start: int = 0
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    braces: Braces = attrs.Factory(Braces)
     calls: list[ParsedCall] = attrs.Factory(list)
     end: int | None = None  # where the block ended, once it did
     # streaming: what went out
@@ -93,7 +90,7 @@ class _Scan:
     pending: tuple[str, int] | None = None
 
 
-class FramedCallParser:
+class FramedCallParser(BlockStream):
     """Text deltas and tool calls from a model writing calls in `frame` (module docstring).
 
     `max_calls`: a block holding more keeps the first ones (their tokens going to the last
@@ -107,24 +104,13 @@ class FramedCallParser:
         max_calls: int | None = None,
         forced: bool = False,
     ) -> None:
+        super().__init__(tool_names, max_calls)
         self._frame = frame
-        self._names = frozenset(tool_names) if max_calls != 0 else frozenset()
         self._max_calls = frame.most_calls(max_calls)
         self._forced = forced
-        self._text = ""  # held text: a possible start of the opening, or leading whitespace
-        self._tokens = 0  # tokens fed and not yet carried by a chunk
-        self._block: str | None = None  # the text after the opening, while inside a block
         self._opener = ""  # the opening as written ("" for a bare block)
         self._scan = _Scan()
         self._streaming = False
-        self._marks: list[tuple[int, int]] = []  # (offset in the block, tokens) per piece
-        self._lead = ""
-        self._spoke = False
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
 
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._block is not None:
@@ -151,11 +137,7 @@ class FramedCallParser:
                 chunks += self._close_held()
             else:
                 chunks += self._release(self._opener + block)
-        if self._text.strip(WHITESPACE) or (self._spoke and self._text):
-            chunks += self._emit_text(self._text)
-        self._text = ""
-        tokens, self._tokens = self._tokens, 0
-        return chunks, tokens
+        return self._finish_text(chunks)
 
     # -- text outside a block ------------------------------------------------------------------
 
@@ -169,7 +151,8 @@ class FramedCallParser:
             if text.startswith("{", first) and (start < 0 or first < start):
                 start, opener = first, ""
         if start < 0:
-            return self._emit_text(self._take_text(len(text) - self._open_prefix(text)))
+            held = opening_prefix(text, frame.open)
+            return self._emit_text(self._take_text(len(text) - held))
         before, rest = text[:start], text[start + len(opener) :]
         chunks: list[Chunk] = []
         if self._spoke or before.strip(WHITESPACE):
@@ -184,28 +167,6 @@ class FramedCallParser:
         self._marks = [(0, self._tokens)]
         self._tokens = 0
         return chunks + self.feed(rest, 0)
-
-    def _open_prefix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that could start the opening."""
-        opening = self._frame.open
-        for length in range(min(len(text), len(opening) - 1), 0, -1):
-            if opening.startswith(text[-length:]):
-                return length
-        return 0
-
-    def _take_text(self, length: int) -> str:
-        head = self._text[:length]
-        if not self._spoke and not head.strip(WHITESPACE):
-            return ""
-        self._text = self._text[length:]
-        return head
-
-    def _emit_text(self, text: str) -> list[Chunk]:
-        if not text:
-            return []
-        self._spoke = True
-        tokens, self._tokens = self._tokens, 0
-        return [TextDelta(text, tokens)]
 
     def _rescan(self, text: str) -> list[Chunk]:
         self._end_block()
@@ -249,7 +210,8 @@ class FramedCallParser:
                 return chunks + self._rescan(block[scan.end :])
             return self._close_held()
         if self._streaming and scan.phase == "args":
-            chunks += self._deltas(self._pieces(len(block)))
+            chunks += self._deltas(self._pieces(scan.sent, len(block)))
+            scan.sent = len(block)
         return chunks
 
     def _step(self, block: str, scan: _Scan, chunks: list[Chunk]) -> bool:
@@ -318,7 +280,7 @@ class FramedCallParser:
             raise _More
         if block[at] != "{":
             raise _Deviation
-        scan.a_start, scan.pos, scan.depth, scan.phase = at, at + 1, 1, "args"
+        scan.a_start, scan.pos, scan.braces, scan.phase = at, at + 1, Braces(), "args"
         if self._streaming:
             begin = sum(tokens for offset, tokens in self._marks if offset < at)
             self._marks = [(o, t) for o, t in self._marks if o >= at]
@@ -328,35 +290,20 @@ class FramedCallParser:
             self._lead = ""
 
     def _arguments(self, block: str, scan: _Scan, chunks: list[Chunk]) -> bool:
-        """Follow the arguments' braces (outside strings) to the `}` that closes them."""
-        for at in range(scan.pos, len(block)):
-            char = block[at]
-            if scan.in_string:
-                if scan.escaped:
-                    scan.escaped = False
-                elif char == "\\":
-                    scan.escaped = True
-                elif char == '"':
-                    scan.in_string = False
-            elif char == '"':
-                scan.in_string = True
-            elif char in "{[":
-                scan.depth += 1
-            elif char in "}]":
-                scan.depth -= 1
-                if scan.depth == 0:
-                    end = at + 1
-                    arguments = block[scan.a_start : end]
-                    call = ParsedCall(scan.name, arguments, (scan.a_start, end), scan.a_start, end)
-                    scan.calls.append(call)
-                    scan.pos, scan.phase = end, "args_suffix"
-                    if self._streaming:
-                        pieces = self._pieces(end)
-                        chunks += self._deltas(pieces[:-1])
-                        scan.pending = pieces[-1]
-                    return True
-        scan.pos = len(block)
-        return False
+        """Follow the arguments' braces to the `}` that closes them."""
+        end = scan.braces.close(block, scan.pos)
+        if end is None:
+            scan.pos = len(block)
+            return False
+        arguments = block[scan.a_start : end]
+        scan.calls.append(ParsedCall(scan.name, arguments, (scan.a_start, end), scan.a_start, end))
+        scan.pos, scan.phase = end, "args_suffix"
+        if self._streaming:
+            pieces = self._pieces(scan.sent, end)
+            scan.sent = end
+            chunks += self._deltas(pieces[:-1])
+            scan.pending = pieces[-1]
+        return True
 
     def _after_call(self, block: str, scan: _Scan, chunks: list[Chunk]) -> None:
         """The next call, or the block's close: whichever the text after a call is."""
@@ -400,41 +347,11 @@ class FramedCallParser:
         self._spoke = False
         return chunks + self._rescan(rest)
 
-    def _pieces(self, limit: int) -> list[tuple[str, int]]:
-        """The arguments' text from what was sent up to `limit`, cut where the model's pieces
-        start, each with the tokens of the pieces starting there (`call_chunks`' cuts)."""
-        block, scan = self._block, self._scan
-        assert block is not None
-        pieces: list[tuple[str, int]] = []
-        left, tokens = scan.sent, 0
-        while self._marks and self._marks[0][0] < limit:
-            offset, count = self._marks.pop(0)
-            if offset > left:
-                pieces.append((block[left:offset], tokens))
-                left, tokens = offset, 0
-            tokens += count
-        if left < limit:
-            pieces.append((block[left:limit], tokens))
-        elif tokens:  # no text yet for those tokens: they wait for it
-            self._marks.insert(0, (left, tokens))
-        scan.sent = limit
-        return pieces
-
-    @staticmethod
-    def _deltas(pieces: list[tuple[str, int]]) -> list[Chunk]:
-        return [ToolCallArgumentsDelta(text, tokens) for text, tokens in pieces]
-
     def _end_call(self, *, everything: bool) -> list[Chunk]:
-        """The call's last piece and its end; `everything`: the last call, which also carries
-        every token still held."""
         scan = self._scan
         assert scan.pending is not None
-        text, tokens = scan.pending
-        scan.pending = None
-        if everything:
-            tokens += sum(count for _, count in self._marks)
-            self._marks = []
-        return [ToolCallArgumentsDelta(text, tokens), ToolCallEnd()]
+        pending, scan.pending = scan.pending, None
+        return self._last_piece(pending, everything=everything)
 
     def _cut(self) -> list[Chunk]:
         """A streamed block that stopped short or left the frame: its open call ends with what
@@ -443,7 +360,7 @@ class FramedCallParser:
         assert block is not None
         chunks: list[Chunk] = []
         if scan.phase == "args":
-            chunks += self._deltas(self._pieces(len(block)))
+            chunks += self._deltas(self._pieces(scan.sent, len(block)))
             chunks.append(ToolCallEnd())
             scan.calls.append(ParsedCall(scan.name, "", None, scan.a_start, len(block)))
         elif scan.pending is not None:

@@ -28,8 +28,6 @@ import attrs
 
 from proto_server.engine.chunks import (
     Chunk,
-    TextDelta,
-    ToolCallArgumentsDelta,
     ToolCallBegin,
     ToolCallEnd,
 )
@@ -42,6 +40,7 @@ from proto_server.engine.families.base import (
     call_chunks,
     string_end,
 )
+from proto_server.engine.families.stream import BlockStream, Braces, opening_prefix
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -172,14 +171,6 @@ def parse_calls(payload: str, names: Collection[str]) -> list[ParsedCall] | None
     return calls
 
 
-def _open_tag_prefix(text: str) -> int:
-    """Length of the longest suffix of `text` that could be the start of `<tool_call>`."""
-    for length in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-length:]):
-            return length
-    return 0
-
-
 @attrs.define
 class _Stream:
     """Where a forced block's incremental scan stands (`ToolCallParser._scan_stream`)."""
@@ -190,9 +181,7 @@ class _Stream:
     name: str = ""
     a_start: int = 0
     sent: int = 0  # the arguments' text is out up to here
-    depth: int = 0  # brace depth inside the arguments, and its string state
-    in_string: bool = False
-    escaped: bool = False
+    braces: Braces = attrs.Factory(Braces)
     pending: tuple[str, int] | None = None  # a call's last arguments piece, and its tokens
     begun: int = 0  # calls whose begin went out
     kept: int = 0  # calls whose object closed
@@ -202,7 +191,7 @@ class _Deviation(Exception):
     """The forced block is not in the expected shape."""
 
 
-class ToolCallParser:
+class ToolCallParser(BlockStream):
     """Turns a model's streamed text into text deltas and complete tool calls.
 
     `feed(text, tokens)` returns the chunks that are certain; `finish()` flushes what was held.
@@ -218,21 +207,10 @@ class ToolCallParser:
     def __init__(
         self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
     ) -> None:
-        self._names = frozenset(tool_names) if max_calls != 0 else frozenset()
+        super().__init__(tool_names, max_calls)
         self._max_calls = max_calls
         self._forced = forced
         self._stream: _Stream | None = None
-        self._text = ""  # held text: a possible start of the open tag, or leading whitespace
-        self._tokens = 0  # tokens fed and not yet carried by a chunk
-        self._block: str | None = None  # text after the open tag, while inside a block
-        self._marks: list[tuple[int, int]] = []  # (offset in the block, tokens) per piece
-        self._lead = ""  # whitespace held before the current block
-        self._spoke = False
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
 
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._block is not None:
@@ -250,11 +228,7 @@ class ToolCallParser:
             chunks += self._cut_stream()
         elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)
-        if self._text.strip(WHITESPACE) or (self._spoke and self._text):
-            chunks += self._emit_text(self._text)
-        self._text = ""
-        tokens, self._tokens = self._tokens, 0
-        return chunks, tokens
+        return self._finish_text(chunks)
 
     # -- text outside a block ------------------------------------------------------------------
 
@@ -263,7 +237,8 @@ class ToolCallParser:
             return self._emit_text(self._take_text(len(self._text)))
         start = self._text.find(OPEN)
         if start < 0:
-            return self._emit_text(self._take_text(len(self._text) - _open_tag_prefix(self._text)))
+            held = opening_prefix(self._text, OPEN)
+            return self._emit_text(self._take_text(len(self._text) - held))
         before, rest = self._text[:start], self._text[start + len(OPEN) :]
         chunks: list[Chunk] = []
         if self._spoke or before.strip(WHITESPACE):
@@ -276,21 +251,6 @@ class ToolCallParser:
         self._marks = [(0, self._tokens)]
         self._tokens = 0
         return chunks + self.feed(rest, 0)
-
-    def _take_text(self, length: int) -> str:
-        """The first `length` held characters, unless they are only leading whitespace."""
-        head = self._text[:length]
-        if not self._spoke and not head.strip(WHITESPACE):
-            return ""
-        self._text = self._text[length:]
-        return head
-
-    def _emit_text(self, text: str) -> list[Chunk]:
-        if not text:
-            return []
-        self._spoke = True
-        tokens, self._tokens = self._tokens, 0
-        return [TextDelta(text, tokens)]
 
     # -- inside a block --------------------------------------------------------------------------
 
@@ -352,7 +312,8 @@ class ToolCallParser:
             chunks += self._cut_stream()  # not under a grammar after all: end the calls
             return chunks + self._rescan(block[stream.pos :])
         if stream.phase == "args":
-            chunks += self._deltas(self._pieces(stream, len(block)))
+            chunks += self._deltas(self._pieces(stream.sent, len(block)))
+            stream.sent = len(block)
         return chunks
 
     def _step(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
@@ -422,7 +383,7 @@ class ToolCallParser:
             chunks.append(ToolCallBegin(stream.name, begin))
             stream.begun += 1
             stream.a_start = stream.sent = at
-            stream.depth = 1
+            stream.braces = Braces()
             stream.phase = "args"
             self._lead = ""  # a call it is: the whitespace before it opens no message
         elif phase == "call_end":
@@ -436,66 +397,23 @@ class ToolCallParser:
         return True
 
     def _scan_arguments(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
-        """Follow the arguments' braces (outside strings) to the `}` that closes them."""
-        for at in range(stream.pos, len(block)):
-            char = block[at]
-            if stream.in_string:
-                if stream.escaped:
-                    stream.escaped = False
-                elif char == "\\":
-                    stream.escaped = True
-                elif char == '"':
-                    stream.in_string = False
-            elif char == '"':
-                stream.in_string = True
-            elif char in "{[":
-                stream.depth += 1
-            elif char in "}]":
-                stream.depth -= 1
-                if stream.depth == 0:
-                    pieces = self._pieces(stream, at + 1)
-                    chunks += self._deltas(pieces[:-1])
-                    stream.pending = pieces[-1]
-                    stream.pos = at + 1
-                    stream.phase = "call_end"
-                    return True
-        stream.pos = len(block)
-        return False
-
-    def _pieces(self, stream: _Stream, limit: int) -> list[tuple[str, int]]:
-        """The arguments' text from what was sent up to `limit`, cut where the model's pieces
-        start, each with the tokens of the pieces starting there (`call_chunks`' cuts)."""
-        block = self._block
-        assert block is not None
-        pieces: list[tuple[str, int]] = []
-        left, tokens = stream.sent, 0
-        while self._marks and self._marks[0][0] < limit:
-            offset, count = self._marks.pop(0)
-            if offset > left:
-                pieces.append((block[left:offset], tokens))
-                left, tokens = offset, 0
-            tokens += count
-        if left < limit:
-            pieces.append((block[left:limit], tokens))
-        else:  # no text yet for those tokens: they wait for it
-            self._marks[:0] = [(left, tokens)] if tokens else []
-        stream.sent = limit
-        return pieces
-
-    @staticmethod
-    def _deltas(pieces: list[tuple[str, int]]) -> list[Chunk]:
-        return [ToolCallArgumentsDelta(text, tokens) for text, tokens in pieces]
+        """Follow the arguments' braces to the `}` that closes them."""
+        end = stream.braces.close(block, stream.pos)
+        if end is None:
+            stream.pos = len(block)
+            return False
+        pieces = self._pieces(stream.sent, end)
+        stream.sent = end
+        chunks += self._deltas(pieces[:-1])
+        stream.pending = pieces[-1]
+        stream.pos = end
+        stream.phase = "call_end"
+        return True
 
     def _end_call(self, stream: _Stream, *, everything: bool) -> list[Chunk]:
-        """The call's last piece and its end; `everything`: it is the last call, so it also
-        carries every token still held (what came after its arguments)."""
         assert stream.pending is not None
-        text, tokens = stream.pending
-        stream.pending = None
-        if everything:
-            tokens += sum(count for _, count in self._marks)
-            self._marks = []
-        return [ToolCallArgumentsDelta(text, tokens), ToolCallEnd()]
+        pending, stream.pending = stream.pending, None
+        return self._last_piece(pending, everything=everything)
 
     def _cut_stream(self) -> list[Chunk]:
         """A streamed block that stopped short (or left its shape): its open call ends with
@@ -505,7 +423,7 @@ class ToolCallParser:
         chunks: list[Chunk] = []
         if stream.phase == "args":
             assert self._block is not None
-            chunks += self._deltas(self._pieces(stream, len(self._block)))
+            chunks += self._deltas(self._pieces(stream.sent, len(self._block)))
             chunks.append(ToolCallEnd())
             stream.kept += 1
         elif stream.pending is not None:
