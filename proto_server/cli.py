@@ -26,6 +26,7 @@ from proto_server.bench import cli as bench_cli
 from proto_server.core import settings
 from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags
+from proto_server.engine import families
 from proto_server.engine.base import TokenGenerator
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.default_model import DefaultModel
@@ -516,7 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         generator, config, what = engines
     elif args.generator == "local":
         local = _load_local(
-            args, max_tokens=args.max_tokens, render_cache_bytes=args.render_cache_mb * MiB
+            args,
+            max_tokens=args.max_tokens,
+            render_cache_bytes=args.render_cache_mb * MiB,
+            tool_syntax=config.tool_syntax,
         )
         if local is None:
             return 2
@@ -707,6 +711,7 @@ def _connect_vllm(
             connections=getattr(args, "engine_connections", 64),
             timeout_s=getattr(args, "engine_timeout", 60.0),
             render_cache_bytes=getattr(args, "render_cache_mb", RENDER_CACHE_BYTES // MiB) * MiB,
+            tool_syntax=getattr(args, "tool_syntax", families.AUTO),
         )
     except (EngineSetupError, ModelError, TemplateError) as exc:
         print(f"proto-server: {exc}", file=sys.stderr)

@@ -50,10 +50,14 @@ def engine_python() -> Path:
 class Engine:
     """One vLLM OpenAI-compatible server on a loopback port, restartable on the same port."""
 
-    def __init__(self, python: Path, model_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self, python: Path, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()
+    ) -> None:
         self.python = python
         self.model_dir = model_dir
         self.log_path = log_path
+        #: More of vLLM's flags (`--load-format dummy`: random weights of the model's shape).
+        self.extra = extra
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         # one client for every gauge read: a new one builds an SSL context (~0.1 s, more on a
@@ -72,7 +76,7 @@ class Engine:
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
             # vLLM's own /v1/responses makes calls (bench-vllm's forced turns) only with a parser
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", "127.0.0.1", "--port", str(self.port), *self.extra,
         ]  # fmt: skip
         # the store lets bench-vllm chain vLLM's own /v1/responses by previous_response_id
         env = {

@@ -274,11 +274,9 @@ async def test_resumed_rollouts_are_sent_to_the_engine_first() -> None:
 
 def test_the_engine_is_sent_the_priority_only_when_there_is_one() -> None:
     request = {"model": "m", "prompt": [1], "max_tokens": 1, "stop_token_ids": ()}
-    sent = completion_request(**request, limits=GenerationLimits(priority=0), stop_at_call=False)
+    sent = completion_request(**request, limits=GenerationLimits(priority=0))
     assert sent["priority"] == 0
-    assert "priority" not in completion_request(
-        **request, limits=GenerationLimits(), stop_at_call=False
-    )
+    assert "priority" not in completion_request(**request, limits=GenerationLimits())
 
 
 def test_key_weights_name_owner_ids() -> None:

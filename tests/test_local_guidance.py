@@ -28,10 +28,10 @@ from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.default_model import example_value
+from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
 from proto_server.engine.schema_grammar import check_text_format
-from proto_server.engine.toolcalls import call_text
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, Item, Message
@@ -177,7 +177,7 @@ async def test_a_named_function_is_the_one_called(tokenizer: Any, name: str) -> 
     await session.aclose()
 
 
-TWO_CALLS = call_text("pick", '{"color": "red", "n": 1}').replace(
+TWO_CALLS = HERMES.call_text("pick", '{"color": "red", "n": 1}').replace(
     "}]", '}, {"name": "pick", "arguments": {"color": "blue", "n": 2}}]'
 )
 
@@ -209,7 +209,7 @@ async def test_a_strict_tool_under_auto_constrains_a_call_the_model_opens(
     tokenizer: Any,
 ) -> None:
     """Text stays free; the block it opens must be a valid call (`green` is not an option)."""
-    wants = "Let me pick. " + call_text("pick", '{"color": "green", "n": 12}')
+    wants = "Let me pick. " + HERMES.call_text("pick", '{"color": "green", "n": 12}')
     generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=300)
     session = open_session(generator)
     items = outputs(await bounded(session))
@@ -232,7 +232,7 @@ async def test_no_calls_left_means_no_grammar_and_no_call(
 ) -> None:
     """`none` (or `max_tool_calls` spent) wins over `strict` and `required`: a call the model
     writes is plain text."""
-    text = call_text("pick", '{"color": "green"}')
+    text = HERMES.call_text("pick", '{"color": "green"}')
     generator = make(tokenizer, Prefers(tokenizer, text), max_tokens=300)
     session = open_session(generator)
     chunks = await bounded(session, GenerationLimits(tool_choice=choice, max_tool_calls=0))
@@ -345,7 +345,7 @@ def test_the_mask_of_each_step_allows_the_call_and_refuses_some_tokens(tokenizer
     generator = make(tokenizer, greedy)
     constraint: Constraint = generator.guide.constrain(TOOLS, max_calls=None)
     logits = torch.zeros(generator.model.config.vocab_size)
-    steps = tokenizer.encode(call_text("pick", '{"color": "red", "n": 1}'))
+    steps = tokenizer.encode(HERMES.call_text("pick", '{"color": "red", "n": 1}'))
     for token in steps:
         allowed = constraint.mask(logits)
         assert allowed[token] == 0 and int((allowed == 0).sum()) < len(logits)
@@ -392,7 +392,7 @@ async def test_with_tools_under_auto_the_answer_is_an_instance_or_a_valid_call(
     tokenizer: Any,
 ) -> None:
     """The grammar allows a call block instead of the answer; either one is valid."""
-    wants = call_text("pick", '{"color": "green", "n": 12}')
+    wants = HERMES.call_text("pick", '{"color": "green", "n": 12}')
     generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=300)
     session = open_session(generator)
     (call,) = calls(outputs(await bounded(session, GenerationLimits(text_format=ANSWER))))

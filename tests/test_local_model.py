@@ -42,9 +42,9 @@ from proto_server.engine.chunks import (
     ToolCallArgumentsDelta,
     ToolCallBegin,
 )
+from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
-from proto_server.engine.toolcalls import call_text, describe_tools
 from proto_server.wire.items import (
     FunctionCall,
     FunctionCallOutput,
@@ -77,7 +77,7 @@ TOOLS = (
         parameters=EXEC_COMMAND["parameters"],
     ),
 )
-CALL = call_text("exec_command", '{"cmd": "ls"}')
+CALL = HERMES.call_text("exec_command", '{"cmd": "ls"}')
 #: Float32 logits of the same prompt computed in different chunks differ by rounding only.
 TOLERANCE = 1e-4
 
@@ -99,7 +99,7 @@ def test_items_render_as_the_template_renders_the_whole_conversation(tokenizer: 
         ]
     )
     messages = [
-        {"role": "system", "content": f"{INSTRUCTIONS}\n\n{describe_tools(TOOLS)}"},
+        {"role": "system", "content": f"{INSTRUCTIONS}\n\n{HERMES.describe_tools(TOOLS)}"},
         {"role": "user", "content": "the tests fail; fix the bug"},
         {"role": "assistant", "content": CALL},
         {"role": "tool", "content": "a.py"},

@@ -12,8 +12,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallBegin
+from proto_server.engine.families.hermes import HERMES, ToolCallParser
 from proto_server.engine.thinking import ThinkingParser
-from proto_server.engine.toolcalls import ToolCallParser, call_text
 
 WORDS = st.text(st.sampled_from("ab <>/\nthink"), max_size=30)
 
@@ -78,7 +78,7 @@ def test_without_a_block_everything_is_the_answer(answer: str, cuts: list[int]) 
 
 @given(cuts=st.lists(st.integers(0, 120), max_size=16))
 def test_a_call_after_thinking_is_parsed_by_the_call_parser(cuts: list[int]) -> None:
-    written = "<think>\nI should list the files.\n</think>\n\n" + call_text(
+    written = "<think>\nI should list the files.\n</think>\n\n" + HERMES.call_text(
         "exec_command", '{"cmd": "ls"}'
     )
     parser = ThinkingParser(ToolCallParser(["exec_command"]))

@@ -17,7 +17,7 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.toolcalls import ToolCallParser, call_text, describe_tools, parse_calls
+from proto_server.engine.families.hermes import HERMES, ToolCallParser, parse_calls
 from proto_server.wire.tools import FunctionTool
 
 NAMES = ("exec_command", "read_file")
@@ -241,11 +241,11 @@ def test_any_output_parses_without_crashing_and_keeps_every_token(
 
 
 def test_a_rendered_call_is_what_the_parser_reads_back() -> None:
-    text = call_text("exec_command", '{"cmd": "ls -la"}')
+    text = HERMES.call_text("exec_command", '{"cmd": "ls -la"}')
     assert text == CALL
     assert parse([text]).calls == [("exec_command", '{"cmd": "ls -la"}')]
     # arguments that are not a JSON object are carried as a string, and still parse
-    assert parse_calls(call_text("exec_command", "ls")[11:-12], NAMES) is None
+    assert parse_calls(HERMES.call_text("exec_command", "ls")[11:-12], NAMES) is None
 
 
 def test_the_tools_are_described_with_their_schemas() -> None:
@@ -254,7 +254,7 @@ def test_the_tools_are_described_with_their_schemas() -> None:
         description="Run a shell command.",
         parameters={"type": "object", "properties": {"cmd": {"type": "string"}}},
     )
-    text = describe_tools([tool])
+    text = HERMES.describe_tools([tool])
     listed = json.loads(text.split("<tools>")[1].split("</tools>")[0])
     assert listed == [
         {

@@ -124,7 +124,7 @@ def test_a_request_sends_the_prompt_as_ids_with_the_sampling_it_was_given() -> N
         max_tokens=16,
         limits=limits,
         stop_token_ids={2, 0},
-        stop_at_call=True,
+        stop=["</tool_call>"],
     )
     assert body == {
         "model": "smollm2",
@@ -143,13 +143,13 @@ def test_a_request_sends_the_prompt_as_ids_with_the_sampling_it_was_given() -> N
     }
     free = completion_request(
         model="m", prompt=[1], max_tokens=1, limits=GenerationLimits(),
-        stop_token_ids=(), stop_at_call=False,
+        stop_token_ids=(),
     )  # fmt: skip
     assert "stop" not in free and "temperature" not in free and "seed" not in free
     assert "cache_salt" not in free  # no tenant: the engine's cache is shared, as before
     salted = completion_request(
         model="m", prompt=[1], max_tokens=1, limits=GenerationLimits(),
-        stop_token_ids=(), stop_at_call=False, cache_salt="k1-salt",
+        stop_token_ids=(), cache_salt="k1-salt",
     )  # fmt: skip
     assert salted["cache_salt"] == "k1-salt"
 
@@ -160,7 +160,7 @@ def test_a_structure_goes_to_the_engine_as_a_structural_tag() -> None:
     structure = forced_call_format(TOOLS, 1)
     body = completion_request(
         model="m", prompt=[1], max_tokens=8, limits=GenerationLimits(),
-        stop_token_ids=(), stop_at_call=True, structure=structure,
+        stop_token_ids=(), stop=["</tool_call>"], structure=structure,
     )  # fmt: skip
     assert json.loads(body["structured_outputs"]["structural_tag"]) == structure
     assert body["stop"] == ["</tool_call>"]

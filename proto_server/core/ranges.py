@@ -55,3 +55,15 @@ def between(low: float, high: float) -> Validator:
             )
 
     return check
+
+
+def one_of(choices: tuple[str, ...]) -> Validator:
+    """One of `choices`."""
+
+    def check(_: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in choices:
+            raise InvalidSetting(
+                attribute.name, f"must be one of {', '.join(choices)}, got {value!r}"
+            )
+
+    return check

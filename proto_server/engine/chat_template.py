@@ -6,8 +6,12 @@ most others) the block of a message is what rendering [probe, message] adds to r
 [probe]. That is checked once when the renderer is built, so a template that does not render
 messages one by one is refused up front rather than rendering a wrong prompt.
 
-Tool calls and tool outputs become the messages the model was tuned on: an assistant message
-holding the call in the model's syntax (see toolcalls.py) and a `tool` message with the output.
+Tools, tool calls and tool outputs are rendered as the model was tuned on them, by its family
+(families/): offered through the template's `tools=` where the template takes them, else in
+the system prompt in the family's documented form; a call as an assistant message's
+`tool_calls` where the template renders them, else as the family's own call text; an output as
+a `tool` message (or the family's role for it, where the template knows no tools). Both are
+probed once, when the renderer is built.
 
 Rendering a message through the template and the tokenizer costs about a millisecond, and a
 stateless client resends its whole history every turn: the tokens of the messages rendered
@@ -16,6 +20,7 @@ last are kept (`RenderedMessages`, bounded in bytes), so such a turn renders onl
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -26,7 +31,8 @@ from typing import Any, Protocol, TypeAlias
 from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
-from proto_server.engine.toolcalls import call_text, describe_tools
+from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.hermes import HERMES
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -38,7 +44,7 @@ from proto_server.wire.items import (
     UnknownItem,
     content_text,
 )
-from proto_server.wire.tools import Tool, function_tools
+from proto_server.wire.tools import FunctionTool, Tool, function_tools
 
 _PROBE = {"role": "system", "content": "probe"}
 _PROBE_USER = {"role": "user", "content": "probe"}
@@ -61,19 +67,14 @@ COMPACTION_PREAMBLE = "Summary of the conversation so far (earlier turns were co
 
 
 def item_message(item: Item) -> dict[str, str] | None:
-    """The chat message an item is shown to the model as; None for what it cannot read."""
+    """The chat message an item other than a call or its output is shown to the model as;
+    None for what it cannot read."""
     match item:
         case Message(role=role, content=content):
             return {
                 "role": "system" if role == "developer" else role,
                 "content": content_text(content),
             }
-        case FunctionCall(name=name, arguments=arguments):
-            return {"role": "assistant", "content": call_text(name, arguments)}
-        case CustomToolCall(name=name, input=text):
-            return {"role": "assistant", "content": call_text(name, text)}
-        case FunctionCallOutput(output=output) | CustomToolCallOutput(output=output):
-            return {"role": "tool", "content": content_text(output)}
         case UnknownItem(type="compaction") if (summary := summary_of(item)) is not None:
             # what server-side compaction kept of the history: the model reads it as context
             return {"role": "user", "content": f"{COMPACTION_PREAMBLE}\n{summary}"}
@@ -82,6 +83,19 @@ def item_message(item: Item) -> dict[str, str] | None:
         case UnknownItem():
             return None  # opaque to another model
     raise TypeError(f"not an item: {item!r}")
+
+
+def _template_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as chat templates read `tools=` (the Chat Completions shape)."""
+    function: dict[str, Any] = {
+        "name": tool.name,
+        "description": tool.description or "",
+        "parameters": tool.parameters or {"type": "object", "properties": {}},
+    }
+    return {"type": "function", "function": function}
+
+
+_PROBE_TOOL = FunctionTool(name="probe_tool", parameters={"type": "object", "properties": {}})
 
 
 log = logging.getLogger("proto_server.engine.chat_template")
@@ -162,8 +176,15 @@ class RenderedMessages:
 
 
 class ChatTemplateRenderer:
-    def __init__(self, tokenizer: ChatTokenizer, *, cache_bytes: int = RENDER_CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        *,
+        cache_bytes: int = RENDER_CACHE_BYTES,
+        syntax: ToolSyntax = HERMES,
+    ) -> None:
         self._tokenizer = tokenizer
+        self.syntax = syntax
         #: What `render_item` rendered lately (`--render-cache-mb`).
         self.rendered = RenderedMessages(cache_bytes)
         try:
@@ -181,15 +202,40 @@ class ChatTemplateRenderer:
                 "the model's chat template does not render a conversation one message at a time, "
                 "so it cannot be extended incrementally; use a model with a ChatML-like template"
             )
-        user_block = probed[len(self._base) :]
+        self._user_block = probed[len(self._base) :]
         #: What opens the model's turn (`<|im_start|>assistant\n` in ChatML).
         self.generation_prompt = self._encode(prompted[len(self._base) :])
         # What the template says before the first message when there is no system message.
-        self._default_prefix = default[: -len(user_block)] if default.endswith(user_block) else ""
+        self._default_prefix = (
+            default[: -len(self._user_block)] if default.endswith(self._user_block) else ""
+        )
+        #: The template offers tools itself (`tools=`) and renders calls (`tool_calls`).
+        self.takes_tools = self._probe_tools()
+        self.renders_calls = self._probe_calls()
 
-    def _text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def _probe_tools(self) -> bool:
+        try:
+            offered = self._text([_PROBE_USER], tools=[_template_tool(_PROBE_TOOL)])
+        except Exception:
+            return False
+        return _PROBE_TOOL.name in offered and offered.endswith(self._user_block)
+
+    def _probe_calls(self) -> bool:
+        try:
+            text = self._text([_PROBE, self._call_message("probe_tool", "{}")])
+        except Exception:
+            return False
+        return text.startswith(self._base) and "probe_tool" in text[len(self._base) :]
+
+    def _text(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        options: dict[str, Any] = {"tools": tools} if tools else {}
         text = self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options
         )
         assert isinstance(text, str)
         return text
@@ -198,10 +244,12 @@ class ChatTemplateRenderer:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
-        parts = [instructions] if instructions else []
         offered = function_tools(tools)
+        if offered and self.takes_tools:
+            return self._template_prefix(instructions, offered)
+        parts = [instructions] if instructions else []
         if offered:
-            parts.append(describe_tools(offered))
+            parts.append(self.syntax.describe_tools(offered))
         if not parts:
             return self._encode(self._default_prefix)
         system = "\n\n".join(parts)
@@ -212,11 +260,55 @@ class ChatTemplateRenderer:
             self.rendered.put(key, tokens)
         return list(tokens)
 
+    def _template_prefix(
+        self, instructions: str | None, tools: Sequence[FunctionTool]
+    ) -> list[int]:
+        """The conversation's start as the template offers `tools`: what it renders before a
+        user message, with the instructions as the system message if there are any."""
+        specs = [_template_tool(tool) for tool in tools]
+        key = (PREFIX, json.dumps([instructions, specs]))
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            system = [{"role": "system", "content": instructions}] if instructions else []
+            text = self._text([*system, _PROBE_USER], tools=specs)
+            tokens = array("I", self._encode(text.removesuffix(self._user_block)))
+            self.rendered.put(key, tokens)
+        return list(tokens)
+
+    def _call_message(self, name: str, arguments: str) -> dict[str, Any]:
+        """An assistant message holding a call, as templates read `tool_calls`."""
+        if self.syntax.template_arguments_text:
+            given: Any = arguments
+        else:
+            try:
+                given = json.loads(arguments)
+            except ValueError:
+                given = arguments
+        call = {"type": "function", "function": {"name": name, "arguments": given}}
+        return {"role": "assistant", "content": self.syntax.call_content, "tool_calls": [call]}
+
+    def _message(self, item: Item) -> tuple[ChatMessage, dict[str, Any]] | None:
+        """The message `item` is shown as, and the key its rendering is kept under."""
+        match item:
+            case FunctionCall(name=name, arguments=text) | CustomToolCall(name=name, input=text):
+                if self.renders_calls:
+                    return ("\0call", json.dumps([name, text])), self._call_message(name, text)
+                message = {"role": "assistant", "content": self.syntax.call_text(name, text)}
+            case FunctionCallOutput(output=output) | CustomToolCallOutput(output=output):
+                role = "tool" if self.renders_calls else self.syntax.output_role
+                message = {"role": role, "content": content_text(output)}
+            case _:
+                found = item_message(item)
+                if found is None:
+                    return None
+                message = found
+        return (message["role"], message["content"]), message
+
     def render_item(self, item: Item) -> Sequence[int]:
-        message = item_message(item)
-        if message is None:
+        found = self._message(item)
+        if found is None:
             return ()
-        key = (message["role"], message["content"])
+        key, message = found
         tokens = self.rendered.get(key)
         if tokens is None:
             tokens = array("I", self._encode(self._text([_PROBE, message])[len(self._base) :]))

@@ -1,7 +1,8 @@
 """Constrained decoding for the local model (llguidance): calls the model cannot get wrong.
 
 A small model rarely writes a tool call on its own, and a random one never does; under a
-grammar even they do. The grammar is the model's own call syntax (toolcalls.py):
+grammar even they do. The grammar is the model family's own call syntax (its `CallFrame`,
+families/), for Hermes and SmolLM2:
 
     <tool_call>[{"name": "exec_command", "arguments": {"cmd": "ls"}}]</tool_call>
 
@@ -12,7 +13,7 @@ other tool's schema is followed leniently (keywords llguidance does not know are
 if it still does not compile, any JSON object is accepted: a forced call whose arguments fit
 the tool is worth more to the agent than one that merely parses. Arguments are written as
 `json.dumps` writes them (`", "` and `": "`, no other whitespace), as the system prompt's
-example shows them (toolcalls.describe_tools), which keeps a runaway model from padding forever.
+example shows them (`ToolSyntax.describe_tools`), which keeps a runaway model from padding forever.
 
 A forced call (`required`, a named function) starts at the first token. Under `auto`, when an
 offered tool is `strict`, text is free (any text; of the special tokens only the end of turn)
@@ -27,7 +28,8 @@ of the logits (`-inf`): the greedy chooser stays deterministic, it only chooses 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import llguidance
@@ -35,9 +37,10 @@ import numpy as np
 import torch
 
 from proto_server.core.text_format import TextFormat
+from proto_server.engine.families.base import CallFrame
+from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import GenerationRefused
 from proto_server.engine.schema_grammar import JSON_STYLE, guidance_schema
-from proto_server.engine.toolcalls import CLOSE, OPEN
 from proto_server.wire.tools import FunctionTool
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -77,49 +80,91 @@ def call_grammar(
     max_calls: int | None,
     lazy: bool = False,
     answer: TextFormat | None = None,
+    frame: CallFrame = HERMES.frame,
+    specials: Mapping[str, int] | None = None,
 ) -> str:
-    """The Lark grammar of a call block naming one of `tools`, at most `max_calls` calls in it;
-    `lazy`: free text until the model opens a block (and it need not); `answer`: a JSON answer
-    of that format, or (with `tools`) a block."""
+    """The Lark grammar of a call block in `frame` naming one of `tools`, at most `max_calls`
+    calls in it; `lazy`: free text until the model opens a block (and it need not); `answer`:
+    a JSON answer of that format, or (with `tools`) a block. `specials`: the tokens llguidance
+    holds apart from text (by their text), which the frame's literals name by id."""
+    text = _Literals(specials or {})
     if answer is not None:
         schema = json.dumps(guidance_schema(answer.schema, strict=answer.strict))
         rules = [f"answer: %json {schema}"]
         if not tools:
             return llguidance.LLMatcher.grammar_from_lark("\n".join(["start: answer", *rules]))
-        either = f"start: answer | {_literal(OPEN)} calls"
-        rules += _calls(tools, tokenizer, max_calls)
+        either = f"start: answer | {text.opening(frame.opening)}calls"
+        rules += _calls(tools, tokenizer, max_calls, frame, text)
         return llguidance.LLMatcher.grammar_from_lark("\n".join([either, *rules]))
     if lazy:  # how llguidance's StructTag writes a trigger in running text
         start = [
             "%llguidance {}",
             "start: block* TEXT",
-            f"opened[lazy]: TEXT {_literal(OPEN)}",
-            "block: opened calls",
+            f"opened[lazy]: TEXT {text(frame.trigger)}",
+            f"block: opened {text.opening(frame.opening.removeprefix(frame.trigger))}calls",
             r"TEXT: /(.|\n)*/",
         ]
     else:
-        start = [f"start: {_literal(OPEN)} calls"]
+        start = [f"start: {text.opening(frame.opening)}calls"]
     return llguidance.LLMatcher.grammar_from_lark(
-        "\n".join([*start, *_calls(tools, tokenizer, max_calls)])
+        "\n".join([*start, *_calls(tools, tokenizer, max_calls, frame, text)])
     )
 
 
+class _Literals:
+    """Text as Lark literals, a special token in it as `<[id]>` (llguidance matches a special
+    token only so, never by its text)."""
+
+    def __init__(self, specials: Mapping[str, int]) -> None:
+        self._specials = specials
+        self._split = (
+            re.compile(
+                "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")"
+            )
+            if specials
+            else None
+        )
+
+    def __call__(self, text: str) -> str:
+        if self._split is None:
+            return _literal(text)
+        parts = [part for part in self._split.split(text) if part]
+        return " ".join(
+            f"<[{self._specials[part]}]>" if part in self._specials else _literal(part)
+            for part in parts
+        )
+
+    def opening(self, text: str) -> str:
+        """`text` followed by a space, or nothing for no text."""
+        return f"{self(text)} " if text else ""
+
+
 def _calls(
-    tools: Sequence[FunctionTool], tokenizer: llguidance.LLTokenizer, max_calls: int | None
+    tools: Sequence[FunctionTool],
+    tokenizer: llguidance.LLTokenizer,
+    max_calls: int | None,
+    frame: CallFrame,
+    text: _Literals,
 ) -> list[str]:
-    """The rules of `calls`: what follows the open tag."""
+    """The rules of `calls`: what follows the block's opening (up to the first name)."""
     rules = []
     for number, tool in enumerate(tools):
-        head = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+        head = text(tool.name + frame.name_suffix)
         schema = json.dumps(arguments_schema(tool, tokenizer))
-        rules.append(f'call_{number}: {head} args_{number} "}}"')
+        rules.append(
+            f"call_{number}: {head} args_{number} {text.opening(frame.args_suffix)}".rstrip()
+        )
         rules.append(f"args_{number}: %json {schema}")
-    if max_calls is None:
-        more = '(", " call)*'
+    most = frame.most_calls(max_calls)
+    separator = text((frame.separator or "") + frame.name_prefix)
+    if frame.separator is None or most == 1:
+        more = ""
+    elif most is None:
+        more = f"({separator} call)*"
     else:
-        more = f'(", " call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+        more = f"({separator} call){{0,{most - 1}}}"
     return [
-        f'calls: "[" call {more} "]" {_literal(CLOSE)}',
+        f"calls: call {more} {text.opening(frame.close)}".rstrip(),
         "call: " + " | ".join(f"call_{number}" for number in range(len(tools))),
         *rules,
     ]
@@ -147,6 +192,8 @@ class Guide:
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, stop_ids: Collection[int]) -> None:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._added: dict[str, int] = dict(getattr(tokenizer, "get_added_vocab", dict)())
+        self._specials: dict[str, int] | None = None
         self._vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -176,9 +223,21 @@ class Guide:
         max_calls: int | None,
         lazy: bool = False,
         answer: TextFormat | None = None,
+        frame: CallFrame = HERMES.frame,
     ) -> Constraint:
         """The constraint of one segment (blocking: compiling a schema can take a while)."""
-        grammar = call_grammar(tools, self.tokenizer, max_calls=max_calls, lazy=lazy, answer=answer)
+        if self._specials is None:
+            is_special = self.tokenizer.is_special_token
+            self._specials = {text: i for text, i in self._added.items() if is_special(i)}
+        grammar = call_grammar(
+            tools,
+            self.tokenizer,
+            max_calls=max_calls,
+            lazy=lazy,
+            answer=answer,
+            frame=frame,
+            specials=self._specials,
+        )
         return Constraint(llguidance.LLMatcher(self.tokenizer, grammar))
 
 

@@ -29,6 +29,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
+from proto_server.engine import families
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
@@ -36,7 +37,6 @@ from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.tokens import common_prefix, stop_ids
-from proto_server.engine.toolcalls import ToolCallParser
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.tools import FunctionTool, function_tools
 
@@ -81,6 +81,7 @@ class LocalGenerator:
         device: str | None = None,
         choose: Chooser = greedy,
         render_cache_bytes: int = RENDER_CACHE_BYTES,
+        tool_syntax: str = families.AUTO,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -91,7 +92,11 @@ class LocalGenerator:
         self.max_tokens = max_tokens
         self.prefill_chunk = prefill_chunk
         self.choose = choose
-        self.renderer = ChatTemplateRenderer(tokenizer, cache_bytes=render_cache_bytes)
+        #: The model family's call syntax (`--tool-syntax`; families/).
+        self.syntax = families.choose(tokenizer, tool_syntax)
+        self.renderer = ChatTemplateRenderer(
+            tokenizer, cache_bytes=render_cache_bytes, syntax=self.syntax
+        )
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -199,6 +204,7 @@ class LocalSession:
         one); under a structured `text.format`, its answer or a call; under `auto` with a
         `strict` tool, any call the model opens; else none."""
         guide = self._generator.guide
+        frame = self._generator.syntax.frame
         tools: Sequence[FunctionTool] = self._tools
         if limits.tool_choice.name is not None:
             tools = [tool for tool in tools if tool.name == limits.tool_choice.name]
@@ -206,7 +212,13 @@ class LocalSession:
         if form is not None and not limits.must_call:
             callable_tools = tools if limits.max_calls != 0 else ()
             return await self._generator.run(
-                partial(guide.constrain, callable_tools, max_calls=limits.max_calls, answer=form)
+                partial(
+                    guide.constrain,
+                    callable_tools,
+                    max_calls=limits.max_calls,
+                    answer=form,
+                    frame=frame,
+                )
             )
         if limits.max_calls == 0:
             return None
@@ -219,7 +231,7 @@ class LocalSession:
                 'tool_choice is "required", but the request offers no function tool to call.',
             )
         return await self._generator.run(
-            partial(guide.constrain, tools, max_calls=limits.max_calls, lazy=lazy)
+            partial(guide.constrain, tools, max_calls=limits.max_calls, lazy=lazy, frame=frame)
         )
 
     async def _extend(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
@@ -248,7 +260,7 @@ class LocalSession:
     ) -> None:
         generator = self._generator
         # under a grammar every block is a valid call: it streams as it decodes
-        parser = ToolCallParser(
+        parser = generator.syntax.parser(
             self._tool_names, max_calls=limits.max_calls, forced=constraint is not None
         )
         text = _Detokenizer(generator.tokenizer)

@@ -8,7 +8,7 @@ Qwen3, QwQ and DeepSeek R1 think in a block of their own before they answer or c
 
     Let me look.<tool_call>...</tool_call>
 
-`ThinkingParser` sits in front of the call parser (toolcalls.py): what is inside the block
+`ThinkingParser` sits in front of the call parser (a family's, families/): what is inside the block
 becomes `ReasoningDelta` chunks, what follows goes to the call parser as the model wrote it. It
 keeps that parser's guarantees: text streams at once (only a possible start of a tag is held),
 and every token fed is carried by exactly one chunk or returned by `finish`. A block is looked
@@ -30,7 +30,7 @@ _WHITESPACE = " \t\r\n"
 
 
 class CallParser(Protocol):
-    """What follows the thinking: toolcalls.ToolCallParser, or a family's own."""
+    """What follows the thinking: a family's call parser (families/base.py's `CallParser`)."""
 
     @property
     def called(self) -> bool: ...

@@ -10,9 +10,10 @@ always the conversation as rendered, as a cold re-prefill would send it; the ids
 last (the prompt and what it generated) are kept to know what it should find cached. The
 engine's own count, `usage.prompt_tokens_details.cached_tokens`, is what the Response reports.
 
-A forced call (`tool_choice` required or named) opens the call in the prompt (`<tool_call>`)
-and constrains the rest to a JSON list of calls of the allowed tools with vLLM's structured
-outputs; both go through the same parser as the local model's, the forced one streamed as it
+A forced call (`tool_choice` required or named) opens the call in the prompt (`<tool_call>[`
+for Hermes, each family its own, families/) and constrains the rest to a block of calls of the
+allowed tools in the family's syntax with vLLM's structured outputs (structural tags); both go
+through the family's parser, as the local model's do, the forced one streamed as it
 decodes (it cannot be invalid), an unforced one held until its block closes. A structured
 answer (`text.format`) is constrained the same way, to a JSON instance of its schema (or a call
 block, when calls are allowed); the schema is checked with llguidance when the request arrives,
@@ -42,10 +43,12 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
+from proto_server.engine.families import AUTO, choose
+from proto_server.engine.families.base import CallFrame
+from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.tokens import common_prefix, stop_ids
-from proto_server.engine.toolcalls import CLOSE, OPEN, ToolCallParser
 from proto_server.wire.tools import FunctionTool, function_tools
 
 ENGINE_ERROR = "engine_error"
@@ -260,55 +263,70 @@ def _arguments(tool: FunctionTool, constrained: bool) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
-def _named(tools: Sequence[FunctionTool], constrained: bool) -> dict[str, Any]:
-    """The rest of a call after `{"name": "`: one of `tools`' names, then its arguments."""
+def _named(tools: Sequence[FunctionTool], constrained: bool, frame: CallFrame) -> dict[str, Any]:
+    """The rest of a call after its name's prefix: one of `tools`' names, then its arguments."""
     calls = [
         _sequence(
-            _const(f'{tool.name}", "arguments": '),
+            _const(f"{tool.name}{frame.name_suffix}"),
             _arguments(tool, constrained or bool(tool.strict)),
         )
         for tool in tools
     ]
-    return _sequence(
-        calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}, _const("}")
-    )
+    named = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    return _sequence(named, _const(frame.args_suffix)) if frame.args_suffix else named
 
 
 def _more_calls(
-    tools: Sequence[FunctionTool], max_calls: int | None, constrained: bool
+    tools: Sequence[FunctionTool], max_calls: int | None, constrained: bool, frame: CallFrame
 ) -> list[dict[str, Any]]:
     """The calls after the first in one block, as many as the request still allows."""
-    if max_calls == 1:
+    max_calls = frame.most_calls(max_calls)
+    if max_calls == 1 or frame.separator is None:
         return []
-    call = _sequence(_const(', {"name": "'), _named(tools, constrained))
+    call = _sequence(_const(frame.separator + frame.name_prefix), _named(tools, constrained, frame))
     most = -1 if max_calls is None else max_calls - 1
     return [{"type": "repeat", "min": 0, "max": most, "content": call}]
 
 
-def forced_call_head(tools: Sequence[FunctionTool]) -> str:
+def _close(frame: CallFrame) -> list[dict[str, Any]]:
+    return [_const(frame.close)] if frame.close else []
+
+
+def forced_call_head(tools: Sequence[FunctionTool], frame: CallFrame = HERMES.frame) -> str:
     """What a forced call is sure to start with, put in the prompt rather than decoded: the
-    block's opening up to the name, and with one tool allowed, up to its arguments. Decoding
-    it would cost a step per token before the arguments, the client seeing nothing meanwhile."""
-    head = f'{OPEN}[{{"name": "'
-    return f'{head}{tools[0].name}", "arguments":' if len(tools) == 1 else head
+    block's opening up to the name, and with one tool allowed, up to its arguments (but the
+    whitespace before them). Decoding it would cost a step per token before the arguments, the
+    client seeing nothing meanwhile."""
+    head = frame.opening
+    if len(tools) == 1:
+        head += tools[0].name + frame.name_suffix.rstrip(" ")
+    return head
 
 
-def forced_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
+def forced_call_format(
+    tools: Sequence[FunctionTool], max_calls: int | None, frame: CallFrame = HERMES.frame
+) -> dict[str, Any]:
     """vLLM's structured output (an xgrammar structural tag) for what follows
     `forced_call_head`: the first call's rest, more calls up to `max_calls`, the block's close;
     every call's arguments valid against its tool's parameters."""
     if len(tools) == 1:
-        first = _sequence(_const(" "), _arguments(tools[0], True), _const("}"))
+        space = frame.name_suffix[len(frame.name_suffix.rstrip(" ")) :]
+        first = _sequence(
+            *([_const(space)] if space else []),
+            _arguments(tools[0], True),
+            *([_const(frame.args_suffix)] if frame.args_suffix else []),
+        )
     else:
-        first = _named(tools, True)
-    return {
-        "type": "structural_tag",
-        "format": _sequence(first, *_more_calls(tools, max_calls, True), _const(f"]{CLOSE}")),
-    }
+        first = _named(tools, True, frame)
+    more = _more_calls(tools, max_calls, True, frame)
+    return {"type": "structural_tag", "format": _sequence(first, *more, *_close(frame))}
 
 
 def answer_format(
-    form: TextFormat, tools: Sequence[FunctionTool], max_calls: int | None
+    form: TextFormat,
+    tools: Sequence[FunctionTool],
+    max_calls: int | None,
+    frame: CallFrame = HERMES.frame,
 ) -> dict[str, Any]:
     """The structured output of a structured answer: JSON valid against `form`'s schema, with
     at most `MAX_WHITESPACE` whitespace in a row; with `tools`, a call block instead is allowed
@@ -321,27 +339,47 @@ def answer_format(
     if not tools:
         return {"type": "structural_tag", "format": answer}
     block = _sequence(
-        _const(f'{OPEN}[{{"name": "'),
-        _named(tools, False),
-        *_more_calls(tools, max_calls, False),
-        _const(f"]{CLOSE}"),
+        _const(frame.opening),
+        _named(tools, False, frame),
+        *_more_calls(tools, max_calls, False, frame),
+        *_close(frame),
     )
     return {"type": "structural_tag", "format": {"type": "or", "elements": [answer, block]}}
 
 
-def strict_call_format(tools: Sequence[FunctionTool], max_calls: int | None) -> dict[str, Any]:
+def strict_call_format(
+    tools: Sequence[FunctionTool], max_calls: int | None, frame: CallFrame = HERMES.frame
+) -> dict[str, Any]:
     """The structured output under `auto` when a tool is `strict`: text is free, and a block the
     model opens holds calls of the offered tools, a `strict` one's arguments valid against its
-    parameters (the others' any object)."""
+    parameters (the others' any object). Where each call opens its own block and nothing
+    closes it (Mistral's `[TOOL_CALLS]name[ARGS]{...}`), each call is a tag of its own (the
+    parser keeps the calls the request allows)."""
+    if not frame.close and frame.separator == frame.open:
+        tags = [
+            {
+                "type": "tag",
+                "begin": f"{frame.open}{frame.name_prefix}{tool.name}{frame.name_suffix}",
+                "content": _arguments(tool, bool(tool.strict)),
+                "end": frame.args_suffix,
+            }
+            for tool in tools
+        ]
+        return {
+            "type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [frame.open], "tags": tags},
+        }
     block = {
         "type": "tag",
-        "begin": f'{OPEN}[{{"name": "',
-        "content": _sequence(_named(tools, False), *_more_calls(tools, max_calls, False)),
-        "end": f"]{CLOSE}",
+        "begin": frame.opening if frame.bare else frame.open + frame.list_open + frame.name_prefix,
+        "content": _sequence(
+            _named(tools, False, frame), *_more_calls(tools, max_calls, False, frame)
+        ),
+        "end": frame.close,
     }
     return {
         "type": "structural_tag",
-        "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": [block]},
+        "format": {"type": "triggered_tags", "triggers": [frame.trigger], "tags": [block]},
     }
 
 
@@ -352,16 +390,17 @@ def completion_request(
     max_tokens: int,
     limits: GenerationLimits,
     stop_token_ids: Collection[int],
-    stop_at_call: bool,
+    stop: Sequence[str] = (),
     structure: dict[str, Any] | None = None,
     stream: bool = True,
     cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The body of one `/v1/completions` request: the prompt as token ids, streamed with its
     ids and usage; the request's sampling passed through; stopping at the model's end of turn
-    and (`stop_at_call`) at the close of a tool call; `structure`: a structural tag the output
-    must follow (`forced_call_format`, `strict_call_format`, `answer_format`); `cache_salt`:
-    the tenant's, so the engine's prefix cache keeps tenants apart (vLLM's `cache_salt`)."""
+    and at `stop` (a call block's close, where the family's block has one); `structure`: a
+    structural tag the output must follow (`forced_call_format`, `strict_call_format`,
+    `answer_format`); `cache_salt`: the tenant's, so the engine's prefix cache keeps tenants
+    apart (vLLM's `cache_salt`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -377,8 +416,8 @@ def completion_request(
         value = getattr(limits, name)
         if value is not None:
             body[name] = value
-    if stop_at_call:
-        body["stop"] = [CLOSE]
+    if stop:
+        body["stop"] = list(stop)
         body["include_stop_str_in_output"] = True
     if structure is not None:
         body["structured_outputs"] = {"structural_tag": json.dumps(structure)}
@@ -513,11 +552,16 @@ class VllmGenerator:
         connections: int = 64,
         timeout_s: float = 60.0,
         render_cache_bytes: int = RENDER_CACHE_BYTES,
+        tool_syntax: str = AUTO,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.tokenizer = tokenizer.tokenizer
-        self.renderer = ChatTemplateRenderer(self.tokenizer, cache_bytes=render_cache_bytes)
+        #: The model family's call syntax (`--tool-syntax`; families/).
+        self.syntax = choose(self.tokenizer, tool_syntax)
+        self.renderer = ChatTemplateRenderer(
+            self.tokenizer, cache_bytes=render_cache_bytes, syntax=self.syntax
+        )
         self.stop_ids = stop_ids(self.tokenizer, tokenizer.eos_token_id)
         #: What the engine writes for each: the end of the model's turn is no text of its own.
         self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
@@ -619,7 +663,6 @@ class VllmSession:
             max_tokens=1,
             limits=GenerationLimits(temperature=0.0),
             stop_token_ids=(),
-            stop_at_call=False,
             stream=False,
             cache_salt=self._cache_salt,
         )
@@ -638,25 +681,27 @@ class VllmSession:
         generator = self._generator
         prompt = [*self._conversation.tokens, *generator.renderer.generation_prompt]
         names = [tool.name for tool in self._tools]
+        syntax = generator.syntax
+        frame = syntax.frame
         head, structure = "", None
         if limits.must_call:
             choice = limits.tool_choice
             allowed = [t for t in self._tools if choice.name in (None, t.name)]
-            head = forced_call_head(allowed)
-            structure = forced_call_format(allowed, limits.max_calls)
+            head = forced_call_head(allowed, frame)
+            structure = forced_call_format(allowed, limits.max_calls, frame)
             prompt += generator.tokenizer.encode(head, add_special_tokens=False)
         elif limits.text_format is not None:
             callable_tools = self._tools if limits.max_calls != 0 else []
-            structure = answer_format(limits.text_format, callable_tools, limits.max_calls)
+            structure = answer_format(limits.text_format, callable_tools, limits.max_calls, frame)
         elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
-            structure = strict_call_format(self._tools, limits.max_calls)
+            structure = strict_call_format(self._tools, limits.max_calls, frame)
         most = generator.max_tokens
         if limits.max_output_tokens is not None:
             most = min(most, limits.max_output_tokens)
         context = generator.model.max_model_len
         if context is not None and len(prompt) < context:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
-        parser = ToolCallParser(names, max_calls=limits.max_calls, forced=structure is not None)
+        parser = syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None)
         if most <= 0:
             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
             await send.send(SegmentEnd(incomplete="max_output_tokens"))
@@ -667,7 +712,7 @@ class VllmSession:
             max_tokens=most,
             limits=limits,
             stop_token_ids=generator.stop_ids,
-            stop_at_call=bool(names) and limits.max_calls != 0,
+            stop=syntax.stop if names and limits.max_calls != 0 else (),
             structure=structure,
             cache_salt=self._cache_salt,
         )

@@ -7,8 +7,9 @@ from typing import Any
 
 import attrs
 
-from proto_server.core.ranges import InvalidSetting, at_least, between, positive
+from proto_server.core.ranges import InvalidSetting, at_least, between, one_of, positive
 from proto_server.core.settings import setting
+from proto_server.engine import families
 
 MiB = 1024 * 1024
 
@@ -169,6 +170,14 @@ class ServerConfig:
         help="vllm: read --kv-capacity-tokens from the engine at start-up (its /metrics: "
         "vllm:cache_config_info's num_gpu_blocks x block_size); an engine that does not say "
         "stops the server",
+    )
+    tool_syntax: str = setting(
+        families.AUTO,
+        one_of(families.CHOICES),
+        metavar="FAMILY",
+        help="local model and vllm: the model family whose tool-call syntax the server offers, "
+        f"renders and reads: {', '.join(families.CHOICES[1:])}; auto: the one the tokenizer's "
+        "special tokens show (none: hermes, and the log says so)",
     )
     kv_target_fill: float = setting(
         0.9,

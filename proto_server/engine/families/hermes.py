@@ -1,4 +1,4 @@
-"""Tool calls in a model's own syntax: how offered tools are described, and a streaming parser.
+"""The Hermes family (Hermes, Qwen, SmolLM2): calls as JSON inside `<tool_call>` tags.
 
 SmolLM2 was tuned to call tools as a JSON list inside tags (Hermes- and Qwen-style models write
 one object there, which is accepted too):
@@ -20,66 +20,63 @@ which decides whether the tokens after the arguments go to it or to the next cal
 
 from __future__ import annotations
 
-import itertools
 import json
-from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import attrs
 
 from proto_server.engine.chunks import (
     Chunk,
-    TextDelta,
-    ToolCallArgumentsDelta,
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.wire.tools import FunctionTool
+from proto_server.engine.families.base import (
+    WHITESPACE,
+    CallFrame,
+    CallParser,
+    ParsedCall,
+    ToolSyntax,
+    call_chunks,
+    string_end,
+)
+from proto_server.engine.families.stream import BlockStream, Braces, opening_prefix
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-_WHITESPACE = " \t\r\n"
 _decoder = json.JSONDecoder()
 
 
-def describe_tools(tools: Sequence[FunctionTool]) -> str:
-    """The system-prompt text that offers `tools` to the model and shows it the call syntax."""
-    specs = [
-        {
-            "name": tool.name,
-            "description": tool.description or "",
-            "parameters": tool.parameters or {"type": "object", "properties": {}},
-        }
-        for tool in tools
-    ]
-    return (
-        "You have access to the following tools:\n"
-        f"<tools>{json.dumps(specs)}</tools>\n\n"
-        "To call tools, answer with only this, and nothing after it:\n"
-        f'{OPEN}[{{"name": "tool_name", "arguments": {{"argument": "value"}}}}]{CLOSE}'
-    )
+FRAME = CallFrame(
+    open=OPEN,
+    list_open="[",
+    name_prefix='{"name": "',
+    name_suffix='", "arguments": ',
+    args_suffix="}",
+    separator=", ",
+    close="]" + CLOSE,
+)
 
 
-def call_text(name: str, arguments: str) -> str:
-    """A call written as the model writes it, so a rendered call matches the model's tokens."""
-    try:
-        valid = isinstance(json.loads(arguments), dict)
-    except ValueError:
-        valid = False
-    args = arguments if valid else json.dumps(arguments)
-    return f'{OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]{CLOSE}'
+class Hermes(ToolSyntax):
+    """Offered tools through the template where it takes them (Qwen's), else the system prompt
+    of `describe_tools`; calls read by `ToolCallParser`, which also takes Qwen's single object
+    and arguments written as a JSON string."""
+
+    name = "hermes"
+    frame = FRAME
+
+    @property
+    def stop(self) -> list[str]:
+        return [CLOSE]  # a Qwen block holds one object, without the list's `]`
+
+    def parser(
+        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
+    ) -> CallParser:
+        return ToolCallParser(tool_names, max_calls=max_calls, forced=forced)
 
 
-@attrs.frozen
-class ParsedCall:
-    name: str
-    arguments: str
-    #: Where `arguments` lies in the payload, when it is the model's own text (not a JSON string).
-    span: tuple[int, int] | None
-    #: Where the whole call object lies in the payload.
-    start: int
-    end: int
+HERMES = Hermes()
 
 
 class _Invalid(Exception):
@@ -87,7 +84,7 @@ class _Invalid(Exception):
 
 
 def _skip(text: str, index: int) -> int:
-    while index < len(text) and text[index] in _WHITESPACE:
+    while index < len(text) and text[index] in WHITESPACE:
         index += 1
     return index
 
@@ -174,28 +171,6 @@ def parse_calls(payload: str, names: Collection[str]) -> list[ParsedCall] | None
     return calls
 
 
-def _open_tag_prefix(text: str) -> int:
-    """Length of the longest suffix of `text` that could be the start of `<tool_call>`."""
-    for length in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def _string_end(text: str, index: int) -> int:
-    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
-    escaped = False
-    for at in range(index + 1, len(text)):
-        char = text[at]
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            return at + 1
-    return -1
-
-
 @attrs.define
 class _Stream:
     """Where a forced block's incremental scan stands (`ToolCallParser._scan_stream`)."""
@@ -206,9 +181,7 @@ class _Stream:
     name: str = ""
     a_start: int = 0
     sent: int = 0  # the arguments' text is out up to here
-    depth: int = 0  # brace depth inside the arguments, and its string state
-    in_string: bool = False
-    escaped: bool = False
+    braces: Braces = attrs.Factory(Braces)
     pending: tuple[str, int] | None = None  # a call's last arguments piece, and its tokens
     begun: int = 0  # calls whose begin went out
     kept: int = 0  # calls whose object closed
@@ -218,7 +191,7 @@ class _Deviation(Exception):
     """The forced block is not in the expected shape."""
 
 
-class ToolCallParser:
+class ToolCallParser(BlockStream):
     """Turns a model's streamed text into text deltas and complete tool calls.
 
     `feed(text, tokens)` returns the chunks that are certain; `finish()` flushes what was held.
@@ -234,21 +207,10 @@ class ToolCallParser:
     def __init__(
         self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
     ) -> None:
-        self._names = frozenset(tool_names) if max_calls != 0 else frozenset()
+        super().__init__(tool_names, max_calls)
         self._max_calls = max_calls
         self._forced = forced
         self._stream: _Stream | None = None
-        self._text = ""  # held text: a possible start of the open tag, or leading whitespace
-        self._tokens = 0  # tokens fed and not yet carried by a chunk
-        self._block: str | None = None  # text after the open tag, while inside a block
-        self._marks: list[tuple[int, int]] = []  # (offset in the block, tokens) per piece
-        self._lead = ""  # whitespace held before the current block
-        self._spoke = False
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
 
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._block is not None:
@@ -266,11 +228,7 @@ class ToolCallParser:
             chunks += self._cut_stream()
         elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)
-        if self._text.strip(_WHITESPACE) or (self._spoke and self._text):
-            chunks += self._emit_text(self._text)
-        self._text = ""
-        tokens, self._tokens = self._tokens, 0
-        return chunks, tokens
+        return self._finish_text(chunks)
 
     # -- text outside a block ------------------------------------------------------------------
 
@@ -279,10 +237,11 @@ class ToolCallParser:
             return self._emit_text(self._take_text(len(self._text)))
         start = self._text.find(OPEN)
         if start < 0:
-            return self._emit_text(self._take_text(len(self._text) - _open_tag_prefix(self._text)))
+            held = opening_prefix(self._text, OPEN)
+            return self._emit_text(self._take_text(len(self._text) - held))
         before, rest = self._text[:start], self._text[start + len(OPEN) :]
         chunks: list[Chunk] = []
-        if self._spoke or before.strip(_WHITESPACE):
+        if self._spoke or before.strip(WHITESPACE):
             chunks = self._emit_text(before)
         else:  # leading whitespace: dropped if a call follows, its tokens going to the call
             self._lead = before
@@ -293,27 +252,12 @@ class ToolCallParser:
         self._tokens = 0
         return chunks + self.feed(rest, 0)
 
-    def _take_text(self, length: int) -> str:
-        """The first `length` held characters, unless they are only leading whitespace."""
-        head = self._text[:length]
-        if not self._spoke and not head.strip(_WHITESPACE):
-            return ""
-        self._text = self._text[length:]
-        return head
-
-    def _emit_text(self, text: str) -> list[Chunk]:
-        if not text:
-            return []
-        self._spoke = True
-        tokens, self._tokens = self._tokens, 0
-        return [TextDelta(text, tokens)]
-
     # -- inside a block --------------------------------------------------------------------------
 
     def _scan_block(self) -> list[Chunk]:
         block = self._block
         assert block is not None
-        head = block.lstrip(_WHITESPACE)
+        head = block.lstrip(WHITESPACE)
         if head and head[0] not in "[{":  # cannot be a call: it was prose after all
             return self._release_block(OPEN) + self._rescan(block)
         end = block.find(CLOSE)
@@ -325,7 +269,8 @@ class ToolCallParser:
             return self._release_block(OPEN + payload + CLOSE) + self._rescan(rest)
         if self._max_calls is not None:
             del calls[self._max_calls :]
-        chunks = self._call_chunks(payload, calls)
+        chunks = call_chunks(payload, calls, self._marks)
+        self._marks = []
         self.calls += len(calls)
         self._block = None
         self._lead = ""
@@ -348,38 +293,6 @@ class ToolCallParser:
         lead, self._lead = self._lead, ""
         return self._emit_text(lead + text)
 
-    def _call_chunks(self, payload: str, calls: list[ParsedCall]) -> list[Chunk]:
-        """Begin, argument deltas and end per call, each piece's tokens on the chunk it opens."""
-        chunks: list[Chunk] = []
-        marks = self._marks
-        self._marks = []
-        boundary = 0  # pieces starting before a call's arguments belong to its begin
-        for number, call in enumerate(calls):
-            a_start, a_end = call.span or (call.start, call.end)
-            last = number == len(calls) - 1
-            begin = sum(t for offset, t in marks if boundary <= offset < a_start)
-            chunks.append(ToolCallBegin(call.name, begin))
-            inside = [(o, t) for o, t in marks if a_start <= o < a_end]
-            after = sum(t for o, t in marks if o >= a_end) if last else 0
-            if call.span is None:
-                chunks.append(ToolCallArgumentsDelta(call.arguments, sum(t for _, t in inside)))
-            else:
-                cuts = sorted({a_start, *(o for o, _ in inside), a_end})
-                tokens_at: dict[int, int] = defaultdict(int)
-                for offset, tokens in inside:
-                    tokens_at[offset] += tokens
-                for left, right in itertools.pairwise(cuts):
-                    chunks.append(
-                        ToolCallArgumentsDelta(payload[left:right], tokens_at.get(left, 0))
-                    )
-            if after:
-                final = chunks[-1]
-                assert isinstance(final, ToolCallArgumentsDelta)
-                chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
-            chunks.append(ToolCallEnd())
-            boundary = a_end
-        return chunks
-
     # -- a forced block, streamed ------------------------------------------------------------------
 
     def _scan_stream(self) -> list[Chunk]:
@@ -399,7 +312,8 @@ class ToolCallParser:
             chunks += self._cut_stream()  # not under a grammar after all: end the calls
             return chunks + self._rescan(block[stream.pos :])
         if stream.phase == "args":
-            chunks += self._deltas(self._pieces(stream, len(block)))
+            chunks += self._deltas(self._pieces(stream.sent, len(block)))
+            stream.sent = len(block)
         return chunks
 
     def _step(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
@@ -434,7 +348,7 @@ class ToolCallParser:
         if expected is None:  # a string: a key or the name
             if char != '"':
                 raise _Deviation
-            end = _string_end(block, at)
+            end = string_end(block, at)
             if end < 0:
                 return False
             value = json.loads(block[at:end])
@@ -469,7 +383,7 @@ class ToolCallParser:
             chunks.append(ToolCallBegin(stream.name, begin))
             stream.begun += 1
             stream.a_start = stream.sent = at
-            stream.depth = 1
+            stream.braces = Braces()
             stream.phase = "args"
             self._lead = ""  # a call it is: the whitespace before it opens no message
         elif phase == "call_end":
@@ -483,66 +397,23 @@ class ToolCallParser:
         return True
 
     def _scan_arguments(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
-        """Follow the arguments' braces (outside strings) to the `}` that closes them."""
-        for at in range(stream.pos, len(block)):
-            char = block[at]
-            if stream.in_string:
-                if stream.escaped:
-                    stream.escaped = False
-                elif char == "\\":
-                    stream.escaped = True
-                elif char == '"':
-                    stream.in_string = False
-            elif char == '"':
-                stream.in_string = True
-            elif char in "{[":
-                stream.depth += 1
-            elif char in "}]":
-                stream.depth -= 1
-                if stream.depth == 0:
-                    pieces = self._pieces(stream, at + 1)
-                    chunks += self._deltas(pieces[:-1])
-                    stream.pending = pieces[-1]
-                    stream.pos = at + 1
-                    stream.phase = "call_end"
-                    return True
-        stream.pos = len(block)
-        return False
-
-    def _pieces(self, stream: _Stream, limit: int) -> list[tuple[str, int]]:
-        """The arguments' text from what was sent up to `limit`, cut where the model's pieces
-        start, each with the tokens of the pieces starting there (`_call_chunks`' cuts)."""
-        block = self._block
-        assert block is not None
-        pieces: list[tuple[str, int]] = []
-        left, tokens = stream.sent, 0
-        while self._marks and self._marks[0][0] < limit:
-            offset, count = self._marks.pop(0)
-            if offset > left:
-                pieces.append((block[left:offset], tokens))
-                left, tokens = offset, 0
-            tokens += count
-        if left < limit:
-            pieces.append((block[left:limit], tokens))
-        else:  # no text yet for those tokens: they wait for it
-            self._marks[:0] = [(left, tokens)] if tokens else []
-        stream.sent = limit
-        return pieces
-
-    @staticmethod
-    def _deltas(pieces: list[tuple[str, int]]) -> list[Chunk]:
-        return [ToolCallArgumentsDelta(text, tokens) for text, tokens in pieces]
+        """Follow the arguments' braces to the `}` that closes them."""
+        end = stream.braces.close(block, stream.pos)
+        if end is None:
+            stream.pos = len(block)
+            return False
+        pieces = self._pieces(stream.sent, end)
+        stream.sent = end
+        chunks += self._deltas(pieces[:-1])
+        stream.pending = pieces[-1]
+        stream.pos = end
+        stream.phase = "call_end"
+        return True
 
     def _end_call(self, stream: _Stream, *, everything: bool) -> list[Chunk]:
-        """The call's last piece and its end; `everything`: it is the last call, so it also
-        carries every token still held (what came after its arguments)."""
         assert stream.pending is not None
-        text, tokens = stream.pending
-        stream.pending = None
-        if everything:
-            tokens += sum(count for _, count in self._marks)
-            self._marks = []
-        return [ToolCallArgumentsDelta(text, tokens), ToolCallEnd()]
+        pending, stream.pending = stream.pending, None
+        return self._last_piece(pending, everything=everything)
 
     def _cut_stream(self) -> list[Chunk]:
         """A streamed block that stopped short (or left its shape): its open call ends with
@@ -552,7 +423,7 @@ class ToolCallParser:
         chunks: list[Chunk] = []
         if stream.phase == "args":
             assert self._block is not None
-            chunks += self._deltas(self._pieces(stream, len(self._block)))
+            chunks += self._deltas(self._pieces(stream.sent, len(self._block)))
             chunks.append(ToolCallEnd())
             stream.kept += 1
         elif stream.pending is not None:

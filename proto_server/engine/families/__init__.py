@@ -1,0 +1,70 @@
+"""Model families' tool-call syntaxes (base.py), one module each, and which one a model is.
+
+A family is recognised by the special tokens of its call syntax in the tokenizer's vocabulary
+(or its chat template's text); `--tool-syntax` overrides that. A model that shows none is read
+as Hermes, the syntax SmolLM2 and Qwen use, and the log says so.
+
+To add a family: a module with a `ToolSyntax` (its `CallFrame`, and what else differs from the
+defaults), listed in `FAMILIES`, with the token that tells it in `detect`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.deepseek_v3 import CALLS_BEGIN, DEEPSEEK_V3
+from proto_server.engine.families.hermes import HERMES, OPEN
+from proto_server.engine.families.llama3 import HEADER, LLAMA3_JSON
+from proto_server.engine.families.mistral import ARGS, MISTRAL, MISTRAL_JSON, TOOL_CALLS
+
+FAMILIES: dict[str, ToolSyntax] = {
+    family.name: family for family in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3)
+}
+#: `--tool-syntax`'s default: the family the tokenizer shows.
+AUTO = "auto"
+CHOICES = (AUTO, *FAMILIES)
+log = logging.getLogger("proto_server.engine.families")
+
+
+def detect(tokenizer: Any) -> tuple[ToolSyntax, str | None]:
+    """The family `tokenizer` shows, and the token that showed it (None: none did)."""
+    vocabulary = tokenizer.get_vocab()
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else str(template or "")
+
+    def has(token: str) -> bool:
+        return token in vocabulary or token in text
+
+    if has(CALLS_BEGIN):
+        return DEEPSEEK_V3, CALLS_BEGIN
+    if has(TOOL_CALLS):
+        return (MISTRAL, ARGS) if has(ARGS) else (MISTRAL_JSON, TOOL_CALLS)
+    for token in (LLAMA3_JSON.frame.open, HEADER):
+        if has(token):
+            return LLAMA3_JSON, token
+    if has(OPEN):
+        return HERMES, OPEN
+    return HERMES, None
+
+
+def choose(tokenizer: Any, wanted: str = AUTO) -> ToolSyntax:
+    """The family named by `--tool-syntax`, or (`auto`) the one the tokenizer shows; logged."""
+    if wanted != AUTO:
+        family = FAMILIES[wanted]
+        log.info("tool_syntax", extra={"tool_syntax": family.name, "chosen_by": "--tool-syntax"})
+        return family
+    family, token = detect(tokenizer)
+    if token is None:
+        log.info(
+            "tool_syntax.unknown",
+            extra={
+                "tool_syntax": family.name,
+                "why": "the tokenizer shows no known family's call tokens; pass --tool-syntax "
+                "to read another syntax",
+            },
+        )
+    else:
+        log.info("tool_syntax", extra={"tool_syntax": family.name, "chosen_by": token})
+    return family

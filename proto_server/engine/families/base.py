@@ -1,0 +1,208 @@
+"""What a model family is to the server: how it is offered tools, how it writes a call.
+
+Each family (Hermes/Qwen, Llama 3.x JSON, Mistral, DeepSeek V3) was tuned on its own call
+syntax. A `ToolSyntax` says, for one family: how tools are offered when the chat template does
+not take them (`describe_tools`), how an earlier call is written when the template does not
+render `tool_calls` (`call_text`), the role a tool's output is shown under, the streaming
+parser of its calls, and the `CallFrame` a grammar writes a forced call in (constraints.py for
+the local model, vLLM's structural tags in vllm.py). A family whose parser also yields
+reasoning (harmony) would add its own chunk kinds to the parser; nothing here assumes calls
+are the only structure in a model's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import attrs
+
+from proto_server.engine.chunks import Chunk, ToolCallArgumentsDelta, ToolCallBegin, ToolCallEnd
+from proto_server.wire.tools import FunctionTool
+
+WHITESPACE = " \t\r\n"
+
+
+@attrs.frozen
+class CallFrame:
+    """A block of calls as a grammar writes it: `open`, then `list_open`, then per call
+    `name_prefix` NAME `name_suffix` ARGUMENTS `args_suffix`, calls joined by `separator`
+    (None: one call a block), then `close` ("" : the block ends with the model's turn)."""
+
+    open: str
+    name_prefix: str
+    name_suffix: str
+    args_suffix: str
+    separator: str | None
+    close: str
+    list_open: str = ""
+    #: The block may also start without `open`, at the start of the message (Llama's JSON).
+    bare: bool = False
+    #: A call the model writes may hold this key after its arguments, a string (Mistral's
+    #: `"id"`); a grammar writes none.
+    id_key: str | None = None
+
+    @property
+    def forced_open(self) -> str:
+        """What a forced block starts with: `open`, or nothing where the block may be bare."""
+        return ("" if self.bare else self.open) + self.list_open
+
+    @property
+    def trigger(self) -> str:
+        """What, written in free text, opens a block (a grammar's lazy trigger)."""
+        return self.name_prefix if self.bare else self.open
+
+    @property
+    def opening(self) -> str:
+        """A block's text up to its first call's name."""
+        return self.forced_open + self.name_prefix
+
+    def most_calls(self, max_calls: int | None) -> int | None:
+        """How many calls one block can hold, when the request allows `max_calls`."""
+        return 1 if self.separator is None else max_calls
+
+    def call(self, name: str, arguments: str) -> str:
+        return f"{self.name_prefix}{name}{self.name_suffix}{arguments}{self.args_suffix}"
+
+    def block(self, calls: Sequence[tuple[str, str]]) -> str:
+        """`calls` (name, arguments as JSON text) written as the model writes them."""
+        joined = (self.separator or "").join(self.call(name, args) for name, args in calls)
+        return f"{self.forced_open}{joined}{self.close}"
+
+
+@attrs.frozen
+class ParsedCall:
+    name: str
+    arguments: str
+    #: Where `arguments` lies in the payload, when it is the model's own text (not a JSON string).
+    span: tuple[int, int] | None
+    #: Where the whole call lies in the payload.
+    start: int
+    end: int
+
+
+class CallParser(Protocol):
+    """A family's streaming parser (sans-IO): decoded text in, chunks out; every token fed is
+    carried by exactly one chunk or returned by `finish`."""
+
+    calls: int
+
+    @property
+    def called(self) -> bool: ...
+
+    def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
+
+    def finish(self) -> tuple[list[Chunk], int]: ...
+
+
+def object_arguments(arguments: str) -> str:
+    """`arguments` as the JSON object a call holds: itself if it is one, else as a string
+    (a custom tool's free-form input)."""
+    try:
+        valid = isinstance(json.loads(arguments), dict)
+    except ValueError:
+        valid = False
+    return arguments if valid else json.dumps(arguments)
+
+
+def string_end(text: str, index: int) -> int:
+    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
+    escaped = False
+    for at in range(index + 1, len(text)):
+        char = text[at]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return at + 1
+    return -1
+
+
+def tool_specs(tools: Sequence[FunctionTool]) -> str:
+    """The offered tools as the JSON list a system prompt shows them in."""
+    return json.dumps(
+        [
+            {
+                "name": tool.name,
+                "description": tool.description or "",
+                "parameters": tool.parameters or {"type": "object", "properties": {}},
+            }
+            for tool in tools
+        ]
+    )
+
+
+class ToolSyntax:
+    """One family's call syntax (module docstring); subclasses set the class attributes."""
+
+    #: The `--tool-syntax` value that picks it.
+    name: str
+    frame: CallFrame
+    #: The role a tool's output is shown under when the template has no tool role of its own.
+    output_role: str = "tool"
+    #: The chat template reads a call's arguments as JSON text (else as an object).
+    template_arguments_text: bool = False
+    #: The content of an assistant message that only calls (some templates test for None).
+    call_content: str | None = ""
+
+    def describe_tools(self, tools: Sequence[FunctionTool]) -> str:
+        """The system-prompt text that offers `tools`, for a template that does not take them."""
+        example = self.frame.block([("tool_name", '{"argument": "value"}')])
+        return (
+            "You have access to the following tools:\n"
+            f"<tools>{tool_specs(tools)}</tools>\n\n"
+            f"To call tools, answer with only this, and nothing after it:\n{example}"
+        )
+
+    def call_text(self, name: str, arguments: str) -> str:
+        """A call written as the model writes it, so a rendered call matches its tokens."""
+        return self.frame.block([(name, object_arguments(arguments))])
+
+    def parser(
+        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
+    ) -> CallParser:
+        from proto_server.engine.families.framed import FramedCallParser
+
+        return FramedCallParser(self.frame, tool_names, max_calls=max_calls, forced=forced)
+
+    @property
+    def stop(self) -> list[str]:
+        """What the engine stops at once a call is complete (the block's close, if any)."""
+        return [self.frame.close] if self.frame.close else []
+
+
+def call_chunks(
+    payload: str, calls: Sequence[ParsedCall], marks: Sequence[tuple[int, int]]
+) -> list[Chunk]:
+    """Begin, argument deltas and end per call, each piece's tokens (`marks`: its offset in
+    `payload`, its tokens) on the chunk it opens: pieces before a call's arguments go to its
+    begin, those after the last call's arguments to its last delta."""
+    chunks: list[Chunk] = []
+    boundary = 0
+    for number, call in enumerate(calls):
+        a_start, a_end = call.span or (call.start, call.end)
+        last = number == len(calls) - 1
+        begin = sum(t for offset, t in marks if boundary <= offset < a_start)
+        chunks.append(ToolCallBegin(call.name, begin))
+        inside = [(o, t) for o, t in marks if a_start <= o < a_end]
+        after = sum(t for o, t in marks if o >= a_end) if last else 0
+        if call.span is None:
+            chunks.append(ToolCallArgumentsDelta(call.arguments, sum(t for _, t in inside)))
+        else:
+            cuts = sorted({a_start, *(o for o, _ in inside), a_end})
+            tokens_at: dict[int, int] = defaultdict(int)
+            for offset, tokens in inside:
+                tokens_at[offset] += tokens
+            for left, right in itertools.pairwise(cuts):
+                chunks.append(ToolCallArgumentsDelta(payload[left:right], tokens_at.get(left, 0)))
+        if after:
+            final = chunks[-1]
+            assert isinstance(final, ToolCallArgumentsDelta)
+            chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
+        chunks.append(ToolCallEnd())
+        boundary = a_end
+    return chunks
