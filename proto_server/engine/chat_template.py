@@ -33,6 +33,8 @@ from cachetools import LRUCache
 from proto_server.core.compaction import summary_of
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.hermes import HERMES
+from proto_server.engine.thinking import CLOSE as THINK_CLOSE
+from proto_server.engine.thinking import OPEN as THINK_OPEN
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -205,6 +207,11 @@ class ChatTemplateRenderer:
         self._user_block = probed[len(self._base) :]
         #: What opens the model's turn (`<|im_start|>assistant\n` in ChatML).
         self.generation_prompt = self._encode(prompted[len(self._base) :])
+        #: The model thinks in `<think>` blocks (Qwen3, DeepSeek R1: both are in its vocabulary),
+        #: and whether its turn opens inside one (DeepSeek R1's prompt ends in `<think>\n`).
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.thinks = THINK_OPEN in vocabulary and THINK_CLOSE in vocabulary
+        self.opens_thinking = self.thinks and prompted.rstrip().endswith(THINK_OPEN)
         # What the template says before the first message when there is no system message.
         self._default_prefix = (
             default[: -len(self._user_block)] if default.endswith(self._user_block) else ""

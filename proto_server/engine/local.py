@@ -36,6 +36,7 @@ from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.schema_grammar import check_text_format
+from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.tools import FunctionTool, function_tools
@@ -259,9 +260,15 @@ class LocalSession:
         constraint: Constraint | None,
     ) -> None:
         generator = self._generator
-        # under a grammar every block is a valid call: it streams as it decodes
-        parser = generator.syntax.parser(
-            self._tool_names, max_calls=limits.max_calls, forced=constraint is not None
+        # under a grammar every block is a valid call: it streams as it decodes; without one
+        # a model that thinks writes its `<think>` block first
+        renderer = generator.renderer
+        parser = split_thinking(
+            generator.syntax.parser(
+                self._tool_names, max_calls=limits.max_calls, forced=constraint is not None
+            ),
+            thinks=renderer.thinks and constraint is None,
+            opened=renderer.opens_thinking,
         )
         text = _Detokenizer(generator.tokenizer)
         generated: list[int] = []

@@ -15,37 +15,24 @@ and every token fed is carried by exactly one chunk or returned by `finish`. A b
 for only at the start of the turn; a template whose generation prompt opens the block itself
 (DeepSeek R1's ends in `<think>\n`) starts the parser inside it (`thinking=True`). The blank
 lines around the thoughts are the template's, not the model's: they are carried by the chunks
-(their tokens counted) but not shown.
+(their tokens counted) but not shown: the block's tokens, its tags included, are reasoning
+tokens; the blank lines after it are the answer's.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from proto_server.engine.chunks import Chunk, ReasoningDelta
+from proto_server.engine.families.base import WHITESPACE, CallParser
+from proto_server.engine.families.stream import opening_prefix
 
 OPEN = "<think>"
 CLOSE = "</think>"
-_WHITESPACE = " \t\r\n"
 
 
-class CallParser(Protocol):
-    """What follows the thinking: a family's call parser (families/base.py's `CallParser`)."""
-
-    @property
-    def called(self) -> bool: ...
-
-    def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
-
-    def finish(self) -> tuple[list[Chunk], int]: ...
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held: the tag may follow)."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
+def split_thinking(answer: CallParser, *, thinks: bool, opened: bool) -> CallParser:
+    """`answer` behind a `ThinkingParser` when the model thinks (`opened`: its turn begins
+    inside the block), else `answer` itself."""
+    return ThinkingParser(answer, thinking=opened) if thinks else answer
 
 
 class ThinkingParser:
@@ -62,6 +49,10 @@ class ThinkingParser:
     def called(self) -> bool:
         return self._answer.called
 
+    @property
+    def calls(self) -> int:
+        return self._answer.calls
+
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._phase == "answer":
             return self._answer.feed(text, tokens)
@@ -70,7 +61,7 @@ class ThinkingParser:
         if self._phase == "after":
             return self._after()
         if self._phase == "start":
-            head = self._held.lstrip(_WHITESPACE)
+            head = self._held.lstrip(WHITESPACE)
             if OPEN.startswith(head) and len(head) < len(OPEN):
                 return []  # the block may still open
             if not head.startswith(OPEN):
@@ -83,8 +74,8 @@ class ThinkingParser:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
         chunks: list[Chunk] = []
         if self._phase == "thinking":
-            chunks += self._reason(self._held.rstrip(_WHITESPACE))
-        elif self._phase == "start" and self._held.strip(_WHITESPACE):
+            chunks += self._reason(self._held.rstrip(WHITESPACE))
+        elif self._phase == "start" and self._held.strip(WHITESPACE):
             chunks += self._to_answer(self._held)
         self._held = ""
         more, tokens = self._answer.finish()
@@ -94,22 +85,26 @@ class ThinkingParser:
 
     def _think(self) -> list[Chunk]:
         if not self._thought:
-            self._held = self._held.lstrip(_WHITESPACE)
+            self._held = self._held.lstrip(WHITESPACE)
         end = self._held.find(CLOSE)
         if end >= 0:
             thought, rest = self._held[:end], self._held[end + len(CLOSE) :]
-            chunks = self._reason(thought.rstrip(_WHITESPACE))
+            chunks = self._reason(thought.rstrip(WHITESPACE))
+            if not chunks and self._tokens and self._thought:
+                # the close tag (and the blank before it) is the thinking's: its tokens too
+                chunks = [ReasoningDelta("", self._tokens)]
+                self._tokens = 0
             self._phase, self._held = "after", rest
             return chunks + self._after()
         # hold a possible start of the close tag, and whitespace that may be the block's end
-        keep = _tag_prefix(self._held, CLOSE)
+        keep = opening_prefix(self._held, CLOSE)
         body = self._held[: len(self._held) - keep]
-        out = body.rstrip(_WHITESPACE)
+        out = body.rstrip(WHITESPACE)
         self._held = self._held[len(out) :]
         return self._reason(out)
 
     def _after(self) -> list[Chunk]:
-        answer = self._held.lstrip(_WHITESPACE)
+        answer = self._held.lstrip(WHITESPACE)
         return self._to_answer(answer) if answer else []
 
     def _reason(self, text: str) -> list[Chunk]:

@@ -48,6 +48,7 @@ from proto_server.engine.families.base import CallFrame
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
+from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix, stop_ids
 from proto_server.wire.tools import FunctionTool, function_tools
 
@@ -701,7 +702,12 @@ class VllmSession:
         context = generator.model.max_model_len
         if context is not None and len(prompt) < context:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
-        parser = syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None)
+        renderer = generator.renderer
+        parser = split_thinking(  # a model that thinks, unconstrained, writes `<think>` first
+            syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None),
+            thinks=renderer.thinks and structure is None,
+            opened=renderer.opens_thinking,
+        )
         if most <= 0:
             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
             await send.send(SegmentEnd(incomplete="max_output_tokens"))

@@ -88,7 +88,10 @@ class CallParser(Protocol):
     """A family's streaming parser (sans-IO): decoded text in, chunks out; every token fed is
     carried by exactly one chunk or returned by `finish`."""
 
-    calls: int
+    @property
+    def calls(self) -> int:
+        """Calls read so far."""
+        ...
 
     @property
     def called(self) -> bool: ...
