@@ -16,12 +16,16 @@ import itertools
 import json
 from collections import defaultdict
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from proto_server.engine.chunks import Chunk, ToolCallArgumentsDelta, ToolCallBegin, ToolCallEnd
+from proto_server.engine.tokens import stop_ids
 from proto_server.wire.tools import FunctionTool
+
+if TYPE_CHECKING:
+    from proto_server.engine.chat_template import ModelRenderer
 
 WHITESPACE = " \t\r\n"
 
@@ -168,6 +172,17 @@ class ToolSyntax:
         from proto_server.engine.families.framed import FramedCallParser
 
         return FramedCallParser(self.frame, tool_names, max_calls=max_calls, forced=forced)
+
+    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
+        """How the family's conversations become tokens: the model's chat template (harmony
+        has none: it renders its own)."""
+        from proto_server.engine.chat_template import ChatTemplateRenderer
+
+        return ChatTemplateRenderer(tokenizer, cache_bytes=cache_bytes, syntax=self)
+
+    def stop_ids(self, tokenizer: Any, configured: int | Sequence[int] | None) -> frozenset[int]:
+        """The ids that end the model's turn (`tokens.stop_ids`)."""
+        return stop_ids(tokenizer, configured)
 
     @property
     def stop(self) -> list[str]:
