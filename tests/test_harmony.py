@@ -14,9 +14,13 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_harmony import Conversation, RenderConversationConfig, Role
@@ -26,7 +30,10 @@ from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCal
 from proto_server.engine.constraints import Guide
 from proto_server.engine.families.harmony import HARMONY
 from proto_server.engine.harmony_renderer import VOCAB_DIR, HarmonyRenderer, encoding
-from proto_server.engine.vllm import forced_call_head
+from proto_server.engine.model_files import LoadedTokenizer
+from proto_server.engine.vllm import ServedModel, VllmGenerator, forced_call_head
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
 from proto_server.wire.items import (
     FunctionCall,
     FunctionCallOutput,
@@ -36,6 +43,7 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.tools import FunctionTool
 
+from .helpers import Running, body
 from .test_families import arguments, calls_of, fed, names, npm_tokenizer, text_of, tokens_of
 
 WEATHER = FunctionTool(
@@ -293,3 +301,109 @@ def test_the_forced_call_grammar_accepts_the_call_harmony_renders() -> None:
     for token in tokenizer.encode(written(renderer, tokenizer, call), add_special_tokens=False):
         constraint.consume(token)
     constraint.consume(tokenizer.get_vocab()["<|call|>"])
+
+
+# -- through the server: the vLLM generator over a real socket -----------------------------------
+
+
+#: What the model writes after `<|start|>assistant`: its reasoning, then a call (the engine
+#: stops at `<|call|>`, and streams it).
+THOUGHT = "The user wants Paris; call get_weather."
+WRITTEN = (
+    f"<|channel|>analysis<|message|>{THOUGHT}<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city": "Paris"}<|call|>'
+)
+
+
+class ScriptedEngine:
+    """An engine speaking vLLM's `/v1/completions` on 127.0.0.1: every request streams
+    `WRITTEN`, a token a piece, as vLLM streams it (text with the special tokens, the ids);
+    the bodies it was sent are kept."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.ids = tokenizer.encode(WRITTEN, add_special_tokens=False)
+        self.pieces = [tokenizer.decode([token]) for token in self.ids]
+        self.bodies: list[dict[str, Any]] = []
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some()
+        head, _, content = request.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        for _ in range(1000):  # bounded: the body is a few kB
+            if len(content) >= length:
+                break
+            content += await stream.receive_some()
+        self.bodies.append(json.loads(content))
+        events = [
+            {"choices": [{"text": text, "token_ids": [token], "finish_reason": None}]}
+            for text, token in zip(self.pieces, self.ids, strict=True)
+        ]
+        events[-1]["choices"][0]["finish_reason"] = "stop"
+        prompt = len(self.bodies[-1]["prompt"])
+        events.append({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": 1}})
+        sse = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events)
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            + sse
+            + b"data: [DONE]\n\n"
+        )
+        await stream.aclose()
+
+
+async def test_gpt_oss_on_vllm_answers_a_reasoning_item_and_a_call_and_the_next_turn_is_warm(
+    nursery: trio.Nursery,
+) -> None:
+    """Through the server and the vLLM generator, with the real gpt-oss tokenizer: the analysis
+    channel is a `reasoning` item (its tokens `reasoning_tokens`), the call a `function_call`;
+    the engine is asked to stop at `<|return|>` and `<|call|>`; the next turn's prompt begins
+    with everything the engine saw and wrote (the reasoning rendered back as it was written)."""
+    tokenizer = npm_tokenizer("gptoss")
+    engine = ScriptedEngine(tokenizer)
+    listeners = await nursery.start(partial(trio.serve_tcp, engine.serve, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    generator = VllmGenerator(
+        f"http://127.0.0.1:{port}/v1",
+        ServedModel("gpt-oss"),
+        LoadedTokenizer(Path("."), tokenizer, None),
+    )
+    assert generator.syntax is HARMONY
+    server = ProtoServer(generator, ServerConfig(port=0))
+    running = Running(server, await nursery.start(server.serve))
+    url = f"{running.address.http_url}/responses"
+    weather = {"type": "function", "name": "get_weather", "parameters": WEATHER.parameters}
+    with trio.fail_after(30):
+        async with httpx.AsyncClient() as http:
+            first = await http.post(url, json=body(store=True, tools=[weather], input="Paris?"))
+            assert first.status_code == 200, first.text
+            answer = first.json()
+            call = answer["output"][-1]
+            output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sun"}
+            second = await http.post(
+                url,
+                json=body(
+                    store=True, tools=[weather], previous_response_id=answer["id"], input=[output]
+                ),
+            )
+    assert second.status_code == 200, second.text
+    reasoning, function_call = answer["output"]
+    assert reasoning["type"] == "reasoning"
+    assert [part["text"] for part in reasoning["content"]] == [THOUGHT]
+    assert function_call["type"] == "function_call" and function_call["name"] == "get_weather"
+    assert json.loads(function_call["arguments"]) == {"city": "Paris"}
+    usage = answer["usage"]
+    assert usage["output_tokens"] == len(engine.ids)
+    header = len(tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False))
+    thought = len(tokenizer.encode(THOUGHT, add_special_tokens=False))
+    assert usage["output_tokens_details"]["reasoning_tokens"] == header + thought
+    first_body, second_body = engine.bodies
+    assert first_body["stop_token_ids"] == sorted(HARMONY.stop_ids(tokenizer, None))
+    assert first_body["prompt"][-2:] == generator.renderer.generation_prompt
+    seen = [*first_body["prompt"], *engine.ids]
+    assert second_body["prompt"][: len(seen)] == seen  # the warm path keeps its whole prefix
