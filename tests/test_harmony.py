@@ -266,6 +266,11 @@ def test_the_final_channel_streams_as_text_at_once() -> None:
         (" to=functions.get_weather<|channel|>commentary json<|message|>[1, 2]", ["get_weather"]),
         (" to=functions.get_weather<|channel|>commentary json<|message|>{'a'", ["get_weather"]),
         ("<|channel|>analysis to=python code<|message|>print(1)", ["get_weather"]),  # built in
+        (  # not an object, and a message after it
+            " to=functions.get_weather<|channel|>commentary json<|message|>[1]<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>ok",
+            ["get_weather"],
+        ),
     ],
 )
 def test_what_is_not_harmony_or_no_allowed_call_is_released_as_the_model_text(

@@ -102,7 +102,6 @@ class HarmonyParser:
         self._tokens = 0  # tokens fed and not yet carried by a chunk
         self._kind = "text"  # the content's chunks: "reasoning", "text", "call", "held_call"
         self._name = ""
-        self._arguments = ""
         self.calls = 0
 
     @property
@@ -114,7 +113,7 @@ class HarmonyParser:
         if self._phase == "text":
             return self._chunk(TextDelta, text)
         if self._phase == "done":
-            return self._chunk(TextDelta, text) if text else []
+            return self._chunk(TextDelta, text)
         self._raw += text
         if self._phase == "header":
             self._held += text
@@ -143,7 +142,6 @@ class HarmonyParser:
         channel, recipient = read
         self._held = header[end + len(MESSAGE) :]
         self._phase = "content"
-        self._arguments = ""
         if recipient is not None:
             self._name = recipient.removeprefix(FUNCTIONS)
             if not recipient.startswith(FUNCTIONS) or self._name not in self._names:
@@ -170,6 +168,8 @@ class HarmonyParser:
             at, end = min(ends)
             rest = held[at + len(end) :]
             chunks = self._end_message(held[:at])
+            if self._phase == "text":
+                return chunks  # released: the message as written and all after it
             if end != END:
                 self._phase = "done"
                 return chunks + (self._chunk(TextDelta, rest) if rest else [])
@@ -185,7 +185,6 @@ class HarmonyParser:
         if self._kind == "reasoning":
             return self._chunk(ReasoningDelta, text)
         if self._kind == "call":
-            self._arguments += text
             return self._chunk(ToolCallArgumentsDelta, text)
         return self._chunk(TextDelta, text)
 
