@@ -5,9 +5,11 @@ syntax. A `ToolSyntax` says, for one family: how tools are offered when the chat
 not take them (`describe_tools`), how an earlier call is written when the template does not
 render `tool_calls` (`call_text`), the role a tool's output is shown under, the streaming
 parser of its calls, and the `CallFrame` a grammar writes a forced call in (constraints.py for
-the local model, vLLM's structural tags in vllm.py). A family whose parser also yields
-reasoning (harmony) would add its own chunk kinds to the parser; nothing here assumes calls
-are the only structure in a model's output.
+the local model, vLLM's structural tags in vllm.py), how a conversation becomes tokens
+(`renderer`: the chat template, or gpt-oss's harmony, which has none) and which ids end the
+model's turn (`stop_ids`). A family whose parser also yields reasoning (harmony) adds its own
+chunk kinds to the parser; nothing here assumes calls are the only structure in a model's
+output.
 """
 
 from __future__ import annotations
