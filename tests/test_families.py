@@ -185,7 +185,7 @@ def test_the_flag_overrides_what_the_tokenizer_shows() -> None:
     qwen = npm_tokenizer("qwen3")
     assert families.choose(qwen, "mistral") is MISTRAL
     assert families.choose(qwen, families.AUTO) is HERMES
-    assert set(families.CHOICES) == {"auto", *(syntax.name for syntax in EVERY)}
+    assert set(families.CHOICES) == {"auto", *(syntax.name for syntax in EVERY), "harmony"}
     with pytest.raises(InvalidSetting, match="tool_syntax must be one of auto, hermes"):
         ServerConfig(tool_syntax="llama")
 

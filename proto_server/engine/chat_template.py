@@ -26,11 +26,12 @@ import sys
 import threading
 from array import array
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
+from proto_server.core.render import Renderer
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
@@ -175,6 +176,18 @@ class RenderedMessages:
     def nbytes(self) -> int:
         """The bytes kept now."""
         return 0 if self._cache is None else int(self._cache.currsize)
+
+
+@runtime_checkable
+class ModelRenderer(Renderer, Protocol):
+    """A real model's rendering (its chat template, or harmony's for gpt-oss): what opens
+    the model's turn, and the messages it keeps rendered (`--render-cache-mb`)."""
+
+    generation_prompt: list[int]
+    rendered: RenderedMessages
+    #: The model writes a `<think>` block first (thinking.py), and its turn may open inside it.
+    thinks: bool
+    opens_thinking: bool
 
 
 class ChatTemplateRenderer:

@@ -30,14 +30,15 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
 from proto_server.engine import families
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
+from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.thinking import split_thinking
-from proto_server.engine.tokens import common_prefix, stop_ids
+from proto_server.engine.tokens import common_prefix
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.tools import FunctionTool, function_tools
 
@@ -62,9 +63,9 @@ class ContextOverflow(GenerationRefused):
         super().__init__("context_length_exceeded", message)
 
 
-def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def stop_token_ids(model: Any, tokenizer: Any, syntax: ToolSyntax) -> frozenset[int]:
     config = getattr(model, "generation_config", None)
-    return stop_ids(tokenizer, getattr(config, "eos_token_id", None))
+    return syntax.stop_ids(tokenizer, getattr(config, "eos_token_id", None))
 
 
 class LocalGenerator:
@@ -95,10 +96,8 @@ class LocalGenerator:
         self.choose = choose
         #: The model family's call syntax (`--tool-syntax`; families/).
         self.syntax = families.choose(tokenizer, tool_syntax)
-        self.renderer = ChatTemplateRenderer(
-            tokenizer, cache_bytes=render_cache_bytes, syntax=self.syntax
-        )
-        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.renderer = self.syntax.renderer(tokenizer, cache_bytes=render_cache_bytes)
+        self.stop_ids = stop_token_ids(model, tokenizer, self.syntax)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.guide = Guide(tokenizer, vocab_size=vocab_size, stop_ids=self.stop_ids)

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES, ChatTemplateRenderer
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
 from proto_server.engine.families import AUTO, choose
 from proto_server.engine.families.base import CallFrame
@@ -49,7 +49,7 @@ from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.thinking import split_thinking
-from proto_server.engine.tokens import common_prefix, stop_ids
+from proto_server.engine.tokens import common_prefix
 from proto_server.wire.tools import FunctionTool, function_tools
 
 ENGINE_ERROR = "engine_error"
@@ -560,10 +560,8 @@ class VllmGenerator:
         self.tokenizer = tokenizer.tokenizer
         #: The model family's call syntax (`--tool-syntax`; families/).
         self.syntax = choose(self.tokenizer, tool_syntax)
-        self.renderer = ChatTemplateRenderer(
-            self.tokenizer, cache_bytes=render_cache_bytes, syntax=self.syntax
-        )
-        self.stop_ids = stop_ids(self.tokenizer, tokenizer.eos_token_id)
+        self.renderer = self.syntax.renderer(self.tokenizer, cache_bytes=render_cache_bytes)
+        self.stop_ids = self.syntax.stop_ids(self.tokenizer, tokenizer.eos_token_id)
         #: What the engine writes for each: the end of the model's turn is no text of its own.
         self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
         self.max_tokens = max_tokens

@@ -30,7 +30,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from proto_server.core.render import Renderer
-from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chat_template import ModelRenderer
 from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,
@@ -254,7 +254,7 @@ def turn_ended(
 
 def rendered(renderer: Renderer) -> None:
     """After a render: what the renderer's cache did since the last call (if it keeps one)."""
-    if not isinstance(renderer, ChatTemplateRenderer):
+    if not isinstance(renderer, ModelRenderer):
         return
     cache = renderer.rendered
     hits, misses, evicted = cache.take_counts()

@@ -48,7 +48,7 @@ from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
 from proto_server.engine.base import GrammarGenerator, SharedGenerator, TokenGenerator
-from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chat_template import ModelRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
 from proto_server.server.config import ServerConfig
@@ -380,7 +380,7 @@ class Responses:
                 size=size + 1024 * len(history),
             )
         renderer = self.renderer
-        prompt = renderer.generation_prompt if isinstance(renderer, ChatTemplateRenderer) else ()
+        prompt = renderer.generation_prompt if isinstance(renderer, ModelRenderer) else ()
         return prepared.tokens + len(prompt)
 
     async def resume(

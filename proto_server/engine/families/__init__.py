@@ -1,8 +1,9 @@
 """Model families' tool-call syntaxes (base.py), one module each, and which one a model is.
 
 A family is recognised by the special tokens of its call syntax in the tokenizer's vocabulary
-(or its chat template's text); `--tool-syntax` overrides that. A model that shows none is read
-as Hermes, the syntax SmolLM2 and Qwen use, and the log says so.
+(or its chat template's text; gpt-oss by harmony's `<|channel|>` and `<|start|>`);
+`--tool-syntax` overrides that. A model that shows none is read as Hermes, the syntax SmolLM2
+and Qwen use, and the log says so.
 
 To add a family: a module with a `ToolSyntax` (its `CallFrame`, and what else differs from the
 defaults), listed in `FAMILIES`, with the token that tells it in `detect`.
@@ -15,12 +16,14 @@ from typing import Any
 
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.deepseek_v3 import CALLS_BEGIN, DEEPSEEK_V3
+from proto_server.engine.families.harmony import CHANNEL, HARMONY, START
 from proto_server.engine.families.hermes import HERMES, OPEN
 from proto_server.engine.families.llama3 import HEADER, LLAMA3_JSON
 from proto_server.engine.families.mistral import ARGS, MISTRAL, MISTRAL_JSON, TOOL_CALLS
 
 FAMILIES: dict[str, ToolSyntax] = {
-    family.name: family for family in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3)
+    family.name: family
+    for family in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3, HARMONY)
 }
 #: `--tool-syntax`'s default: the family the tokenizer shows.
 AUTO = "auto"
@@ -37,6 +40,8 @@ def detect(tokenizer: Any) -> tuple[ToolSyntax, str | None]:
     def has(token: str) -> bool:
         return token in vocabulary or token in text
 
+    if has(CHANNEL) and has(START):
+        return HARMONY, CHANNEL
     if has(CALLS_BEGIN):
         return DEEPSEEK_V3, CALLS_BEGIN
     if has(TOOL_CALLS):

@@ -5,9 +5,11 @@ syntax. A `ToolSyntax` says, for one family: how tools are offered when the chat
 not take them (`describe_tools`), how an earlier call is written when the template does not
 render `tool_calls` (`call_text`), the role a tool's output is shown under, the streaming
 parser of its calls, and the `CallFrame` a grammar writes a forced call in (constraints.py for
-the local model, vLLM's structural tags in vllm.py). A family whose parser also yields
-reasoning (harmony) would add its own chunk kinds to the parser; nothing here assumes calls
-are the only structure in a model's output.
+the local model, vLLM's structural tags in vllm.py), how a conversation becomes tokens
+(`renderer`: the chat template, or gpt-oss's harmony, which has none) and which ids end the
+model's turn (`stop_ids`). A family whose parser also yields reasoning (harmony) adds its own
+chunk kinds to the parser; nothing here assumes calls are the only structure in a model's
+output.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import itertools
 import json
 from collections import defaultdict
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from proto_server.engine.chunks import Chunk, ToolCallArgumentsDelta, ToolCallBegin, ToolCallEnd
+from proto_server.engine.tokens import stop_ids
 from proto_server.wire.tools import FunctionTool
+
+if TYPE_CHECKING:
+    from proto_server.engine.chat_template import ModelRenderer
 
 WHITESPACE = " \t\r\n"
 
@@ -171,6 +177,17 @@ class ToolSyntax:
         from proto_server.engine.families.framed import FramedCallParser
 
         return FramedCallParser(self.frame, tool_names, max_calls=max_calls, forced=forced)
+
+    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
+        """How the family's conversations become tokens: the model's chat template (harmony
+        has none: it renders its own)."""
+        from proto_server.engine.chat_template import ChatTemplateRenderer
+
+        return ChatTemplateRenderer(tokenizer, cache_bytes=cache_bytes, syntax=self)
+
+    def stop_ids(self, tokenizer: Any, configured: int | Sequence[int] | None) -> frozenset[int]:
+        """The ids that end the model's turn (`tokens.stop_ids`)."""
+        return stop_ids(tokenizer, configured)
 
     @property
     def stop(self) -> list[str]:
