@@ -81,3 +81,14 @@ def test_the_metrics_table_lists_every_metric_and_no_other() -> None:
     listed = {name for cell in table for name in re.findall(r"`(proto_server_\w+)`", cell)}
     assert served - listed == set(), "metrics docs/deployment.md's table does not list"
     assert listed - served == set(), "metrics docs/deployment.md lists that /metrics lacks"
+
+
+def test_the_tests_readme_names_every_test_module() -> None:
+    """tests/README.md maps features to test files: a new file must be placed in it."""
+    listed = (ROOT / "tests" / "README.md").read_text()
+    missing = [
+        path.stem
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if not re.search(rf"\b{path.stem}\b", listed)
+    ]
+    assert not missing, f"add {missing} to tests/README.md's table"
