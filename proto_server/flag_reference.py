@@ -11,23 +11,29 @@ import argparse
 import sys
 from typing import Any
 
-from proto_server.cli import build_parser, default_store_path
+import attrs
+
+from proto_server.cli import SETTINGS, build_parser
+from proto_server.core.settings import FLAG, flag_name, range_of
+from proto_server.launch import default_store_path
 
 INTRO = """\
 # Flags
 
 `proto-server serve` takes these flags (`proto-server serve --help` prints the same, with each
 default). A setting's flag, help, default and range are declared once, on its field in
-`ServerConfig` (`server/config.py`), `TimingModel` or `StoreRetention`, and its flag is
-derived from it (`core/settings.py`); this page is written from the same parser by
-`python -m proto_server.flag_reference > docs/flags.md`, and a test fails when the two differ.
+`Launch` or `LocalModel` (`launch.py`), `ServerConfig` (`server/config.py`), `TimingModel` or
+`StoreRetention`, and its flag is derived from it (`core/settings.py`); this page is written
+from the same parser and fields by `python -m proto_server.flag_reference > docs/flags.md`, and a
+test fails when the two differ.
 
 Every value is checked at start-up: one out of its range stops the server before it listens,
 with exit status 2 and a line naming the flag and the range (see
-[Limits and errors](limits.md#settings-are-checked-at-start-up)).
+[Limits and errors](limits.md#settings-are-checked-at-start-up)). A flag in another unit than
+its setting (MiB, days) takes any positive number of its unit.
 
-| flag | default | what |
-|---|---|---|
+| flag | default | range | what |
+|---|---|---|---|
 """
 
 
@@ -68,14 +74,27 @@ def _cell(text: str) -> str:
     return text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
 
 
+def ranges() -> dict[str, str]:
+    """Each flag's range in words, from its field's validator (core/ranges.py)."""
+    found = {}
+    for cls in SETTINGS:
+        for field in attrs.fields(cls):
+            flag, says = flag_name(field), range_of(field)
+            if flag is not None and says is not None:
+                found[flag] = says if field.metadata[FLAG].unit == 1 else "positive"
+    return found
+
+
 def render() -> str:
     """The page: one row per `serve` flag, in the parser's order."""
-    rows = []
+    rows, allowed = [], ranges()
     for action in serve_parser()._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
             continue
+        says = allowed.get(action.option_strings[0], "")
         rows.append(
-            f"| {_cell(_flag(action))} | {_cell(_default(action))} | {_cell(action.help or '')} |"
+            f"| {_cell(_flag(action))} | {_cell(_default(action))} | {_cell(says)} "
+            f"| {_cell(action.help or '')} |"
         )
     return INTRO + "\n".join(rows) + "\n"
 

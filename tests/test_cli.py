@@ -196,7 +196,7 @@ def test_a_store_url_other_than_postgresql_is_refused_and_creates_nothing(
     monkeypatch.chdir(tmp_path)
     err = serve_refusal(capsys, store=url)
     scheme = url.split(":")[0]
-    assert f"argument --store: {scheme}:// URLs are not supported" in err
+    assert f"proto-server: --store: {scheme}:// URLs are not supported" in err
     assert "pass a file path, :memory: or a postgresql:// URL" in err
     assert list(tmp_path.iterdir()) == []
 
@@ -251,10 +251,8 @@ def test_the_local_model_flags_must_be_positive(
 ) -> None:
     from proto_server.cli import main
 
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--generator", "local", flag, "0"])
-    assert exited.value.code == 2
-    assert f"argument {flag}: must be positive, got 0" in capsys.readouterr().err
+    assert main(["serve", "--generator", "local", flag, "0"]) == 2
+    assert capsys.readouterr().err == f"proto-server: {flag}: must be at least 1, got 0\n"
 
 
 def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
@@ -264,6 +262,7 @@ def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
 
     from proto_server.cli import SETTINGS, build_parser
     from proto_server.core.settings import flag_name, from_flags
+    from proto_server.server.config import ServerConfig
 
     unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
     # their own flags: --api-key also reads PROTO_SERVER_API_KEYS, --key-weight parses pairs
@@ -278,8 +277,8 @@ def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
             assert unknown == [], field.name
     parsed = build_parser().parse_args(["serve"])
     assert [from_flags(cls, parsed) for cls in SETTINGS] == [cls() for cls in SETTINGS]
-    assert from_flags(SETTINGS[0], build_parser().parse_args(["serve", "--max-memory", "3"])) == (
-        SETTINGS[0](max_memory_bytes=3 * 1024 * 1024)
+    assert from_flags(ServerConfig, build_parser().parse_args(["serve", "--max-memory", "3"])) == (
+        ServerConfig(max_memory_bytes=3 * 1024 * 1024)
     )
 
 

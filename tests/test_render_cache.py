@@ -15,7 +15,7 @@ from .requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
 
-from proto_server.cli import build_parser
+from proto_server.cli import build_parser, main
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
@@ -92,9 +92,9 @@ def test_the_flag_takes_mebibytes_and_refuses_a_negative_size(
     parser = build_parser()
     assert parser.parse_args(["serve", "--render-cache-mb", "0"]).render_cache_mb == 0
     assert parser.parse_args(["serve"]).render_cache_mb == 64
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--render-cache-mb", "-1"])
-    assert "must be 0 or more" in capsys.readouterr().err
+    assert main(["serve", "--store", ":memory:", "--render-cache-mb", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "proto-server: --render-cache-mb: must be at least 0, got -1\n"
 
 
 async def test_metrics_say_what_the_cache_found_and_holds(

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import trio
 
-from proto_server.cli import build_parser
 from proto_server.core.request import ToolChoice
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.vllm import (
@@ -224,17 +223,23 @@ def test_serve_with_several_engines_stops_with_exit_2_when_none_answers() -> Non
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"),
-    [("--engine-timeout", "0"), ("--engine-timeout", "inf"), ("--engine-timeout", "nan"),
-     ("--engine-connections", "0"), ("--max-tokens", "-1"), ("--engine-probe-interval", "0"),
-     ("--engine-probe-interval", "inf")],
+    ("flag", "value", "why"),
+    [("--engine-timeout", "0", "must be positive and finite, got 0.0"),
+     ("--engine-timeout", "inf", "must be positive and finite, got inf"),
+     ("--engine-timeout", "nan", "must be positive and finite, got nan"),
+     ("--engine-connections", "0", "must be at least 1, got 0"),
+     ("--max-tokens", "-1", "must be at least 1, got -1"),
+     ("--engine-probe-interval", "0", "must be positive and finite, got 0.0"),
+     ("--engine-probe-interval", "inf", "must be positive and finite, got inf")],
 )  # fmt: skip
 def test_the_engine_flags_refuse_what_is_not_a_positive_finite_number(
-    capsys: pytest.CaptureFixture[str], flag: str, value: str
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, why: str
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["serve", "--generator", "vllm", flag, value])
-    assert exited.value.code == 2 and f"{flag}: must be positive" in capsys.readouterr().err
+    """Refused before any engine is asked (none runs at the default URL here)."""
+    from proto_server.cli import main
+
+    assert main(["serve", "--store", ":memory:", "--generator", "vllm", flag, value]) == 2
+    assert capsys.readouterr().err == f"proto-server: {flag}: {why}\n"
 
 
 def test_help_says_what_model_means_for_each_generator() -> None:

@@ -174,9 +174,8 @@ def test_a_worker_that_cannot_start_stops_the_server_with_its_status(tmp_path: P
 def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str], value: str) -> None:
     from proto_server.cli import main
 
-    with pytest.raises(SystemExit):
-        main(["serve", "--workers", value])
-    assert "--workers: must be positive" in capsys.readouterr().err
+    assert main(["serve", "--store", ":memory:", "--workers", value]) == 2
+    assert capsys.readouterr().err == f"proto-server: --workers: must be at least 1, got {value}\n"
 
 
 def test_a_listen_fd_that_is_no_socket_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,8 +1,8 @@
 """A setting is declared once: its field on the class that holds it (`ServerConfig`,
-`TimingModel`, `StoreRetention`), with its default, its range (`core/ranges.py`) and, in the
-field's metadata, its command-line flag and help. The CLI's flags are derived from the fields
-(`add_flags`), and the values read back into the class (`from_flags`), so a new setting is
-written in one place and no default is written twice.
+`TimingModel`, `StoreRetention`, `Launch`), with its default, its range (`core/ranges.py`)
+and, in the field's metadata, its command-line flag and help. The CLI's flags are derived
+from the fields (`add_flags`), and the values read back into the class (`from_flags`), so a
+new setting is written in one place and no default is written twice.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from proto_server.core.ranges import Validator
+from proto_server.core.ranges import Range, Validator
 
 T = TypeVar("T")
 FLAG = "proto_server.flag"
@@ -64,8 +64,9 @@ def flag_of(classes: tuple[type, ...], name: str) -> str:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per field of `cls` that declares one: its type from the field's, its default
-    the field's (in the flag's unit); a bool is `--x` / `--no-x`. Ranges are the class's own:
-    they are checked when `from_flags` builds it, and the error names the flag."""
+    the field's (in the flag's unit); a bool is `--x` / `--no-x`, a tuple a repeatable flag, a
+    range over names offers them. Ranges are the class's own: they are checked when
+    `from_flags` builds it, and the error names the flag."""
     defaults = cls()
     for field in attrs.fields(cls):
         flag = field.metadata.get(FLAG)
@@ -73,19 +74,36 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         default = getattr(defaults, field.name)
         options: dict[str, Any] = {"dest": field.name, "help": flag.help}
-        if field.type == "bool":
+        kind = _kind(str(field.type))
+        if kind is bool:
             options.update(action=argparse.BooleanOptionalAction, default=default)
+        elif kind is tuple:  # given again, another value; none given: the field's default
+            options.update(action="append", default=None, metavar=flag.metavar)
         else:
-            kind = int if field.type == "int" else float if "float" in str(field.type) else str
             shown = default if default is None or flag.unit == 1 else kind(default / flag.unit)
-            metavar = flag.metavar or _metavar(field.name, kind)
+            choices = field.validator.choices if isinstance(field.validator, Range) else None
+            metavar = flag.metavar or _metavar(field.name, kind, choices)
             # a flag in another unit than its field says its range in its own: positive
             parse = kind if flag.unit == 1 else _positive(kind)
             options.update(type=parse, default=shown, metavar=metavar)
         parser.add_argument(flag_name(field), **options)  # type: ignore[arg-type]
 
 
-def _metavar(name: str, kind: type) -> str | None:
+def range_of(field: attrs.Attribute[Any]) -> str | None:
+    """What the field's range allows, in words (None: any value of its type)."""
+    return field.validator.says if isinstance(field.validator, Range) else None
+
+
+def _kind(annotation: str) -> type:
+    """The flag's type from the field's annotation (a string: the modules postpone them)."""
+    bare = annotation.removesuffix(" | None")
+    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float}
+    return tuple if bare.startswith("tuple[") else kinds.get(bare, str)
+
+
+def _metavar(name: str, kind: type, choices: tuple[str, ...] | None) -> str | None:
+    if choices is not None:
+        return "{" + ",".join(choices) + "}"
     if name.endswith("_s"):
         return "SECONDS"
     return "N" if kind is int else None
@@ -110,5 +128,9 @@ def from_flags(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
         flag = field.metadata.get(FLAG)
         if flag is not None and field.name not in values:
             value = getattr(args, field.name)
+            if isinstance(value, list):  # a repeatable flag
+                value = tuple(value)
+            elif value is None and _kind(str(field.type)) is tuple:
+                continue  # not given: the field's default
             values[field.name] = value if value is None or flag.unit == 1 else value * flag.unit
     return cls(**values)

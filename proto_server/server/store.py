@@ -34,7 +34,7 @@ import orjson
 import trio
 
 from proto_server.core.compaction import compacted_prompt
-from proto_server.core.ranges import InvalidSetting, at_least, positive
+from proto_server.core.ranges import at_least, positive, positive_finite
 from proto_server.core.settings import setting
 from proto_server.server import sqlite_host
 from proto_server.server.logs import log
@@ -203,11 +203,6 @@ def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Ite
 DAY_S = 24 * 3600.0
 
 
-def _positive_finite(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0 < value < math.inf:
-        raise InvalidSetting(attribute.name, f"must be positive and finite, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class StoreRetention:
     """What every store keeps, and how long a call may wait on it (both stores, every flag)."""
@@ -229,7 +224,7 @@ class StoreRetention:
     )
     timeout_s: float = setting(
         5.0,
-        _positive_finite,
+        positive_finite,
         flag="--store-timeout",
         help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
         "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
