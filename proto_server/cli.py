@@ -54,7 +54,7 @@ N = TypeVar("N", int, float)
 if TYPE_CHECKING:
     from proto_server.engine.local import LocalGenerator
     from proto_server.engine.vllm import ServedModel, VllmGenerator
-    from proto_server.server.postgres import PostgresStore
+    from proto_server.server.store.postgres import PostgresStore
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 LOCAL_BENCH_TURNS = 8
@@ -334,7 +334,7 @@ def _open_store(
     try:
         if is_postgres_url(location):
             try:
-                from proto_server.server.postgres import PostgresStore
+                from proto_server.server.store.postgres import PostgresStore
             except ImportError as exc:
                 raise Refused(f"a postgresql:// store needs psycopg ({exc}); "
                               "pip install 'proto-server[postgresql]'") from None  # fmt: skip

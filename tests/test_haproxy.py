@@ -32,8 +32,8 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 from proto_server.bench.workload import MODEL, Workload, make_workload
-from proto_server.server.postgres import PostgresStore
 from proto_server.server.store import chain_items, owner_id
+from proto_server.server.store.postgres import PostgresStore
 from proto_server.wire.converter import converter
 
 from .helpers import free_port, read_line

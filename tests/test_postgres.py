@@ -16,7 +16,6 @@ import psycopg
 import pytest
 import trio
 
-from proto_server.server.postgres import SCHEMA_VERSION, PostgresStore
 from proto_server.server.store import (
     StoreError,
     StoreRetention,
@@ -24,6 +23,7 @@ from proto_server.server.store import (
     chain_items,
     owner_id,
 )
+from proto_server.server.store.postgres import SCHEMA_VERSION, PostgresStore
 
 from .helpers import connect, identified, items_and_deletion, read_line, stored
 from .postgres import Cluster

@@ -19,7 +19,6 @@ import trio
 
 from proto_server.engine.simulated import TimingModel
 from proto_server.server.config import MiB
-from proto_server.server.postgres import PostgresStore
 from proto_server.server.store import (
     SQLiteStore,
     StoredResponse,
@@ -27,6 +26,7 @@ from proto_server.server.store import (
     SuspensionLost,
     SuspensionStore,
 )
+from proto_server.server.store.postgres import PostgresStore
 from proto_server.testing.checker import StreamChecker, o200k_count
 from proto_server.wire.items import FunctionCall, Message
 from proto_server.wire.response import Response, Usage
@@ -173,7 +173,7 @@ async def test_a_file_from_before_suspensions_is_migrated_and_keeps_its_response
 ) -> None:
     """A file at user_version 1 (as the servers before this one left it) gains the suspension
     tables when opened; what it stored stays."""
-    from proto_server.server import store as sqlite_module
+    from proto_server.server.store import sqlite as sqlite_module
 
     path = tmp_path / "v1.sqlite3"
     db = sqlite3.connect(path)
@@ -208,7 +208,7 @@ async def test_a_database_from_before_suspensions_is_migrated_and_keeps_its_secr
     index after them: version 9)."""
     import psycopg
 
-    from proto_server.server import postgres
+    from proto_server.server.store import postgres
 
     url = pg_url
     with psycopg.connect(url, autocommit=True) as conn:

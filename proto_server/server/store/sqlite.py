@@ -1,24 +1,12 @@
-"""The persisted store: `store: true` responses, so a chain survives a reconnect or a restart.
-
-Behind a small interface (`ResponseStore`), so that a shared store (postgres.py) can serve
-several server processes. The default is embedded SQLite in WAL mode, one transaction per
-write, so a crash in the middle of a write leaves the previous state intact. Its blocking calls
-run in worker threads, each connection to a file in a child process (sqlite_host.py), so that a
-fault of the file's memory mapping (a SIGBUS) kills that process, not the server.
-
-A stored response belongs to its owner (the API key that created it, as an opaque id; with auth
-off, one anonymous owner): a lookup by another owner finds nothing. Every failure of the store,
-and every call that takes longer than its timeout, is a `StoreUnavailable`: the Response or the
-lookup fails, never the connection. Writes go one at a time through one connection; reads of a
-file have connections of their own, so they do not queue behind a write that waits for a lock.
-"""
+"""The embedded store: SQLite in WAL mode, one transaction per write; each connection to a
+file in a child process (sqlite_host.py), so a fault of its memory mapping kills that process,
+not the server. Blocking calls run in worker threads, writes one at a time, reads on
+connections of their own."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import re
 import signal
 import sqlite3
 import subprocess
@@ -27,27 +15,40 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
-import attrs
-import orjson
 import trio
 
-from proto_server.core.compaction import compacted_prompt
-from proto_server.core.ranges import at_least, positive, positive_finite
-from proto_server.core.settings import setting
-from proto_server.server import sqlite_host
 from proto_server.server.logs import log
-from proto_server.wire.converter import converter
-from proto_server.wire.errors import ProtocolError, ServerFault, quoted
-from proto_server.wire.items import Item, item_id
-from proto_server.wire.response import Response
-from proto_server.wire.tools import Tool
+from proto_server.server.store import sqlite_host
+from proto_server.server.store.errors import (
+    ITEMS_FAILED,
+    PUT_FAILED,
+    SUSPEND_FAILED,
+    StoreUnavailable,
+    SuspensionLost,
+    chain_failed,
+    delete_failed,
+    get_failed,
+    resume_failed,
+)
+from proto_server.server.store.records import (
+    ANONYMOUS,
+    StoredResponse,
+    SuspendedResponse,
+    decode_row,
+    decode_suspended,
+    encode_items,
+    encode_row,
+    encode_suspended,
+    found_items,
+    stored_item_ids,
+)
+from proto_server.server.store.retention import DEFAULT_RETENTION, StoreRetention
+from proto_server.wire.items import Item
 
 T = TypeVar("T")
 
-#: The owner of everything stored while auth is off.
-ANONYMOUS = ""
 
 #: Reader connections of a file store (a write never waits for them, nor they for it).
 READERS = 4
@@ -55,285 +56,6 @@ READERS = 4
 #: SQLite gives up waiting for a lock this long before the call's deadline, so the call ends
 #: by itself and its thread is not left behind holding the connection.
 _MARGIN_S = 0.05
-
-
-def owner_id(key: str) -> str:
-    """The owner id stored for an API key: a digest, so the store never holds the key."""
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-class StoreError(Exception):
-    """The store could not be opened at start-up (a database that does not answer, a schema
-    from a newer server): the server does not start."""
-
-
-def is_postgres_url(text: str) -> bool:
-    return text.startswith(("postgresql://", "postgres://"))
-
-
-def redact(location: str) -> str:
-    """A store's location as it may be printed: a URL's password left out."""
-    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", location)
-
-
-class StoreUnavailable(ServerFault):
-    """The store failed or did not answer within its timeout (locked, full, gone)."""
-
-    status = 503
-
-    def __init__(self, message: str) -> None:
-        super().__init__("store_unavailable", message)
-
-
-@attrs.frozen(kw_only=True)
-class StoredResponse:
-    response: Response
-    #: What this Response added to the conversation, in order: its input items and its output
-    #: (interleaved per segment in the prototype dialect). A chain's items are the concatenation.
-    items: tuple[Item, ...]
-    #: Who may read it back: `owner_id` of the key that created it, or `ANONYMOUS`.
-    owner: str = ANONYMOUS
-
-
-class SuspensionLost(ServerFault):
-    """Another connection claimed this suspended Response (resumed it by id) after this one
-    last wrote it: this copy is fenced off, and what it did is not stored."""
-
-    status = 409
-
-    def __init__(self, response_id: str) -> None:
-        super().__init__(
-            "response_resumed_elsewhere",
-            f"Response {response_id} was resumed by id on another connection; this copy of it "
-            "ends here and is not stored.",
-        )
-
-
-@attrs.frozen(kw_only=True)
-class SuspendedResponse:
-    """A prototype-dialect Response suspended on tool calls, as the store keeps it so that any
-    process can rebuild it cold and resume it (the model's warm state is not kept)."""
-
-    #: As its `response.done` said it: id, settings, output so far, usage so far.
-    response: Response
-    #: Its conversation in order: the create's input, then each segment's output and what was
-    #: appended to answer it. Stored in chunks, each suspension writing only what is new.
-    items: tuple[Item, ...]
-    #: Where its output begins in `items` (what came before was the create's input); its
-    #: output is the model's items from there on, so it is not stored twice.
-    first_output: int = 0
-    instructions: str | None = None
-    tools: tuple[Tool, ...] = ()
-    #: The call ids it waits on.
-    pending: tuple[str, ...] = ()
-    segments: int = 0
-    tool_calls: int = 0
-    owner: str = ANONYMOUS
-    #: Raised by every write and every claim: a writer that is not the latest is fenced off.
-    version: int = 1
-    #: Taken by the connection that resumed it by id; free again when it next suspends.
-    claimed: bool = False
-    stored_at: float = 0.0
-
-
-def encode_suspended(suspended: SuspendedResponse) -> bytes:
-    """The stored form of a suspension, its items apart (they are written in chunks)."""
-    state = converter.unstructure(attrs.evolve(suspended, items=()))
-    for name in ("items", "owner", "version", "claimed", "stored_at"):
-        state.pop(name, None)
-    return orjson.dumps(state)
-
-
-def encode_items(items: Sequence[Item]) -> bytes:
-    return orjson.dumps(converter.unstructure(tuple(items)))
-
-
-def decode_suspended(
-    state: bytes, chunks: Sequence[bytes], *, owner: str, version: int, claimed: bool,
-    stored_at: float,
-) -> SuspendedResponse:  # fmt: skip
-    items: list[Item] = []
-    for chunk in chunks:
-        items += converter.structure(orjson.loads(chunk), list[Item])  # type: ignore[arg-type,unused-ignore]
-    decoded = converter.structure({**orjson.loads(state), "items": []}, SuspendedResponse)
-    return attrs.evolve(
-        decoded, items=tuple(items), owner=owner, version=version, claimed=claimed,
-        stored_at=stored_at,
-    )  # fmt: skip
-
-
-def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
-    """The stored form of a response and its items (JSON), the same in every store."""
-    return (
-        orjson.dumps(converter.unstructure(stored.response)),
-        orjson.dumps(converter.unstructure(stored.items)),
-    )
-
-
-def decode_items(items: bytes) -> tuple[Item, ...]:
-    return tuple(converter.structure(orjson.loads(items), list[Item]))  # type: ignore[arg-type,unused-ignore]
-
-
-def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
-    return StoredResponse(
-        response=converter.structure(orjson.loads(response), Response),
-        items=decode_items(items),
-        owner=owner,
-    )
-
-
-def stored_item_ids(stored: StoredResponse) -> list[str]:
-    """The ids of a stored response's items, each once: what `item_reference` may name."""
-    return list(dict.fromkeys(found for item in stored.items if (found := item_id(item))))
-
-
-def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Item]:
-    """The items of the ids found (`where`: each id's response; `blobs`: their items)."""
-    held = {
-        response_id: {item_id(item): item for item in decode_items(blob)}
-        for response_id, blob in blobs.items()
-    }
-    return {
-        wanted: held[response_id][wanted]
-        for wanted, response_id in where.items()
-        if wanted in held[response_id]
-    }
-
-
-DAY_S = 24 * 3600.0
-
-
-@attrs.frozen(kw_only=True)
-class StoreRetention:
-    """What every store keeps, and how long a call may wait on it (both stores, every flag)."""
-
-    # zero or less would delete each response in the transaction that writes it
-    max_responses: int = setting(
-        100_000,
-        at_least(1),
-        flag="--store-max-responses",
-        help="retention: the newest this many stored responses are kept",
-    )
-    max_age_s: float = setting(
-        30 * DAY_S,
-        positive,
-        flag="--store-max-age",
-        metavar="DAYS",
-        unit=DAY_S,
-        help="retention: stored responses older than this many days are deleted",
-    )
-    timeout_s: float = setting(
-        5.0,
-        positive_finite,
-        flag="--store-timeout",
-        help="longest wait for the store (a lock held elsewhere, a slow disk); then the "
-        "Response fails (store_unavailable) or the lookup is refused (503), the connection lives",
-    )
-
-
-DEFAULT_RETENTION = StoreRetention()
-
-#: What a failed call of any store could not do, as its `StoreUnavailable` says.
-PUT_FAILED = "the response could not be stored; retry, or send it with store: false"
-SUSPEND_FAILED = "the suspension could not be stored (it stays resumable on this connection only)"
-
-
-def resume_failed(response_id: str) -> str:
-    return f"suspended response {response_id!r} could not be looked up or claimed; retry shortly"
-
-
-ITEMS_FAILED = "the referenced items could not be looked up; retry shortly, or send the items"
-
-
-def delete_failed(response_id: str) -> str:
-    return f"response {response_id!r} could not be deleted; retry shortly"
-
-
-def get_failed(response_id: str) -> str:
-    return f"response {response_id!r} could not be looked up; retry shortly"
-
-
-def chain_failed(response_id: str) -> str:
-    return (
-        f"previous response {response_id!r} could not be looked up; retry shortly, or resend "
-        "the full history without previous_response_id"
-    )
-
-
-class ResponseStore(Protocol):
-    async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:
-        """Store an ended Response; `ends_suspension`: the version of its suspension this
-        writer holds, deleted in the same transaction (`SuspensionLost` if it is not the
-        latest: another connection resumed it, and nothing is written)."""
-        ...
-
-    async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None: ...
-
-    async def chain(
-        self, response_id: str, *, owner: str = ANONYMOUS
-    ) -> list[StoredResponse] | None:
-        """The stored responses from the first of the chain to `response_id`, or None if any
-        link is missing (expired, never stored, or another owner's)."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-@runtime_checkable
-class ItemStore(Protocol):
-    """A store that finds stored items by their ids (what `item_reference` names) and deletes
-    stored responses (`DELETE /v1/responses/{id}`); both stores do, a test's dict may not."""
-
-    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
-        """Those of the ids that name an item of a response `owner` stored, with the item (from
-        the newest such response, if several hold it)."""
-        ...
-
-    async def delete(self, response_id: str, *, owner: str) -> bool:
-        """Delete `owner`'s stored response; whether there was one. A chain through it breaks
-        there: a later response that continues it can no longer be continued from the store."""
-        ...
-
-
-@runtime_checkable
-class SuspensionStore(Protocol):
-    """A store that keeps suspended prototype Responses, so they survive their process.
-
-    Versions fence writers off: each write names the version it last saw and raises
-    `SuspensionLost` if the stored one moved on; `claim` is the atomic step that makes exactly
-    one of several connections the Response's holder."""
-
-    async def suspend(self, suspended: SuspendedResponse, *, since: int, expected: int) -> None:
-        """Write `suspended` (version `expected + 1`, unclaimed), its items from `since` on
-        appended to those stored; `expected` 0: its first suspension."""
-        ...
-
-    async def suspended(
-        self, response_id: str, *, owner: str = ANONYMOUS
-    ) -> SuspendedResponse | None: ...
-
-    async def claim(
-        self, response_id: str, *, owner: str, version: int, lapsed_before: float = -math.inf
-    ) -> bool:
-        """Take the suspension at `version` (it becomes `version + 1`, claimed, stamped now)
-        if it is unclaimed, or its claim is older than `lapsed_before` (its holder neither
-        suspended again nor ended in time: its process died; if it lives after all, its next
-        write is fenced off); False if another connection holds it or it changed."""
-        ...
-
-    async def release(self, response_id: str, *, version: int) -> None:
-        """Let a claim go (its connection went away before the Response suspended again)."""
-        ...
-
-
-@runtime_checkable
-class ProbedStore(Protocol):
-    """A store that may be unusable while the server is up: `/readyz` asks it. A database
-    server may be down; an embedded SQLite file may have been deleted or replaced."""
-
-    async def readiness(self) -> str | None:
-        """None when the store answers now, within a short timeout; otherwise why not."""
-        ...
 
 
 #: The schema of a file, and its migrations (sqlite_host.py, where the SQL lives).
@@ -718,38 +440,3 @@ class _FileLost(Exception):
 
 def _identity(stat: os.stat_result) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
-
-
-#: Where a chain is looked for, as `previous_response_not_found` says it.
-STORED = "in the store (never stored with store: true, or expired)"
-
-
-async def history_of(
-    store: ResponseStore, previous: str, *, owner: str, where: str = STORED
-) -> list[Item]:
-    """The items of the stored chain that ends at `previous`: what a turn continuing it is
-    served from; `previous_response_not_found` (saying `where` it was looked for) if the store
-    holds no such chain for `owner`. The one lookup of both HTTP and the WebSocket dialects."""
-    chain = await store.chain(previous, owner=owner)
-    if chain is None:
-        raise previous_response_not_found(previous, where)
-    return chain_items(chain)
-
-
-def previous_response_not_found(response_id: str, where: str) -> ProtocolError:
-    return ProtocolError(
-        "previous_response_not_found",
-        f"Previous response {quoted(response_id)} not found: it is not {where}. Resend the "
-        "full history without previous_response_id.",
-        param="previous_response_id",
-    )
-
-
-def chain_items(chain: Sequence[StoredResponse]) -> list[Item]:
-    """The history a chain holds: its items in order, from its latest Response served from a
-    compacted history (which stored that history) on."""
-    start = max(
-        (index for index, stored in enumerate(chain) if compacted_prompt(stored.response.output)),
-        default=0,
-    )
-    return [item for stored in chain[start:] for item in stored.items]

@@ -1,0 +1,124 @@
+"""What a store keeps: a stored Response with its items and owner, a suspended one, and
+their stored form (JSON), the same in every backend."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import attrs
+import orjson
+
+from proto_server.wire.converter import converter
+from proto_server.wire.items import Item, item_id
+from proto_server.wire.response import Response
+from proto_server.wire.tools import Tool
+
+#: The owner of everything stored while auth is off.
+ANONYMOUS = ""
+
+
+def owner_id(key: str) -> str:
+    """The owner id stored for an API key: a digest, so the store never holds the key."""
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@attrs.frozen(kw_only=True)
+class StoredResponse:
+    response: Response
+    #: What this Response added to the conversation, in order: its input items and its output
+    #: (interleaved per segment in the prototype dialect). A chain's items are the concatenation.
+    items: tuple[Item, ...]
+    #: Who may read it back: `owner_id` of the key that created it, or `ANONYMOUS`.
+    owner: str = ANONYMOUS
+
+
+@attrs.frozen(kw_only=True)
+class SuspendedResponse:
+    """A prototype-dialect Response suspended on tool calls, as the store keeps it so that any
+    process can rebuild it cold and resume it (the model's warm state is not kept)."""
+
+    #: As its `response.done` said it: id, settings, output so far, usage so far.
+    response: Response
+    #: Its conversation in order: the create's input, then each segment's output and what was
+    #: appended to answer it. Stored in chunks, each suspension writing only what is new.
+    items: tuple[Item, ...]
+    #: Where its output begins in `items` (what came before was the create's input); its
+    #: output is the model's items from there on, so it is not stored twice.
+    first_output: int = 0
+    instructions: str | None = None
+    tools: tuple[Tool, ...] = ()
+    #: The call ids it waits on.
+    pending: tuple[str, ...] = ()
+    segments: int = 0
+    tool_calls: int = 0
+    owner: str = ANONYMOUS
+    #: Raised by every write and every claim: a writer that is not the latest is fenced off.
+    version: int = 1
+    #: Taken by the connection that resumed it by id; free again when it next suspends.
+    claimed: bool = False
+    stored_at: float = 0.0
+
+
+def encode_suspended(suspended: SuspendedResponse) -> bytes:
+    """The stored form of a suspension, its items apart (they are written in chunks)."""
+    state = converter.unstructure(attrs.evolve(suspended, items=()))
+    for name in ("items", "owner", "version", "claimed", "stored_at"):
+        state.pop(name, None)
+    return orjson.dumps(state)
+
+
+def encode_items(items: Sequence[Item]) -> bytes:
+    return orjson.dumps(converter.unstructure(tuple(items)))
+
+
+def decode_suspended(
+    state: bytes, chunks: Sequence[bytes], *, owner: str, version: int, claimed: bool,
+    stored_at: float,
+) -> SuspendedResponse:  # fmt: skip
+    items: list[Item] = []
+    for chunk in chunks:
+        items += converter.structure(orjson.loads(chunk), list[Item])  # type: ignore[arg-type,unused-ignore]
+    decoded = converter.structure({**orjson.loads(state), "items": []}, SuspendedResponse)
+    return attrs.evolve(
+        decoded, items=tuple(items), owner=owner, version=version, claimed=claimed,
+        stored_at=stored_at,
+    )  # fmt: skip
+
+
+def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
+    """The stored form of a response and its items (JSON), the same in every store."""
+    return (
+        orjson.dumps(converter.unstructure(stored.response)),
+        orjson.dumps(converter.unstructure(stored.items)),
+    )
+
+
+def decode_items(items: bytes) -> tuple[Item, ...]:
+    return tuple(converter.structure(orjson.loads(items), list[Item]))  # type: ignore[arg-type,unused-ignore]
+
+
+def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
+    return StoredResponse(
+        response=converter.structure(orjson.loads(response), Response),
+        items=decode_items(items),
+        owner=owner,
+    )
+
+
+def stored_item_ids(stored: StoredResponse) -> list[str]:
+    """The ids of a stored response's items, each once: what `item_reference` may name."""
+    return list(dict.fromkeys(found for item in stored.items if (found := item_id(item))))
+
+
+def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Item]:
+    """The items of the ids found (`where`: each id's response; `blobs`: their items)."""
+    held = {
+        response_id: {item_id(item): item for item in decode_items(blob)}
+        for response_id, blob in blobs.items()
+    }
+    return {
+        wanted: held[response_id][wanted]
+        for wanted, response_id in where.items()
+        if wanted in held[response_id]
+    }
