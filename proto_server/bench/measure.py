@@ -38,8 +38,8 @@ from proto_server.engine.script import RolloutScript
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.store import SQLiteStore
+from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.wire.events import ErrorEvent, ResponseDone, ServerEvent
 
 TURN_ENDS = (*TERMINAL_EVENTS, ResponseDone, ErrorEvent)

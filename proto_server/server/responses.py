@@ -59,7 +59,7 @@ from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.server.outbox import EventSink
 from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollout import Rollout
-from proto_server.server.sampling import SamplingLoop, TurnRecord
+from proto_server.server.sampling import SamplingLoop
 from proto_server.server.store import (
     ANONYMOUS,
     ResponseStore,
@@ -68,6 +68,7 @@ from proto_server.server.store import (
     owner_id,
 )
 from proto_server.server.suspension import Suspensions
+from proto_server.server.turns import TurnRecord
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseAppend, ResponseCreate
 from proto_server.wire.items import Item

@@ -53,7 +53,6 @@ from proto_server.server.logs import log
 from proto_server.server.memory import MemoryBudget, preparing_bytes
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.responses import Responses
-from proto_server.server.sampling import TERMINAL_EVENTS
 from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.sse import SSETransport
 from proto_server.server.store import (
@@ -64,6 +63,7 @@ from proto_server.server.store import (
     chain_items,
     history_of,
 )
+from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.server.writer import discard_events, write_events
 from proto_server.wire.converter import converter, decode_request_body
 from proto_server.wire.errors import ProtocolError, quoted

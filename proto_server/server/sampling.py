@@ -12,6 +12,11 @@ the connection lives on; so does a `store: true` Response the store cannot take
 Whether the Response is open, ending or ended is the machine's to say (`Status.ENDING`): this
 loop only moves events and owns the tasks. A cancel, an expiry or a due steer cuts the
 generator short; the loop then says what the machine decided (`end`, `take_steers`).
+
+Its neighbours hold the rest: the wait while suspended (`suspension.IdleWait`), the store step
+(`storing.StoreStep`) and the turn's account (`turns.TurnAccount`). What is left, about 500
+lines, is one idea: the segment's run, from admission through the generator's chunks to the
+events they become, and the client's calls that cut it short.
 """
 
 from __future__ import annotations
@@ -44,46 +49,18 @@ from proto_server.server.logs import log
 from proto_server.server.observe import ServerObserver
 from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
-from proto_server.server.store import StoreUnavailable, SuspensionLost
-from proto_server.server.suspension import Suspensions
+from proto_server.server.storing import StoreStep
+from proto_server.server.suspension import IdleWait, Suspensions
+from proto_server.server.turns import FAILOVER, TurnAccount, TurnRecord
 from proto_server.wire.errors import ServerFault
-from proto_server.wire.events import (
-    ResponseCancelled,
-    ResponseCompleted,
-    ResponseDone,
-    ResponseFailed,
-    ResponseIncomplete,
-    ResponseSteerPending,
-    ServerEvent,
-)
+from proto_server.wire.events import ResponseSteerPending, ServerEvent
 from proto_server.wire.items import Item
 
 if TYPE_CHECKING:
     from proto_server.server.resume import Durable
 
-#: A turn's source when its engine replica went down and another prefilled it again.
-FAILOVER = "failover"
 #: `incomplete_details.reason` of a suspension whose client stayed idle too long.
 SUSPEND_TIMEOUT = "suspend_timeout"
-
-TERMINAL_EVENTS = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseCancelled)
-
-
-@attrs.frozen(kw_only=True)
-class TurnRecord:
-    """What one Response cost the server: how much it rendered, and what the model re-read."""
-
-    response_id: str
-    source: str  # "fresh", "cache", "store", "rebuilt", "append"; "failover": see `Rerouted`
-    rendered_input_tokens: int
-    prompt_tokens: int
-    cached_tokens: int
-    status: str
-    #: From the request's arrival: to the generator's first start, and to the first event out.
-    prepare_s: float | None = None
-    first_event_s: float | None = None
-    #: The generator's segments, summed.
-    decode_s: float = 0.0
 
 
 class SamplingLoop:
@@ -116,22 +93,20 @@ class SamplingLoop:
         `engine_priority`: send each segment with a priority, resumed rollouts first."""
         self.machine = machine
         self.durable = durable
+        self._store = StoreStep(persist, durable)
         self._resumed = resumed
         self._warmup = warmup
-        self._arrived_at = trio.current_time() if arrived_at is None else arrived_at
-        self._prepare_s: float | None = None
-        self._first_event_s: float | None = None
-        self._decode_s = 0.0
+        self._turn = TurnAccount(
+            arrived_at=trio.current_time() if arrived_at is None else arrived_at,
+            source=source,
+            rendered_mark=rendered_mark,
+        )
         self.rollout = rollout
         self._events = events
         self._chunk_queue = chunk_queue
-        self._source = source
-        self._rendered_mark = rendered_mark
-        self._rendered_input = 0
-        self._persist = persist
         self._on_end = on_end
         self._observer = observer
-        self._wake = trio.Event()
+        self._wait = IdleWait(self, suspend_timeout_s, suspensions)
         self._settled = trio.Event()
         #: The terminal event has been sent: only now may another Response follow on the wire.
         self.ended = False
@@ -139,9 +114,6 @@ class SamplingLoop:
         self._generator_scope: trio.CancelScope | None = None
         #: The generator's failure, held until the chunks it sent before it are streamed.
         self._fault: ServerFault | None = None
-        self._suspensions = suspensions
-        self._suspend_timeout_s = suspend_timeout_s
-        self._idle: trio.CancelScope | None = None  # the suspension's idle timer
         self._answered = False  # an inject answered every call; `wake()` resumes
         self._ended = trio.Event()
         self._admission = admission
@@ -175,11 +147,9 @@ class SamplingLoop:
         if self._observer is not None:
             self._observer.rendered()
         if self.machine.status is Status.IN_PROGRESS:
-            self._wake.set()
-        elif self._idle is not None:  # a partial answer: the client is alive, the clock restarts
-            self._idle.deadline = trio.current_time() + self._suspend_timeout_s
-            if self._suspensions is not None:
-                self._suspensions.touch(self)
+            self._wait.wake()
+        else:
+            self._wait.touch()
 
     @property
     def ending(self) -> bool:
@@ -200,16 +170,14 @@ class SamplingLoop:
         if resumed:
             self._resume_events = resumed
             self._answered = True
-        elif self._idle is not None:  # a partial answer: the client is alive, the clock restarts
-            self._idle.deadline = trio.current_time() + self._suspend_timeout_s
-            if self._suspensions is not None:
-                self._suspensions.touch(self)
+        else:
+            self._wait.touch()
 
     def wake(self) -> None:
         """Resume the Response if an inject answered its last call."""
         if self._answered:
             self._answered = False
-            self._wake.set()
+            self._wait.wake()
 
     def cancel(self) -> None:
         """The client's `response.cancel` (the machine refuses one that comes too late)."""
@@ -232,7 +200,7 @@ class SamplingLoop:
             self._generator_scope.cancel()
         if self._admission_scope is not None and self.machine.ending:
             self._admission_scope.cancel()  # a steer waits for admission with its Response
-        self._wake.set()
+        self._wait.wake()
 
     def evict(self, reason: str) -> None:
         """A memory budget lets this suspended Response go: it ends `response.incomplete`."""
@@ -302,23 +270,16 @@ class SamplingLoop:
             self.rollout.account(self.machine.held_bytes)
         if machine.status is not Status.SUSPENDED:
             return  # every call was answered before it could wait: no wait at all
-        self._wake = trio.Event()
         self._settled.set()
-        if self._suspensions is not None:
-            self._suspensions.add(self)
         self.rollout.budget.idle(self)
         try:
-            with trio.move_on_after(self._suspend_timeout_s) as self._idle:
-                await self._wake.wait()
+            woken = await self._wait.wait()
         finally:
             self.rollout.budget.busy(self)
-            self._idle = None
-            if self._suspensions is not None:
-                self._suspensions.discard(self)
-        if not self._wake.is_set():
+        if not woken:
             log.info(
                 "response.suspend_timeout",
-                extra={"response": machine.id, "timeout_s": self._suspend_timeout_s},
+                extra={"response": machine.id, "timeout_s": self._wait.timeout_s},
             )
             machine.request_expire(SUSPEND_TIMEOUT)
 
@@ -341,19 +302,7 @@ class SamplingLoop:
         self.ended = True
         self._ended.set()
         self._settled.set()
-        machine = self.machine
-        usage = machine.usage()
-        record = TurnRecord(
-            response_id=machine.id,
-            source=self._source,
-            rendered_input_tokens=self._rendered_input,
-            prompt_tokens=usage.input_tokens,
-            cached_tokens=usage.input_tokens_details.cached_tokens,
-            status=machine.status.value,
-            prepare_s=self._prepare_s,
-            first_event_s=self._first_event_s,
-            decode_s=self._decode_s,
-        )
+        record = self._turn.record(self.machine)
         if log.isEnabledFor(logging.DEBUG):  # the dict is a turn's cost: only when it is read
             log.debug("response.ended", extra=attrs.asdict(record))
         if self._on_end is not None:
@@ -393,7 +342,7 @@ class SamplingLoop:
         # The Response's terminal event goes out only now, and `run` marks it ended without
         # yielding in between: a client that answers it with a create finds it ended.
         await self._emit(last)
-        self._rendered_mark = self.rollout.conversation.rendered_tokens  # outputs are not input
+        self._turn.rendered_mark = self.rollout.conversation.rendered_tokens  # outputs: not input
         self.rollout.account(self.machine.held_bytes)
         self.rollout.segments += 1
         if self._admission is not None:
@@ -455,8 +404,7 @@ class SamplingLoop:
     ) -> None:
         """The GPU: runs one segment of the session into the chunk channel."""
         started = trio.current_time()
-        if self._prepare_s is None:
-            self._prepare_s = started - self._arrived_at
+        self._turn.generating(started)
         async with send:
             with trio.CancelScope() as self._generator_scope:
                 try:
@@ -474,7 +422,7 @@ class SamplingLoop:
                         "generator_error", f"the token generator failed: {exc!r}"
                     )
             self._generator_scope = None
-        self._decode_s += trio.current_time() - started
+        self._turn.decode_s += trio.current_time() - started
 
     def _limits(self) -> GenerationLimits:
         """What the client's limits leave to the next segment of this Response."""
@@ -486,11 +434,7 @@ class SamplingLoop:
 
     def _count_rendered(self) -> int:
         """Add the tokens rendered since the last segment to this Response's count; return them."""
-        rendered = self.rollout.conversation.rendered_tokens
-        new = rendered - self._rendered_mark
-        self._rendered_input += new
-        self._rendered_mark = rendered
-        return new
+        return self._turn.count_rendered(self.rollout.conversation.rendered_tokens)
 
     def _apply_ready(
         self, chunk: Chunk, receive: trio.MemoryReceiveChannel[Chunk]
@@ -520,7 +464,7 @@ class SamplingLoop:
             machine.report_cached(chunk.cached_tokens)
         match chunk:
             case Rerouted(engine=engine, lost=lost):
-                self._source = FAILOVER  # its warm state was lost with its engine replica
+                self._turn.source = FAILOVER  # its warm state was lost with its engine replica
                 log.info(
                     "response.rerouted",
                     extra={"response": machine.id, "engine": engine, "lost": lost},
@@ -549,58 +493,16 @@ class SamplingLoop:
         raise IllegalTransition(f"unknown chunk {chunk!r}")
 
     async def _emit(self, events: list[ServerEvent]) -> None:
-        if events and self._first_event_s is None:
-            self._first_event_s = trio.current_time() - self._arrived_at
+        if events:
+            self._turn.sending(trio.current_time())
         failed = False
         for event in events:
             if failed and isinstance(event, ResponseSteerPending):
                 continue  # the failure that replaced the end failed every queued steer
-            durable = await self._durable(event)
+            durable = await self._store.kept(self.machine, event)
             failed = failed or durable[0] is not event
             for sent in durable:
                 try:  # a scheduling round only when the channel is full (backpressure)
                     self._events.send_nowait(sent)
                 except trio.WouldBlock:
                     await self._events.send(sent)
-
-    async def _durable(self, event: ServerEvent) -> list[ServerEvent]:
-        """What the client hears instead of `event` once the store has what it must: the
-        event itself, or a `response.failed` (with a `response.steer.failed` for each steer
-        still queued) when the store cannot take the Response."""
-        if isinstance(event, TERMINAL_EVENTS) and self._persist is not None:
-            return await self._stored(event)
-        if isinstance(event, ResponseDone) and self.durable is not None:
-            events = await self._suspension_stored(event)
-            if isinstance(events[0], ResponseFailed):
-                return [*await self._stored(events[0]), *events[1:]]
-            return events
-        return [event]
-
-    async def _suspension_stored(self, event: ResponseDone) -> list[ServerEvent]:
-        """A suspension is in the store before the client hears of it, so whatever it sends
-        next can be resumed anywhere. A store that fails leaves it resumable on this connection
-        only (logged); a copy that another connection resumed meanwhile ends here."""
-        assert self.durable is not None
-        try:
-            await self.durable.suspended(self.machine)
-        except StoreUnavailable as exc:
-            why = {"response": self.machine.id, "reason": str(exc)}
-            log.warning("response.suspension_unstored", extra=why)
-        except SuspensionLost as exc:
-            log.warning("response.fenced", extra={"response": self.machine.id})
-            return self.machine.fail(exc.detail)
-        return [event]
-
-    async def _stored(self, event: ServerEvent) -> list[ServerEvent]:
-        """A stored response is durable before the client hears that it is done; one the store
-        cannot take fails instead (a failed one keeps its own error)."""
-        assert self._persist is not None
-        try:
-            await self._persist(self.machine)
-        except (StoreUnavailable, SuspensionLost) as exc:
-            log.warning(
-                "response.unstored", extra={"response": self.machine.id, "reason": str(exc)}
-            )
-            if not isinstance(event, ResponseFailed):
-                return self.machine.fail_unstored(exc.detail)
-        return [event]

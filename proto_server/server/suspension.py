@@ -70,3 +70,43 @@ class Suspensions:
     def discard(self, rollout: Suspended) -> None:
         if self._idle_since.pop(rollout, None) is not None:
             metrics.SUSPENDED.dec()
+
+
+class IdleWait:
+    """One suspended Response's wait: woken by whatever decides what comes next (the append
+    or inject that answers its last call, a cancel, an expiry), or given up when its client
+    stays idle for `timeout_s`. While it waits it is in the `register`, so the cap can end it."""
+
+    def __init__(
+        self, owner: Suspended, timeout_s: float, register: Suspensions | None = None
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._owner = owner
+        self._register = register
+        self._woken = trio.Event()
+        self._idle: trio.CancelScope | None = None
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def touch(self) -> None:
+        """A partial answer: the client is alive, so the idle clock starts again."""
+        if self._idle is not None:
+            self._idle.deadline = trio.current_time() + self.timeout_s
+            if self._register is not None:
+                self._register.touch(self._owner)
+
+    async def wait(self) -> bool:
+        """Wait to be woken from now on (an earlier wake was for an earlier wait); False if
+        the client stayed idle too long."""
+        self._woken = trio.Event()
+        if self._register is not None:
+            self._register.add(self._owner)
+        try:
+            with trio.move_on_after(self.timeout_s) as self._idle:
+                await self._woken.wait()
+        finally:
+            self._idle = None
+            if self._register is not None:
+                self._register.discard(self._owner)
+        return self._woken.is_set()

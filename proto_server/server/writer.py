@@ -17,7 +17,7 @@ from proto_server.core.sequence import Sequencer
 from proto_server.server import metrics
 from proto_server.server.observe import ServerObserver
 from proto_server.server.outbox import Outbox
-from proto_server.server.sampling import TERMINAL_EVENTS
+from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.events import ServerEvent
 
