@@ -20,6 +20,12 @@ outputs injected while a segment streams (`held.py`), what an append may answer
 A call that is not legal in the current state raises and changes nothing: a client's mistake is
 a `ProtocolError` (it becomes an `error` event) or a `SteerRefused` (`response.steer.failed`),
 a generator's is an `IllegalTransition` (a bug of the server, which fails the Response).
+
+Why this module is longer than 400 lines: `ResponseMachine` is the one object the server
+drives for a Response, and its forty-odd members (what the generator produced, what the client
+sent, how it ends, what it looks like) are each a few lines over the sibling modules, which
+hold the state of their own. Splitting it further would spread one Response's status, and the
+order its events come in, over several objects.
 """
 
 from __future__ import annotations
