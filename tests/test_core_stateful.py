@@ -231,8 +231,10 @@ class Connection(RuleBasedStateMachine):
     def end_of_segment(self) -> None:
         """Outputs injected while the segment streamed resume the Response now, as the sampling
         loop releases them before it would wait."""
-        if self.m.status is not Status.IN_PROGRESS:
-            self.segment_begun = False  # outputs released now resume in a segment of its own
+        if self.m.status is not Status.IN_PROGRESS or not self.m.segment_open:
+            # outputs released now resume in a segment of its own, as does a Response that
+            # took a steer in place as its segment ended (the sampling loop asks `segment_open`)
+            self.segment_begun = False
         if self.m.status is Status.SUSPENDED and self.m.holds_injected:
             self.emit(self.m.release_held())
 

@@ -1,5 +1,6 @@
 """The documentation site's promises that need no build: the flag page is generated, and says
-what `serve` takes. (`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
+what `serve` takes; the architecture page's transition table is the machine's.
+(`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from proto_server import flag_reference
+from proto_server.core.response import transitions
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS_PAGE = ROOT / "docs" / "flags.md"
@@ -92,3 +94,12 @@ def test_the_tests_readme_names_every_test_module() -> None:
         if not re.search(rf"\b{path.stem}\b", listed)
     ]
     assert not missing, f"add {missing} to tests/README.md's table"
+
+
+def test_the_architecture_pages_transition_table_is_the_machines() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    start = "<!-- the transitions table: transitions.table_markdown() -->\n"
+    table = page.split(start, 1)[1].split("<!-- end of the transitions table -->", 1)[0]
+    assert table == transitions.table_markdown(), (
+        "docs/architecture.md's transitions table is stale: paste transitions.table_markdown()"
+    )

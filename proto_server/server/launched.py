@@ -38,7 +38,7 @@ import trio
 
 from proto_server.core.ids import new_id
 from proto_server.core.request import input_items, response_template
-from proto_server.core.response import STEERED, Mode, Status, Steer
+from proto_server.core.response import STEERED, Mode, Status, Steer, steering
 from proto_server.server.lanes import (
     EndedResponses,
     LaneNames,
@@ -61,7 +61,7 @@ from proto_server.server.store import (
     history_of,
     previous_response_not_found,
 )
-from proto_server.wire.errors import ProtocolError, SteerRefused
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -127,12 +127,9 @@ class _Awaiting:
         return steers
 
     def steer(self, steer: Steer) -> list[ServerEvent]:
-        if len(self.steers) >= self._limit:
-            raise SteerRefused(
-                "too_many_pending_steers",
-                f"Response {self.response_id} already has {len(self.steers)} steers waiting "
-                "(--max-pending-steers); continue it first.",
-            )
+        steering.refuse_if_full(
+            self.response_id, len(self.steers), self._limit, then="continue it first"
+        )
         self.steers.append(steer)
         self._budget.charge(steer.nbytes)
         self._charged += steer.nbytes

@@ -1,0 +1,229 @@
+"""A Response's output items: the message or reasoning item whose text streams, the tool call
+whose arguments stream, each closed with its `done` events. A finished item joins the
+conversation too (the model reads it next segment); an abandoned call does not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
+
+from proto_server.core.conversation import Conversation
+from proto_server.core.response.transitions import IllegalTransition
+from proto_server.wire.events import (
+    CompactionCompacting,
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    ServerEvent,
+)
+from proto_server.wire.items import (
+    FunctionCall,
+    Item,
+    Message,
+    OutputText,
+    Reasoning,
+    ReasoningText,
+    UnknownItem,
+)
+
+#: The two items whose text streams: what the model says, and what it thinks first.
+TextKind = Literal["message", "reasoning"]
+
+
+@attrs.define
+class OpenText:
+    """A message or reasoning item streaming: its text so far."""
+
+    kind: TextKind
+    item_id: str
+    output_index: int
+    deltas: list[str] = attrs.field(factory=list)
+
+    def part(self) -> OutputText | ReasoningText:
+        text = "".join(self.deltas)
+        return OutputText(text=text) if self.kind == "message" else ReasoningText(text=text)
+
+    def item(self, status: str, *, seal: Callable[[str], str] | None = None) -> Item:
+        """The item with the text so far (none while `in_progress`); a finished reasoning
+        item carries its `seal` when the client asked for it."""
+        done = status != "in_progress"
+        text = "".join(self.deltas)
+        if self.kind == "message":
+            content = (OutputText(text=text),) if done else ()
+            return Message(id=self.item_id, role="assistant", content=content, status=status)
+        return Reasoning(
+            id=self.item_id,
+            content=(ReasoningText(text=text),) if done else (),
+            encrypted_content=seal(text) if seal is not None and done else None,
+            status=status,
+        )
+
+
+@attrs.define
+class OpenCall:
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    deltas: list[str] = attrs.field(factory=list)
+
+    def item(self, status: str) -> FunctionCall:
+        return FunctionCall(
+            id=self.item_id,
+            call_id=self.call_id,
+            name=self.name,
+            arguments="".join(self.deltas),
+            status=status,
+        )
+
+
+class Output:
+    """The items of one Response, in order, and the one streaming (`open`), if any.
+
+    `new_id(prefix)` names the items (`msg_...`, `fc_...`, `call_...`); `seal(text)` makes a
+    finished reasoning item's `encrypted_content`."""
+
+    def __init__(
+        self,
+        conversation: Conversation,
+        *,
+        new_id: Callable[[str], str],
+        seal: Callable[[str], str] | None,
+    ) -> None:
+        self.conversation = conversation
+        self._new_id = new_id
+        self._seal = seal
+        self.items: list[Item] = []
+        self.open: OpenText | OpenCall | None = None
+
+    @property
+    def in_call(self) -> bool:
+        return isinstance(self.open, OpenCall)
+
+    def compaction(self, item: UnknownItem) -> list[ServerEvent]:
+        """A server-side compaction's item, in the conversation already: only the output gets it."""
+        index = len(self.items)
+        self.items.append(item)
+        item_id = str(item.raw.get("id"))
+        return [
+            OutputItemAdded(output_index=index, item=item),
+            CompactionCompacting(item_id=item_id, output_index=index),
+            OutputItemDone(output_index=index, item=item),
+        ]
+
+    def text(self, kind: TextKind, delta: str, *, after_calls: bool) -> list[ServerEvent]:
+        """`delta` of `kind`: an item of that kind opens (closing one of the other) and grows.
+        `after_calls`: the segment made calls already, so no text may follow them."""
+        if isinstance(self.open, OpenCall):
+            raise IllegalTransition(f"{kind} text arrived inside a tool call")
+        if after_calls:
+            # a suspension must follow the calls it waits for (`response.done` ends on them)
+            raise IllegalTransition(
+                f"{kind} text arrived after a tool call; a segment's calls come last"
+            )
+        events: list[ServerEvent] = []
+        if self.open is not None and self.open.kind != kind:
+            events += self.close_text()
+        if self.open is None:
+            item_id = self._new_id("msg" if kind == "message" else "rs")
+            index = len(self.items)
+            self.open = OpenText(kind, item_id, index)
+            events.append(OutputItemAdded(output_index=index, item=self.open.item("in_progress")))
+            events.append(
+                ContentPartAdded(
+                    item_id=item_id, output_index=index, content_index=0, part=self.open.part()
+                )
+            )
+        text = self.open
+        assert isinstance(text, OpenText)
+        text.deltas.append(delta)
+        delta_event = OutputTextDelta if kind == "message" else ReasoningTextDelta
+        events.append(
+            delta_event(
+                item_id=text.item_id, output_index=text.output_index, content_index=0, delta=delta
+            )
+        )
+        return events
+
+    def begin_call(self, name: str) -> list[ServerEvent]:
+        if self.in_call:
+            raise IllegalTransition("a tool call began inside another")
+        events = self.close_text()
+        call = OpenCall(self._new_id("fc"), len(self.items), self._new_id("call"), name)
+        self.open = call
+        item = FunctionCall(
+            id=call.item_id, call_id=call.call_id, name=name, arguments="", status="in_progress"
+        )
+        events.append(OutputItemAdded(output_index=call.output_index, item=item))
+        return events
+
+    def call(self) -> OpenCall:
+        """The call whose arguments stream."""
+        if not isinstance(self.open, OpenCall):
+            raise IllegalTransition("no tool call is open")
+        return self.open
+
+    def arguments(self, delta: str) -> list[ServerEvent]:
+        call = self.call()
+        call.deltas.append(delta)
+        return [
+            FunctionCallArgumentsDelta(
+                item_id=call.item_id, output_index=call.output_index, delta=delta
+            )
+        ]
+
+    def end_call(self) -> tuple[FunctionCall, list[ServerEvent]]:
+        """The call made: its item (done, in the conversation) and its events."""
+        call = self.call()
+        item = call.item("completed")
+        self.open = None
+        self.finish(item)
+        return item, [
+            FunctionCallArgumentsDone(
+                item_id=call.item_id,
+                output_index=call.output_index,
+                name=call.name,
+                arguments=item.arguments,
+            ),
+            OutputItemDone(output_index=call.output_index, item=item),
+        ]
+
+    def finish(self, item: Item) -> None:
+        self.items.append(item)
+        self.conversation.extend((item,))
+
+    def close_text(self, status: str = "completed") -> list[ServerEvent]:
+        """Close the message or reasoning item that is streaming, if one is."""
+        text = self.open
+        if not isinstance(text, OpenText):
+            return []
+        self.open = None
+        item = text.item(status, seal=self._seal)
+        part = text.part()
+        self.finish(item)
+        item_id, index = text.item_id, text.output_index
+        done_event = OutputTextDone if text.kind == "message" else ReasoningTextDone
+        return [
+            done_event(item_id=item_id, output_index=index, content_index=0, text=part.text),
+            ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
+            OutputItemDone(output_index=index, item=item),
+        ]
+
+    def abandon(self) -> list[ServerEvent]:
+        """Close whatever was streaming as `incomplete`, so every `added` gets its `done`."""
+        call = self.open
+        if not isinstance(call, OpenCall):
+            return self.close_text("incomplete")
+        self.open = None
+        item = call.item("incomplete")
+        self.items.append(item)  # never answered, so kept out of the conversation
+        return [OutputItemDone(output_index=call.output_index, item=item)]
