@@ -129,6 +129,7 @@ async def test_the_deflate_bench_measures_both_side_by_side() -> None:
     assert "server_cpu_ms" in table and "ratio" in table
 
 
+@pytest.mark.slow
 def test_bench_memory_every_shape_peaks_within_its_charge(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -207,6 +207,7 @@ async def test_a_chain_started_on_one_process_continues_on_another(
     assert events[-1]["response"]["previous_response_id"] == second.json()["id"]
 
 
+@pytest.mark.slow
 async def test_with_the_database_down_store_true_is_refused_and_store_false_served(
     two_servers: tuple[str, str], postgres: Cluster
 ) -> None:

@@ -9,6 +9,7 @@ import socket
 from typing import Any
 
 import orjson
+import pytest
 import trio
 import trio.testing
 from wsproto import ConnectionType, WSConnection
@@ -112,6 +113,7 @@ async def test_a_client_that_stops_reading_is_cut_and_its_response_ends_incomple
     await running.server.wait_idle()
 
 
+@pytest.mark.slow
 async def test_a_client_that_reads_slowly_but_steadily_is_not_cut(
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:

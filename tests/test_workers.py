@@ -66,6 +66,7 @@ async def wait_for_workers(
     )
 
 
+@pytest.mark.slow
 async def test_two_workers_share_the_port_serve_and_stop_together(nursery: trio.Nursery) -> None:
     with trio.fail_after(60):
         process, http_url = await start_workers(nursery)
@@ -92,6 +93,7 @@ async def test_two_workers_share_the_port_serve_and_stop_together(nursery: trio.
     assert not any(alive(worker) for worker in workers)  # gone with it
 
 
+@pytest.mark.slow
 async def test_a_worker_that_dies_is_started_again_and_the_server_goes_on(
     nursery: trio.Nursery,
 ) -> None:
@@ -120,6 +122,7 @@ def metrics_dir(worker: int) -> Path:
     raise AssertionError(f"worker {worker} has no metrics directory")
 
 
+@pytest.mark.slow
 async def test_dead_workers_leave_their_totals_and_no_files_behind(nursery: trio.Nursery) -> None:
     """Killed 4 times, the workers leave one archive per type, not two files each time, and
     what the dead ones counted is still in every scrape."""
@@ -185,6 +188,7 @@ def test_a_listen_fd_that_is_no_socket_is_refused(capsys: pytest.CaptureFixture[
     assert "--listen-fd 987 is no socket" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 async def test_each_worker_schedules_against_its_share_of_the_engines_cache(
     nursery: trio.Nursery,
 ) -> None:
