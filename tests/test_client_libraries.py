@@ -166,7 +166,12 @@ LIBRARIES = {
     "langchain-js": in_node("langchain"),
     "openai-agents-js": in_node("agents"),
 }
-each_library = pytest.mark.parametrize("library", list(LIBRARIES))
+#: The JavaScript libraries run in Node.js from tests/clients (the `npm` marker).
+IN_NODE = {"langchain-js", "openai-agents-js"}
+each_library = pytest.mark.parametrize(
+    "library",
+    [pytest.param(name, marks=pytest.mark.npm) if name in IN_NODE else name for name in LIBRARIES],
+)
 
 
 async def drive(library: str, mode: Mode, base_url: str) -> Result:

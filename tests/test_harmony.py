@@ -52,6 +52,8 @@ from proto_server.wire.tools import FunctionTool
 from .helpers import Running, body
 from .test_families import arguments, calls_of, fed, names, npm_tokenizer, text_of, tokens_of
 
+pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+
 WEATHER = FunctionTool(
     name="get_weather",
     description="The weather in a city",

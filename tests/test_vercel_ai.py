@@ -14,9 +14,12 @@ from typing import Any
 import httpx
 import jsonschema
 import orjson
+import pytest
 import trio
 
 from .helpers import StartServer
+
+pytestmark = pytest.mark.npm  # the Vercel AI SDK runs in Node.js from tests/clients
 
 CLIENTS = Path(__file__).resolve().parent / "clients"
 
