@@ -1,7 +1,7 @@
 """The flag reference page (docs/flags.md), written from `serve`'s parser, so the page says
 what the settings declare (core/settings.py derives their flags) and is never kept by hand.
 
-`python -m proto_server.flag_reference > docs/flags.md` writes it; tests/test_docs.py checks
+`python -m proto_server.flag_reference > docs/flags.md` writes it; tests/unit/test_docs.py checks
 that the committed page is this module's output.
 """
 

@@ -16,8 +16,8 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import ResponseStore
 
-from .helpers import FAST, Running, StartServer, under_deadline
-from .published import SchemaNet
+from .support.helpers import FAST, Running, StartServer, under_deadline
+from .support.published import SchemaNet
 
 #: Every async test ends within this many seconds (`@pytest.mark.deadline(s)` for more).
 DEADLINE_S = 120.0
@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def published_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[SchemaNet]:
     """Every event and body the servers of a test send must validate against the published
-    schema (tests/published.py); the test fails at teardown if one did not."""
+    schema (tests/support/published.py); the test fails at teardown if one did not."""
     net = SchemaNet()
     net.install(monkeypatch)
     yield net
@@ -78,5 +78,5 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
     yield start
 
 
-from .engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)
-from .postgres import pg_url, postgres  # noqa: E402, F401  (a throwaway PostgreSQL cluster)
+from .support.engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)
+from .support.postgres import pg_url, postgres  # noqa: E402, F401  (a throwaway PostgreSQL cluster)

@@ -30,7 +30,7 @@ from proto_server.wire.items import (
 from proto_server.wire.tools import Tool
 
 #: What an item costs in memory beyond its text: the attrs object, its strings' headers, its
-#: place in the lists. Calibrated with tracemalloc (tests/test_memory_budget.py checks it).
+#: place in the lists. Calibrated with tracemalloc (tests/server/test_memory_budget.py checks it).
 ITEM_OVERHEAD_BYTES = 240
 #: A content part's object and headers.
 PART_OVERHEAD_BYTES = 200

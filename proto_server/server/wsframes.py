@@ -14,7 +14,7 @@ compressor's state must see every message, in order).
 
 There is no public API for this, so the private attributes it needs are named here and nowhere
 else; `batched(ws)` is False when a trio-websocket release lacks them, and the writer then sends
-message by message (`tests/test_wsframes.py` fails loudly if that happens with the version this
+message by message (`tests/unit/test_wsframes.py` fails loudly if that happens with the version this
 project pins).
 """
 

@@ -1,0 +1,327 @@
+"""Admission by KV capacity on a live server (server/admission.py over core/scheduler.py): a
+key's many rollouts do not starve another key's one; a suspended rollout keeps its place for
+the TTL and resumes at once, then yields it; a waiter can be cancelled, gives up its place when
+its client goes, and is bounded by --admission-timeout; the engine is told resumed rollouts
+first. On the autojump clock, so the waits cost no real time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import prometheus_client
+import trio
+import trio.testing
+
+from proto_server.cli import key_weights
+from proto_server.core.conversation import Conversation
+from proto_server.engine.base import GeneratorSession
+from proto_server.engine.chunks import Chunk
+from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.script import parse_script
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.engine.vllm import completion_request, parse_kv_capacity
+from proto_server.server.app import ProtoServer
+from proto_server.server.config import ServerConfig
+from proto_server.server.store import owner_id
+
+from ..support.helpers import (
+    FAST,
+    THREE_SEGMENTS,
+    CheckpointStore,
+    StartServer,
+    answers,
+    body,
+    connect,
+    create,
+    launched_create,
+    turn,
+)
+
+
+def sample(name: str) -> float:
+    """A metric of this process, read in place: a scrape renders on a worker thread, which the
+    autojump clock takes for idle."""
+    return prometheus_client.REGISTRY.get_sample_value(name) or 0.0
+
+
+K1 = {"Authorization": "Bearer k1"}
+K2 = {"Authorization": "Bearer k2"}
+TEXT = {"segments": [{"text": "word " * 400}]}  # 8 s at 50 tokens/s
+SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50)
+
+
+async def test_another_keys_rollout_goes_before_most_of_a_busy_keys_waiting_ones(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    # a capacity of one token: every rollout is larger than the cache, so one runs at a time
+    running = await start_server(
+        TEXT, timing=SLOW, store=CheckpointStore(), api_keys=("k1", "k2"), kv_capacity_tokens=1
+    )
+    url = f"{running.address.http_url}/responses"
+    scheduler = running.server.responses.admission.scheduler  # type: ignore[union-attr]
+    done: list[str] = []
+
+    async def post(headers: dict[str, str], name: str) -> None:
+        answer = await http.post(url, json=body(tools=[], store=False), headers=headers)
+        assert answer.status_code == 200 and answer.json()["status"] == "completed"
+        done.append(name)
+
+    with trio.fail_after(120):
+        async with httpx.AsyncClient(timeout=None) as http, trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(post, K1, f"k1-{i}")
+            for _ in range(1000):  # until k1's six are in: one streams, five wait
+                if scheduler.waiting == 5:
+                    break
+                await trio.sleep(0.01)
+            assert sample("proto_server_waiting_rollouts") == 5
+            assert sample("proto_server_admitted_rollouts") == 1
+            nursery.start_soon(post, K2, "k2")
+    # k2 holds nothing, nor does k1 once its first ends, but k1 was served last: k2 is next
+    assert done.index("k2") == 1, done
+
+
+async def test_a_suspended_rollout_keeps_its_place_for_the_ttl_then_yields_it(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        THREE_SEGMENTS, store=CheckpointStore(), kv_capacity_tokens=1, admission_ttl_s=5
+    )
+    with trio.fail_after(60):
+        async with connect(running.prototype_url) as first, connect(running.prototype_url) as other:
+            await first.send(create())
+            one = await first.segment()  # admitted, now suspended on its tool
+            await other.send(create())
+            head = [await other.receive(), await other.receive()]
+            assert [e["type"] for e in head] == ["response.created", "response.in_progress"]
+            with trio.move_on_after(2):  # it waits: the first keeps its place
+                event = await other.receive()
+                raise AssertionError(f"a waiting rollout streamed: {event}")
+            resumed_at = trio.current_time()
+            await first.send({"type": "response.append", "input": answers(one)})
+            two = await first.segment()  # resident: at once, though another waits
+            assert trio.current_time() - resumed_at < 1
+            before = sample("proto_server_admission_demotions_total")
+            started = await other.segment()  # once the first's place lapses
+            assert trio.current_time() - resumed_at >= 5
+            assert sample("proto_server_admission_demotions_total") == before + 1
+            assert started[-1]["type"] == "response.done"
+            # the first, demoted, comes back: it waits like a new one, for the other's TTL
+            back_at = trio.current_time()
+            await first.send({"type": "response.append", "input": answers(two)})
+            three = await first.until("response.completed")
+            assert trio.current_time() - back_at >= 5
+            assert three[-1]["response"]["status"] == "completed"
+
+
+async def test_a_launched_chain_keeps_its_place_between_turns(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Launched: the rollout a connection keeps for its next turn holds its place for the TTL
+    as a suspended prototype Response does; its next turn goes at once, a newcomer waits."""
+    running = await start_server(
+        THREE_SEGMENTS, store=CheckpointStore(), kv_capacity_tokens=1, admission_ttl_s=5
+    )
+    url = running.address.ws_url
+    with trio.fail_after(60):
+        async with connect(url) as first, connect(url) as other:
+            one = await turn(first, launched_create())
+            assert one[-1]["type"] == "response.completed"
+            await other.send(launched_create())
+            await other.until("response.in_progress")
+            await trio.sleep(1)
+            chained_at = trio.current_time()
+            follow_up = launched_create(
+                previous_response_id=one[-1]["response"]["id"], input=answers(one)
+            )
+            two = await turn(first, follow_up)
+            assert two[-1]["type"] == "response.completed"
+            assert trio.current_time() - chained_at < 1  # from its cache, at once
+            ended_at = trio.current_time()
+            started = await other.until("response.completed")
+            assert trio.current_time() - ended_at >= 5  # once the first's place lapsed
+            assert started[-1]["response"]["status"] == "completed"
+
+
+async def test_a_rollout_that_waits_behind_a_streaming_one_is_let_in_once_its_place_lapses(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The waiter saw no suspended place to wait out (the other was streaming): it is told
+    when one appears, so it waits the TTL, not its whole --admission-timeout."""
+    running = await start_server(
+        THREE_SEGMENTS,
+        timing=SLOW,
+        store=CheckpointStore(),
+        kv_capacity_tokens=1,
+        admission_ttl_s=5,
+        admission_timeout_s=100,
+    )
+    with trio.fail_after(200):
+        async with connect(running.prototype_url) as first, connect(running.prototype_url) as other:
+            await first.send(create())
+            await first.until("response.output_text.delta")  # streaming
+            await other.send(create())
+            await other.until("response.in_progress")
+            await first.until("response.done")
+            suspended_at = trio.current_time()
+            started = await other.segment()
+            assert started[-1]["type"] == "response.done"
+            assert 5 <= trio.current_time() - suspended_at < 6
+
+
+async def test_a_waiter_can_be_cancelled_and_one_whose_client_goes_gives_up_its_place(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        THREE_SEGMENTS, store=CheckpointStore(), kv_capacity_tokens=1, admission_ttl_s=1000
+    )
+    scheduler = running.server.responses.admission.scheduler  # type: ignore[union-attr]
+    with trio.fail_after(60):
+        async with connect(running.prototype_url) as holder:
+            await holder.send(create())
+            await holder.segment()
+            async with connect(running.prototype_url) as gone:
+                await gone.send(create())
+                await gone.until("response.in_progress")
+                async with connect(running.prototype_url) as cancelled:
+                    await cancelled.send(create())
+                    await cancelled.until("response.in_progress")
+                    await trio.sleep(0.1)
+                    assert scheduler.waiting == 2
+                    await cancelled.send({"type": "response.cancel"})
+                    (end,) = await cancelled.until("response.cancelled")
+                    assert end["response"]["status"] == "cancelled"
+                    assert scheduler.waiting == 1
+            await trio.sleep(0.1)  # `gone` closed its socket while it waited
+            assert (scheduler.waiting, scheduler.admitted) == (0, 1)
+        await trio.sleep(0.1)
+        assert (scheduler.waiting, scheduler.admitted, scheduler.reserved) == (0, 0, 0)
+
+
+async def test_a_rollout_that_waits_too_long_ends_incomplete(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        THREE_SEGMENTS,
+        store=CheckpointStore(),
+        kv_capacity_tokens=1,
+        admission_ttl_s=1000,
+        admission_timeout_s=3,
+    )
+    with trio.fail_after(60):
+        async with connect(running.prototype_url) as holder, connect(running.prototype_url) as late:
+            await holder.send(create())
+            await holder.segment()
+            await late.send(create())
+            waited_from = trio.current_time()
+            events = await late.until("response.incomplete")
+            assert trio.current_time() - waited_from >= 3
+            response = events[-1]["response"]
+            assert response["incomplete_details"]["reason"] == "admission_timeout"
+            # the one it waited behind is untouched
+            assert running.server.responses.admission.scheduler.admitted == 1  # type: ignore[union-attr]
+
+
+class Priorities:
+    """A simulated generator whose sessions record the priority of each segment."""
+
+    forces_tool_calls = True
+    renderer = None
+
+    def __init__(self) -> None:
+        self.inner = SimulatedGenerator(parse_script(THREE_SEGMENTS), FAST)
+        self.seen: list[int | None] = []
+
+    def open_session(self, conversation: Conversation, *, cache_salt: str | None = None) -> Any:
+        return Recorded(self.inner.open_session(conversation, cache_salt=cache_salt), self.seen)
+
+
+class Recorded:
+    def __init__(self, inner: GeneratorSession, seen: list[int | None]) -> None:
+        self.inner, self.seen = inner, seen
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        self.seen.append(limits.priority)
+        await self.inner.generate(send, limits)
+
+    async def prefill(self) -> Any:
+        return await self.inner.prefill()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_resumed_rollouts_are_sent_to_the_engine_first() -> None:
+    for capacity in (0, 10_000):  # with admission off, and on without pressure
+        generator = Priorities()
+        config = ServerConfig(port=0, engine_priority=True, kv_capacity_tokens=capacity)
+        server = ProtoServer(generator, config)  # type: ignore[arg-type]
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(server.serve)
+                async with connect(f"{address.ws_url}?dialect=prototype") as client:
+                    await client.send(create())
+                    one = await client.segment()
+                    await client.send({"type": "response.append", "input": answers(one)})
+                    two = await client.segment()
+                    await client.send({"type": "response.append", "input": answers(two)})
+                    await client.until("response.completed")
+                nursery.cancel_scope.cancel()
+        assert generator.seen == [1, 0, 0], capacity
+
+
+def test_the_engine_is_sent_the_priority_only_when_there_is_one() -> None:
+    request = {"model": "m", "prompt": [1], "max_tokens": 1, "stop_token_ids": ()}
+    sent = completion_request(**request, limits=GenerationLimits(priority=0))
+    assert sent["priority"] == 0
+    assert "priority" not in completion_request(**request, limits=GenerationLimits())
+
+
+def test_key_weights_name_owner_ids() -> None:
+    owner = owner_id("k1")
+    assert key_weights([f"{owner}=3"]) == ((owner, 3.0),)
+    for bad in ("k1=3", f"{owner}", f"{owner}=0", f"{owner}=x", f"{owner}=inf"):
+        try:
+            key_weights([bad])
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad!r}")
+
+
+async def test_without_a_capacity_there_is_no_admission() -> None:
+    server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), ServerConfig(port=0))
+    assert server.responses.admission is None
+
+
+async def test_the_configured_capacity_fill_and_weights_are_what_is_scheduled() -> None:
+    heavy = owner_id("k1")
+    config = ServerConfig(
+        port=0, api_keys=("k1", "k2"), kv_capacity_tokens=1000, key_weights=((heavy, 4.0),)
+    )
+    server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), config)
+    scheduler = server.responses.admission.scheduler  # type: ignore[union-attr]
+    assert scheduler.capacity == 900  # x --kv-target-fill 0.9
+    scheduler.request("a", heavy, 400, now=0)
+    scheduler.request("b", owner_id("k2"), 100, now=0)
+    assert scheduler.share(heavy) == 100 == scheduler.share(owner_id("k2"))
+
+
+ENGINE_METRICS = """\
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",kv_cache_size_tokens="None",num_gpu_blocks="160"} 1
+vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="100"} 1.0
+"""
+
+
+def test_the_engines_kv_capacity_is_read_from_its_metrics() -> None:
+    assert parse_kv_capacity(ENGINE_METRICS) == (160 + 100) * 32  # summed over its engines
+    assert parse_kv_capacity(ENGINE_METRICS.replace('"160"', '"None"')) == 100 * 32
+    assert parse_kv_capacity("# nothing here\n") is None
+    said = ENGINE_METRICS.replace('kv_cache_size_tokens="None"', 'kv_cache_size_tokens="5000"')
+    assert parse_kv_capacity(said) == 5000 + 100 * 32  # what the engine says, where it does

@@ -1,0 +1,174 @@
+"""`proto-server bench`, reduced: it runs end to end, and its table and JSON are well formed.
+
+Timings are not asserted: this machine is shared and noisy; docs/benchmarks.md shows a real run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proto_server.bench.memory import TRANSPORTS, MiB
+from proto_server.bench.report import PLOTS
+from proto_server.bench.runner import TRANSPORT_NAMES
+from proto_server.cli import main
+
+
+def test_a_reduced_bench_runs_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "--turns", "3", "--repeats", "1", "--decode-rates", "4000",
+            "--prefill-rate", "1e7", "--stream-tokens", "64", "--streams", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "starting the server process" in out.err  # progress
+    table = out.out
+    for heading in ("Per rollout", "Per turn, server side", "Streaming", "Targets:"):
+        assert heading in table
+    for name in TRANSPORT_NAMES:
+        assert table.count(name) >= 2  # in the rollout table and the per-turn table
+    assert f"Saved {tmp_path / 'bench.json'}" in table
+
+    data = orjson.loads((tmp_path / "bench.json").read_bytes())
+    assert {r["transport"] for r in data["rollouts"]} == set(TRANSPORT_NAMES)
+    assert len(data["raw"]) == len(TRANSPORT_NAMES)
+    for rollout in data["raw"]:
+        assert len(rollout["turns"]) == 3
+        for turn in rollout["turns"]:
+            assert turn["client"]["bytes_up"] > 0 and turn["client"]["bytes_down"] > 0
+            assert turn["server"]["server_cpu_ms"] > 0
+            assert turn["server"]["prompt_tokens"] >= turn["server"]["cached_tokens"]
+    prototype = next(r for r in data["raw"] if r["transport"] == "ws-prototype")
+    stateless = next(r for r in data["raw"] if r["transport"] == "http-stateless")
+    # the warm path renders only what is new, the stateless one everything again
+    last = -1
+    assert (
+        prototype["turns"][last]["server"]["rendered_tokens"]
+        < stateless["turns"][last]["server"]["rendered_tokens"]
+    )
+    assert {s["name"] for s in data["streaming"]} == {
+        "one stream, 4,000 tok/s", "one stream, unlimited decode",
+        "one stream, unlimited, unmerged", "2 streams, unlimited", "4 streams, 500 tok/s each",
+        "slow client",
+    }  # fmt: skip
+    assert all(s["checked"] == s["streams_run"] for s in data["streaming"])
+    assert all(t["holds"] in (True, False) for t in data["targets"])
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_bench_streaming_alone_against_another_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench streaming`: the cases only, here this tree against itself (as
+    `--against` measures a base commit's tree); every stream read by the checker."""
+    tree = Path(__file__).resolve().parents[2]
+    args = ["bench", "streaming", "--stream-tokens", "256", "--streams", "2",
+            "--stream-repeats", "2", "--against", str(tree), "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "streaming [2/2]" in out.err
+    for heading in ("Streaming (prototype dialect", "Ratios, this tree / the other", "Targets"):
+        assert heading in out.out
+    data = orjson.loads((tmp_path / "streaming.json").read_bytes())
+    cases = 7
+    assert len(data["raw"]) == 2 * 2 * cases  # two servers, two repeats
+    assert len(data["streaming"]) == 2 * cases and {s["server"] for s in data["streaming"]} == {
+        "this tree",
+        tree.name,
+    }
+    for row in data["streaming"]:
+        assert row["repeats"] == 2 and row["checked"] == row["streams_run"] > 0
+        assert row["tokens_per_s"] > 0 and row["cpu_us_per_token"] > 0
+        assert row["cpu_us_per_frame"] > 0
+    paced = data["streaming"][0]
+    assert (
+        paced["decode_rate"] == 4000 and 0 < paced["latency_ms_median"] <= paced["latency_ms_p99"]
+    )
+    assert data["pacing_floor_us_per_token"] > 0 and "Pacing floor" in out.out
+    assert all(us > 0 for us in data["cold_wake_us"].values()) and "Cold wakes" in out.out
+    stepped = next(t for t in data["targets"] if "engine-like steps" in t["name"])
+    assert "8/8 streams passed" in stepped["detail"]  # 4 streams, two repeats
+    checker = data["targets"][-1]
+    assert checker["holds"] is True and "streams" in checker["detail"]
+
+
+def test_bench_refuses_a_rollout_without_a_tool_round(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--turns", "1"]) == 2
+    assert "--turns must be at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--stream-rate", "--prefill-rate", "--client-fps"])
+@pytest.mark.parametrize("rate", ["0", "-5", "nan", "inf", "1,2"])
+def test_bench_refuses_a_rate_that_is_not_one_positive_number(
+    capsys: pytest.CaptureFixture[str], flag: str, rate: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "streaming", flag, rate])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err
+
+
+async def test_the_deflate_bench_measures_both_side_by_side() -> None:
+    import trio
+
+    from proto_server.bench.deflate import measure, report
+
+    with trio.fail_after(60):
+        results = await measure(repeats=2, rounds=2, seed=0)
+    plain, deflated = results["ws-launched"], results["ws-launched-deflate"]
+    assert len(plain) == len(deflated) == 2
+    for off, on in zip(plain, deflated, strict=True):
+        assert on["turns"] == off["turns"] == 3
+        assert on["bytes_down"] < off["bytes_down"] / 4  # the extension was really used
+        assert on["bytes_up"] < off["bytes_up"]
+        assert off["server_cpu_ms"] > 0 and on["server_cpu_ms"] > 0
+    table = report(results)
+    assert "server_cpu_ms" in table and "ratio" in table
+
+
+@pytest.mark.slow
+def test_bench_memory_every_shape_peaks_within_its_charge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench memory` at 1 MB: each shape (a create over HTTP and over a
+    WebSocket, a steer, an inject) against a real server process of its own; its peak RSS above
+    the baseline is within what the process budget charged for it in the same run. Before the
+    renderer cut long texts into chunks, one run with no whitespace took about 50x its size in
+    the tokenizer alone (past the 48x charge)."""
+    assert main(["bench", "memory", "--mb", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "memory [10/10]: big inject over websocket" in out.err
+    assert "worst peak/charge" in out.out
+    rows = orjson.loads((tmp_path / "memory.json").read_bytes())["shapes"]
+    assert {(r["shape"], r["transport"]) for r in rows} == {
+        (shape, transport) for shape, over in TRANSPORTS.items() for transport in over
+    }
+    for row in rows:
+        assert row["peak_reset"] and row["frame"] > 0.9 * MiB, row
+        assert row["answer"] in ("response.completed", "response.steer.pending"), row
+        assert row["peak"] <= row["charge"], row
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--mb", "0"],
+        ["--mb", "nan"],
+        ["--mb", "inf"],
+        ["--shapes", "nope"],
+        ["--steer-flood", "0", "9", "15"],
+        ["--steer-flood", "1.5", "9", "15"],
+        ["--steer-flood", "2", "2", "1", "--flood-max-memory", "0", "5"],
+    ],
+)
+def test_bench_memory_refuses_sizes_and_counts_it_cannot_measure(
+    flags: list[str], tmp_path: Path
+) -> None:
+    try:
+        code = main(["bench", "memory", *flags, "--out", str(tmp_path)])
+    except SystemExit as exited:  # argparse's own refusal
+        code = exited.code  # type: ignore[assignment]
+    assert code == 2

@@ -1,0 +1,127 @@
+"""What the upgrade says and takes: Codex 0.171's beta value, the announced frame limit, and
+permessage-deflate when the server allows it and the client offers it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from proto_server.bench.transports import CountingStream, open_websocket
+from proto_server.server.app import LAUNCHED_BETA, MAX_MESSAGE_BYTES_HEADER, PROTOTYPE_BETA
+
+from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, Running, StartServer, connect, types
+
+LONG_TEXT = {"segments": [{"text": "the same words again " * 400}]}
+
+
+def headers(ws: WebSocketConnection) -> dict[bytes, bytes]:
+    return {name.lower(): value for name, value in ws.handshake_headers}
+
+
+@asynccontextmanager
+async def client(
+    running: Running, *, deflate: bool, resource: str = "/v1/responses"
+) -> AsyncIterator[tuple[WebSocketConnection, CountingStream]]:
+    """A WebSocket that offers permessage-deflate (as Codex 0.171 does) or not, counting bytes."""
+    address = running.address
+    async with trio.open_nursery() as nursery:
+        stream = CountingStream(await trio.open_tcp_stream(address.host, address.port))
+        ws = await open_websocket(nursery, stream, address.host, resource, deflate=deflate)
+        yield ws, stream
+        with trio.move_on_after(2):
+            await ws.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def rollout(ws: WebSocketConnection) -> list[dict[str, Any]]:
+    frame = {"type": "response.create", "model": "m", "input": "go", "tools": [EXEC_COMMAND]}
+    await ws.send_message(orjson.dumps(frame).decode())
+    events = []
+    while not events or events[-1]["type"] != "response.completed":
+        events.append(orjson.loads(await ws.get_message()))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("beta", "dialect"),
+    [
+        (LAUNCHED_BETA, "launched"),  # Codex 0.171
+        (PROTOTYPE_BETA, "prototype"),  # Codex 0.100-0.107
+        (f"{LAUNCHED_BETA}, {PROTOTYPE_BETA}", "prototype"),  # an explicit opt-in wins
+        ("responses_websockets=2099-01-01", "launched"),
+    ],
+)
+async def test_codex_0171_beta_value_is_the_launched_dialect(
+    start_server: StartServer, beta: str, dialect: str
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    with trio.fail_after(20):
+        async with connect(running.address.ws_url, **{"OpenAI-Beta": beta}) as ws:
+            frame = {"type": "response.create", "input": "go", "tools": [EXEC_COMMAND]}
+            await ws.send(frame)
+            ends = "response.done" if dialect == "prototype" else "response.completed"
+            events = await ws.until(ends)
+            assert types(events)[-1] == ends.removeprefix("response.")
+
+
+@pytest.mark.parametrize("limit", [16 * 1024 * 1024, 4096])
+async def test_the_upgrade_announces_the_largest_frame_the_server_takes(
+    start_server: StartServer, limit: int
+) -> None:
+    running = await start_server(THREE_SEGMENTS, max_message_bytes=limit)
+    with trio.fail_after(20):
+        async with client(running, deflate=False) as (ws, _):
+            assert headers(ws)[MAX_MESSAGE_BYTES_HEADER] == str(limit).encode()
+            if limit > 4096:
+                return
+            # what it announces is what it enforces: one byte more is refused with 1009
+            frame = {"type": "response.create", "model": "m", "input": "x" * limit}
+            await ws.send_message(orjson.dumps(frame).decode())
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+            assert closed.value.reason.code == 1009
+
+
+@pytest.mark.parametrize(("allowed", "offered"), [(True, True), (True, False), (False, True)])
+async def test_permessage_deflate_is_used_when_allowed_and_offered(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture, allowed: bool, offered: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="proto_server")
+    running = await start_server(LONG_TEXT, permessage_deflate=allowed)
+    with trio.fail_after(20):
+        async with client(running, deflate=offered) as (ws, stream):
+            (opened,) = [r for r in caplog.records if r.getMessage() == "connection.opened"]
+            assert opened.deflate == (allowed and offered)  # type: ignore[attr-defined]
+            events = await rollout(ws)
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert text == LONG_TEXT["segments"][0]["text"]
+            sent = sum(len(orjson.dumps(e)) for e in events)
+            if allowed and offered:  # the repetitive text and Response objects shrink a lot
+                assert stream.received < sent / 4
+            else:
+                assert stream.received > sent
+
+
+async def test_a_compressed_frame_is_limited_by_its_inflated_size(
+    start_server: StartServer,
+) -> None:
+    """A few KB on the wire that inflate past `--max-message-bytes` close with 1009, and the
+    server goes on serving others: compression does not get a frame around the limit."""
+    running = await start_server(THREE_SEGMENTS, permessage_deflate=True, max_message_bytes=65536)
+    with trio.fail_after(20):
+        async with client(running, deflate=True) as (ws, stream):
+            bomb = {"type": "response.create", "model": "m", "input": "a" * 4 * 1024 * 1024}
+            await ws.send_message(orjson.dumps(bomb).decode())
+            assert stream.sent < 64 * 1024  # it left this client small
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+            assert closed.value.reason.code == 1009
+        async with client(running, deflate=True) as (ws, _):
+            assert (await rollout(ws))[-1]["response"]["status"] == "completed"

@@ -1,0 +1,181 @@
+"""`proto-server bench agents`, reduced: many rollouts at once, every path's figures consistent.
+
+Timings are not asserted (a shared, noisy machine); docs/benchmarks.md shows a real run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proto_server.bench.agents import (
+    ADMITTED,
+    PLOTS,
+    AgentsSettings,
+    AgentTurn,
+    lognormal,
+    make_agents,
+    percentile,
+    unbounded_need,
+)
+from proto_server.bench.vllm import LAUNCHED, PROTOTYPE, STATELESS
+from proto_server.cli import main
+
+from ..support.engine import Engine
+
+
+def _consistent(path: dict[str, Any], rollouts: int, turns: int) -> None:
+    """One path's figures agree with each other and with its turns."""
+    assert path["failed"] is None
+    assert path["turns"] == rollouts * turns
+    assert path["input_tokens"] > 0 and path["makespan_s"] > 0
+    assert 0 <= path["prefilled_tokens"] <= path["input_tokens"]
+    assert path["prefilled_tokens"] + path["cached_tokens"] == path["input_tokens"]
+    assert 0 <= path["cached_share"] <= 1
+    assert 0 < path["unbounded_need_tokens"] <= path["prefilled_tokens"] + path["cached_tokens"]
+    assert path["prefilled_vs_unbounded"] == pytest.approx(
+        path["prefilled_tokens"] / path["unbounded_need_tokens"]
+    )
+    assert 0 < path["ttft_p50_s"] <= path["ttft_p99_s"]
+    assert set(path["cached_share_per_turn"]) == {str(t) for t in range(1, turns + 1)}
+    assert all(0 <= share <= 1 for share in path["cached_share_per_turn"].values())
+
+
+def test_a_reduced_agents_bench_reports_every_path_consistently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "agents", "--rollouts", "3", "--turns", "3", "--wait-s", "0.01,0.05",
+            "--context-tokens", "120", "--tool-tokens", "40,80",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "rollout 2 done" in out.err and "[2/2]" in out.err  # progress, per rollout
+    assert out.err.count(" done (") == 2 * 3  # per rollout, not per turn
+    assert "simulated GPU (engine time modelled" in out.out
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED]
+    for path in data["paths"]:
+        assert out.out.count(path["path"]) == 2  # the table and the per-turn table
+        _consistent(path, rollouts=3, turns=3)
+        assert path["time"] == "modelled engine time" and path["preemptions"] is None
+        # later turns resume warm: most of their prompt is cached
+        assert path["cached_share_per_turn"]["3"] > 0.5 > path["cached_share_per_turn"]["1"]
+    turns = data["turns"]
+    assert {(t["path"], t["rollout"], t["turn"]) for t in turns} == {
+        (p, r, t) for p in (PROTOTYPE, LAUNCHED) for r in range(3) for t in (1, 2, 3)
+    }
+    # the rollouts ran at once: each one's first turn went before any rollout's second
+    for path in (PROTOTYPE, LAUNCHED):
+        mine = [t for t in turns if t["path"] == path]
+        assert max(t["at_s"] for t in mine if t["turn"] == 1) < min(
+            t["at_s"] for t in mine if t["turn"] == 2
+        )
+    assert len(data["workload"]["waits_s"]) == 3 and len(data["workload"]["waits_s"][0]) == 2
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_the_workload_is_seeded_and_each_rollout_has_its_own_context() -> None:
+    def count(text: str) -> int:
+        return len(text.split())
+
+    settings = AgentsSettings(rollouts=4, turns=5, context_tokens=200, seed=7)
+    one, two = make_agents(settings, count, "n"), make_agents(settings, count, "n")
+    assert one == two
+    assert one != make_agents(AgentsSettings(rollouts=4, turns=5, seed=8), count, "n")
+    firsts = {agent.context.split("\n", 1)[0] for agent in one}
+    assert len(firsts) == 4  # no two rollouts share their first line
+    for agent in one:
+        assert len(agent.outputs) == len(agent.waits_s) == 4
+        assert count(agent.context) >= 200
+        assert all(w > 0 for w in agent.waits_s)
+
+
+def test_lognormal_draws_have_the_median_and_p99_asked_for() -> None:
+    rng = random.Random(0)
+    draws = [lognormal(rng, 1.0, 15.0) for _ in range(20_000)]
+    assert percentile(draws, 0.5) == pytest.approx(1.0, rel=0.05)
+    assert percentile(draws, 0.99) == pytest.approx(15.0, rel=0.15)
+    assert math.isnan(percentile([], 0.5))
+    assert percentile([4, 1, 3, 2], 0.5) == 2  # nearest rank
+    assert percentile(list(range(1, 101)), 0.99) == 99
+
+
+def test_the_unbounded_need_counts_new_tokens_and_the_shared_prefix_once() -> None:
+    def turn(rollout: int, number: int, prompt: int, cached: int, out: int) -> AgentTurn:
+        return AgentTurn("p", rollout, number, prompt, cached, out, 0.1, 0.2, 0.0)
+
+    turns = [
+        turn(0, 1, 500, 0, 20), turn(0, 2, 700, 512, 20),  # 180 new after 500 + 20
+        turn(1, 1, 510, 64, 20), turn(1, 2, 700, 0, 20),  # 64 shared: once; 170 new
+    ]  # fmt: skip
+    assert unbounded_need(turns) == 500 + 180 + (510 - 64) + 170
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--wait-s", "2,1"), ("--tool-tokens", "0,5"), ("--wait-s", "1")]
+)
+def test_bench_agents_refuses_a_distribution_it_cannot_draw(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "agents", flag, value])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--num-gpu-blocks-override", "1"]) == 2
+    assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
+
+
+def test_with_a_bounded_cache_each_proto_server_path_runs_without_and_with_admission(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A known cache size: a second server admits rollouts by it, its paths beside the first's."""
+    args = ["bench", "agents", "--rollouts", "3", "--turns", "2", "--wait-s", "0.01,0.05",
+            "--context-tokens", "120", "--tool-tokens", "40,80",
+            "--num-gpu-blocks-override", "40", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    assert [p["path"] for p in data["paths"]] == [
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED
+    ]  # fmt: skip
+    for path in data["paths"]:
+        _consistent(path, rollouts=3, turns=2)
+    assert PROTOTYPE + ADMITTED in capsys.readouterr().out
+
+
+def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--admission", "both"]) == 2
+    assert "--admission on the simulated GPU needs" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+@pytest.mark.deadline(400)
+def test_agents_on_a_real_engine_measure_all_three_paths(
+    vllm_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "agents", "--engine", "vllm", "--engine-url", vllm_engine.url,
+            "--rollouts", "2", "--turns", "2", "--wait-s", "0.05,0.1", "--context-tokens", "100",
+            "--tool-tokens", "40,60", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    assert [p["path"] for p in data["paths"]] == [
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS
+    ]  # fmt: skip
+    for path in data["paths"]:
+        _consistent(path, rollouts=2, turns=2)
+        assert path["time"] == "measured" and path["preemptions"] is not None
+        engine = path["engine"]
+        assert engine["finished"] >= 4  # the engine counted every turn (and nothing less)
+        assert engine["prompt_tokens"] >= path["input_tokens"] * 0.9
+    assert "vLLM /v1/responses" in capsys.readouterr().out

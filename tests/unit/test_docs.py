@@ -1,0 +1,105 @@
+"""The documentation site's promises that need no build: the flag page is generated, and says
+what `serve` takes; the architecture page's transition table is the machine's.
+(`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from proto_server import flag_reference
+from proto_server.core.response import transitions
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS_PAGE = ROOT / "docs" / "flags.md"
+
+
+def test_the_flag_page_is_the_generators_output() -> None:
+    assert FLAGS_PAGE.read_text() == flag_reference.render(), (
+        "docs/flags.md is stale: run python -m proto_server.flag_reference > docs/flags.md"
+    )
+
+
+def test_the_flag_page_lists_every_serve_flag_and_no_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The flags come from the settings' fields (core/settings.py) and `serve --help` lists
+    them; the page must list each, and nothing else."""
+    from proto_server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    usage = capsys.readouterr().out.split("\n\n", 1)[0]  # the usage lines: every flag once
+    flags = set(re.findall(r"(--[a-z0-9-]+)", usage))
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", FLAGS_PAGE.read_text().split("|---|", 1)[1]))
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)`", FLAGS_PAGE.read_text(), re.M)
+
+    def pair(flag: str) -> str:  # a bool's other half: --x and --no-x
+        return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
+
+    missing = {flag for flag in flags if flag not in listed and pair(flag) not in listed}
+    assert not missing, f"serve flags docs/flags.md does not list: {sorted(missing)}"
+    unknown = set(rows) - flags
+    assert not unknown, f"docs/flags.md lists flags serve does not take: {sorted(unknown)}"
+
+
+def test_every_page_is_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")}
+    assert pages == set(re.findall(r": ([a-z-]+\.md)$", nav, re.M))
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as MkDocs makes it (Python-Markdown's `toc.slugify`)."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_the_readme_links_only_to_pages_and_anchors_that_exist() -> None:
+    """mkdocs checks the pages' links; the README is no page, so its links are checked here."""
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", (ROOT / "README.md").read_text())
+    assert links, "the README links into the docs"
+    assert [page for page, _ in links if not (ROOT / page).is_file()] == []
+    for page, anchor in links:
+        headings = re.findall(r"^#+ (.*)$", (ROOT / page).read_text(), re.M)
+        assert not anchor or anchor in {slug(heading) for heading in headings}, (page, anchor)
+
+
+def test_the_metrics_table_lists_every_metric_and_no_other() -> None:
+    import prometheus_client
+
+    import proto_server.server.metrics  # noqa: F401  (registers them)
+
+    served = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in prometheus_client.REGISTRY.collect()
+        if family.name.startswith("proto_server_")
+    }
+    section = (ROOT / "docs" / "deployment.md").read_text().split("\n## Metrics\n", 1)[1]
+    table = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
+    listed = {name for cell in table for name in re.findall(r"`(proto_server_\w+)`", cell)}
+    assert served - listed == set(), "metrics docs/deployment.md's table does not list"
+    assert listed - served == set(), "metrics docs/deployment.md lists that /metrics lacks"
+
+
+def test_the_tests_readme_names_every_test_module() -> None:
+    """tests/README.md maps features to test files: a new file must be placed in it."""
+    listed = (ROOT / "tests" / "README.md").read_text()
+    missing = [
+        path.stem
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
+        if not re.search(rf"\b{path.stem}\b", listed)
+    ]
+    assert not missing, f"add {missing} to tests/README.md's table"
+
+
+def test_the_architecture_pages_transition_table_is_the_machines() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    start = "<!-- the transitions table: transitions.table_markdown() -->\n"
+    table = page.split(start, 1)[1].split("<!-- end of the transitions table -->", 1)[0]
+    assert table == transitions.table_markdown(), (
+        "docs/architecture.md's transitions table is stale: paste transitions.table_markdown()"
+    )

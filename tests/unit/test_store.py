@@ -1,0 +1,294 @@
+"""The persisted store: chains come back whole, retention is enforced, crashes corrupt nothing,
+each response belongs to its owner, and a store that cannot answer says so in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import orjson
+import pytest
+import trio
+
+from proto_server.server.store import (
+    SCHEMA_VERSION,
+    SQLiteStore,
+    StoredResponse,
+    StoreRetention,
+    StoreUnavailable,
+    chain_items,
+    owner_id,
+)
+from proto_server.wire.converter import converter
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
+
+from ..support.helpers import Locker, identified, items_and_deletion, stored
+
+
+async def test_a_chain_comes_back_in_order() -> None:
+    store = SQLiteStore()
+    call = FunctionCall(id="fc_1", call_id="call_1", name="f", arguments="{}", status="completed")
+    await store.put(
+        StoredResponse(
+            response=stored("resp_1").response, items=(Message(role="user", content="a"), call)
+        )
+    )
+    await store.put(
+        StoredResponse(
+            response=stored("resp_2", "resp_1").response,
+            items=(FunctionCallOutput(call_id="call_1", output="ok"),),
+        )
+    )
+    chain = await store.chain("resp_2")
+    assert chain is not None
+    assert [s.response.id for s in chain] == ["resp_1", "resp_2"]
+    assert chain_items(chain) == [
+        Message(role="user", content="a"), call, FunctionCallOutput(call_id="call_1", output="ok")
+    ]  # fmt: skip
+    assert await store.get("resp_1") == chain[0]
+    assert await store.chain("resp_unknown") is None
+    await store.aclose()
+
+
+async def test_a_broken_chain_is_a_miss() -> None:
+    store = SQLiteStore()
+    await store.put(stored("resp_2", "resp_1"))
+    assert await store.chain("resp_2") is None
+
+
+async def test_retention_by_count_and_by_age() -> None:
+    now = [1000.0]
+    store = SQLiteStore(
+        retention=StoreRetention(max_responses=2, max_age_s=100), clock=lambda: now[0]
+    )
+    for i in range(3):
+        await store.put(stored(f"resp_{i}"))
+        now[0] += 1
+    assert store.count() == 2
+    assert await store.get("resp_0") is None
+    now[0] += 1000
+    await store.put(stored("resp_new"))
+    assert store.count() == 1
+
+
+WRITER = """
+import sys, trio
+from proto_server.server.store import SQLiteStore
+sys.path.insert(0, {tests!r})
+from helpers import stored
+
+async def main():
+    store = SQLiteStore({path!r})
+    i = 0
+    while True:
+        await store.put(stored(f"resp_{{i}}", text="x" * 20000))
+        print(i, flush=True)
+        i += 1
+
+trio.run(main)
+"""
+
+
+def write_until_killed(path: Path) -> int:
+    """Run a writer process, SIGKILL it mid-stream; return the last write it confirmed."""
+    code = WRITER.format(path=str(path), tests=str(Path(__file__).parents[1] / "support"))
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None
+    for line in writer.stdout:
+        if int(line) >= 20:
+            break
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait(timeout=30)
+    return int(line)
+
+
+async def test_a_crash_in_the_middle_of_writes_corrupts_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    confirmed = await trio.to_thread.run_sync(write_until_killed, path)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    db.close()
+    store = SQLiteStore(path)
+    assert store.count() >= confirmed + 1
+    for i in range(confirmed + 1):
+        again = await store.get(f"resp_{i}")
+        assert (
+            again is not None
+            and again.response.output == stored("x", text="x" * 20000).response.output
+        )
+
+
+@pytest.mark.parametrize("bad", ["/proc/no/such/dir/x.sqlite3"])
+def test_an_unusable_path_fails_loudly(bad: str) -> None:
+    with pytest.raises(sqlite3.OperationalError):
+        SQLiteStore(bad)
+
+
+async def test_a_response_belongs_to_its_owner() -> None:
+    store = SQLiteStore()
+    await store.put(attrs.evolve(stored("resp_1"), owner=owner_id("k1")))
+    await store.put(attrs.evolve(stored("resp_2", "resp_1"), owner=owner_id("k1")))
+    assert await store.get("resp_1", owner=owner_id("k1")) is not None
+    assert await store.get("resp_1", owner=owner_id("k2")) is None
+    assert await store.get("resp_1") is None  # the anonymous owner is an owner like any other
+    chain = await store.chain("resp_2", owner=owner_id("k1"))
+    assert chain is not None and len(chain) == 2
+    assert await store.chain("resp_2", owner=owner_id("k2")) is None
+
+
+OLD_SCHEMA = """
+CREATE TABLE responses (
+    id TEXT PRIMARY KEY,
+    previous_response_id TEXT,
+    created_at INTEGER NOT NULL,
+    stored_at REAL NOT NULL,
+    response BLOB NOT NULL,
+    items BLOB NOT NULL
+);
+CREATE INDEX responses_stored_at ON responses (stored_at);
+"""
+
+
+async def test_a_file_from_before_owners_is_migrated_and_keeps_its_responses(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.sqlite3"
+    old = stored("resp_old")
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    db.execute(
+        "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+        ("resp_old", None, 0, 1e12, orjson.dumps(converter.unstructure(old.response)),
+         orjson.dumps(converter.unstructure(old.items))),
+    )  # fmt: skip
+    db.commit()
+    db.close()
+    store = SQLiteStore(path)
+    # what was stored before keys were tenants belongs to the anonymous owner
+    assert await store.get("resp_old") == old
+    assert await store.get("resp_old", owner=owner_id("k1")) is None
+    await store.put(attrs.evolve(stored("resp_new", "resp_old")))
+    assert store.count() == 2
+    await store.aclose()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+    db.close()
+    SQLiteStore(path)  # and a migrated file opens again as it is
+
+
+def test_a_file_from_a_newer_server_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite3"
+    SQLiteStore(path)
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(sqlite3.DatabaseError, match="newer proto-server"):
+        SQLiteStore(path)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_responses", 0), ("max_responses", -3), ("max_age_s", -1.0), ("max_age_s", 0.0),
+     ("timeout_s", 0.0), ("timeout_s", float("inf"))],
+)  # fmt: skip
+def test_limits_that_would_delete_or_hang_are_refused(option: str, value: float) -> None:
+    with pytest.raises(ValueError, match=option):
+        StoreRetention(**{option: value})  # type: ignore[arg-type]
+
+
+async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    store = SQLiteStore(path, retention=StoreRetention(timeout_s=2))
+    await store.put(stored("resp_1"))
+    with trio.fail_after(20):
+        with Locker(path):
+            # SQLite itself gives up, at the timeout: no thread is left behind holding it
+            lock = r"did not answer within 2 s \(--store-timeout\): another writer holds its lock"
+            with pytest.raises(StoreUnavailable, match=lock):
+                await store.put(stored("resp_2"))
+            write_failed = trio.Event()
+
+            async def blocked_write() -> None:
+                with pytest.raises(StoreUnavailable):
+                    await store.put(stored("resp_3"))
+                write_failed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocked_write)
+                await trio.sleep(0.05)  # the write now waits for the lock, for 2 s
+                assert await store.get("resp_1") is not None
+                assert await store.chain("resp_1") is not None
+                assert not write_failed.is_set()  # the reads did not queue behind the write
+        # the lock is gone: the store recovers by itself
+        await store.put(stored("resp_4"))
+        assert await store.get("resp_4") is not None
+        await store.aclose()
+
+
+async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    store = SQLiteStore(path)
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE responses")  # any sqlite3 failure, here a missing table
+    db.close()
+    with trio.fail_after(5):
+        with pytest.raises(StoreUnavailable, match="failed") as failed:
+            await store.put(stored("resp_1"))
+        assert failed.value.detail.code == "store_unavailable"
+        with pytest.raises(StoreUnavailable, match="retry shortly"):
+            await store.get("resp_1")
+
+
+async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_response() -> None:
+    store = SQLiteStore(":memory:")
+    await items_and_deletion(store)
+    await store.aclose()
+
+
+async def test_a_pruned_response_takes_its_items_ids_with_it(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite3", retention=StoreRetention(max_responses=2))
+    for i in range(3):
+        await store.put(identified(f"resp_{i}"))
+    assert list(await store.items(["a_resp_0", "a_resp_1", "a_resp_2"], owner="")) == [
+        "a_resp_1", "a_resp_2",
+    ]  # fmt: skip
+    await store.aclose()
+    db = sqlite3.connect(tmp_path / "s.sqlite3")
+    assert db.execute("SELECT count(*) FROM response_items").fetchone() == (4,)
+    db.close()
+
+
+async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Path) -> None:
+    path = tmp_path / "v4.sqlite3"
+    old = SQLiteStore(path)
+    await old.put(identified("resp_old"))
+    await old.aclose()
+    db = sqlite3.connect(path)  # as a version 4 file was: no index of item ids
+    db.execute("DROP TABLE response_items")
+    db.execute("PRAGMA user_version = 4")
+    db.commit()
+    db.close()
+    migrated = SQLiteStore(path)
+    assert list(await migrated.items(["a_resp_old", "q_resp_old"], owner="")) == [
+        "a_resp_old", "q_resp_old",
+    ]  # fmt: skip
+    await migrated.aclose()
+
+
+async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
+    store = SQLiteStore(":memory:")
+    await store.put(identified("resp_1"))
+    # a later response holding the same item (a client replayed it, its id with it)
+    replayed = identified("resp_2")
+    await store.put(attrs.evolve(replayed, items=(*replayed.items, identified("resp_1").items[1])))
+    wanted = [f"msg_{i}" for i in range(1_200)] + ["a_resp_1", "q_resp_2"]
+    found = await store.items(wanted, owner="")
+    assert sorted(found) == ["a_resp_1", "q_resp_2"]
+    where, _ = store._writer().call("items", 1000, "", ["a_resp_1"])
+    assert where == {"a_resp_1": "resp_2"}
+    await store.aclose()
