@@ -15,6 +15,7 @@ server nursery (serve)
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Literal
 
@@ -357,9 +358,10 @@ class ProtoServer:
             if self._http.deadline is not None:  # accepted just as the server began to stop
                 connection.shut_down(self._http.deadline)
             try:
-                await connection.run(
-                    nursery, dialect, lifetime_s=self.config.max_connection_lifetime_s
-                )
+                async with contextlib.aclosing(dialect):
+                    await connection.run(
+                        nursery, dialect, lifetime_s=self.config.max_connection_lifetime_s
+                    )
             finally:
                 self._websockets.discard(connection)
                 log.info("connection.closed", extra={"connection": connection.id})

@@ -71,6 +71,10 @@ class Dialect(Protocol):
         streams; return once their terminal events are handed to the connection."""
         ...
 
+    async def aclose(self) -> None:
+        """The connection ended: let go of what outlives a Response (warm rollouts)."""
+        ...
+
 
 class ClientLanes(Protocol):
     """What a dialect uses of its connection: where each lane's events go, and the budget its

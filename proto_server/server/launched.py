@@ -213,7 +213,6 @@ class LaunchedDialect:
         self._idle.set()
         self._expired: str | None = None
         self._gone = False
-        nursery.start_soon(self._keep)
 
     # -- the default lane, as before lanes (tests and callers read these) ----------------------
 
@@ -345,13 +344,6 @@ class LaunchedDialect:
             if lane.current is not None:
                 lane.current.expire(reason)
         await self._idle.wait()
-
-    async def _keep(self) -> None:
-        """Lives as long as the connection; when it ends, every lane's warm state goes."""
-        try:
-            await trio.sleep_forever()
-        finally:
-            await self.close()
 
     # -- serving a lane -------------------------------------------------------------------------
 
@@ -527,7 +519,9 @@ class LaunchedDialect:
                 return other.cached[1]
         return None
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """The connection ended: every lane's warm state goes (its owner, `app.py`, holds this
+        dialect in `contextlib.aclosing`, so this runs however the connection ends)."""
         self._gone = True  # a lane's turn that ends after this closes its rollout itself
         for lane in self._lanes.values():
             if lane.awaiting is not None:

@@ -260,6 +260,9 @@ class PrototypeDialect:
         for loop in loops:
             await loop.wait_ended()
 
+    async def aclose(self) -> None:
+        """Nothing outlives a Response here: each rollout closes with it (`run_and_close`)."""
+
 
 def _unsupported(field: str, why: str) -> ProtocolError:
     return ProtocolError(

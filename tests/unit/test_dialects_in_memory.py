@@ -108,5 +108,5 @@ async def test_launched_turns_chain_warm_with_no_socket(nursery: trio.Nursery) -
 
     await trio.testing.wait_all_tasks_blocked()
     assert opened == [1]  # the last Response stays warm for the next turn
-    await dialect.close()
+    await dialect.aclose()
     assert opened == [1, -1]
