@@ -75,7 +75,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms_norm_eps": 1e-5, "hidden_act": "silu", "eos_token_id": 200002,
         "pad_token_id": 199999,
     }),
-    "qwen3": ("hermes", {
+    "qwen3": ("qwen", {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
         "eos_token_id": 151645,
