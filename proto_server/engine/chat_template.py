@@ -32,7 +32,7 @@ from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
 from proto_server.core.render import Renderer
-from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.base import ToolSyntax, object_arguments
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
 from proto_server.engine.thinking import OPEN as THINK_OPEN
@@ -297,8 +297,8 @@ class ChatTemplateRenderer:
 
     def _call_message(self, name: str, arguments: str) -> dict[str, Any]:
         """An assistant message holding a call, as templates read `tool_calls`."""
-        if self.syntax.template_arguments_text:
-            given: Any = arguments
+        if self.syntax.template_arguments_text:  # as written; a custom tool's input as a string
+            given: Any = object_arguments(arguments)
         else:
             try:
                 given = json.loads(arguments)

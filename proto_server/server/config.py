@@ -177,7 +177,8 @@ class ServerConfig:
         metavar="FAMILY",
         help="local model and vllm: the model family whose tool-call syntax the server offers, "
         f"renders and reads: {', '.join(families.CHOICES[1:])}; auto: the one the tokenizer's "
-        "special tokens show (none: hermes, and the log says so)",
+        "special tokens show (qwen: hermes' tags in the form Qwen's template renders a call in; "
+        "none: hermes, and the log says so)",
     )
     kv_target_fill: float = setting(
         0.9,

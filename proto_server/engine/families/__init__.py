@@ -1,9 +1,10 @@
 """Model families' tool-call syntaxes (base.py), one module each, and which one a model is.
 
 A family is recognised by the special tokens of its call syntax in the tokenizer's vocabulary
-(or its chat template's text; gpt-oss by harmony's `<|channel|>` and `<|start|>`);
+(or its chat template's text; gpt-oss by harmony's `<|channel|>` and `<|start|>`; Qwen from
+Hermes, whose `<tool_call>` it shares, by the form its template renders a call in);
 `--tool-syntax` overrides that. A model that shows none is read as Hermes, the syntax SmolLM2
-and Qwen use, and the log says so.
+uses, and the log says so.
 
 To add a family: a module with a `ToolSyntax` (its `CallFrame`, and what else differs from the
 defaults), listed in `FAMILIES`, with the token that tells it in `detect`.
@@ -20,10 +21,11 @@ from proto_server.engine.families.harmony import CHANNEL, HARMONY, START
 from proto_server.engine.families.hermes import HERMES, OPEN
 from proto_server.engine.families.llama3 import HEADER, LLAMA3_JSON
 from proto_server.engine.families.mistral import ARGS, MISTRAL, MISTRAL_JSON, TOOL_CALLS
+from proto_server.engine.families.qwen import QWEN, renders_its_calls
 
 FAMILIES: dict[str, ToolSyntax] = {
     family.name: family
-    for family in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3, HARMONY)
+    for family in (HERMES, QWEN, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3, HARMONY)
 }
 #: `--tool-syntax`'s default: the family the tokenizer shows.
 AUTO = "auto"
@@ -50,7 +52,8 @@ def detect(tokenizer: Any) -> tuple[ToolSyntax, str | None]:
         if has(token):
             return LLAMA3_JSON, token
     if has(OPEN):
-        return HERMES, OPEN
+        rendered = renders_its_calls(tokenizer)
+        return (HERMES, OPEN) if rendered is None else (QWEN, rendered)
     return HERMES, None
 
 

@@ -1,4 +1,4 @@
-"""The Hermes family (Hermes, Qwen, SmolLM2): calls as JSON inside `<tool_call>` tags.
+"""The Hermes family (Hermes, SmolLM2): calls as JSON in `<tool_call>` tags (Qwen's: qwen.py).
 
 SmolLM2 was tuned to call tools as a JSON list inside tags (Hermes- and Qwen-style models write
 one object there, which is accepted too):
