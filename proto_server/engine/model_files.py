@@ -144,6 +144,8 @@ def load_model(spec: str | None, *, cache_dir: Path | None = None) -> LoadedMode
         model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the model in {directory}: {exc}") from exc
+    if not _reads_as_its_file(tokenizer, directory):
+        tokenizer = tokenizer_files(directory)
     return LoadedModel(name, model.eval(), tokenizer)
 
 
@@ -172,11 +174,37 @@ def load_tokenizer(spec: str | Path | None, *, cache_dir: Path | None = None) ->
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the tokenizer in {directory}: {exc}") from exc
+    if not _reads_as_its_file(tokenizer, directory):
+        tokenizer = tokenizer_files(directory)
     try:
         eos = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's own end of turn
         eos = None
     return LoadedTokenizer(directory, tokenizer, eos)
+
+
+#: Text whose tokens show a misread tokenizer: spaces (leading, doubled), a newline, non-ASCII.
+PROBE = 'Hello world,\n  two  spaces: {"city": "Paris"} héllo 日本'
+
+
+def _reads_as_its_file(tokenizer: Any, directory: Path) -> bool:
+    """Whether `tokenizer` encodes as the `tokenizer.json` beside it (when there is one) does:
+    the class a `tokenizer_config.json` names can read the file wrong (DeepSeek V3's names
+    `LlamaTokenizerFast`, which transformers 5 rebuilds as a SentencePiece-style tokenizer
+    that drops every space), and the engine's prompt is the ids this server encodes."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return True
+    from tokenizers import Tokenizer
+
+    described = Tokenizer.from_file(str(path)).encode(PROBE, add_special_tokens=False).ids
+    return list(tokenizer.encode(PROBE, add_special_tokens=False)) == described
+
+
+def _template_file(directory: Path) -> str | None:
+    """The chat template kept in a file of its own, as transformers 5 saves it."""
+    path = directory / "chat_template.jinja"
+    return path.read_text() if path.is_file() else None
 
 
 def tokenizer_files(directory: Path) -> Any:
@@ -199,8 +227,10 @@ def tokenizer_files(directory: Path) -> Any:
 
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_file=str(directory / "tokenizer.json"),
-        chat_template=config.get("chat_template"),
+        chat_template=config.get("chat_template") or _template_file(directory),
         bos_token=token(config.get("bos_token")),
         eos_token=token(config.get("eos_token")),
+        pad_token=token(config.get("pad_token")),
+        unk_token=token(config.get("unk_token")),
         clean_up_tokenization_spaces=False,
     )

