@@ -155,7 +155,9 @@ def successor(create: ResponseCreate, previous: str, steers: tuple[Steer, ...]) 
 class _Lane:
     """One lane: its creates in order, the one in flight, its last completed Response warm.
 
-    It is what the memory budget lets go of when its cache sits idle (`evict`)."""
+    The lane owns that warm rollout (`cached`): it is closed here and only here, when a newer
+    one replaces it (`keep`), when the lane lets it go (`drop`, `evict`), or by the turn that
+    `take`s it. It is what the memory budget lets go of when its cache sits idle (`evict`)."""
 
     def __init__(self, stream_id: str | None, sink: LaneSink, nursery: trio.Nursery) -> None:
         self.stream_id = stream_id
@@ -175,6 +177,24 @@ class _Lane:
         if self.queue or self.preparing:
             return True
         return self.current is not None and not self.current.ended
+
+    async def keep(self, response_id: str, rollout: Rollout) -> None:
+        """`rollout` (of `response_id`, just completed) is the lane's warm state now; the one
+        it replaces (a miss, a fork or the store left that in place) goes."""
+        replaced, self.cached = self.cached, (response_id, rollout)
+        if replaced is not None:
+            await replaced[1].aclose()
+
+    def take(self) -> tuple[str, Rollout] | None:
+        """The warm rollout, for a turn that now owns it (and closes it, or keeps it again)."""
+        cached, self.cached = self.cached, None
+        return cached
+
+    async def drop(self) -> None:
+        """Let the warm rollout go (a fresh conversation, or the connection ended)."""
+        cached, self.cached = self.cached, None
+        if cached is not None:
+            await cached[1].aclose()
 
     def evict(self, reason: str) -> None:
         """A memory budget lets the cached rollout go; a follow-up that names it is served from
@@ -429,12 +449,8 @@ class LaunchedDialect:
             lane.current = None
             self._ended.add(loop.machine.id, lane.stream_id)
             if completed and not self._gone:  # once the connection closed, nothing is kept
-                # the lane's last Response replaces what it kept (a miss, a fork or the store
-                # left that in place): the one before goes
-                replaced, lane.cached = lane.cached, (loop.machine.id, loop.rollout)
                 self._connection.budget.idle(lane)
-                if replaced is not None:
-                    await replaced[1].aclose()
+                await lane.keep(loop.machine.id, loop.rollout)
             else:
                 log.info("cache.evicted", extra={"response": loop.machine.id})
                 await loop.close()
@@ -482,7 +498,7 @@ class LaunchedDialect:
             )
 
         budget.busy(lane)
-        cached, lane.cached = lane.cached, None  # whatever happens, this turn takes it
+        cached = lane.take()  # whatever happens, this turn takes it
         if previous is None:
             if cached is not None:
                 await cached[1].aclose()
@@ -527,9 +543,7 @@ class LaunchedDialect:
             if lane.awaiting is not None:
                 lane.awaiting.release()
             self._connection.budget.busy(lane)
-            cached, lane.cached = lane.cached, None
-            if cached is not None:
-                await cached[1].aclose()
+            await lane.drop()
 
 
 async def _fail_steers(
