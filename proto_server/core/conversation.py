@@ -199,16 +199,19 @@ class Conversation:
         *,
         instructions: str | None = None,
         tools: Sequence[Tool] = (),
+        effort: str | None = None,
         prefix: Sequence[int] | None = None,
     ) -> None:
-        """`prefix`: the tokens of `render_prefix(instructions, tools)`, when rendered already
-        (off the event loop); else rendered here."""
+        """`prefix`: the tokens of `render_prefix(instructions, tools, effort=effort)`, when
+        rendered already (off the event loop); else rendered here."""
         self.renderer = renderer
         self.instructions = instructions
         self.tools: tuple[Tool, ...] = tuple(tools)
+        #: The reasoning effort its prefix says (where the renderer says one).
+        self.effort = effort
         self._items: list[Item] = []
         if prefix is None:
-            prefix = renderer.render_prefix(instructions, self.tools)
+            prefix = renderer.render_prefix(instructions, self.tools, effort=effort)
         self.tokens = array("I", prefix)
         self.rendered_tokens = len(self.tokens)
         self._item_bytes = prefix_bytes(instructions, self.tools)

@@ -6,8 +6,8 @@ is that each item renders on its own, so a conversation is extended by rendering
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,12 +29,24 @@ from proto_server.wire.tools import Tool
 
 
 class Renderer(Protocol):
-    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]: ...
+    def render_prefix(
+        self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
+    ) -> list[int]:
+        """What opens the conversation: the instructions and the tools, and the requested
+        reasoning `effort` where the model's format says it there (harmony's system message;
+        other renderers ignore it)."""
+        ...
 
     def render_item(self, item: Item) -> Sequence[int]:
         """The item's tokens; possibly shared with later calls (a renderer may keep them), so
         never to be changed by the caller."""
         ...
+
+
+def requested_effort(reasoning: Mapping[str, Any] | None) -> str | None:
+    """The `effort` a request's (or a Response's echoed) `reasoning` asks for, if any."""
+    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    return effort if isinstance(effort, str) else None
 
 
 def item_text(item: Item) -> str:
@@ -75,7 +87,9 @@ class O200kRenderer:
     def __init__(self) -> None:
         self._encoding = o200k_base()
 
-    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
+    def render_prefix(
+        self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
+    ) -> list[int]:
         return list(encode_bounded(self._encoding, prefix_text(instructions, tools)))
 
     def render_item(self, item: Item) -> Sequence[int]:

@@ -16,7 +16,7 @@ from proto_server.core.conversation import (
     prefix_bytes,
     render_items,
 )
-from proto_server.core.render import Renderer
+from proto_server.core.render import Renderer, requested_effort
 from proto_server.core.text_format import parse_text_format
 from proto_server.core.tool_schema import check_tool_schemas
 from proto_server.wire.errors import ProtocolError, quoted, some_of
@@ -282,11 +282,17 @@ def request_bytes(create: ResponseCreate) -> int:
     return prefix_bytes(create.instructions, create.tools) + items
 
 
+def render_create_prefix(renderer: Renderer, create: ResponseCreate) -> list[int]:
+    """The prefix a create's conversation opens with: its instructions, tools and effort."""
+    effort = requested_effort(create.reasoning)
+    return renderer.render_prefix(create.instructions, create.tools, effort=effort)
+
+
 def prepare_input(
     renderer: Renderer, create: ResponseCreate, history: Sequence[Item], *, cold: bool
 ) -> PreparedInput:
     """Render what a turn adds; pure, so it may run on a worker thread."""
-    prefix = renderer.render_prefix(create.instructions, create.tools) if cold else None
+    prefix = render_create_prefix(renderer, create) if cold else None
     return PreparedInput(
         prefix, render_items(renderer, history), render_items(renderer, input_items(create))
     )
@@ -297,7 +303,7 @@ def prepare_compacted(
 ) -> PreparedInput:
     """Render a compacted history, cold (the prompt changed, so nothing of it is warm); the
     create's input is inside it already."""
-    prefix = renderer.render_prefix(create.instructions, create.tools)
+    prefix = render_create_prefix(renderer, create)
     return PreparedInput(prefix, render_items(renderer, history), render_items(renderer, ()))
 
 

@@ -263,7 +263,10 @@ class ChatTemplateRenderer:
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
+    def render_prefix(
+        self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
+    ) -> list[int]:
+        """`effort` is not said: these templates take no reasoning effort (docs/engines.md)."""
         offered = function_tools(tools)
         if offered and self.takes_tools:
             return self._template_prefix(instructions, offered)

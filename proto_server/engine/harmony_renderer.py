@@ -29,6 +29,7 @@ from openai_harmony import (  # type: ignore[import-untyped]
     DeveloperContent,
     HarmonyEncoding,
     HarmonyEncodingName,
+    ReasoningEffort,
     Role,
     SystemContent,
     ToolDescription,
@@ -63,6 +64,17 @@ from proto_server.wire.tools import Tool, function_tools
 ENCODINGS_BASE = "TIKTOKEN_ENCODINGS_BASE"
 #: Where the o200k_base file is written for harmony to read (`TIKTOKEN_ENCODINGS_BASE`).
 VOCAB_DIR = Path(tempfile.gettempdir()) / f"proto-server-o200k-{O200K_SHA256[:16]}"
+#: A request's `reasoning.effort` as harmony's system message says it: harmony has three
+#: levels, so the API's lower ones are `low` and its higher one `high`; no effort (or one
+#: not named here) leaves harmony's own default, `medium`.
+EFFORTS = {
+    "none": ReasoningEffort.LOW,
+    "minimal": ReasoningEffort.LOW,
+    "low": ReasoningEffort.LOW,
+    "medium": ReasoningEffort.MEDIUM,
+    "high": ReasoningEffort.HIGH,
+    "xhigh": ReasoningEffort.HIGH,
+}
 #: How many calls' names are remembered, so an output (which names only its call_id) is
 #: rendered as from `functions.NAME`.
 CALL_NAMES = 65536
@@ -117,19 +129,25 @@ class HarmonyRenderer:
         self._names: LRUCache[str, str] = LRUCache(CALL_NAMES)
         self._names_lock = threading.Lock()
 
-    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> list[int]:
-        """The system message, then a developer message with the instructions and the
-        function tools, rendered together (harmony's system message says where calls go
-        when there are tools)."""
+    def render_prefix(
+        self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
+    ) -> list[int]:
+        """The system message, saying the reasoning `effort` (`EFFORTS`), then a developer
+        message with the instructions and the function tools, rendered together (harmony's
+        system message says where calls go when there are tools)."""
         offered = function_tools(tools)
         specs = [
             [tool.name, tool.description or "", tool.parameters or {"type": "object"}]
             for tool in offered
         ]
-        key = (PREFIX, json.dumps([instructions, specs]))
+        level = EFFORTS.get(effort) if effort is not None else None
+        key = (PREFIX, json.dumps([instructions, specs, level and level.value]))
         tokens = self.rendered.get(key)
         if tokens is None:
-            messages = [HarmonyMessage.from_role_and_content(Role.SYSTEM, SystemContent.new())]
+            system = SystemContent.new()
+            if level is not None:
+                system = system.with_reasoning_effort(level)
+            messages = [HarmonyMessage.from_role_and_content(Role.SYSTEM, system)]
             if instructions or offered:
                 developer = DeveloperContent.new()
                 if instructions:

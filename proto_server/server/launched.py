@@ -37,6 +37,7 @@ import attrs
 import trio
 
 from proto_server.core.ids import new_id
+from proto_server.core.render import requested_effort
 from proto_server.core.request import input_items, response_template
 from proto_server.core.response import STEERED, Mode, Status, Steer, steering
 from proto_server.server.lanes import (
@@ -505,13 +506,15 @@ class LaunchedDialect:
             return await begin("fresh")
         if cached is not None and cached[0] == previous:
             rollout = cached[1]
-            if rollout.serves(create.instructions, create.tools):
+            if rollout.serves(
+                create.instructions, create.tools, requested_effort(create.reasoning)
+            ):
                 try:
                     return await begin("cache", rollout=rollout)
                 except BaseException:
                     await rollout.aclose()  # refused (or cancelled): the state goes with it
                     raise
-            # new instructions or tools: the rendered prefix changed, so re-render everything
+            # new instructions, tools or effort: the prefix changed, so re-render everything
             history = list(rollout.conversation.items)
             await rollout.aclose()
             return await begin("rebuilt", history=history)

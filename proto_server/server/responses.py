@@ -29,7 +29,7 @@ from proto_server.core.reasoning import (
     replayed,
 )
 from proto_server.core.references import find_in, references, resolve, with_ids
-from proto_server.core.render import O200kRenderer, Renderer
+from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
     ToolChoice,
     check_create,
@@ -217,7 +217,11 @@ class Responses:
     ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
         conversation = Conversation(
-            self.renderer, instructions=create.instructions, tools=create.tools, prefix=prefix
+            self.renderer,
+            instructions=create.instructions,
+            tools=create.tools,
+            effort=requested_effort(create.reasoning),
+            prefix=prefix,
         )
         return self._rollout_of(conversation, budget, owner)
 
@@ -409,7 +413,11 @@ class Responses:
             history.nbytes + TOKEN_BYTES * (len(prefix) + len(history.tokens)), "This resume"
         )
         conversation = Conversation(
-            self.renderer, instructions=found.instructions, tools=found.tools, prefix=prefix
+            self.renderer,
+            instructions=found.instructions,
+            tools=found.tools,
+            effort=requested_effort(found.response.reasoning),
+            prefix=prefix,
         )
         machine = restored(found, conversation, history)
         machine.check_append(append.input)

@@ -29,7 +29,7 @@ from proto_server.core.conversation import (
     is_model_item,
     render_items,
 )
-from proto_server.core.render import Renderer
+from proto_server.core.render import Renderer, requested_effort
 from proto_server.core.response import ResponseMachine
 from proto_server.server import metrics
 from proto_server.server.logs import log
@@ -115,7 +115,9 @@ def output_of(suspended: SuspendedResponse) -> tuple[Item, ...]:
 
 def rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[list[int], RenderedItems]:
     """Render a suspension's prompt again: the cold path, O(history); pure, for a thread."""
-    prefix = renderer.render_prefix(suspended.instructions, suspended.tools)
+    # the effort is the one its Response echoes (`reasoning`), as it was created with
+    effort = requested_effort(suspended.response.reasoning)
+    prefix = renderer.render_prefix(suspended.instructions, suspended.tools, effort=effort)
     return prefix, render_items(renderer, suspended.items)
 
 

@@ -44,10 +44,17 @@ class Rollout:
         self._released = False
         self.account()
 
-    def serves(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
-        """Whether a turn with this prefix can extend the warm state rather than rebuild it."""
+    def serves(
+        self, instructions: str | None, tools: Sequence[Tool], effort: str | None = None
+    ) -> bool:
+        """Whether a turn with this prefix (its instructions, tools and reasoning effort) can
+        extend the warm state rather than rebuild it."""
         conversation = self.conversation
-        return conversation.instructions == instructions and conversation.tools == tuple(tools)
+        return (
+            conversation.instructions == instructions
+            and conversation.tools == tuple(tools)
+            and conversation.effort == effort
+        )
 
     def account(self, pending: int = 0) -> None:
         """Charge the budget for what the conversation holds now, and `pending` bytes more

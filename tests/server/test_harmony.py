@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_harmony import Conversation, RenderConversationConfig, Role
 
+from proto_server.core.conversation import Conversation as CoreConversation
 from proto_server.core.tokenizer import VocabularyError
 from proto_server.engine import families
 from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallBegin
@@ -196,6 +197,68 @@ def test_a_conversation_rendered_item_by_item_is_harmony_rendering_and_the_token
     assert "namespace functions {" in text and "Be brief." in text
     assert "<|start|>assistant to=functions.get_weather<|channel|>commentary" in text
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary" in text
+
+
+# -- the reasoning effort, in the system message ---------------------------------------------------
+
+
+def system_message(renderer: HarmonyRenderer, tokenizer: Any, **effort: Any) -> str:
+    """The system message the prefix opens with, decoded by the real gpt-oss tokenizer."""
+    text = tokenizer.decode(renderer.render_prefix("Be brief.", [WEATHER], **effort))
+    assert isinstance(text, str)
+    return text[: text.index("<|end|>")]
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_a_request_s_reasoning_effort_is_said_in_harmony_s_system_message(effort: str) -> None:
+    from openai_harmony import DeveloperContent, ReasoningEffort, SystemContent, ToolDescription
+    from openai_harmony import Message as HarmonyMessage
+
+    tokenizer = npm_tokenizer("gptoss")
+    renderer = HarmonyRenderer()
+    said = system_message(renderer, tokenizer, effort=effort)
+    assert f"\nReasoning: {effort}\n" in said and "Reasoning: medium" not in said
+    # and the whole prefix is harmony's own rendering of that system message
+    level = ReasoningEffort.LOW if effort == "low" else ReasoningEffort.HIGH
+    developer = (
+        DeveloperContent.new()
+        .with_instructions("Be brief.")
+        .with_function_tools(
+            [ToolDescription.new("get_weather", WEATHER.description, WEATHER.parameters)]
+        )
+    )
+    messages = [
+        HarmonyMessage.from_role_and_content(
+            Role.SYSTEM, SystemContent.new().with_reasoning_effort(level)
+        ),
+        HarmonyMessage.from_role_and_content(Role.DEVELOPER, developer),
+    ]
+    whole = encoding().render_conversation(Conversation.from_messages(messages))
+    assert renderer.render_prefix("Be brief.", [WEATHER], effort=effort) == whole
+
+
+def test_no_effort_renders_harmony_s_default_as_before_and_medium_is_that_default() -> None:
+    tokenizer = npm_tokenizer("gptoss")
+    renderer = HarmonyRenderer(cache_bytes=0)
+    said = system_message(renderer, tokenizer)
+    assert "\nReasoning: medium\n" in said
+    assert said == system_message(renderer, tokenizer, effort=None)
+    assert said == system_message(renderer, tokenizer, effort="medium")
+    # the API's levels harmony lacks are its nearest, a value it does not know its default
+    assert "Reasoning: low" in system_message(renderer, tokenizer, effort="minimal")
+    assert "Reasoning: high" in system_message(renderer, tokenizer, effort="xhigh")
+    assert said == system_message(renderer, tokenizer, effort="unheard-of")
+
+
+def test_a_conversation_opens_with_its_effort_and_a_warm_prefix_is_not_another_effort_s() -> None:
+    """The renderer caches prefixes: one effort's is never handed out for another's."""
+    tokenizer = npm_tokenizer("gptoss")
+    renderer = HarmonyRenderer()
+    low = CoreConversation(renderer, instructions="Be brief.", tools=[WEATHER], effort="low")
+    high = CoreConversation(renderer, instructions="Be brief.", tools=[WEATHER], effort="high")
+    assert "Reasoning: low" in tokenizer.decode(list(low.tokens))
+    assert "Reasoning: high" in tokenizer.decode(list(high.tokens))
+    assert high.effort == "high"
 
 
 # -- what harmony renders, the parser reads ------------------------------------------------------

@@ -177,6 +177,33 @@ async def test_new_instructions_rebuild_the_prefix(start_server: StartServer) ->
     assert record.cached_tokens == 0
 
 
+async def test_a_new_reasoning_effort_rebuilds_the_prefix(start_server: StartServer) -> None:
+    """The effort is part of the prefix (harmony's system message says it): the same effort
+    is served warm, a changed one is rendered again, never served from the stale prefix."""
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.ws_url) as client:
+        first = await turn(client, launched_create(reasoning={"effort": "low"}))
+        r1 = first[-1]["response"]
+        second = await turn(
+            client,
+            launched_create(
+                previous_response_id=r1["id"], input=answers(first), reasoning={"effort": "low"}
+            ),
+        )
+        r2 = second[-1]["response"]
+        third = await turn(
+            client,
+            launched_create(
+                previous_response_id=r2["id"], input=answers(second), reasoning={"effort": "high"}
+            ),
+        )
+        assert third[-1]["type"] == "response.completed"
+        assert third[-1]["response"]["reasoning"]["effort"] == "high"
+    t1, t2, t3 = running.server.responses.turns
+    assert (t1.source, t2.source, t3.source) == ("fresh", "cache", "rebuilt")
+    assert t3.cached_tokens == 0
+
+
 async def test_a_full_history_without_previous_response_id_works(
     start_server: StartServer,
 ) -> None:
