@@ -41,6 +41,8 @@ from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.vllm import ServedModel, VllmGenerator, forced_call_head
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.server.resume import rebuild
+from proto_server.server.store import SuspendedResponse
 from proto_server.wire.items import (
     FunctionCall,
     FunctionCallOutput,
@@ -48,6 +50,7 @@ from proto_server.wire.items import (
     Reasoning,
     ReasoningText,
 )
+from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool
 
 from ..support.helpers import Running, body
@@ -259,6 +262,21 @@ def test_a_conversation_opens_with_its_effort_and_a_warm_prefix_is_not_another_e
     assert "Reasoning: low" in tokenizer.decode(list(low.tokens))
     assert "Reasoning: high" in tokenizer.decode(list(high.tokens))
     assert high.effort == "high"
+
+
+def test_a_resumed_suspension_is_rebuilt_with_the_effort_its_response_was_created_with() -> None:
+    tokenizer = npm_tokenizer("gptoss")
+    suspended = SuspendedResponse(
+        response=Response(
+            id="resp_1", created_at=0, status="in_progress", model="m",
+            reasoning={"effort": "high", "summary": None},
+        ),
+        items=(Message(role="user", content="Weather in Paris?"),),
+        instructions="Be brief.",
+        tools=(WEATHER,),
+    )  # fmt: skip
+    prefix, _ = rebuild(HarmonyRenderer(), suspended)
+    assert "\nReasoning: high\n" in tokenizer.decode(prefix)
 
 
 # -- what harmony renders, the parser reads ------------------------------------------------------
