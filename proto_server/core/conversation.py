@@ -208,7 +208,7 @@ class Conversation:
         self.instructions = instructions
         self.tools: tuple[Tool, ...] = tuple(tools)
         #: The reasoning effort its prefix says (where the renderer says one).
-        self.effort = effort
+        self.effort = renderer.prefix_effort(effort)
         self._items: list[Item] = []
         if prefix is None:
             prefix = renderer.render_prefix(instructions, self.tools, effort=effort)
@@ -219,6 +219,17 @@ class Conversation:
         self.tool_outputs = 0
         self.model_output_end = 0
         self._last_was_model = False
+
+    def opens_with(
+        self, instructions: str | None, tools: Sequence[Tool], effort: str | None = None
+    ) -> bool:
+        """Whether a turn with this prefix (instructions, tools, and the effort as the renderer
+        would say it) extends this conversation rather than rebuilding it."""
+        return (
+            self.instructions == instructions
+            and self.tools == tuple(tools)
+            and self.effort == self.renderer.prefix_effort(effort)
+        )
 
     @property
     def items(self) -> Sequence[Item]:

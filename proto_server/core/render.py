@@ -37,6 +37,11 @@ class Renderer(Protocol):
         other renderers ignore it)."""
         ...
 
+    def prefix_effort(self, effort: str | None) -> str | None:
+        """`effort` as this renderer's prefix says it (None: it says none): a warm rollout is
+        rebuilt only when this changes, not for an effort its prefix would not show."""
+        ...
+
     def render_item(self, item: Item) -> Sequence[int]:
         """The item's tokens; possibly shared with later calls (a renderer may keep them), so
         never to be changed by the caller."""
@@ -91,6 +96,9 @@ class O200kRenderer:
         self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
     ) -> list[int]:
         return list(encode_bounded(self._encoding, prefix_text(instructions, tools)))
+
+    def prefix_effort(self, effort: str | None) -> str | None:
+        return None
 
     def render_item(self, item: Item) -> Sequence[int]:
         return encode_bounded(self._encoding, item_text(item))

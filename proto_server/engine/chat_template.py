@@ -263,6 +263,9 @@ class ChatTemplateRenderer:
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def prefix_effort(self, effort: str | None) -> str | None:
+        return None
+
     def render_prefix(
         self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
     ) -> list[int]:

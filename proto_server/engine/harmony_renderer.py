@@ -129,6 +129,10 @@ class HarmonyRenderer:
         self._names: LRUCache[str, str] = LRUCache(CALL_NAMES)
         self._names_lock = threading.Lock()
 
+    def prefix_effort(self, effort: str | None) -> str | None:
+        level = EFFORTS.get(effort) if effort is not None else None
+        return None if level is None else str(level.value)
+
     def render_prefix(
         self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
     ) -> list[int]:

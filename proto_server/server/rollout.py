@@ -49,12 +49,7 @@ class Rollout:
     ) -> bool:
         """Whether a turn with this prefix (its instructions, tools and reasoning effort) can
         extend the warm state rather than rebuild it."""
-        conversation = self.conversation
-        return (
-            conversation.instructions == instructions
-            and conversation.tools == tuple(tools)
-            and conversation.effort == effort
-        )
+        return self.conversation.opens_with(instructions, tools, effort)
 
     def account(self, pending: int = 0) -> None:
         """Charge the budget for what the conversation holds now, and `pending` bytes more

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from openai_harmony import Conversation, RenderConversationConfig, Role
 
 from proto_server.core.conversation import Conversation as CoreConversation
+from proto_server.core.render import O200kRenderer
 from proto_server.core.tokenizer import VocabularyError
 from proto_server.engine import families
 from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallBegin
@@ -261,7 +262,18 @@ def test_a_conversation_opens_with_its_effort_and_a_warm_prefix_is_not_another_e
     high = CoreConversation(renderer, instructions="Be brief.", tools=[WEATHER], effort="high")
     assert "Reasoning: low" in tokenizer.decode(list(low.tokens))
     assert "Reasoning: high" in tokenizer.decode(list(high.tokens))
-    assert high.effort == "high"
+    assert high.opens_with("Be brief.", [WEATHER], "high")
+    assert not high.opens_with("Be brief.", [WEATHER], "low")
+    assert low.opens_with("Be brief.", [WEATHER], "minimal")  # harmony says both as low
+    assert not low.opens_with("Be brief.", [WEATHER])  # no effort: harmony's medium
+
+
+def test_an_effort_the_prefix_does_not_say_keeps_the_conversation() -> None:
+    """The default renderer and chat templates say no effort: a change of it rebuilds nothing."""
+    conversation = CoreConversation(O200kRenderer(), instructions="Be brief.", effort="low")
+    assert conversation.opens_with("Be brief.", (), "high")
+    assert conversation.opens_with("Be brief.", ())
+    assert not conversation.opens_with("Be terse.", (), "low")
 
 
 def test_a_resumed_suspension_is_rebuilt_with_the_effort_its_response_was_created_with() -> None:
