@@ -32,7 +32,7 @@ from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.writer import discard_events, write_events
 from proto_server.server.wsframes import FrameWriter, close_stalled
 from proto_server.wire.converter import decode_client_event
-from proto_server.wire.errors import ErrorDetail, ProtocolError
+from proto_server.wire.errors import ErrorDetail, ProtocolError, on_lane
 from proto_server.wire.events import (
     ClientEvent,
     ErrorEvent,
@@ -226,12 +226,11 @@ class Connection:
         if self._observer is not None:
             self._observer.decoded()
         log.debug("client.event", extra={"connection": self.id, "type": event.type})
-        try:
+        # refused on the lane the frame named (an inject or a steer names the lane of the
+        # Response it targets itself)
+        lane = None if isinstance(event, ResponseInject | ResponseSteer) else event.stream_id
+        with on_lane(lane):
             await dialect.handle(event, size)
-        except ProtocolError as exc:
-            if exc.stream_id is None and not isinstance(event, ResponseInject | ResponseSteer):
-                exc.stream_id = event.stream_id  # refused on the lane the frame named
-            raise
 
     async def _retire(self, dialect: Dialect, lifetime_s: float) -> None:
         log.info("connection.lifetime_reached", extra={"connection": self.id})

@@ -32,7 +32,7 @@ from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
 from proto_server.wire.converter import steer_items
-from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
+from proto_server.wire.errors import ProtocolError, SteerRefused, on_lane, quoted
 from proto_server.wire.events import (
     InjectError,
     ResponseInject,
@@ -66,15 +66,14 @@ class LaneNames:
         if stream_id is None or stream_id in self._seen:
             return
         if len(self._seen) >= self.limit:
-            error = ProtocolError(
+            raise ProtocolError(
                 "websocket_stream_limit_reached",
                 f"This connection already uses {self.limit} named lanes (--max-lanes); "
                 f"stream_id {quoted(stream_id)} would be one more. Reuse a lane, or open "
                 "another connection.",
                 param="stream_id",
+                stream_id=stream_id,
             )
-            error.stream_id = stream_id
-            raise error
         self._seen.add(stream_id)
 
 
@@ -153,31 +152,24 @@ async def serve_inject(
         return
     loop, sink = found
     if loop.machine.mode is Mode.SUCCESSOR:
-        error = ProtocolError(
+        raise ProtocolError(
             "invalid_field",
             f"Response {quoted(response_id)} does not wait for injected input; create it with "
             '`multi_agent: {"enabled": true}` to answer its tool calls by response.inject.',
             param="response_id",
+            stream_id=sink.stream_id,
         )
-        error.stream_id = sink.stream_id
-        raise error
-    try:
+    with on_lane(sink.stream_id):
         loop.machine.check_inject(inject.input)  # before the work of rendering them
-    except ProtocolError as exc:
-        exc.stream_id = sink.stream_id
-        raise
     renderer = loop.rollout.conversation.renderer
     rendered = await offload.run(render_items, renderer, inject.input, size=size)
     if target() is None:  # it ended while the items were rendered
         message = f"Response {quoted(response_id)} ended; nothing was committed."
         await failed("response_already_completed", message, sink)
         return
-    try:
+    with on_lane(sink.stream_id):
         loop.machine.check_inject(inject.input)
         loop.inject(inject.input, rendered)
-    except ProtocolError as exc:
-        exc.stream_id = sink.stream_id
-        raise
     await sink.send(ResponseInjectCreated(response_id=response_id))
     loop.wake()
 

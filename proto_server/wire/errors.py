@@ -7,7 +7,8 @@ Both carry what the wire needs; the conversion to events happens at one boundary
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import attrs
 
@@ -33,12 +34,26 @@ class ProtocolError(Exception):
         param: str | None = None,
         status: int = 400,
         error_type: str = "invalid_request_error",
+        stream_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(type=error_type, code=code, message=message, param=param)
-        #: The WebSocket lane of the frame it refuses (its `error` goes there); None: default.
-        self.stream_id: str | None = None
+        #: The WebSocket lane of the frame it refuses (its `error` goes there); None: the lane
+        #: the frame named (`on_lane`), else the default one.
+        self.stream_id = stream_id
+
+
+@contextlib.contextmanager
+def on_lane(stream_id: str | None) -> Iterator[None]:
+    """A refusal raised inside is said on `stream_id`'s lane, unless it names its own: where
+    a frame's handler knows the lane and what it calls (the machine's checks) does not."""
+    try:
+        yield
+    except ProtocolError as exc:
+        if exc.stream_id is None:
+            exc.stream_id = stream_id
+        raise
 
 
 class SteerRefused(Exception):
