@@ -34,10 +34,10 @@ from proto_server.engine.chat_template import ModelRenderer
 from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,
+    FileStore,
     ItemStore,
     ProbedStore,
     ResponseStore,
-    SQLiteStore,
     StoredResponse,
     SuspendedResponse,
     SuspensionStore,
@@ -332,7 +332,7 @@ class TimedStore:
 
     def _file_checked(self) -> None:
         """The SQLite file's state as its last check saw it (every call and `/readyz` check)."""
-        if isinstance(self.inner, SQLiteStore):
+        if isinstance(self.inner, FileStore):
             STORE_FILE_LOST.set(0 if self.inner.file_lost is None else 1)
 
     async def put(self, stored: StoredResponse, *, ends_suspension: int | None = None) -> None:

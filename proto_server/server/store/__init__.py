@@ -38,6 +38,7 @@ from proto_server.server.store.errors import (
     resume_failed,
 )
 from proto_server.server.store.interfaces import (
+    FileStore,
     ItemStore,
     ProbedStore,
     ResponseStore,
@@ -71,6 +72,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STORED",
     "SUSPEND_FAILED",
+    "FileStore",
     "ItemStore",
     "ProbedStore",
     "ResponseStore",

@@ -85,3 +85,13 @@ class ProbedStore(Protocol):
     async def readiness(self) -> str | None:
         """None when the store answers now, within a short timeout; otherwise why not."""
         ...
+
+
+@runtime_checkable
+class FileStore(Protocol):
+    """A store kept in a file on this machine, which can be deleted or replaced under it."""
+
+    @property
+    def file_lost(self) -> str | None:
+        """Why the file at its path is no longer the one open (as the last check saw it)."""
+        ...
