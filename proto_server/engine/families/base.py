@@ -5,7 +5,7 @@ syntax. A `ToolSyntax` says, for one family: how tools are offered when the chat
 not take them (`describe_tools`), how an earlier call is written when the template does not
 render `tool_calls` (`call_text`), the role a tool's output is shown under, the streaming
 parser of its calls, and the `CallFrame` a grammar writes a forced call in (constraints.py for
-the local model, vLLM's structural tags in vllm.py), how a conversation becomes tokens
+the local model, vLLM's structural tags in vllm/grammar.py), how a conversation becomes tokens
 (`renderer`: the chat template, or gpt-oss's harmony, which has none) and which ids end the
 model's turn (`stop_ids`). A family whose parser also yields reasoning (harmony) adds its own
 chunk kinds to the parser; nothing here assumes calls are the only structure in a model's

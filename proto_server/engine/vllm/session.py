@@ -1,0 +1,200 @@
+"""One rollout on vLLM: each segment sends the whole prompt, streams what the engine decodes.
+
+The session is where the protocol (protocol.py) and the grammar (grammar.py) meet the
+rollout's conversation: it picks the segment's constraint, sends the request, turns the
+engine's stream into `Chunk`s through the family's parser, and records what the engine should
+have found cached against what it says it found.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+import orjson
+import trio
+
+from proto_server.core.conversation import Conversation
+from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
+from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
+from proto_server.engine.thinking import split_thinking
+from proto_server.engine.tokens import common_prefix
+from proto_server.engine.vllm.grammar import (
+    answer_format,
+    forced_call_format,
+    forced_call_head,
+    strict_call_format,
+)
+from proto_server.engine.vllm.protocol import (
+    ENGINE_ERROR,
+    ERROR_BODY_BYTES,
+    STREAM_HEADERS,
+    EngineError,
+    EngineUsage,
+    Piece,
+    completion_request,
+    error_for_exception,
+    error_for_status,
+    parse_sse,
+    sse_lines,
+)
+from proto_server.wire.tools import function_tools
+
+if TYPE_CHECKING:
+    from proto_server.engine.vllm.generator import VllmGenerator
+
+log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
+
+
+class VllmSession:
+    """One rollout on the engine: nothing is held there but what its prefix cache keeps."""
+
+    def __init__(
+        self, generator: VllmGenerator, conversation: Conversation, *, cache_salt: str | None
+    ) -> None:
+        self._generator = generator
+        self._conversation = conversation
+        self._cache_salt = cache_salt
+        self._tools = function_tools(conversation.tools)
+        #: The token ids the engine has seen last: the prompt it was sent and what it made.
+        self.engine_ids: list[int] = []
+        #: Per segment: (prompt tokens, what should be cached, what the engine said it had).
+        self.segments: list[tuple[int, int, int | None]] = []
+
+    async def prefill(self) -> Prefilled:
+        """Bring the engine's cache up to the conversation (one token decoded and dropped)."""
+        generator = self._generator
+        prompt = list(self._conversation.tokens)
+        body = completion_request(
+            model=generator.name,
+            prompt=prompt,
+            max_tokens=1,
+            limits=GenerationLimits(temperature=0.0),
+            stop_token_ids=(),
+            stream=False,
+            cache_salt=self._cache_salt,
+        )
+        try:
+            answer = await generator.client.post("/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise error_for_exception(exc, generator.url) from exc
+        if answer.status_code != 200:
+            raise error_for_status(answer.status_code, answer.content[:ERROR_BODY_BYTES])
+        usage = answer.json().get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self._record(prompt, prompt, int(cached))
+        return Prefilled(prompt_tokens=len(prompt), cached_tokens=int(cached))
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        generator = self._generator
+        prompt = [*self._conversation.tokens, *generator.renderer.generation_prompt]
+        names = [tool.name for tool in self._tools]
+        syntax = generator.syntax
+        frame = syntax.frame
+        head, structure = "", None
+        if limits.must_call:
+            choice = limits.tool_choice
+            allowed = [t for t in self._tools if choice.name in (None, t.name)]
+            head = forced_call_head(allowed, frame)
+            structure = forced_call_format(allowed, limits.max_calls, frame)
+            prompt += generator.tokenizer.encode(head, add_special_tokens=False)
+        elif limits.text_format is not None:
+            callable_tools = self._tools if limits.max_calls != 0 else []
+            structure = answer_format(limits.text_format, callable_tools, limits.max_calls, frame)
+        elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
+            structure = strict_call_format(self._tools, limits.max_calls, frame)
+        most = generator.max_tokens
+        if limits.max_output_tokens is not None:
+            most = min(most, limits.max_output_tokens)
+        context = generator.model.max_model_len
+        if context is not None and len(prompt) < context:
+            most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
+        renderer = generator.renderer
+        parser = split_thinking(  # a model that thinks, unconstrained, writes `<think>` first
+            syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None),
+            thinks=renderer.thinks and structure is None,
+            opened=renderer.opens_thinking,
+        )
+        if most <= 0:
+            await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
+            await send.send(SegmentEnd(incomplete="max_output_tokens"))
+            return
+        body = completion_request(
+            model=generator.name,
+            prompt=prompt,
+            max_tokens=most,
+            limits=limits,
+            stop_token_ids=generator.stop_ids,
+            stop=syntax.stop if names and limits.max_calls != 0 else (),
+            structure=structure,
+            cache_salt=self._cache_salt,
+        )
+        generated: list[int] = []
+        finish: str | None = None
+        usage: EngineUsage | None = None
+        chunks: list[Chunk] = parser.feed(head, 0) if head else []
+        prefilled = False
+        try:
+            async with generator.client.stream(
+                "POST", "/completions", content=orjson.dumps(body), headers=STREAM_HEADERS
+            ) as answer:
+                if answer.status_code != 200:
+                    raw = b""
+                    async for part in answer.aiter_bytes():
+                        raw += part
+                        if len(raw) >= ERROR_BODY_BYTES:
+                            break
+                    raise error_for_status(answer.status_code, raw)
+                async for line in sse_lines(answer.aiter_raw()):
+                    event = parse_sse(line)
+                    if isinstance(event, EngineUsage):
+                        usage = event
+                    elif isinstance(event, Piece):
+                        if not prefilled:  # the engine has the prompt: the first piece came
+                            prefilled = True
+                            await hand_over(
+                                send, Prefilled(prompt_tokens=len(prompt), cached_tokens=0)
+                            )
+                        generated.extend(event.token_ids)
+                        finish = event.finish_reason or finish
+                        text = event.text
+                        if event.token_ids and event.token_ids[-1] in generator.stop_ids:
+                            text = text.removesuffix(generator.stop_texts[event.token_ids[-1]])
+                        for chunk in [*chunks, *parser.feed(text, len(event.token_ids))]:
+                            await hand_over(send, chunk)
+                        chunks = []
+        except httpx.HTTPError as exc:
+            error = error_for_exception(exc, generator.url)
+            error.unsent = not prefilled  # nothing handed over: another replica may take it
+            raise error from exc
+        if finish is None or finish == "abort" or not prefilled:
+            raise EngineError(
+                ENGINE_UNAVAILABLE if finish is None else ENGINE_ERROR,
+                f"the engine's stream ended before the segment did (finish reason {finish!r})",
+                unsent=not prefilled,
+            )
+        held, leftover = parser.finish()
+        for chunk in held:
+            await send.send(chunk)
+        cached = usage.cached_tokens if usage is not None else None
+        self._record(prompt, [*prompt, *generated], cached)
+        await send.send(
+            SegmentEnd(
+                tokens=leftover,
+                incomplete="max_output_tokens" if finish == "length" else None,
+                cached_tokens=cached,
+            )
+        )
+
+    def _record(self, prompt: list[int], seen: list[int], cached: int | None) -> None:
+        expected = common_prefix(self.engine_ids, prompt)
+        self.segments.append((len(prompt), expected, cached))
+        log.debug(
+            "vllm.segment",
+            extra={"prompt_tokens": len(prompt), "expected_cached": expected, "cached": cached},
+        )
+        self.engine_ids = seen
+
+    async def aclose(self) -> None:
+        """Nothing to free: the engine's prefix cache evicts what no one uses."""
