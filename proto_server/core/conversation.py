@@ -131,18 +131,25 @@ class RenderedItems:
     last_is_model: bool = False
     #: Where in `tokens` the last model item ends; -1: no model item.
     model_end: int = -1
+    #: The item they were rendered after (`render_items`' `after`).
+    after: Item | None = None
 
 
-def render_items(renderer: Renderer, items: Iterable[Item]) -> RenderedItems:
+def render_items(
+    renderer: Renderer, items: Iterable[Item], after: Item | None = None
+) -> RenderedItems:
     """Render `items` without touching any conversation: pure, so it may run on a worker thread
-    (tiktoken releases the GIL while it encodes)."""
+    (tiktoken releases the GIL while it encodes). `after`: the item they follow, if any (a
+    renderer may join an item to the one before it)."""
     kept = tuple(items)
     tokens = array("I")
     nbytes = tool_outputs = model_runs = 0
     model_end = -1
     previous = False
+    before = after
     for item in kept:
-        tokens.extend(renderer.render_item(item))
+        tokens.extend(renderer.render_item(item, before))
+        before = item
         nbytes += item_bytes(item)
         model = is_model_item(item)
         if model:
@@ -164,6 +171,7 @@ def render_items(renderer: Renderer, items: Iterable[Item]) -> RenderedItems:
         first_is_model=bool(kept) and is_model_item(kept[0]),
         last_is_model=previous,
         model_end=model_end,
+        after=after,
     )
 
 
@@ -244,14 +252,23 @@ class Conversation:
         """About how much memory the items and tokens hold (see `item_bytes`)."""
         return self._item_bytes + TOKEN_BYTES * len(self.tokens)
 
+    @property
+    def last_item(self) -> Item | None:
+        return self._items[-1] if self._items else None
+
     def extend(self, items: Iterable[Item]) -> int:
         """Render and append new items; return how many tokens they added."""
-        return self.extend_rendered(render_items(self.renderer, items))
+        return self.extend_rendered(render_items(self.renderer, items, self.last_item))
 
     def extend_rendered(self, rendered: RenderedItems) -> int:
-        """Append items rendered by `render_items`; return how many tokens they added."""
+        """Append items rendered by `render_items`; return how many tokens they added. Items
+        rendered after another item than a last reasoning item are rendered again after it
+        (a renderer may join them: Qwen3's reasoning and the call after it are one message)."""
         if not rendered.items:
             return 0
+        last = self.last_item
+        if isinstance(last, Reasoning) and rendered.after is not last:
+            rendered = render_items(self.renderer, rendered.items, last)
         before = len(self.tokens)
         self.tokens.extend(rendered.tokens)
         self.rendered_tokens += len(rendered.tokens)

@@ -42,9 +42,10 @@ class Renderer(Protocol):
         rebuilt only when this changes, not for an effort its prefix would not show."""
         ...
 
-    def render_item(self, item: Item) -> Sequence[int]:
+    def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
         """The item's tokens; possibly shared with later calls (a renderer may keep them), so
-        never to be changed by the caller."""
+        never to be changed by the caller. `previous`: the item rendered just before it, where
+        the format joins them (Qwen3's reasoning and the call after it are one message)."""
         ...
 
 
@@ -100,5 +101,5 @@ class O200kRenderer:
     def prefix_effort(self, effort: str | None) -> str | None:
         return None
 
-    def render_item(self, item: Item) -> Sequence[int]:
+    def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
         return encode_bounded(self._encoding, item_text(item))

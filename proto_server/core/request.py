@@ -293,8 +293,11 @@ def prepare_input(
 ) -> PreparedInput:
     """Render what a turn adds; pure, so it may run on a worker thread."""
     prefix = render_create_prefix(renderer, create) if cold else None
+    after = history[-1] if history else None
     return PreparedInput(
-        prefix, render_items(renderer, history), render_items(renderer, input_items(create))
+        prefix,
+        render_items(renderer, history),
+        render_items(renderer, input_items(create), after),
     )
 
 

@@ -13,6 +13,13 @@ the system prompt in the family's documented form; a call as an assistant messag
 a `tool` message (or the family's role for it, where the template knows no tools). Both are
 probed once, when the renderer is built.
 
+A template that renders an assistant message's `reasoning_content` (Qwen3's) is probed for it
+too: a reasoning item then opens the assistant message, `<think>` block and all, and the call
+or answer after it continues that message, as the model wrote them, so that the next turn's
+prompt begins with the model's own tokens (test_thinking_render). Qwen's template drops an
+earlier loop's reasoning once a user speaks again; a conversation only grows, and the engine
+holds those tokens, so it is kept (docs/requests.md).
+
 Rendering a message through the template and the tokenizer costs about a millisecond, and a
 stateless client resends its whole history every turn: the tokens of the messages rendered
 last are kept (`RenderedMessages`, bounded in bytes), so such a turn renders only what is new.
@@ -51,6 +58,9 @@ from proto_server.wire.tools import FunctionTool, Tool, function_tools
 
 _PROBE = {"role": "system", "content": "probe"}
 _PROBE_USER = {"role": "user", "content": "probe"}
+#: What a reasoning item is rendered with, and cut at: an answer no reasoning holds.
+_PROBE_ANSWER = "\0probe answer"
+_PROBE_THOUGHT = "probe thought"
 
 
 class ChatTokenizer(Protocol):
@@ -82,10 +92,14 @@ def item_message(item: Item) -> dict[str, str] | None:
             # what server-side compaction kept of the history: the model reads it as context
             return {"role": "user", "content": f"{COMPACTION_PREAMBLE}\n{summary}"}
         case Reasoning():
-            return None  # earlier turns' reasoning: SmolLM2's template has no place for it
+            return None  # a template that renders no reasoning (SmolLM2's) has no place for it
         case UnknownItem():
             return None  # opaque to another model
     raise TypeError(f"not an item: {item!r}")
+
+
+def _thought_message(thought: str, content: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "reasoning_content": thought}
 
 
 def _template_tool(tool: FunctionTool) -> dict[str, Any]:
@@ -232,6 +246,11 @@ class ChatTemplateRenderer:
         #: The template offers tools itself (`tools=`) and renders calls (`tool_calls`).
         self.takes_tools = self._probe_tools()
         self.renders_calls = self._probe_calls()
+        #: The template renders an assistant message's `reasoning_content` (Qwen3's, in the
+        #: turn after the last user message): the rendering of the probe's thought, and what
+        #: closes a message holding only reasoning (`<|im_end|>\n`); None where it does not.
+        self._base_user = default
+        self._thought_probe = self._probe_reasoning() if self.thinks else None
 
     def _probe_tools(self) -> bool:
         try:
@@ -246,6 +265,31 @@ class ChatTemplateRenderer:
         except Exception:
             return False
         return text.startswith(self._base) and "probe_tool" in text[len(self._base) :]
+
+    def _thought_text(self, thought: str) -> str | None:
+        """What the template renders for an assistant message holding only `thought` as its
+        reasoning, up to where its content would begin (None: it renders no reasoning)."""
+        text = self._text([_PROBE_USER, _thought_message(thought, _PROBE_ANSWER)])
+        user = self._base_user
+        end = text.rfind(_PROBE_ANSWER)
+        if not text.startswith(user) or end < 0:
+            return None
+        return text[len(user) : end]
+
+    def _probe_reasoning(self) -> tuple[str, str] | None:
+        """(what the template renders for the probe's thought, what closes a message of only
+        reasoning), or None where the template renders no reasoning."""
+        try:
+            head = self._thought_text(_PROBE_THOUGHT)
+            empty = self._text([_PROBE_USER, _thought_message(_PROBE_THOUGHT, "")])
+        except Exception:
+            return None
+        if head is None or _PROBE_THOUGHT not in head:
+            return None
+        whole = empty[len(self._base_user) :]
+        if not whole.startswith(head):
+            return None
+        return head, whole[len(head) :]
 
     def _text(
         self,
@@ -330,7 +374,19 @@ class ChatTemplateRenderer:
                 message = found
         return (message["role"], message["content"]), message
 
-    def render_item(self, item: Item) -> Sequence[int]:
+    def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
+        """Where the template renders reasoning (Qwen3's), a reasoning item opens the assistant
+        message, `<think>` block and all, and what the model wrote after it (its text, its
+        call) continues that message rather than opening one of its own, as the model wrote
+        them; anything else after it closes the message first."""
+        if self._thought_probe is not None:
+            if isinstance(item, Reasoning):
+                thought = self._render_thought(item.text)
+                if isinstance(previous, Reasoning):  # the message before holds only reasoning
+                    return [*self._encode(self._thought_probe[1]), *thought]
+                return thought
+            if isinstance(previous, Reasoning):
+                return self._render_after_thought(item)
         found = self._message(item)
         if found is None:
             return ()
@@ -339,4 +395,35 @@ class ChatTemplateRenderer:
         if tokens is None:
             tokens = array("I", self._encode(self._text([_PROBE, message])[len(self._base) :]))
             self.rendered.put(key, tokens)
+        return tokens
+
+    def _render_thought(self, thought: str) -> Sequence[int]:
+        key = ("\0reasoning", thought)
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            text = self._thought_text(thought)
+            tokens = array("I", self._encode(text or ""))
+            self.rendered.put(key, tokens)
+        return tokens
+
+    def _render_after_thought(self, item: Item) -> Sequence[int]:
+        """`item` as the rest of the message the reasoning before it opened: what the template
+        renders for them together, less what it renders for the reasoning alone."""
+        assert self._thought_probe is not None
+        head, close = self._thought_probe
+        found = self._message(item)
+        if found is None:
+            return ()
+        key, message = found
+        if message["role"] != "assistant":  # the model's turn ended with its reasoning
+            return [*self._encode(close), *self.render_item(item)]
+        kept_key = ("\0after reasoning", json.dumps(key))
+        tokens = self.rendered.get(kept_key)
+        if tokens is None:
+            joined = {**message, "reasoning_content": _PROBE_THOUGHT}
+            text = self._text([_PROBE_USER, joined])[len(self._base_user) :]
+            if not text.startswith(head):
+                raise TemplateError("the template renders a reasoning's message differently")
+            tokens = array("I", self._encode(text[len(head) :]))
+            self.rendered.put(kept_key, tokens)
         return tokens

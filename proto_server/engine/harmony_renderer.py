@@ -166,7 +166,8 @@ class HarmonyRenderer:
             self.rendered.put(key, tokens)
         return list(tokens)
 
-    def render_item(self, item: Item) -> Sequence[int]:
+    def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
+        """`previous` is not needed: each harmony message has its own header."""
         found = self._message(item)
         if found is None:
             return ()

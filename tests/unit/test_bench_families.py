@@ -4,7 +4,9 @@ Run on the real npm tokenizers (installed with the test clients). What is assert
 renderings are, not how fast: Qwen3's template takes the tools and the calls, and proto-server's
 prompt is vLLM's token for token; the templates that offer no tools (Llama 3.1's here) or drop
 them (DeepSeek V3's renders neither `tools` nor, with vLLM's `content: ""`, the calls) make
-vLLM's prompt shorter, because the model is shown less (docs/benchmarks.md says so).
+vLLM's prompt shorter, because the model is shown less (docs/benchmarks.md says so). With
+reasoning, Qwen3's next prompt begins with all the engine held after each model turn, its
+`<think>` block included.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from proto_server.bench.families import main, render_both
+from proto_server.bench.families import held_turns, main, render_both
+from proto_server.engine.model_files import tokenizer_files
 
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
 
@@ -49,3 +52,16 @@ def test_the_bench_prints_a_row_per_family_and_names_what_it_skipped(
     for family in ("qwen", "llama3_json", "deepseek_v3"):
         assert family in out
     assert "no chat template, not compared" in out and "gptoss" in out
+    assert "tokenizer-qwen3: a tool loop with reasoning" in out
+
+
+def test_with_reasoning_qwen3s_next_prompt_begins_with_all_the_engine_held() -> None:
+    turns = held_turns(tokenizer_files(tokenizer("qwen3")), rounds=3)
+    assert turns is not None and [t.turn for t in turns] == [1, 2, 3]
+    assert all(t.reused == t.held for t in turns)
+    assert turns[0].held < turns[1].held < turns[2].held
+
+
+@pytest.mark.parametrize("name", ["llama3_1", "deepseek_v3"])
+def test_a_template_that_renders_no_reasoning_has_no_held_table(name: str) -> None:
+    assert held_turns(tokenizer_files(tokenizer(name)), rounds=2) is None
