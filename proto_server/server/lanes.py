@@ -161,8 +161,12 @@ async def serve_inject(
         )
     with on_lane(sink.stream_id):
         loop.machine.check_inject(inject.input)  # before the work of rendering them
-    renderer = loop.rollout.conversation.renderer
-    rendered = await offload.run(render_items, renderer, inject.input, size=size)
+    conversation = loop.rollout.conversation
+    # rendered after the conversation's last item now; if the segment streaming meanwhile adds
+    # one, extend_rendered renders them again after it
+    rendered = await offload.run(
+        render_items, conversation.renderer, inject.input, conversation.last_item, size=size
+    )
     if target() is None:  # it ended while the items were rendered
         message = f"Response {quoted(response_id)} ended; nothing was committed."
         await failed("response_already_completed", message, sink)

@@ -99,9 +99,13 @@ class PrototypeDialect:
                 if tool_choice is not None:  # a new tool_choice for the rest of the Response
                     tools = loop.machine.template.tools
                     self._responses.check_forcing(check_tool_choice(tool_choice, tools))
-                renderer = loop.rollout.conversation.renderer
+                conversation = loop.rollout.conversation
                 rendered = await self._responses.offload.run(
-                    render_items, renderer, items, size=frame_bytes
+                    render_items,
+                    conversation.renderer,
+                    items,
+                    conversation.last_item,
+                    size=frame_bytes,
                 )
                 loop = self._open_rollout(stream_id, "append to")
                 loop.append(items, rendered, tool_choice=tool_choice)

@@ -139,7 +139,8 @@ class SamplingLoop:
         `tool_choice` (checked by the caller), if set, holds for the rest of the Response."""
         if rendered is None:
             self.machine.check_append(items)  # before the work of rendering them
-            rendered = render_items(self.rollout.conversation.renderer, items)
+            conversation = self.rollout.conversation
+            rendered = render_items(conversation.renderer, items, conversation.last_item)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
         self._resume_events = self.machine.append(items, rendered, tool_choice=tool_choice)
@@ -162,7 +163,8 @@ class SamplingLoop:
         until it ends). A resumption waits for `wake()`, so the caller can say the inject was
         committed before the Response's next event."""
         if rendered is None:
-            rendered = render_items(self.rollout.conversation.renderer, items)
+            conversation = self.rollout.conversation
+            rendered = render_items(conversation.renderer, items, conversation.last_item)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
         resumed = self.machine.inject(items, rendered)

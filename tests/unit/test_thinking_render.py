@@ -195,3 +195,36 @@ def test_items_rendered_apart_from_their_reasoning_are_joined_to_it_when_appende
     apart.extend(items[:2])
     apart.extend_rendered(render_items(renderer, items[2:]))  # rendered after nothing
     assert list(apart.tokens) == list(joined.tokens)
+
+
+class CountingRenderer:
+    """The renderer, counting the items it renders (the rest delegated)."""
+
+    def __init__(self, inner: ChatTemplateRenderer) -> None:
+        self.inner = inner
+        self.rendered = 0
+
+    def render_item(self, item: Item, previous: Item | None = None) -> list[int]:
+        self.rendered += 1
+        return self.inner.render_item(item, previous)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_items_rendered_after_the_last_reasoning_are_not_rendered_again(
+    renderer: ChatTemplateRenderer,
+) -> None:
+    """What the server renders off the event loop (an append, an inject) is rendered after the
+    conversation's last item, so appending it does no rendering on the loop."""
+    counting = CountingRenderer(renderer)
+    conversation = Conversation(counting)  # type: ignore[arg-type]
+    items = loop()[:3]
+    conversation.extend(items[:2])
+    rendered = render_items(counting, items[2:], conversation.last_item)  # type: ignore[arg-type]
+    before = counting.rendered
+    conversation.extend_rendered(rendered)
+    assert counting.rendered == before
+    joined = Conversation(renderer)
+    joined.extend(items)
+    assert list(conversation.tokens) == list(joined.tokens)
