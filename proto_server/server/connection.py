@@ -112,7 +112,7 @@ class Connection:
         self._observer = observer
         self._channel, self._outbox = trio.open_memory_channel[Outgoing](queue_events)
         #: The default lane: connection-level errors and the Responses of creates without one.
-        self.events = LaneSink(self._channel)
+        self.events = LaneSink(self._channel, connection=self.id)
         self._written = trio.Event()
         self._reading = trio.CancelScope()
         self._shutdown_deadline: float | None = None
@@ -125,7 +125,9 @@ class Connection:
         Per lane, not per connection: the SDK's session helper hands each lane's consumer only
         that lane's events, so only a per-lane count lets it see that none is missing; a
         connection with only the default lane numbers exactly as before lanes existed."""
-        return self.events if stream_id is None else LaneSink(self._channel, stream_id)
+        if stream_id is None:
+            return self.events
+        return LaneSink(self._channel, stream_id, connection=self.id)
 
     async def run(self, nursery: trio.Nursery, dialect: Dialect, *, lifetime_s: float) -> None:
         """Serve until the peer goes away or the lifetime ends; then cancel all it started."""
@@ -202,16 +204,7 @@ class Connection:
                     )
                 await self._dispatch(dialect, message)
             except ProtocolError as exc:
-                log.info(
-                    "client.refused",
-                    extra={
-                        "connection": self.id,
-                        "code": exc.detail.code,
-                        "param": exc.detail.param,
-                    },
-                )
-                error = ErrorEvent(status=exc.status, error=exc.detail)
-                await self.lane(exc.stream_id).send(error)
+                await self.lane(exc.stream_id).refuse(exc)
             finally:
                 del message  # waiting for the next frame, an idle connection keeps no old one
 

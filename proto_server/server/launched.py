@@ -65,7 +65,6 @@ from proto_server.server.store import (
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
-    ErrorEvent,
     RequiredInput,
     ResponseAppend,
     ResponseCancel,
@@ -427,7 +426,7 @@ class LaunchedDialect:
             loop = await self._begin(lane, create, queued.size, queued.response_id)
         except (ProtocolError, StoreUnavailable) as exc:
             lane.preparing = False
-            await lane.sink.send(ErrorEvent(status=exc.status, error=exc.detail))
+            await lane.sink.refuse(exc)
             await _fail_steers(lane.sink, steers, "successor_creation_failed", exc.detail.message)
             return
         finally:

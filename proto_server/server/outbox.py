@@ -2,7 +2,8 @@
 
 What travels in the channel is an `Outgoing`: an event and the WebSocket lane it belongs to
 (None: the default lane, and every HTTP response). A `LaneSink` is how one lane's producers
-(a sampling loop, a dialect answering a frame) put their events in it.
+(a sampling loop, a dialect answering a frame) put their events in it, and where a refusal
+becomes the lane's `error` event (`LaneSink.refuse`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import attrs
 import trio
 
 from proto_server.core.merge import MERGEABLE, continues, merge_run
-from proto_server.wire.events import ServerEvent
+from proto_server.server.logs import log
+from proto_server.server.store.errors import StoreUnavailable
+from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ErrorEvent, ServerEvent
 
 
 @attrs.frozen
@@ -38,9 +42,22 @@ class LaneSink:
 
     channel: trio.MemorySendChannel[Outgoing]
     stream_id: str | None = None
+    #: The connection's number, for the log.
+    connection: int | None = None
 
     async def send(self, event: ServerEvent) -> None:
         await self.channel.send(Outgoing(event, self.stream_id))
+
+    async def refuse(self, exc: ProtocolError | StoreUnavailable) -> None:
+        """The one place a WebSocket refusal becomes an `error` event (a frame's, from the
+        connection's reader; a queued create's, from its lane's task): logged, then sent on
+        this lane. Nothing it refused has happened, and the connection lives on."""
+        log.info(
+            "client.refused",
+            extra={"connection": self.connection, "stream_id": self.stream_id,
+                   "code": exc.detail.code, "param": exc.detail.param},
+        )  # fmt: skip
+        await self.send(ErrorEvent(status=exc.status, error=exc.detail))
 
     def send_nowait(self, event: ServerEvent) -> None:
         self.channel.send_nowait(Outgoing(event, self.stream_id))

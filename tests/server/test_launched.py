@@ -3,6 +3,8 @@ connection-local cache, cold from the store, and refused when neither has it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import trio
 import trio.testing
@@ -141,7 +143,10 @@ async def test_a_miss_with_store_true_is_rebuilt_from_the_store(start_server: St
     assert record.rendered_input_tokens == full
 
 
-async def test_a_failed_turn_evicts_what_it_chained_from(start_server: StartServer) -> None:
+async def test_a_failed_turn_evicts_what_it_chained_from(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="proto_server")
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.ws_url) as client:
         first = await turn(client, launched_create())
@@ -158,6 +163,10 @@ async def test_a_failed_turn_evicts_what_it_chained_from(start_server: StartServ
         )
         assert again[-1]["error"]["code"] == "previous_response_not_found"
     await running.server.wait_idle()
+    # refused in its lane's task, said and logged where every refusal is (LaneSink.refuse)
+    refused = [r for r in caplog.records if r.getMessage() == "client.refused"]
+    assert [r.code for r in refused] == ["previous_response_not_found"]
+    assert isinstance(refused[0].connection, int)
 
 
 async def test_new_instructions_rebuild_the_prefix(start_server: StartServer) -> None:
