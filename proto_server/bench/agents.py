@@ -76,6 +76,8 @@ COUNTERS = {
 PLOTS = ("agents-ttft.png", "agents-cached-share-per-turn.png")
 #: The name of a proto-server path served by the server that admits rollouts by KV capacity.
 ADMITTED = " + admission"
+#: The name of the launched path served by one proto-server in front of several engines.
+SPREAD = " on {} engines"
 ADMISSION_CHOICES = ("auto", "off", "on", "both")
 #: vLLM's block, as the engine tests use it (the prefix cache's unit).
 BLOCK_SIZE = 32
@@ -94,8 +96,11 @@ class AgentsSettings:
     wait_s: tuple[float, float] = (1.0, PUBLISHED_WAIT_RATIO)
     seed: int = 0
     engine: str = "simulated"
-    #: A vLLM already running (its base, ending in /v1); None: start one.
-    engine_url: str | None = None
+    #: vLLMs already running (each one's base, ending in /v1); none: start `engines` of them.
+    engine_urls: tuple[str, ...] = ()
+    #: Engines to start (without `engine_urls`): more than one adds the launched path through
+    #: one proto-server in front of all of them, beside the same path on the first alone.
+    engines: int = 1
     gpu_blocks: int | None = None
     vllm_python: str = ".vllm/bin/python"
     answer_tokens: int = 32
@@ -126,8 +131,12 @@ class AgentsSettings:
                 found.append(f"{flag}: expected 0 < MEDIAN <= P99, finite; got {median} {p99}")
         if self.gpu_blocks is not None and self.gpu_blocks < 2:
             found.append("--num-gpu-blocks-override needs at least 2 blocks")
-        if self.engine_url is not None and self.engine != "vllm":
+        if self.engine_urls and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")
+        if self.engines < 1 or (self.engines > 1 and self.engine != "vllm"):
+            found.append("--engines must be at least 1, and more than 1 needs --engine vllm")
+        elif self.engines > 1 and self.engine_urls:
+            found.append("--engines starts engines: give it or --engine-url, not both")
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -228,9 +237,18 @@ class Target:
     #: The proto-server that admits rollouts by the engine's KV capacity (its paths' names end
     #: in `ADMITTED`).
     admitted_url: str = ""
+    #: The proto-server in front of every engine, and its path's name (`SPREAD`).
+    spread_url: str = ""
+    spread: str = ""
 
     def url(self, path: str) -> str:
+        if self.spread and path == self.spread:
+            return self.spread_url
         return self.admitted_url if path.endswith(ADMITTED) else self.proto_url
+
+    def dialect(self, path: str) -> str:
+        """The client's path (`bench.vllm`'s name) that `path` runs."""
+        return LAUNCHED if path == self.spread else path.removesuffix(ADMITTED)
 
 
 async def engine_counters(http: httpx.AsyncClient) -> dict[str, float]:
@@ -244,6 +262,15 @@ async def engine_counters(http: httpx.AsyncClient) -> dict[str, float]:
     return values
 
 
+async def summed_counters(engines: Sequence[httpx.AsyncClient]) -> dict[str, float]:
+    """`engine_counters` over several engines, added up."""
+    values = dict.fromkeys(COUNTERS, 0.0)
+    for engine in engines:
+        for key, value in (await engine_counters(engine)).items():
+            values[key] += value
+    return values
+
+
 async def _rollout(
     path: str,
     target: Target,
@@ -253,7 +280,7 @@ async def _rollout(
     record: Callable[[AgentTurn], None],
 ) -> None:
     """One rollout through one path: the tool's waits are the client's own sleeps."""
-    opened = open_path(path.removesuffix(ADMITTED), target.url(path), target.engine_url,
+    opened = open_path(target.dialect(path), target.url(path), target.engine_url,
                        target.model, instructions, target.answer_tokens)  # fmt: skip
     async with opened as send:
         new: Items = [{"role": "user", "content": f"{agent.context}\n\n{ASK}"}]
@@ -272,13 +299,14 @@ async def run_path(
     target: Target,
     agents: Sequence[Agent],
     nonce: str,
-    engine: httpx.AsyncClient | None,
+    engines: Sequence[httpx.AsyncClient],
     progress: Progress,
 ) -> PathRun:
-    """Every rollout at once through `path`; a failure ends the path (and says why), not the run."""
+    """Every rollout at once through `path`; a failure ends the path (and says why), not the run.
+    `engines`: whose counters it reads (summed), none on the simulated GPU."""
     instructions = f"[{nonce} {path}] {INSTRUCTIONS}"  # nothing of another path's is cached
     turns: list[AgentTurn] = []
-    before = await engine_counters(engine) if engine is not None else {}
+    before = await summed_counters(engines) if engines else {}
     started = time.perf_counter()
     done = 0
 
@@ -301,10 +329,10 @@ async def run_path(
         progress(f"{path} failed: {failed}")
     makespan = time.perf_counter() - started
     counted: dict[str, float] = {}
-    if engine is not None:
+    if engines:
         wanted = before["finished"] + len(turns)
         for _ in range(100):  # the engine counts a request a moment after its stream ends
-            after = await engine_counters(engine)
+            after = await summed_counters(engines)
             if after["finished"] >= wanted:
                 break
             await trio.sleep(0.05)
@@ -353,7 +381,9 @@ def engine_command(python: str, model_dir: Path, port: int, gpu_blocks: int | No
 
 
 @contextlib.asynccontextmanager
-async def started_engine(settings: AgentsSettings, progress: Progress) -> AsyncIterator[str]:
+async def started_engine(
+    settings: AgentsSettings, progress: Progress, number: int = 1
+) -> AsyncIterator[str]:
     """A vLLM CPU engine of this run's own (its log in the output folder), stopped after."""
     from proto_server.engine.model_files import (
         default_cache_dir,
@@ -365,7 +395,7 @@ async def started_engine(settings: AgentsSettings, progress: Progress) -> AsyncI
     model_dir = model_directory(default_model_path(), default_cache_dir())
     port = _free_port()
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = settings.out_dir / "agents-engine.log"
+    log_path = settings.out_dir / ("agents-engine" + (f"-{number}" if number > 1 else "") + ".log")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     url = f"http://127.0.0.1:{port}/v1"
     progress(f"starting vLLM on port {port} (log: {log_path})")
@@ -395,16 +425,20 @@ async def started_engine(settings: AgentsSettings, progress: Progress) -> AsyncI
 
 
 async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, Any]:
-    """Every path in turn on one engine; the run's JSON (settings, workload, paths, summary)."""
+    """Every path in turn on one engine (and, with several, the launched path on all of them);
+    the run's JSON (settings, workload, paths, summary)."""
     nonce = f"{os.getpid()}-{time.time_ns() % 10**9}"
+    spread = spread_url = ""
     async with contextlib.AsyncExitStack() as stack:
         if settings.engine == "vllm":
             from proto_server.engine.model_files import load_tokenizer
             from proto_server.engine.vllm import discover, tokenizer_source
 
-            url = settings.engine_url
-            if url is None:
-                url = await stack.enter_async_context(started_engine(settings, progress))
+            urls = list(settings.engine_urls)
+            for number in range(1, settings.engines + 1) if not urls else ():
+                started = started_engine(settings, progress, number)
+                urls.append(await stack.enter_async_context(started))
+            url = urls[0]
             model = await discover(url, None)
             tokenizer = load_tokenizer(tokenizer_source(model, None)).tokenizer
 
@@ -416,11 +450,19 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             process, proto_url = await start_proto_server(url, settings.answer_tokens)
             # the engine this run started schedules by priority (none given: arrival order)
             admitting = ["--kv-capacity-from-engine"]
-            if settings.engine_url is None:
+            if not settings.engine_urls:
                 admitting.append("--engine-priority")
-            engine: httpx.AsyncClient | None = await stack.enter_async_context(
-                httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30)
-            )
+            engines = [
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=each.removesuffix("/v1"), timeout=30)
+                )
+                for each in urls
+            ]
+            if len(urls) > 1:  # the launched path again, through one server in front of all
+                others = [flag for each in urls[1:] for flag in ("--engine-url", each)]
+                front, spread_url = await start_proto_server(url, settings.answer_tokens, others)
+                stack.push_async_callback(_stop, front)
+                spread = LAUNCHED + SPREAD.format(len(urls))
         else:
             from proto_server.core.tokenizer import o200k_base
 
@@ -429,7 +471,7 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             def count(text: str) -> int:
                 return len(encoding.encode_ordinary(text))
 
-            paths, name, url, engine = (PROTOTYPE, LAUNCHED), "proto-sim", "", None
+            paths, name, url, engines = (PROTOTYPE, LAUNCHED), "proto-sim", "", []
             flags = ["--prefill-rate", str(settings.prefill_rate)]
             admitting = []
             if settings.gpu_blocks is not None:  # the simulated GPU's cache, as bounded
@@ -454,13 +496,18 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             else:  # side by side: each of ours, then the same with admission
                 paths = (*(p for pair in zip(ours, admitted, strict=True) for p in pair),
                          *paths[len(ours) :])  # fmt: skip
+        if spread:  # after the launched paths on one engine, for the side-by-side
+            last = max(i for i, p in enumerate(paths) if p.startswith(LAUNCHED))
+            paths = (*paths[: last + 1], spread, *paths[last + 1 :])
         agents = make_agents(settings, count, nonce)
-        target = Target(proto_url, url, name, settings.answer_tokens, admitted_url)
+        target = Target(proto_url, url, name, settings.answer_tokens, admitted_url,
+                        spread_url, spread)  # fmt: skip
         runs = []
         for index, path in enumerate(paths, 1):
             progress(f"[{index}/{len(paths)}] {path}: {len(agents)} rollouts x "
                      f"{settings.turns} turns")  # fmt: skip
-            runs.append(await run_path(path, target, agents, nonce, engine, progress))
+            counted = engines if path == spread else engines[:1]
+            runs.append(await run_path(path, target, agents, nonce, counted, progress))
     return report(settings, agents, runs, count)
 
 
@@ -542,12 +589,33 @@ def report(
         "tool_output_tokens": [[count(o) for o in a.outputs] for a in agents],
         "waits_s": [list(a.waits_s) for a in agents],
     }
+    paths = [summarize(run, modelled) for run in runs]
     return {
         "settings": attrs.asdict(settings, value_serializer=_plain),
         "workload": workload,
-        "paths": [summarize(run, modelled) for run in runs],
+        "paths": paths,
         "turns": [attrs.asdict(t) for run in runs for t in run.turns],
+        "spread_vs_one": spread_vs_one(paths),
     }
+
+
+#: Issue 19's goal for several engines: each turn's cached share within this of one engine's.
+SPREAD_POINTS = 5.0
+
+
+def spread_vs_one(paths: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The launched path on several engines against it on one: each turn's cached share, in
+    points (100 x the share) above one engine's, from turn 2 (the first finds only the shared
+    prefix on either); None without both paths."""
+    one = next((p for p in paths if p["path"] == LAUNCHED), None)
+    many = next((p for p in paths if p["path"].startswith(LAUNCHED + " on ")), None)
+    if one is None or many is None or one["failed"] or many["failed"]:
+        return None
+    a, b = one["cached_share_per_turn"], many["cached_share_per_turn"]
+    points = {turn: 100 * (b[turn] - a[turn]) for turn in a if turn != "1" and turn in b}
+    worst = min(points.values(), default=0.0)
+    return {"path": many["path"], "points_per_turn": points, "worst_points": worst,
+            "holds": worst >= -SPREAD_POINTS}  # fmt: skip
 
 
 def _plain(instance: Any, field: Any, value: Any) -> Any:
@@ -592,6 +660,14 @@ def render(data: dict[str, Any]) -> str:
         [[p["path"], *(f"{p['cached_share_per_turn'].get(k, math.nan):.0%}" for k in turn_keys)]
          for p in data["paths"]],
     )  # fmt: skip
+    spread = data.get("spread_vs_one")
+    if spread is not None:
+        each = ", ".join(f"turn {t} {v:+.1f}" for t, v in spread["points_per_turn"].items())
+        verdict = "holds" if spread["holds"] else "FAILS"
+        lines += ["", f"{spread['path']} against one engine, cached share in points: {each}",
+                  f"Goal (issue 19): each turn within {SPREAD_POINTS:g} points of one "
+                  f"engine's (not below it by more): {verdict} (worst "
+                  f"{spread['worst_points']:+.1f})"]  # fmt: skip
     for p in data["paths"]:
         if p["failed"]:
             lines.append(f"\n{p['path']} failed: {p['failed']}")
@@ -634,7 +710,7 @@ def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:
 def main(settings: AgentsSettings) -> int:
     """The command: the run, its table on stdout, its files; 1 when a path failed."""
     problems = settings.problems()
-    needs_engine = settings.engine == "vllm" and settings.engine_url is None
+    needs_engine = settings.engine == "vllm" and not settings.engine_urls
     if needs_engine and not Path(engine_python(settings)).exists():
         problems.append(f"no vLLM environment at {engine_python(settings)}; pass --vllm-python "
                         "(or set PROTO_SERVER_VLLM_PYTHON), or --engine-url")  # fmt: skip

@@ -251,8 +251,15 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         "CPU engine (SmolLM2, block size 32; vLLM's own /v1/responses too)",
     )  # fmt: skip
     group.add_argument(
-        "--engine-url", default=None, metavar="URL",
-        help="agents, --engine vllm: a running engine's base (ending in /v1); default: start one",
+        "--engine-url", action="append", default=None, metavar="URL",
+        help="agents, --engine vllm: a running engine's base (ending in /v1); again for another "
+        "replica (the launched path then also runs through one server in front of all); "
+        "default: start --engines of them",
+    )  # fmt: skip
+    group.add_argument(
+        "--engines", type=int, default=defaults.engines, metavar="N",
+        help="agents, --engine vllm: engines to start; more than 1 adds the launched path "
+        "through one proto-server in front of all of them, beside it on the first alone",
     )  # fmt: skip
     group.add_argument(
         "--num-gpu-blocks-override", dest="gpu_blocks", type=int, default=None, metavar="N",
@@ -407,7 +414,8 @@ def _run_agents(args: argparse.Namespace) -> int:
         wait_s=d.wait_s if args.wait_s is None else args.wait_s,
         seed=args.seed,
         engine=args.engine,
-        engine_url=args.engine_url,
+        engine_urls=tuple(args.engine_url or ()),
+        engines=args.engines,
         gpu_blocks=args.gpu_blocks,
         vllm_python=args.vllm_python,
         answer_tokens=args.decode_tokens,

@@ -16,11 +16,13 @@ import pytest
 from proto_server.bench.agents import (
     ADMITTED,
     PLOTS,
+    SPREAD,
     AgentsSettings,
     AgentTurn,
     lognormal,
     make_agents,
     percentile,
+    spread_vs_one,
     unbounded_need,
 )
 from proto_server.bench.vllm import LAUNCHED, PROTOTYPE, STATELESS
@@ -179,3 +181,31 @@ def test_agents_on_a_real_engine_measure_all_three_paths(
         assert engine["finished"] >= 4  # the engine counted every turn (and nothing less)
         assert engine["prompt_tokens"] >= path["input_tokens"] * 0.9
     assert "vLLM /v1/responses" in capsys.readouterr().out
+
+
+def test_bench_agents_starts_several_engines_only_of_vllm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--engines", "2"]) == 2
+    assert "more than 1 needs --engine vllm" in capsys.readouterr().err
+    args = ["bench", "agents", "--engine", "vllm", "--engines", "2", "--engine-url", "http://x/v1"]
+    assert main(args) == 2
+    assert "give it or --engine-url, not both" in capsys.readouterr().err
+
+
+def _path(name: str, shares: dict[str, float], failed: str | None = None) -> dict[str, Any]:
+    return {"path": name, "cached_share_per_turn": shares, "failed": failed}
+
+
+def test_several_engines_are_held_to_each_turns_cached_share_on_one() -> None:
+    one = _path(LAUNCHED, {"1": 0.1, "2": 0.80, "3": 0.90})
+    close = _path(LAUNCHED + SPREAD.format(2), {"1": 0.0, "2": 0.78, "3": 0.91})
+    far = _path(LAUNCHED + SPREAD.format(2), {"1": 0.1, "2": 0.70, "3": 0.95})
+    held = spread_vs_one([one, close])
+    assert held is not None and held["holds"]
+    assert held["points_per_turn"] == {"2": pytest.approx(-2.0), "3": pytest.approx(1.0)}
+    missed = spread_vs_one([one, far])
+    assert missed is not None and not missed["holds"]
+    assert missed["worst_points"] == pytest.approx(-10.0)
+    assert spread_vs_one([one]) is None
+    assert spread_vs_one([one, _path(close["path"], {}, failed="boom")]) is None

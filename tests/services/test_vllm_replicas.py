@@ -11,14 +11,21 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import trio
 
+from proto_server.bench.agents import SPREAD
+from proto_server.bench.vllm import LAUNCHED, PROTOTYPE, STATELESS
+from proto_server.cli import main
+
 from ..support.engine import Engine, running
 from ..support.helpers import TERMINAL, connect, parse, read_line, value
+from .test_bench_agents import _consistent
 from .test_vllm import ASK, TOOL, assert_warm, calls_of, segment_usage
 
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(900)]
@@ -105,6 +112,35 @@ def outputs(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def finish(**fields: Any) -> dict[str, Any]:
     return {"type": "response.append", "tool_choice": "none", **fields}
+
+
+def test_the_agents_bench_runs_the_launched_path_on_two_engines_beside_one(
+    vllm_engine: Engine, second_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench agents` with two engines: the launched path through one server in front of both,
+    beside it on the first alone, each turn's cached share compared (issue 19's goal)."""
+    engines = (vllm_engine, second_engine)
+    before = [e.metric(PROMPTS) for e in engines]
+    args = ["bench", "agents", "--engine", "vllm", "--admission", "off",
+            "--engine-url", vllm_engine.url, "--engine-url", second_engine.url,
+            "--rollouts", "2", "--turns", "2", "--wait-s", "0.05,0.1", "--context-tokens", "100",
+            "--tool-tokens", "40,60", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    spread = LAUNCHED + SPREAD.format(2)
+    assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED, spread, STATELESS]
+    for path in data["paths"]:
+        _consistent(path, rollouts=2, turns=2)
+    on_both = next(p for p in data["paths"] if p["path"] == spread)
+    assert on_both["engine"]["finished"] >= 4  # counted on both engines together
+    # every path but the spread one ran on the first engine: the second saw only its turns
+    after = [e.metric(PROMPTS) for e in engines]
+    assert after[1] - before[1] > 0
+    assert after[1] - before[1] < on_both["input_tokens"]  # the two rollouts went one each
+    compared = data["spread_vs_one"]
+    assert compared["path"] == spread and set(compared["points_per_turn"]) == {"2"}
+    out = capsys.readouterr().out
+    assert f"{spread} against one engine" in out and "Goal (issue 19): each turn within 5" in out
 
 
 async def test_two_engines_spread_stay_warm_fail_over_and_take_work_again(
