@@ -110,6 +110,8 @@ class AgentsSettings:
     #: side by side (a second server process admits; it needs a known cache size); auto: both
     #: where the cache's size is known (a vLLM engine, or a bounded simulated one), else off.
     admission: str = "auto"
+    #: The admitting server's `--admission-ttl` (None: its default).
+    admission_ttl_s: float | None = None
 
     @property
     def admits(self) -> str:
@@ -137,6 +139,8 @@ class AgentsSettings:
             found.append("--engines must be at least 1, and more than 1 needs --engine vllm")
         elif self.engines > 1 and self.engine_urls:
             found.append("--engines starts engines: give it or --engine-url, not both")
+        if self.admission_ttl_s is not None and not self.admission_ttl_s > 0:
+            found.append(f"--admission-ttl must be positive, got {self.admission_ttl_s}")
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -481,6 +485,8 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             process, proto_url = await start_serve(flags)
         stack.push_async_callback(_stop, process)
         admitted_url = ""
+        if settings.admission_ttl_s is not None:
+            admitting += ["--admission-ttl", f"{settings.admission_ttl_s:g}"]
         if settings.admits != "off":
             if settings.engine == "vllm":
                 admitter, admitted_url = await start_proto_server(

@@ -272,6 +272,10 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         "auto: both where the cache's size is known (vllm, or --num-gpu-blocks-override)",
     )  # fmt: skip
     group.add_argument(
+        "--admission-ttl", dest="admission_ttl_s", type=float, default=None, metavar="S",
+        help="agents: the admitting server's --admission-ttl (default: the server's own)",
+    )  # fmt: skip
+    group.add_argument(
         "--vllm-python", default=defaults.vllm_python, metavar="PATH",
         help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
@@ -422,6 +426,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         prefill_rate=args.prefill_rate,
         out_dir=args.out,
         admission=args.admission,
+        admission_ttl_s=args.admission_ttl_s,
     )
     return agents_main(settings)
 
