@@ -110,8 +110,9 @@ class AgentsSettings:
     #: side by side (a second server process admits; it needs a known cache size); auto: both
     #: where the cache's size is known (a vLLM engine, or a bounded simulated one), else off.
     admission: str = "auto"
-    #: The admitting server's `--admission-ttl` (None: its default).
+    #: The admitting server's `--admission-ttl` and `--admission-ttl-median` (None: its own).
     admission_ttl_s: float | None = None
+    admission_ttl_median: float | None = None
 
     @property
     def admits(self) -> str:
@@ -487,6 +488,8 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
         admitted_url = ""
         if settings.admission_ttl_s is not None:
             admitting += ["--admission-ttl", f"{settings.admission_ttl_s:g}"]
+        if settings.admission_ttl_median is not None:
+            admitting += ["--admission-ttl-median", f"{settings.admission_ttl_median:g}"]
         if settings.admits != "off":
             if settings.engine == "vllm":
                 admitter, admitted_url = await start_proto_server(

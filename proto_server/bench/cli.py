@@ -276,6 +276,10 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         help="agents: the admitting server's --admission-ttl (default: the server's own)",
     )  # fmt: skip
     group.add_argument(
+        "--admission-ttl-median", dest="admission_ttl_median", type=float, default=None,
+        metavar="K", help="agents: the admitting server's --admission-ttl-median",
+    )  # fmt: skip
+    group.add_argument(
         "--vllm-python", default=defaults.vllm_python, metavar="PATH",
         help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
@@ -375,6 +379,14 @@ def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
         help="fleet, proto-server's policy: how long a suspended rollout keeps "
         "its place (the server's --admission-ttl)",
     )
+    group.add_argument(
+        "--ttl-median",
+        type=_rate,
+        default=None,
+        metavar="K",
+        help="fleet, proto-server's policy: the place kept K times the median time away, at "
+        "most --ttl-s (the server's --admission-ttl-median)",
+    )
 
 
 def _run_fleet(args: argparse.Namespace) -> int:
@@ -403,6 +415,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         step_s=args.step_ms / 1000,
         target_fill=args.kv_target_fill,
         ttl_s=args.ttl_s,
+        ttl_median=args.ttl_median,
         out_dir=args.out,
     )
     return fleet.main(settings)
@@ -427,6 +440,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         out_dir=args.out,
         admission=args.admission,
         admission_ttl_s=args.admission_ttl_s,
+        admission_ttl_median=args.admission_ttl_median,
     )
     return agents_main(settings)
 

@@ -81,6 +81,8 @@ class FleetSettings:
     #: (--kv-target-fill) and how long a suspended one keeps its place (--admission-ttl).
     target_fill: float = 0.9
     ttl_s: float = 30.0
+    #: The server's --admission-ttl-median (None: off).
+    ttl_median: float | None = None
     out_dir: Path = Path("bench-results")
 
     def problems(self) -> list[str]:
@@ -117,6 +119,8 @@ class FleetSettings:
         ):
             if not (0 < value < math.inf):
                 found.append(f"{flag} must be positive and finite, got {value}")
+        if self.ttl_median is not None and not (0 < self.ttl_median < math.inf):
+            found.append(f"--ttl-median must be positive and finite, got {self.ttl_median}")
         if not (0 <= self.arrival_s < math.inf):
             found.append(f"--arrival-s must be at least 0 and finite, got {self.arrival_s}")
         if not (0 < self.target_fill <= 1):
@@ -346,7 +350,10 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
     replicas = [Replica(settings) for _ in range(count)]
     router = Router(count, capacities=[settings.cache_tokens] * count)
     capacity = max(1, int(settings.cache_tokens * settings.target_fill))
-    schedulers = [Scheduler(capacity, ttl_s=settings.ttl_s) for _ in range(count)]
+    schedulers = [
+        Scheduler(capacity, ttl_s=settings.ttl_s, ttl_median=settings.ttl_median)
+        for _ in range(count)
+    ]
     events: list[tuple[float, int, int, int]] = []
     order = itertools.count()
     turn_of = [0] * len(rollouts)

@@ -9,7 +9,10 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
 - an admitted rollout (its KV presumed resident) resumes at once when its tool output comes;
 - a new one is admitted only if its tokens fit beside the admitted ones', else it waits;
 - a suspended admitted rollout keeps its place for `ttl_s`, then is demoted (its tokens no
-  longer reserved), so a rollout whose client went away does not block the others;
+  longer reserved), so a rollout whose client went away does not block the others; with
+  `ttl_median` K, the place is kept K times the median time rollouts were away lately (their
+  tools' times, as this server saw them), if that is shorter: past it, a rollout is unlikely
+  to be back soon;
 - a rollout larger than what fits is still served when nothing else is admitted (no deadlock);
 - the waiting queue is served by weighted fair share between owners (API keys): the owner with
   the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
@@ -24,6 +27,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import statistics
 from collections.abc import Hashable, Mapping
 
 import attrs
@@ -46,6 +50,9 @@ class Entry:
     since: float
     #: Arrival order among waiting ones (FCFS within an owner, ties across owners).
     order: int = 0
+    #: When its last segment ended (it has waited on its client since); None: it has not, or
+    #: it has asked again since.
+    away_since: float | None = None
 
     @property
     def admitted(self) -> bool:
@@ -69,6 +76,11 @@ ADMITTED = Request(admitted=True, resident=False)
 QUEUED = Request(admitted=False, resident=False)
 
 
+#: How many of the latest times away `ttl_median` takes the median of, and how many it needs.
+AWAY_SAMPLES = 256
+AWAY_SAMPLES_MIN = 16
+
+
 class Scheduler:
     """Rollouts by key (any hashable: the server uses the `Rollout` itself)."""
 
@@ -77,6 +89,7 @@ class Scheduler:
         capacity_tokens: int,
         *,
         ttl_s: float,
+        ttl_median: float | None = None,
         weights: Mapping[str, float] | None = None,
     ) -> None:
         if capacity_tokens < 1:
@@ -84,7 +97,14 @@ class Scheduler:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.capacity = capacity_tokens
+        if ttl_median is not None and not ttl_median > 0:
+            raise ValueError(f"ttl_median must be positive, got {ttl_median}")
         self.ttl_s = ttl_s
+        self.ttl_median = ttl_median
+        #: The latest `AWAY_SAMPLES` times a rollout was away (its segment's end to its next
+        #: request), sorted; and the place kept now (`ttl`).
+        self._away: collections.deque[float] = collections.deque(maxlen=AWAY_SAMPLES)
+        self.ttl = ttl_s
         self._weights = dict(weights or {})
         self._entries: dict[Hashable, Entry] = {}
         #: Per owner, its waiting rollouts in arrival order.
@@ -109,6 +129,9 @@ class Scheduler:
         at once whatever its size now (its KV is resident); another is admitted if it fits
         and no one waits ahead of it, else it waits (a later answer's `woken` names it)."""
         entry = self._entries.get(key)
+        if entry is not None and entry.away_since is not None:
+            self._came_back(now - entry.away_since)
+            entry.away_since = None
         if entry is not None and entry.admitted:
             if tokens != entry.tokens:
                 self._resize(entry, tokens)
@@ -135,7 +158,7 @@ class Scheduler:
         entry = self._entries.get(key)
         if entry is not None and entry.state is State.STREAMING:
             entry.state = State.SUSPENDED
-            entry.since = now
+            entry.since = entry.away_since = now
 
     def release(self, key: Hashable) -> list[Hashable]:
         """`key` is gone (closed, cancelled, gave up waiting); returns who is admitted now."""
@@ -168,7 +191,7 @@ class Scheduler:
             return []  # a lapsed place only matters to someone waiting: demoted when one does
         lapsed = [
             e for e in self._entries.values()
-            if e.state is State.SUSPENDED and e.since + self.ttl_s <= now
+            if e.state is State.SUSPENDED and e.since + self.ttl <= now
         ]  # fmt: skip
         for entry in lapsed:
             self._unreserve(entry)
@@ -183,7 +206,7 @@ class Scheduler:
         if not self.waiting:
             return math.inf
         return min(
-            (e.since + self.ttl_s for e in self._entries.values() if e.state is State.SUSPENDED),
+            (e.since + self.ttl for e in self._entries.values() if e.state is State.SUSPENDED),
             default=math.inf,
         )
 
@@ -203,6 +226,16 @@ class Scheduler:
         return self._owned[owner] / self._weights.get(owner, 1.0)
 
     # -- inside --------------------------------------------------------------------------------
+
+    def _came_back(self, away_s: float) -> None:
+        """A rollout asked again `away_s` after its segment ended: with `ttl_median`, the
+        place kept is that multiple of the latest times' median (once `AWAY_SAMPLES_MIN` are
+        known), at most `ttl_s`."""
+        if self.ttl_median is None:
+            return
+        self._away.append(away_s)
+        if len(self._away) >= AWAY_SAMPLES_MIN:
+            self.ttl = min(self.ttl_s, self.ttl_median * statistics.median(self._away))
 
     def _fits(self, tokens: int) -> bool:
         """Room for `tokens` more; or nothing admitted (a rollout larger than the cache is

@@ -50,8 +50,9 @@ class Admission:
         log.info(
             "admission.on",
             extra={"capacity_tokens": scheduler.capacity, "ttl_s": scheduler.ttl_s,
-                   "timeout_s": timeout_s},
+                   "ttl_median": scheduler.ttl_median, "timeout_s": timeout_s},
         )  # fmt: skip
+        metrics.ADMISSION_TTL.set(scheduler.ttl)
 
     def request(self, key: Hashable, owner: str, tokens: int) -> Request:
         """Whether `key`'s next segment may go now (else `wait`)."""
@@ -166,8 +167,10 @@ class Admission:
             metrics.ADMISSION_DEMOTIONS.inc(demoted)
             log.info(
                 "admission.demoted",
-                extra={"rollouts": demoted, "ttl_s": scheduler.ttl_s, "waiting": scheduler.waiting},
-            )
+                extra={"rollouts": demoted, "ttl_s": round(scheduler.ttl, 3),
+                       "waiting": scheduler.waiting},
+            )  # fmt: skip
+        metrics.ADMISSION_TTL.set(scheduler.ttl)
         metrics.ADMITTED.set(scheduler.admitted)
         metrics.ADMISSION_WAITING.set(scheduler.waiting)
         metrics.KV_RESERVED.set(scheduler.reserved)

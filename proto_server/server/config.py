@@ -192,6 +192,14 @@ class ServerConfig:
         help="an admitted rollout waiting on its tool keeps its place this long; then, if "
         "others wait, it is demoted (waits like a new one when it comes back)",
     )
+    admission_ttl_median: float = setting(
+        0.0,
+        between(0, 1000),
+        metavar="K",
+        help="keep a waiting rollout's place K times the median time rollouts were away on "
+        "their tools lately (the last 256, once 16 came back), at most --admission-ttl; "
+        "0: --admission-ttl alone",
+    )
     admission_timeout_s: float = setting(
         300.0,
         positive,

@@ -141,6 +141,12 @@ MEMORY_PEAK = Gauge(
 )
 
 # admission by KV capacity (server/admission.py), when --kv-capacity-tokens is set
+ADMISSION_TTL = Gauge(
+    "proto_server_admission_ttl_seconds",
+    "How long a suspended admitted rollout keeps its place now (--admission-ttl, or "
+    "--admission-ttl-median times the median time away, if shorter)",
+    multiprocess_mode="livemax",
+)
 KV_CAPACITY = Gauge(
     "proto_server_kv_capacity_tokens",
     "Engine KV cache tokens the server schedules against (--kv-capacity-tokens x --kv-target-fill)",

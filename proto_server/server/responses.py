@@ -127,6 +127,7 @@ class Responses:
             scheduler = Scheduler(
                 config.kv_budget_tokens,
                 ttl_s=config.admission_ttl_s,
+                ttl_median=config.admission_ttl_median or None,
                 weights=dict(config.key_weights),
             )
             # over engine replicas, admitted against the capacity of those that answer

@@ -116,6 +116,39 @@ async def test_a_suspended_rollout_keeps_its_place_for_the_ttl_then_yields_it(
             assert three[-1]["response"]["status"] == "completed"
 
 
+async def test_a_place_can_be_kept_a_multiple_of_the_median_time_away(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """--admission-ttl-median 2: once 16 rollouts came back from tools of about a second, a
+    suspended rollout keeps its place 2 s (the gauge says so), not --admission-ttl's 30."""
+    running = await start_server(
+        THREE_SEGMENTS,
+        store=CheckpointStore(),
+        kv_capacity_tokens=1,
+        admission_ttl_s=30,
+        admission_ttl_median=2,
+    )
+    with trio.fail_after(600):
+        assert sample("proto_server_admission_ttl_seconds") == 30
+        for _ in range(8):  # two tool waits of 1 s each: 16 times away
+            async with connect(running.prototype_url) as client:
+                await client.send(create())
+                events = await client.segment()
+                for _ in range(2):
+                    await trio.sleep(1)
+                    await client.send({"type": "response.append", "input": answers(events)})
+                    events = await client.until("response.done", "response.completed")
+        assert sample("proto_server_admission_ttl_seconds") == 2
+        async with connect(running.prototype_url) as first, connect(running.prototype_url) as other:
+            await first.send(create())
+            await first.segment()  # admitted, now suspended on its tool
+            suspended_at = trio.current_time()
+            await other.send(create())
+            started = await other.segment()  # once the first's place lapses: 2 s, not 30
+            assert 2 <= trio.current_time() - suspended_at < 5
+            assert started[-1]["type"] == "response.done"
+
+
 async def test_a_launched_chain_keeps_its_place_between_turns(
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:

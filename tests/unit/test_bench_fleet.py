@@ -66,6 +66,19 @@ def test_with_a_cache_too_small_plain_forwarding_prefills_more_than_the_servers_
     assert proto.demotions >= 0 and len(proto.jct_s) == tight.rollouts
 
 
+def test_a_place_kept_a_short_multiple_of_the_time_away_demotes_more() -> None:
+    """--ttl-median: the server's learned place, in the same simulation; the workload's waits
+    are the same, so a place kept less than its fixed TTL lapses more often."""
+    tight = attrs.evolve(SMALL, cache_tokens=4096, wait_s=(5.0, 20.0), ttl_s=30.0)
+    fixed = _run(tight, "proto-server")
+    learned = _run(attrs.evolve(tight, ttl_median=1.0), "proto-server")
+    assert learned.demotions > fixed.demotions
+    assert len(learned.jct_s) == tight.rollouts  # every rollout still ends
+    assert attrs.evolve(tight, ttl_median=0.0).problems() == [
+        "--ttl-median must be positive and finite, got 0.0"
+    ]
+
+
 def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_again() -> None:
     settings = FleetSettings(shared_tokens=0, cache_tokens=64, block_tokens=16, max_running=2)
     replica = Replica(settings)  # a cache of 4 blocks

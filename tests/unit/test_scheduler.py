@@ -120,11 +120,49 @@ def test_a_released_waiter_leaves_the_queue() -> None:
     assert s.release("a") == ["c"]
 
 
+def _away(s: Scheduler, times: list[float], now: float = 0.0) -> float:
+    """Rollouts that suspend and come back after each of `times`; returns the clock after."""
+    for i, away in enumerate(times):
+        key = ("away", i)
+        s.request(key, "k", 1, now=now)
+        s.suspend(key, now=now)
+        now += away
+        s.request(key, "k", 1, now=now)  # back: its time away is counted
+        s.release(key)
+    return now
+
+
+def test_with_ttl_median_a_place_is_kept_that_multiple_of_the_median_time_away() -> None:
+    """Tools that take about a second: a place is kept K seconds, not the whole TTL; until
+    16 rollouts came back, the TTL alone holds; the TTL stays the most."""
+    s = Scheduler(100, ttl_s=TTL, ttl_median=3.0)
+    now = _away(s, [1.0] * 15)
+    assert s.ttl == TTL  # 15 seen: not enough to go by
+    now = _away(s, [1.0, 0.5, 2.0, 1.0, 9.0], now)
+    assert s.ttl == 3.0  # 3 x the median (1 s); the one long wait moves it not
+    s.request("a", "k", 80, now=now)
+    s.suspend("a", now=now)
+    s.request("b", "k", 80, now=now + 1)
+    assert s.next_expiry() == now + 3.0
+    assert s.expire(now=now + 3.0) == ["b"]  # a's place lapsed after 3 s, not 10
+    assert s.state("a") is State.IDLE and s.demotions == 1
+    _away(s, [100.0] * 40, now + 4)
+    assert s.ttl == TTL  # tools got slow: the TTL caps it
+
+
+def test_without_ttl_median_the_time_away_changes_nothing() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    _away(s, [0.1] * 50)
+    assert s.ttl == TTL
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         Scheduler(0, ttl_s=TTL)
     with pytest.raises(ValueError):
         Scheduler(10, ttl_s=0)
+    with pytest.raises(ValueError):
+        Scheduler(10, ttl_s=TTL, ttl_median=0)
 
 
 OWNERS = ("a", "b", "c")
@@ -250,3 +288,21 @@ class Admissions(RuleBasedStateMachine):
 
 TestAdmissions = Admissions.TestCase
 TestAdmissions.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class AdmissionsWithALearnedTtl(Admissions):
+    """The same promises when places are kept a multiple of the median time away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, ttl_median=2.0, weights={"c": 2.0})
+
+    @invariant()
+    def the_place_kept_is_never_longer_than_the_ttl(self) -> None:
+        assert 0 <= self.s.ttl <= TTL
+
+
+TestAdmissionsWithALearnedTtl = AdmissionsWithALearnedTtl.TestCase
+TestAdmissionsWithALearnedTtl.settings = settings(
+    max_examples=100, stateful_step_count=60, deadline=None
+)
