@@ -102,7 +102,7 @@ class Scheduler:
         self.ttl_s = ttl_s
         self.ttl_median = ttl_median
         #: The latest `AWAY_SAMPLES` times a rollout was away (its segment's end to its next
-        #: request), sorted; and the place kept now (`ttl`).
+        #: request), and the place kept now (`ttl`).
         self._away: collections.deque[float] = collections.deque(maxlen=AWAY_SAMPLES)
         self.ttl = ttl_s
         self._weights = dict(weights or {})

@@ -58,7 +58,12 @@ class Admission:
         """Whether `key`'s next segment may go now (else `wait`)."""
         scheduler = self.scheduler
         self._refresh_capacity()
+        ttl = scheduler.ttl
         answer = scheduler.request(key, owner, tokens, trio.current_time())
+        if scheduler.ttl != ttl:  # learned from this one's time away (--admission-ttl-median)
+            metrics.ADMISSION_TTL.set(scheduler.ttl)
+            if scheduler.waiting:
+                self._poke()  # a waiter sleeping until a place lapses: it may lapse sooner
         if answer.resident:
             metrics.KV_RESERVED.set(scheduler.reserved)
             return answer
