@@ -15,6 +15,7 @@ import trio.testing
 
 from proto_server.cli import key_weights
 from proto_server.core.conversation import Conversation
+from proto_server.core.scheduler import Scheduler, State
 from proto_server.engine.base import GeneratorSession
 from proto_server.engine.chunks import Chunk
 from proto_server.engine.default_model import DefaultModel
@@ -22,6 +23,7 @@ from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.engine.vllm import completion_request, parse_kv_capacity
+from proto_server.server.admission import Admission
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import owner_id
@@ -358,3 +360,31 @@ def test_the_engines_kv_capacity_is_read_from_its_metrics() -> None:
     assert parse_kv_capacity("# nothing here\n") is None
     said = ENGINE_METRICS.replace('kv_cache_size_tokens="None"', 'kv_cache_size_tokens="5000"')
     assert parse_kv_capacity(said) == 5000 + 100 * 32  # what the engine says, where it does
+
+
+async def test_a_waiter_is_let_in_when_a_learned_place_lapses_sooner_than_it_slept_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A waiter sleeps until the next place lapses; when a rollout's time away shortens the
+    places kept (--admission-ttl-median), it looks again, and goes in when the shorter one
+    lapses, not when the longer one would have."""
+    scheduler = Scheduler(100, ttl_s=30, ttl_median=2)
+    for i in range(15):  # 15 rollouts came back after 1 s: one short of going by them
+        scheduler.request(i, "k", 1, now=i)
+        scheduler.suspend(i, now=i)
+        scheduler.request(i, "k", 1, now=i + 1)
+        scheduler.release(i)
+    await trio.sleep(20)
+    admission = Admission(scheduler, timeout_s=300)
+    for key, tokens in (("a", 60), ("b", 30)):
+        assert admission.request(key, "k", tokens).admitted
+        admission.suspended(key)
+    suspended_at = trio.current_time()
+    assert not admission.request("w", "k", 60).admitted
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(admission.wait, "w")
+        await trio.sleep(1)
+        assert admission.request("b", "k", 30).resident  # back after 1 s: the 16th
+        assert scheduler.ttl == 2
+    assert scheduler.state("w") is State.STREAMING
+    assert 2 <= trio.current_time() - suspended_at < 3  # a's place lapsed at 2 s, not 30
