@@ -142,6 +142,9 @@ class AgentsSettings:
             found.append("--engines starts engines: give it or --engine-url, not both")
         if self.admission_ttl_s is not None and not self.admission_ttl_s > 0:
             found.append(f"--admission-ttl must be positive, got {self.admission_ttl_s}")
+        learned = self.admission_ttl_median
+        if learned is not None and not 0 <= learned <= 1000:
+            found.append(f"--admission-ttl-median must be between 0 and 1000, got {learned}")
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -453,6 +456,7 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS)
             name = model.name
             process, proto_url = await start_proto_server(url, settings.answer_tokens)
+            stack.push_async_callback(_stop, process)
             # the engine this run started schedules by priority (none given: arrival order)
             admitting = ["--kv-capacity-from-engine"]
             if not settings.engine_urls:
@@ -484,7 +488,7 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
                 flags += ["--prefix-cache-tokens", tokens]
                 admitting = ["--kv-capacity-tokens", tokens]
             process, proto_url = await start_serve(flags)
-        stack.push_async_callback(_stop, process)
+            stack.push_async_callback(_stop, process)
         admitted_url = ""
         if settings.admission_ttl_s is not None:
             admitting += ["--admission-ttl", f"{settings.admission_ttl_s:g}"]

@@ -381,10 +381,11 @@ async def test_a_waiter_is_let_in_when_a_learned_place_lapses_sooner_than_it_sle
         admission.suspended(key)
     suspended_at = trio.current_time()
     assert not admission.request("w", "k", 60).admitted
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(admission.wait, "w")
-        await trio.sleep(1)
-        assert admission.request("b", "k", 30).resident  # back after 1 s: the 16th
-        assert scheduler.ttl == 2
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(admission.wait, "w")
+            await trio.sleep(1)
+            assert admission.request("b", "k", 30).resident  # back after 1 s: the 16th
+            assert scheduler.ttl == 2
     assert scheduler.state("w") is State.STREAMING
     assert 2 <= trio.current_time() - suspended_at < 3  # a's place lapsed at 2 s, not 30

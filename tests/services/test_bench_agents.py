@@ -191,6 +191,8 @@ def test_bench_agents_starts_several_engines_only_of_vllm(
     args = ["bench", "agents", "--engine", "vllm", "--engines", "2", "--engine-url", "http://x/v1"]
     assert main(args) == 2
     assert "give it or --engine-url, not both" in capsys.readouterr().err
+    assert main(["bench", "agents", "--admission-ttl-median", "-1"]) == 2
+    assert "--admission-ttl-median must be between 0 and 1000" in capsys.readouterr().err
 
 
 def _path(name: str, shares: dict[str, float], failed: str | None = None) -> dict[str, Any]:
