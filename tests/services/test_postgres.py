@@ -25,7 +25,14 @@ from proto_server.server.store import (
 )
 from proto_server.server.store.postgres import SCHEMA_VERSION, PostgresStore
 
-from ..support.helpers import connect, identified, items_and_deletion, read_line, stored
+from ..support.helpers import (
+    connect,
+    identified,
+    items_and_deletion,
+    many_ids_and_the_newest_holder,
+    read_line,
+    stored,
+)
 from ..support.postgres import Cluster
 
 pytestmark = pytest.mark.postgres
@@ -78,6 +85,14 @@ async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_resp
 ) -> None:
     store = PostgresStore(pg_url)
     await items_and_deletion(store)
+    await store.aclose()
+
+
+async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    await many_ids_and_the_newest_holder(store)
     await store.aclose()
 
 

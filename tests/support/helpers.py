@@ -421,6 +421,19 @@ async def items_and_deletion(store: Any) -> None:
     assert await store.chain("resp_2", owner=k1) is None
 
 
+async def many_ids_and_the_newest_holder(store: Any) -> None:
+    """Ids past one statement's batch are all looked up, and an item stored twice (a client
+    replayed it, its id with it) is found in the newest response that holds it."""
+    await store.put(identified("resp_1"))
+    replayed = identified("resp_2")
+    again = attrs.evolve(identified("resp_1").items[1], content="replayed")  # type: ignore[misc]
+    await store.put(attrs.evolve(replayed, items=(*replayed.items, again)))
+    wanted = [f"msg_{i}" for i in range(1_200)] + ["a_resp_1", "q_resp_2"]
+    found = await store.items(wanted, owner="")
+    assert sorted(found) == ["a_resp_1", "q_resp_2"]
+    assert found["a_resp_1"].content == "replayed"
+
+
 LOCK = """
 import sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None)

@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -23,11 +24,19 @@ from proto_server.server.store import (
     StoreUnavailable,
     chain_items,
     owner_id,
+    put_row,
+    sqlite_host,
 )
 from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 
-from ..support.helpers import Locker, identified, items_and_deletion, stored
+from ..support.helpers import (
+    Locker,
+    identified,
+    items_and_deletion,
+    many_ids_and_the_newest_holder,
+    stored,
+)
 
 
 async def test_a_chain_comes_back_in_order() -> None:
@@ -230,6 +239,20 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
         await store.aclose()
 
 
+def test_a_write_that_gets_its_lock_past_its_deadline_is_given_up(tmp_path: Path) -> None:
+    # SQLite's busy timeout counts the sleeps it asked for: on a busy machine it outwaits the
+    # server, which has told the client by then that the write failed; so it must not land
+    db = sqlite_host.connect(str(tmp_path / "s.sqlite3"), 2, writer=True)
+    row = put_row(stored("resp_late"), 1.0)
+    with pytest.raises(sqlite3.OperationalError, match="after the call's deadline") as late:
+        sqlite_host.run(db, "put", time.monotonic() - 0.001, (row, [], None, 0.0, 10))
+    assert late.value.sqlite_errorname == "SQLITE_BUSY"  # told as a lock held too long
+    assert sqlite_host.run(db, "get", time.monotonic() + 2, ("resp_late", "")) is None
+    sqlite_host.run(db, "put", time.monotonic() + 2, (row, [], None, 0.0, 10))
+    assert sqlite_host.run(db, "get", time.monotonic() + 2, ("resp_late", "")) is not None
+    db.close()
+
+
 async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
     path = tmp_path / "store.sqlite3"
     store = SQLiteStore(path)
@@ -282,13 +305,5 @@ async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Pa
 
 async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
     store = SQLiteStore(":memory:")
-    await store.put(identified("resp_1"))
-    # a later response holding the same item (a client replayed it, its id with it)
-    replayed = identified("resp_2")
-    await store.put(attrs.evolve(replayed, items=(*replayed.items, identified("resp_1").items[1])))
-    wanted = [f"msg_{i}" for i in range(1_200)] + ["a_resp_1", "q_resp_2"]
-    found = await store.items(wanted, owner="")
-    assert sorted(found) == ["a_resp_1", "q_resp_2"]
-    where, _ = store._writer().call("items", 1000, "", ["a_resp_1"])
-    assert where == {"a_resp_1": "resp_2"}
+    await many_ids_and_the_newest_holder(store)
     await store.aclose()

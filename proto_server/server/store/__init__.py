@@ -15,8 +15,9 @@ file have connections of their own, so they do not queue behind a write that wai
 
 A module per idea: records.py (what is kept, and its stored form), errors.py, location.py,
 retention.py, interfaces.py (what the server asks of a store), chain.py (a chain as a history),
-sqlite.py with sqlite_host.py (the embedded backend) and postgres.py (the shared one, imported
-only when a postgresql:// URL is given: psycopg is optional).
+sql.py (the SQL both backends run, written once), sqlite.py with sqlite_host.py (the embedded
+backend) and postgres.py (the shared one, imported only when a postgresql:// URL is given:
+psycopg is optional).
 """
 
 from proto_server.server.store.chain import (
@@ -53,10 +54,10 @@ from proto_server.server.store.records import (
     decode_row,
     decode_suspended,
     encode_items,
-    encode_row,
     encode_suspended,
     found_items,
     owner_id,
+    put_row,
     stored_item_ids,
 )
 from proto_server.server.store.retention import DAY_S, DEFAULT_RETENTION, StoreRetention
@@ -91,7 +92,6 @@ __all__ = [
     "decode_suspended",
     "delete_failed",
     "encode_items",
-    "encode_row",
     "encode_suspended",
     "found_items",
     "get_failed",
@@ -99,6 +99,7 @@ __all__ = [
     "is_postgres_url",
     "owner_id",
     "previous_response_not_found",
+    "put_row",
     "redact",
     "resume_failed",
     "stored_item_ids",

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import psycopg
@@ -44,11 +45,12 @@ from proto_server.server.store import (
     decode_suspended,
     delete_failed,
     encode_items,
-    encode_row,
     encode_suspended,
     found_items,
     get_failed,
+    put_row,
     resume_failed,
+    sql,
     stored_item_ids,
 )
 from proto_server.wire.items import Item
@@ -112,17 +114,28 @@ _MIGRATIONS = (
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
-_CHAIN = f"""
-WITH RECURSIVE chain AS (
-    SELECT id, previous_response_id, response, items, 0 AS depth
-      FROM {_RESPONSES} WHERE id = %(id)s AND owner = %(owner)s
-    UNION ALL
-    SELECT r.id, r.previous_response_id, r.response, r.items, c.depth + 1
-      FROM {_RESPONSES} r JOIN chain c ON r.id = c.previous_response_id
-     WHERE r.owner = %(owner)s AND c.depth < %(longest)s
-)
-SELECT previous_response_id, response, items FROM chain ORDER BY depth DESC
-"""
+
+class _Postgres:
+    """A psycopg connection as `sql.Database`: the shared statements with this database's
+    tables (prefixed, beside whatever else it holds) and psycopg's `%s` placeholders."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        return self._conn.execute(_text(statement), params)
+
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
+        with self._conn.cursor() as cursor:
+            cursor.executemany(_text(statement), rows)
+
+    def transaction(self, *, write: bool) -> AbstractContextManager[psycopg.Transaction]:
+        # a row written is locked until commit: the writer that comes second waits for it
+        return self._conn.transaction()
+
+
+def _text(statement: str) -> str:
+    return sql.statement_text(statement, prefix="proto_server_", placeholder="%s")
 
 
 class PostgresStore:
@@ -190,46 +203,19 @@ class PostgresStore:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise StoreUnavailable(f"The response store failed ({why}), so {what}.") from exc
 
-    # -- blocking bodies, run in a worker thread -------------------------------------------
+    # -- blocking bodies, run in a worker thread: encode, the shared SQL (sql.py), decode --
 
     def _put(
         self, conn: psycopg.Connection[Any], stored: StoredResponse, ends_suspension: int | None
     ) -> None:
-        response_blob, items_blob = encode_row(stored)
-        response = stored.response
         now = self._clock()
-        with conn.transaction():  # all of it, or none of it
-            if ends_suspension is not None:
-                gone = conn.execute(
-                    f"DELETE FROM {_SUSPENDED} WHERE id = %s AND version = %s",
-                    (response.id, ends_suspension),
-                )
-                if gone.rowcount != 1:
-                    raise SuspensionLost(response.id)
-                conn.execute(f"DELETE FROM {_SUSPENDED_ITEMS} WHERE id = %s", (response.id,))
-            conn.execute(
-                f"INSERT INTO {_RESPONSES} (id, previous_response_id, owner, created_at, "
-                "stored_at, response, items) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET previous_response_id = EXCLUDED."
-                "previous_response_id, owner = EXCLUDED.owner, created_at = EXCLUDED."
-                "created_at, stored_at = EXCLUDED.stored_at, response = EXCLUDED.response, "
-                "items = EXCLUDED.items",
-                (response.id, response.previous_response_id, stored.owner, response.created_at,
-                 now, response_blob, items_blob),
+        try:
+            sql.put(
+                _Postgres(conn), put_row(stored, now), stored_item_ids(stored), ends_suspension,
+                now - self.max_age_s, self.max_responses,
             )  # fmt: skip
-            conn.execute(f"DELETE FROM {_ITEMS} WHERE response_id = %s", (response.id,))
-            with conn.cursor() as cursor:
-                cursor.executemany(
-                    f"INSERT INTO {_ITEMS} (owner, item_id, response_id) VALUES (%s, %s, %s) "
-                    "ON CONFLICT DO NOTHING",
-                    [(stored.owner, item, response.id) for item in stored_item_ids(stored)],
-                )
-            conn.execute(f"DELETE FROM {_RESPONSES} WHERE stored_at < %s", (now - self.max_age_s,))
-            conn.execute(
-                f"DELETE FROM {_RESPONSES} WHERE id IN (SELECT id FROM {_RESPONSES} "
-                "ORDER BY stored_at DESC OFFSET %s)",
-                (self.max_responses,),
-            )
+        except sql.Fenced:
+            raise SuspensionLost(stored.response.id) from None
 
     def _suspend(
         self,
@@ -240,122 +226,48 @@ class PostgresStore:
     ) -> None:
         response_id = suspended.response.id
         now = self._clock()
-        state = encode_suspended(suspended)
         new = suspended.items[since:]
-        with conn.transaction():
-            if expected == 0:
-                written = conn.execute(
-                    f"INSERT INTO {_SUSPENDED} (id, owner, stored_at, version, claimed, "
-                    "items_count, state) VALUES (%s, %s, %s, 1, false, %s, %s) "
-                    "ON CONFLICT (id) DO NOTHING",
-                    (response_id, suspended.owner, now, len(suspended.items), state),
-                )
-            else:
-                # the row is locked until commit: a claim racing this write waits, then sees
-                # the version it moved to and fails; a write racing a claim fails the same way
-                written = conn.execute(
-                    f"UPDATE {_SUSPENDED} SET state = %s, version = %s, claimed = false, "
-                    "stored_at = %s, items_count = %s WHERE id = %s AND version = %s",
-                    (state, expected + 1, now, len(suspended.items), response_id, expected),
-                )
-            if written.rowcount != 1:
-                raise SuspensionLost(response_id)
-            if new:
-                conn.execute(
-                    f"INSERT INTO {_SUSPENDED_ITEMS} (id, start, items) VALUES (%s, %s, %s) "
-                    "ON CONFLICT (id, start) DO UPDATE SET items = EXCLUDED.items",
-                    (response_id, since, encode_items(new)),
-                )
-            old = conn.execute(
-                f"SELECT id FROM {_SUSPENDED} WHERE stored_at < %s UNION SELECT id FROM "
-                f"(SELECT id FROM {_SUSPENDED} ORDER BY stored_at DESC OFFSET %s) AS past",
-                (now - self.max_age_s, self.max_responses),
-            ).fetchall()
-            if old:
-                ids = [row[0] for row in old]
-                conn.execute(f"DELETE FROM {_SUSPENDED} WHERE id = ANY(%s)", (ids,))
-                conn.execute(f"DELETE FROM {_SUSPENDED_ITEMS} WHERE id = ANY(%s)", (ids,))
+        try:
+            sql.suspend(
+                _Postgres(conn), response_id, suspended.owner, now, encode_suspended(suspended),
+                len(suspended.items), since, encode_items(new) if new else None, expected,
+                now - self.max_age_s, self.max_responses,
+            )  # fmt: skip
+        except sql.Fenced:
+            raise SuspensionLost(response_id) from None
 
     @staticmethod
     def _suspended(
         conn: psycopg.Connection[Any], response_id: str, owner: str
     ) -> SuspendedResponse | None:
-        with conn.transaction():
-            # REPEATABLE READ would be stricter; a suspension's chunks below items_count are
-            # never rewritten, so read committed sees a consistent state and its chunks
-            row = conn.execute(
-                f"SELECT state, version, claimed, items_count, stored_at FROM {_SUSPENDED} "
-                "WHERE id = %s AND owner = %s",
-                (response_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            chunks = conn.execute(
-                f"SELECT items FROM {_SUSPENDED_ITEMS} WHERE id = %s AND start < %s ORDER BY start",
-                (response_id, row[3]),
-            ).fetchall()
+        found = sql.suspended(_Postgres(conn), response_id, owner)
+        if found is None:
+            return None
+        state, version, claimed, stored_at, chunks = found
         return decode_suspended(
-            row[0], [chunk[0] for chunk in chunks], owner=owner, version=int(row[1]),
-            claimed=bool(row[2]), stored_at=float(row[4]),
-        )  # fmt: skip
+            state, chunks, owner=owner, version=version, claimed=claimed, stored_at=stored_at
+        )
 
     @staticmethod
-    def _claim(
-        conn: psycopg.Connection[Any], response_id: str, owner: str, version: int, now: float,
-        lapsed_before: float,
-    ) -> bool:  # fmt: skip
-        # one UPDATE: of several processes racing, the first locks the row; the others wait
-        # for its commit, then re-check the WHERE against the new row (read committed) and miss
-        won = conn.execute(
-            f"UPDATE {_SUSPENDED} SET claimed = true, version = version + 1, stored_at = %s "
-            "WHERE id = %s AND owner = %s AND version = %s "
-            "AND (NOT claimed OR stored_at < %s)",
-            (now, response_id, owner, version, lapsed_before),
-        )
-        return won.rowcount == 1
-
-    @staticmethod
-    def _release(conn: psycopg.Connection[Any], response_id: str, version: int) -> None:
-        conn.execute(
-            f"UPDATE {_SUSPENDED} SET claimed = false WHERE id = %s AND version = %s",
-            (response_id, version),
-        )
+    def _op(conn: psycopg.Connection[Any], op: Callable[..., T], *args: Any) -> T:
+        return op(_Postgres(conn), *args)
 
     @staticmethod
     def _get(conn: psycopg.Connection[Any], response_id: str, owner: str) -> StoredResponse | None:
-        row = conn.execute(
-            f"SELECT response, items FROM {_RESPONSES} WHERE id = %s AND owner = %s",
-            (response_id, owner),
-        ).fetchone()
+        row = sql.get(_Postgres(conn), response_id, owner)
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
     def _items(conn: psycopg.Connection[Any], item_ids: list[str], owner: str) -> dict[str, Item]:
-        rows = conn.execute(
-            f"SELECT DISTINCT ON (i.item_id) i.item_id, r.id, r.items FROM {_ITEMS} i "
-            f"JOIN {_RESPONSES} r ON r.id = i.response_id "
-            "WHERE i.owner = %s AND i.item_id = ANY(%s) ORDER BY i.item_id, r.stored_at DESC",
-            (owner, item_ids),
-        ).fetchall()
-        where = {row[0]: row[1] for row in rows}
-        return found_items(where, {row[1]: bytes(row[2]) for row in rows})
-
-    @staticmethod
-    def _delete(conn: psycopg.Connection[Any], response_id: str, owner: str) -> bool:
-        gone = conn.execute(  # its items' ids go with it (ON DELETE CASCADE)
-            f"DELETE FROM {_RESPONSES} WHERE id = %s AND owner = %s", (response_id, owner)
-        )
-        return gone.rowcount == 1
+        return found_items(*sql.items(_Postgres(conn), owner, item_ids))
 
     def _chain(
         self, conn: psycopg.Connection[Any], response_id: str, owner: str
     ) -> list[StoredResponse] | None:
-        rows = conn.execute(
-            _CHAIN, {"id": response_id, "owner": owner, "longest": self.max_responses}
-        ).fetchall()
-        if not rows or rows[0][0] is not None:  # not there, or a link of it is missing
+        rows = sql.chain(_Postgres(conn), response_id, owner, self.max_responses)
+        if rows is None:
             return None
-        return [decode_row(response, items, owner) for _, response, items in rows]
+        return [decode_row(row[0], row[1], owner) for row in rows]
 
     # -- the interface --------------------------------------------------------------------------
 
@@ -375,7 +287,8 @@ class PostgresStore:
     ) -> bool:
         return await self._call(
             resume_failed(response_id),
-            self._claim,
+            self._op,
+            sql.claim,
             response_id,
             owner,
             version,
@@ -384,7 +297,7 @@ class PostgresStore:
         )
 
     async def release(self, response_id: str, *, version: int) -> None:
-        await self._call(resume_failed(response_id), self._release, response_id, version)
+        await self._call(resume_failed(response_id), self._op, sql.release, response_id, version)
 
     async def get(self, response_id: str, *, owner: str = ANONYMOUS) -> StoredResponse | None:
         return await self._call(get_failed(response_id), self._get, response_id, owner)
@@ -398,14 +311,12 @@ class PostgresStore:
         return await self._call(ITEMS_FAILED, self._items, list(item_ids), owner)
 
     async def delete(self, response_id: str, *, owner: str) -> bool:
-        return await self._call(delete_failed(response_id), self._delete, response_id, owner)
+        return await self._call(
+            delete_failed(response_id), self._op, sql.delete, response_id, owner
+        )
 
     async def count(self) -> int:
-        def count(conn: psycopg.Connection[Any]) -> int:
-            row = conn.execute(f"SELECT count(*) FROM {_RESPONSES}").fetchone()
-            return int(row[0]) if row is not None else 0
-
-        return await self._call("the responses could not be counted", count)
+        return await self._call("the responses could not be counted", self._op, sql.count)
 
     async def readiness(self) -> str | None:
         """None when the database answers `SELECT 1` through the pool in time; else why not."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import attrs
 import orjson
 
+from proto_server.server.store.sql import PutRow
 from proto_server.wire.converter import converter
 from proto_server.wire.items import Item, item_id
 from proto_server.wire.response import Response
@@ -86,11 +87,18 @@ def decode_suspended(
     )  # fmt: skip
 
 
-def encode_row(stored: StoredResponse) -> tuple[bytes, bytes]:
-    """The stored form of a response and its items (JSON), the same in every store."""
+def put_row(stored: StoredResponse, stored_at: float) -> PutRow:
+    """The row of a stored response, as every store writes it (`sql.put`): the response and
+    its items as JSON."""
+    response = stored.response
     return (
-        orjson.dumps(converter.unstructure(stored.response)),
+        response.id,
+        response.previous_response_id,
+        response.created_at,
+        stored_at,
+        orjson.dumps(converter.unstructure(response)),
         orjson.dumps(converter.unstructure(stored.items)),
+        stored.owner,
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import trio
 
 from proto_server.server.logs import log
-from proto_server.server.store import sqlite_host
+from proto_server.server.store import sql, sqlite_host
 from proto_server.server.store.errors import (
     ITEMS_FAILED,
     PUT_FAILED,
@@ -39,9 +39,9 @@ from proto_server.server.store.records import (
     decode_row,
     decode_suspended,
     encode_items,
-    encode_row,
     encode_suspended,
     found_items,
+    put_row,
     stored_item_ids,
 )
 from proto_server.server.store.retention import DEFAULT_RETENTION, StoreRetention
@@ -58,7 +58,7 @@ READERS = 4
 _MARGIN_S = 0.05
 
 
-#: The schema of a file, and its migrations (sqlite_host.py, where the SQL lives).
+#: The schema of a file, and its migrations (sqlite_host.py; the statements are sql.py's).
 _SCHEMA, _MIGRATIONS = sqlite_host.SCHEMA, sqlite_host.MIGRATIONS
 SCHEMA_VERSION = sqlite_host.SCHEMA_VERSION
 
@@ -82,8 +82,8 @@ class _InProcess:
     def alive(self) -> bool:
         return True
 
-    def call(self, op: str, busy_ms: int, *args: Any) -> Any:
-        return sqlite_host.run(self._db, op, busy_ms, args)
+    def call(self, op: str, until: float, *args: Any) -> Any:
+        return sqlite_host.run(self._db, op, until, args)
 
     def close(self) -> None:
         self._db.close()
@@ -111,10 +111,10 @@ class _Child:
     def alive(self) -> bool:
         return not self._dead and self._process.poll() is None
 
-    def call(self, op: str, busy_ms: int, *args: Any) -> Any:
+    def call(self, op: str, until: float, *args: Any) -> Any:
         assert self._process.stdin is not None
         try:
-            sqlite_host.send(self._process.stdin, (op, busy_ms, args))
+            sqlite_host.send(self._process.stdin, (op, until, args))
         except OSError:
             raise self._died() from None
         return self._reply()
@@ -128,7 +128,7 @@ class _Child:
         if status == "ok":
             return value
         if status == "fenced":
-            raise sqlite_host.Fenced
+            raise sql.Fenced
         kind, name, message = value
         error = getattr(sqlite3, kind, sqlite3.DatabaseError)(message)
         error.sqlite_errorname = name
@@ -252,7 +252,7 @@ class SQLiteStore:
         fn: Callable[..., T],
         *args: Any,
     ) -> T:
-        """Run `fn(connection, busy_ms, *args)` in a worker thread within `timeout_s`, waiting
+        """Run `fn(connection, until, *args)` in a worker thread within `timeout_s`, waiting
         for a turn included; every way it can fail becomes a `StoreUnavailable` here, and
         only here."""
         deadline = time.monotonic() + self.timeout_s
@@ -262,10 +262,10 @@ class SQLiteStore:
                 raise _FileLost(lost)
             if db is None:
                 return fn(*args)
-            left = deadline - time.monotonic() - _MARGIN_S  # after waiting for a turn
-            if left <= 0:
+            until = deadline - _MARGIN_S  # what is left after waiting for a turn
+            if until <= time.monotonic():
                 raise trio.TooSlowError
-            return fn(db(), max(1, int(left * 1000)), *args)
+            return fn(db(), until, *args)
 
         try:
             with trio.fail_after(self.timeout_s):
@@ -308,27 +308,19 @@ class SQLiteStore:
     # -- run in a worker thread: encode, call the connection, decode --------------------------
 
     def _put(
-        self, db: _Connection, busy_ms: int, stored: StoredResponse, ends_suspension: int | None
+        self, db: _Connection, until: float, stored: StoredResponse, ends_suspension: int | None
     ) -> None:
-        response = stored.response
-        row = (
-            response.id,
-            response.previous_response_id,
-            response.created_at,
-            self._clock(),
-            *encode_row(stored),
-            stored.owner,
-        )
+        now = self._clock()
         try:
             db.call(
-                "put", busy_ms, row, stored_item_ids(stored), ends_suspension,
-                self._clock() - self.max_age_s, self.max_responses,
+                "put", until, put_row(stored, now), stored_item_ids(stored), ends_suspension,
+                now - self.max_age_s, self.max_responses,
             )  # fmt: skip
-        except sqlite_host.Fenced:
-            raise SuspensionLost(response.id) from None
+        except sql.Fenced:
+            raise SuspensionLost(stored.response.id) from None
 
     def _suspend(
-        self, db: _Connection, busy_ms: int, suspended: SuspendedResponse, since: int,
+        self, db: _Connection, until: float, suspended: SuspendedResponse, since: int,
         expected: int,
     ) -> None:  # fmt: skip
         response_id = suspended.response.id
@@ -336,19 +328,19 @@ class SQLiteStore:
         new = suspended.items[since:]
         try:
             db.call(
-                "suspend", busy_ms, response_id, suspended.owner, now,
+                "suspend", until, response_id, suspended.owner, now,
                 encode_suspended(suspended), len(suspended.items), since,
                 encode_items(new) if new else None, expected, now - self.max_age_s,
                 self.max_responses,
             )  # fmt: skip
-        except sqlite_host.Fenced:
+        except sql.Fenced:
             raise SuspensionLost(response_id) from None
 
     @staticmethod
     def _suspended(
-        db: _Connection, busy_ms: int, response_id: str, owner: str
+        db: _Connection, until: float, response_id: str, owner: str
     ) -> SuspendedResponse | None:
-        found = db.call("suspended", busy_ms, response_id, owner)
+        found = db.call("suspended", until, response_id, owner)
         if found is None:
             return None
         state, version, claimed, stored_at, chunks = found
@@ -358,26 +350,25 @@ class SQLiteStore:
         )  # fmt: skip
 
     @staticmethod
-    def _op(db: _Connection, busy_ms: int, op: str, *args: Any) -> Any:
-        return db.call(op, busy_ms, *args)
+    def _op(db: _Connection, until: float, op: str, *args: Any) -> Any:
+        return db.call(op, until, *args)
 
     @staticmethod
-    def _get(db: _Connection, busy_ms: int, response_id: str, owner: str) -> StoredResponse | None:
-        row = db.call("get", busy_ms, response_id, owner)
+    def _get(db: _Connection, until: float, response_id: str, owner: str) -> StoredResponse | None:
+        row = db.call("get", until, response_id, owner)
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
-    def _items(db: _Connection, busy_ms: int, item_ids: list[str], owner: str) -> dict[str, Item]:
-        return found_items(*db.call("items", busy_ms, owner, item_ids))
+    def _items(db: _Connection, until: float, item_ids: list[str], owner: str) -> dict[str, Item]:
+        return found_items(*db.call("items", until, owner, item_ids))
 
-    @staticmethod
     def _chain(
-        db: _Connection, busy_ms: int, response_id: str, owner: str
+        self, db: _Connection, until: float, response_id: str, owner: str
     ) -> list[StoredResponse] | None:
-        rows = db.call("chain", busy_ms, response_id, owner)
+        rows = db.call("chain", until, response_id, owner, self.max_responses)
         if rows is None:
             return None
-        return [decode_row(row[0], row[1], owner) for row in reversed(rows)]
+        return [decode_row(row[0], row[1], owner) for row in rows]
 
     # -- the interface --------------------------------------------------------------------------
 
@@ -422,7 +413,7 @@ class SQLiteStore:
         return bool(deleted)
 
     def count(self) -> int:
-        return int(self._writer().call("count", int(self.timeout_s * 1000)))
+        return int(self._writer().call("count", time.monotonic() + self.timeout_s))
 
     async def aclose(self) -> None:
         def close() -> None:

@@ -1,4 +1,4 @@
-"""The SQLite store's SQL, and the small process that runs it for a file store.
+"""The SQLite store's schema, and the small process that runs the shared SQL for a file store.
 
 SQLite maps a WAL database's index (the `-shm` file) into memory. If that file faults (made
 immutable, truncated under the mapping, a full disk under a sparse page), the next access is a
@@ -6,22 +6,32 @@ SIGBUS, which no Python code can catch: it would kill the whole server. So every
 a file runs in a process of its own (this module run as a script, only the standard library
 imported): a fault kills that process, the call that met it fails `store_unavailable`, and the
 server starts another. A `:memory:` database has no file to fault; it runs these same
-functions in the server's process.
+functions in the server's process. The statements themselves are sql.py's, shared with
+PostgreSQL; what is SQLite's own is here: its column types and migrations, and its transactions.
 
 The protocol on the child's stdin and stdout: one length-prefixed pickle each way per call,
-`(op, busy_ms, args)` in, `("ok", result)`, `("fenced", None)` or `("error", (kind, name,
+`(op, until, args)` in, `("ok", result)`, `("fenced", None)` or `("error", (kind, name,
 message))` out. Its first message is the outcome of opening the database.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import signal
 import sqlite3
 import struct
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
+
+if __package__:
+    from proto_server.server.store import sql
+else:  # the child (-I, run as a script): sql.py beside it, which needs only the standard library
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+    import sql  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS responses (
@@ -70,12 +80,39 @@ MIGRATIONS = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
-#: A stored row as it travels: (response JSON, items JSON, previous_response_id).
-Row = tuple[bytes, bytes, "str | None"]
+
+class SQLite:
+    """A sqlite3 connection as `sql.Database`: the shared statements with SQLite's tables.
+
+    `until` is the call's deadline on the monotonic clock every process of the machine shares.
+    SQLite's busy timeout counts the sleeps it asked for, not the time that passed, so on a
+    busy machine it can outwait the server, which by then has told the client the write
+    failed: a write that gets its lock after `until` is given up (and the client's answer
+    stays true)."""
+
+    def __init__(self, db: sqlite3.Connection, until: float) -> None:
+        self._db = db
+        self._until = until
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self._db.execute(_text(statement), params)
+
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._db.executemany(_text(statement), rows)
+
+    @contextlib.contextmanager
+    def transaction(self, *, write: bool) -> Iterator[None]:
+        with self._db:  # commits, or rolls back on an exception
+            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            if write and time.monotonic() > self._until:
+                late = sqlite3.OperationalError("the write lock came after the call's deadline")
+                late.sqlite_errorname = "SQLITE_BUSY"
+                raise late
+            yield
 
 
-class Fenced(Exception):
-    """A write named a suspension version that is no longer the stored one."""
+def _text(statement: str) -> str:
+    return sql.statement_text(statement, prefix="", placeholder="?")
 
 
 def connect(path: str, timeout_s: float, *, writer: bool) -> sqlite3.Connection:
@@ -108,213 +145,21 @@ def migrate(db: sqlite3.Connection) -> None:
         raise
 
 
-# -- the operations: plain values in, plain values out ---------------------------------------
-
-
-def put(
-    db: sqlite3.Connection, row: tuple[Any, ...], item_ids: list[str],
-    ends_suspension: int | None, older_than: float, keep: int,
-) -> None:  # fmt: skip
-    """Store a row and the ids of its items; prune to the retention limit, the items' ids of
-    what is pruned with it."""
-    response_id, owner = row[0], row[-1]
-    with db:  # one transaction: all of it, or none of it
-        db.execute("BEGIN IMMEDIATE")
-        if ends_suspension is not None:
-            _end_suspension(db, response_id, ends_suspension)
-        db.execute(
-            "INSERT OR REPLACE INTO responses (id, previous_response_id, created_at, "
-            "stored_at, response, items, owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            row,
-        )
-        db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
-        db.executemany(
-            "INSERT OR IGNORE INTO response_items (owner, item_id, response_id) VALUES (?, ?, ?)",
-            [(owner, item_id, response_id) for item_id in item_ids],
-        )
-        # the oldest go first (by age, then past the count): both are a tail by stored_at
-        gone = db.execute(
-            "SELECT id FROM responses WHERE stored_at < ? UNION SELECT id FROM "
-            "(SELECT id FROM responses ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
-            (older_than, keep),
-        ).fetchall()
-        for (old,) in gone:
-            _delete(db, old)
-
-
-def _delete(db: sqlite3.Connection, response_id: str) -> None:
-    db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-    db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
-
-
-def delete(db: sqlite3.Connection, response_id: str, owner: str) -> bool:
-    """Delete `owner`'s stored response `response_id`; whether there was one."""
-    with db:
-        db.execute("BEGIN IMMEDIATE")
-        found = db.execute(
-            "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-        ).fetchone()
-        if found is not None:
-            _delete(db, response_id)
-    return found is not None
-
-
-#: Ids looked up by one statement (SQLite's limit on parameters is far above it).
-ITEMS_PER_QUERY = 500
-
-
-def items(
-    db: sqlite3.Connection, owner: str, item_ids: list[str]
-) -> tuple[dict[str, str], dict[str, bytes]]:
-    """Where `owner`'s items of these ids are: each found id's response (the newest stored that
-    holds it), and those responses' items."""
-    newest: dict[str, tuple[float, str]] = {}
-    blobs: dict[str, bytes] = {}
-    with db:  # one read transaction
-        db.execute("BEGIN")
-        for start in range(0, len(item_ids), ITEMS_PER_QUERY):
-            some = item_ids[start : start + ITEMS_PER_QUERY]
-            rows = db.execute(
-                "SELECT i.item_id, r.id, r.stored_at, r.items FROM response_items i "
-                "JOIN responses r ON r.id = i.response_id WHERE i.owner = ? AND i.item_id IN "
-                f"({', '.join('?' * len(some))})",
-                (owner, *some),
-            )
-            for item_id, response_id, stored_at, blob in rows:
-                if item_id not in newest or stored_at > newest[item_id][0]:
-                    newest[item_id] = (stored_at, response_id)
-                    blobs[response_id] = blob
-    where = {item_id: response_id for item_id, (_, response_id) in newest.items()}
-    held = set(where.values())
-    return where, {response_id: blob for response_id, blob in blobs.items() if response_id in held}
-
-
-def _end_suspension(db: sqlite3.Connection, response_id: str, version: int) -> None:
-    gone = db.execute("DELETE FROM suspended WHERE id = ? AND version = ?", (response_id, version))
-    if gone.rowcount != 1:
-        raise Fenced
-    db.execute("DELETE FROM suspended_items WHERE id = ?", (response_id,))
-
-
-def suspend(
-    db: sqlite3.Connection, response_id: str, owner: str, now: float, state: bytes,
-    items_count: int, since: int, new: bytes | None, expected: int, older_than: float,
-    keep: int,
-) -> None:  # fmt: skip
-    with db:
-        db.execute("BEGIN IMMEDIATE")
-        if expected == 0:
-            try:
-                db.execute(
-                    "INSERT INTO suspended (id, owner, stored_at, version, claimed, "
-                    "items_count, state) VALUES (?, ?, ?, 1, 0, ?, ?)",
-                    (response_id, owner, now, items_count, state),
-                )
-            except sqlite3.IntegrityError:
-                raise Fenced from None
-        else:
-            moved = db.execute(
-                "UPDATE suspended SET state = ?, version = ?, claimed = 0, stored_at = ?, "
-                "items_count = ? WHERE id = ? AND version = ?",
-                (state, expected + 1, now, items_count, response_id, expected),
-            )
-            if moved.rowcount != 1:
-                raise Fenced
-        if new is not None:
-            db.execute(
-                "INSERT OR REPLACE INTO suspended_items (id, start, items) VALUES (?, ?, ?)",
-                (response_id, since, new),
-            )
-        old = [
-            row[0]
-            for row in db.execute(
-                "SELECT id FROM suspended WHERE stored_at < ? UNION SELECT id FROM "
-                "(SELECT id FROM suspended ORDER BY stored_at DESC LIMIT -1 OFFSET ?)",
-                (older_than, keep),
-            )
-        ]
-        for gone in old:
-            db.execute("DELETE FROM suspended WHERE id = ?", (gone,))
-            db.execute("DELETE FROM suspended_items WHERE id = ?", (gone,))
-
-
-def suspended(
-    db: sqlite3.Connection, response_id: str, owner: str
-) -> tuple[bytes, int, int, float, list[bytes]] | None:
-    """(state, version, claimed, stored_at, item chunks in order), or None."""
-    with db:  # one read transaction: the state and its chunks as of one moment
-        db.execute("BEGIN")
-        row = db.execute(
-            "SELECT state, version, claimed, items_count, stored_at FROM suspended "
-            "WHERE id = ? AND owner = ?",
-            (response_id, owner),
-        ).fetchone()
-        if row is None:
-            return None
-        chunks = db.execute(
-            "SELECT items FROM suspended_items WHERE id = ? AND start < ? ORDER BY start",
-            (response_id, row[3]),
-        ).fetchall()
-    return row[0], int(row[1]), int(row[2]), float(row[4]), [chunk[0] for chunk in chunks]
-
-
-def claim(
-    db: sqlite3.Connection, response_id: str, owner: str, version: int, now: float,
-    lapsed_before: float,
-) -> bool:  # fmt: skip
-    # one statement: SQLite runs one writer at a time, so of two racing claims one wins
-    won = db.execute(
-        "UPDATE suspended SET claimed = 1, version = version + 1, stored_at = ? "
-        "WHERE id = ? AND owner = ? AND version = ? AND (claimed = 0 OR stored_at < ?)",
-        (now, response_id, owner, version, lapsed_before),
-    )
-    return won.rowcount == 1
-
-
-def release(db: sqlite3.Connection, response_id: str, version: int) -> None:
-    db.execute(
-        "UPDATE suspended SET claimed = 0 WHERE id = ? AND version = ?", (response_id, version)
-    )
-
-
-def get(db: sqlite3.Connection, response_id: str, owner: str) -> Row | None:
-    row = db.execute(
-        "SELECT response, items, previous_response_id FROM responses WHERE id = ? AND owner = ?",
-        (response_id, owner),
-    ).fetchone()
-    return None if row is None else (row[0], row[1], row[2])
-
-
-def chain(db: sqlite3.Connection, response_id: str, owner: str) -> list[Row] | None:
-    """The rows from `response_id` back to the first of its chain (newest first)."""
-    rows: list[Row] = []
-    next_id: str | None = response_id
-    seen = set()
-    with db:  # one read transaction: the chain as of one moment
-        db.execute("BEGIN")
-        while next_id is not None and next_id not in seen:
-            seen.add(next_id)
-            row = get(db, next_id, owner)
-            if row is None:
-                return None
-            rows.append(row)
-            next_id = row[2]
-    return rows
-
-
-def count(db: sqlite3.Connection) -> int:
-    return int(db.execute("SELECT count(*) FROM responses").fetchone()[0])
-
-
+#: What a server may ask of a connection: the shared operations (sql.py), by name.
 OPS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (put, delete, items, suspend, suspended, claim, release, get, chain, count)
-}
+    for f in (
+        sql.put, sql.delete, sql.items, sql.suspend, sql.suspended, sql.claim, sql.release,
+        sql.get, sql.chain, sql.count,
+    )
+}  # fmt: skip
 
 
-def run(db: sqlite3.Connection, op: str, busy_ms: int, args: tuple[Any, ...]) -> Any:
+def run(db: sqlite3.Connection, op: str, until: float, args: tuple[Any, ...]) -> Any:
+    """Run the operation `op`, waiting for a lock until `until` (`time.monotonic()`) at most."""
+    busy_ms = max(1, int((until - time.monotonic()) * 1000))
     db.execute(f"PRAGMA busy_timeout = {busy_ms}")
-    return OPS[op](db, *args)
+    return OPS[op](SQLite(db, until), *args)
 
 
 # -- the child process ------------------------------------------------------------------------
@@ -362,13 +207,13 @@ def main(argv: list[str]) -> int:
     send(replies, ("ok", None))
     while True:
         try:
-            op, busy_ms, args = receive(requests)
+            op, until, args = receive(requests)
         except EOFError:
             db.close()
             return 0
         try:
-            send(replies, ("ok", run(db, op, busy_ms, args)))
-        except Fenced:
+            send(replies, ("ok", run(db, op, until, args)))
+        except sql.Fenced:
             send(replies, ("fenced", None))
         except sqlite3.Error as exc:
             send(replies, failure(exc))
