@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -22,8 +23,10 @@ from proto_server.server.store import (
     StoreUnavailable,
     chain_items,
     owner_id,
+    put_row,
+    sql,
 )
-from proto_server.server.store.postgres import SCHEMA_VERSION, PostgresStore
+from proto_server.server.store.postgres import SCHEMA_VERSION, PostgresStore, _Postgres
 
 from ..support.helpers import (
     connect,
@@ -94,6 +97,18 @@ async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wi
     store = PostgresStore(pg_url)
     await many_ids_and_the_newest_holder(store)
     await store.aclose()
+
+
+def test_a_write_that_comes_to_its_commit_past_its_deadline_is_rolled_back(pg_url: str) -> None:
+    # the server has told the client by then that it failed: it must not land afterwards
+    PostgresStore(pg_url)._pool.close()  # the schema is there
+    row = put_row(stored("resp_late"), 1.0)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        with pytest.raises(trio.TooSlowError):
+            sql.put(_Postgres(conn, time.monotonic() - 0.001), row, [], None, 0.0, 10)
+        assert sql.get(_Postgres(conn, time.monotonic() + 5), "resp_late", "") is None
+        sql.put(_Postgres(conn, time.monotonic() + 5), row, [], None, 0.0, 10)
+        assert sql.get(_Postgres(conn, time.monotonic() + 5), "resp_late", "") is not None
 
 
 async def test_a_pruned_response_takes_its_items_ids_with_it(pg_url: str) -> None:

@@ -239,12 +239,12 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
         await store.aclose()
 
 
-def test_a_write_that_gets_its_lock_past_its_deadline_is_given_up(tmp_path: Path) -> None:
+def test_a_write_that_comes_to_its_commit_past_its_deadline_is_rolled_back(tmp_path: Path) -> None:
     # SQLite's busy timeout counts the sleeps it asked for: on a busy machine it outwaits the
     # server, which has told the client by then that the write failed; so it must not land
     db = sqlite_host.connect(str(tmp_path / "s.sqlite3"), 2, writer=True)
     row = put_row(stored("resp_late"), 1.0)
-    with pytest.raises(sqlite3.OperationalError, match="after the call's deadline") as late:
+    with pytest.raises(sqlite3.OperationalError, match="commit past its deadline") as late:
         sqlite_host.run(db, "put", time.monotonic() - 0.001, (row, [], None, 0.0, 10))
     assert late.value.sqlite_errorname == "SQLITE_BUSY"  # told as a lock held too long
     assert sqlite_host.run(db, "get", time.monotonic() + 2, ("resp_late", "")) is None

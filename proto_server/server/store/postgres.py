@@ -17,11 +17,11 @@ the database too: every process sealing and opening compacted histories must sha
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -119,8 +119,9 @@ class _Postgres:
     """A psycopg connection as `sql.Database`: the shared statements with this database's
     tables (prefixed, beside whatever else it holds) and psycopg's `%s` placeholders."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], until: float) -> None:
         self._conn = conn
+        self._until = until
 
     def execute(self, statement: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         return self._conn.execute(_text(statement), params)
@@ -129,9 +130,14 @@ class _Postgres:
         with self._conn.cursor() as cursor:
             cursor.executemany(_text(statement), rows)
 
-    def transaction(self, *, write: bool) -> AbstractContextManager[psycopg.Transaction]:
-        # a row written is locked until commit: the writer that comes second waits for it
-        return self._conn.transaction()
+    @contextlib.contextmanager
+    def transaction(self, *, write: bool) -> Iterator[None]:
+        # a row written is locked until commit: the writer that comes second waits for it;
+        # past the call's deadline the server has told the client it failed: not committed
+        with self._conn.transaction():
+            yield
+            if write and time.monotonic() > self._until:
+                raise trio.TooSlowError
 
 
 def _text(statement: str) -> str:
@@ -182,12 +188,14 @@ class PostgresStore:
             raise
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(connection, *args)` on a worker thread within `timeout_s`, the wait for a
+        """Run `fn(database, *args)` on a worker thread within `timeout_s`, the wait for a
         connection included; every way it can fail becomes a `StoreUnavailable` here."""
+
+        until = time.monotonic() + self.timeout_s
 
         def run() -> T:
             with self._pool.connection(timeout=self.timeout_s) as conn:
-                return fn(conn, *args)
+                return fn(_Postgres(conn, until), *args)
 
         try:
             with trio.fail_after(self.timeout_s):
@@ -205,13 +213,11 @@ class PostgresStore:
 
     # -- blocking bodies, run in a worker thread: encode, the shared SQL (sql.py), decode --
 
-    def _put(
-        self, conn: psycopg.Connection[Any], stored: StoredResponse, ends_suspension: int | None
-    ) -> None:
+    def _put(self, db: sql.Database, stored: StoredResponse, ends_suspension: int | None) -> None:
         now = self._clock()
         try:
             sql.put(
-                _Postgres(conn), put_row(stored, now), stored_item_ids(stored), ends_suspension,
+                db, put_row(stored, now), stored_item_ids(stored), ends_suspension,
                 now - self.max_age_s, self.max_responses,
             )  # fmt: skip
         except sql.Fenced:
@@ -219,7 +225,7 @@ class PostgresStore:
 
     def _suspend(
         self,
-        conn: psycopg.Connection[Any],
+        db: sql.Database,
         suspended: SuspendedResponse,
         since: int,
         expected: int,
@@ -229,7 +235,7 @@ class PostgresStore:
         new = suspended.items[since:]
         try:
             sql.suspend(
-                _Postgres(conn), response_id, suspended.owner, now, encode_suspended(suspended),
+                db, response_id, suspended.owner, now, encode_suspended(suspended),
                 len(suspended.items), since, encode_items(new) if new else None, expected,
                 now - self.max_age_s, self.max_responses,
             )  # fmt: skip
@@ -237,10 +243,8 @@ class PostgresStore:
             raise SuspensionLost(response_id) from None
 
     @staticmethod
-    def _suspended(
-        conn: psycopg.Connection[Any], response_id: str, owner: str
-    ) -> SuspendedResponse | None:
-        found = sql.suspended(_Postgres(conn), response_id, owner)
+    def _suspended(db: sql.Database, response_id: str, owner: str) -> SuspendedResponse | None:
+        found = sql.suspended(db, response_id, owner)
         if found is None:
             return None
         state, version, claimed, stored_at, chunks = found
@@ -249,22 +253,20 @@ class PostgresStore:
         )
 
     @staticmethod
-    def _op(conn: psycopg.Connection[Any], op: Callable[..., T], *args: Any) -> T:
-        return op(_Postgres(conn), *args)
+    def _op(db: sql.Database, op: Callable[..., T], *args: Any) -> T:
+        return op(db, *args)
 
     @staticmethod
-    def _get(conn: psycopg.Connection[Any], response_id: str, owner: str) -> StoredResponse | None:
-        row = sql.get(_Postgres(conn), response_id, owner)
+    def _get(db: sql.Database, response_id: str, owner: str) -> StoredResponse | None:
+        row = sql.get(db, response_id, owner)
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
-    def _items(conn: psycopg.Connection[Any], item_ids: list[str], owner: str) -> dict[str, Item]:
-        return found_items(*sql.items(_Postgres(conn), owner, item_ids))
+    def _items(db: sql.Database, item_ids: list[str], owner: str) -> dict[str, Item]:
+        return found_items(*sql.items(db, owner, item_ids))
 
-    def _chain(
-        self, conn: psycopg.Connection[Any], response_id: str, owner: str
-    ) -> list[StoredResponse] | None:
-        rows = sql.chain(_Postgres(conn), response_id, owner, self.max_responses)
+    def _chain(self, db: sql.Database, response_id: str, owner: str) -> list[StoredResponse] | None:
+        rows = sql.chain(db, response_id, owner, self.max_responses)
         if rows is None:
             return None
         return [decode_row(row[0], row[1], owner) for row in rows]
@@ -322,8 +324,8 @@ class PostgresStore:
         """None when the database answers `SELECT 1` through the pool in time; else why not."""
         limit = min(PROBE_TIMEOUT_S, self.timeout_s)
 
-        def select_one(conn: psycopg.Connection[Any]) -> None:
-            conn.execute("SELECT 1").fetchone()
+        def select_one(db: sql.Database) -> None:
+            db.execute("SELECT 1").fetchone()
 
         try:
             with trio.fail_after(limit):

@@ -54,7 +54,9 @@ class Database(Protocol):
     def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None: ...
 
     def transaction(self, *, write: bool) -> AbstractContextManager[Any]:
-        """All of it or none of it; `write` takes the write lock first (SQLite's IMMEDIATE)."""
+        """All of it or none of it; `write` takes the write lock first (SQLite's IMMEDIATE).
+        A write still open at its call's deadline is rolled back rather than committed: the
+        server has told the client by then that it failed."""
         ...
 
 

@@ -87,8 +87,8 @@ class SQLite:
     `until` is the call's deadline on the monotonic clock every process of the machine shares.
     SQLite's busy timeout counts the sleeps it asked for, not the time that passed, so on a
     busy machine it can outwait the server, which by then has told the client the write
-    failed: a write that gets its lock after `until` is given up (and the client's answer
-    stays true)."""
+    failed: a write that comes to its commit after `until` is rolled back (and the client's
+    answer stays true)."""
 
     def __init__(self, db: sqlite3.Connection, until: float) -> None:
         self._db = db
@@ -104,11 +104,11 @@ class SQLite:
     def transaction(self, *, write: bool) -> Iterator[None]:
         with self._db:  # commits, or rolls back on an exception
             self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            yield
             if write and time.monotonic() > self._until:
-                late = sqlite3.OperationalError("the write lock came after the call's deadline")
+                late = sqlite3.OperationalError("the write came to its commit past its deadline")
                 late.sqlite_errorname = "SQLITE_BUSY"
                 raise late
-            yield
 
 
 def _text(statement: str) -> str:
