@@ -32,9 +32,12 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
+from trio_websocket import ConnectionClosed, HandshakeError
 
 from proto_server.bench.report import NO_PLOTS, pyplot
+from proto_server.client import Connection, Dialect, Rollout, RolloutState, connect
+from proto_server.client.http import StreamEnded
+from proto_server.client.rollout import wire_json
 
 INSTRUCTIONS = "You are a coding agent. Run the tests, read their output and say what to fix."
 ASK = "Find the failing test in this repository."
@@ -275,33 +278,11 @@ async def _sse(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Said:
     return Said(final["id"], final["output"], _usage(final), ttft, took, len(raw))
 
 
-async def _frames(
-    ws: WebSocketConnection, message: dict[str, Any]
-) -> tuple[dict[str, Any], float, float, int]:
-    """Send one frame; the segment's last event, TTFT, turn time and the frame's size."""
-    frame = json.dumps(message)
-    started = time.perf_counter()
-    await ws.send_message(frame)
-    first = None
-    while True:
-        event = json.loads(await ws.get_message())
-        if event["type"] in OUTPUT and first is None:
-            first = time.perf_counter()
-        if event["type"] in {"response.done", "error", *TERMINAL}:
-            break
-    ended = time.perf_counter()
-    if event["type"] == "error" or event["response"].get("status") == "failed":
-        raise RuntimeError(f"proto-server refused the turn: {event}")
-    return event, (first or ended) - started, ended - started, len(frame.encode())
-
-
 Send = Callable[[Items, str], Awaitable[Said]]
 
 
-def _capped(cap: int | None, tool_choice: str) -> dict[str, Any]:
+def _capped(cap: int, tool_choice: str) -> dict[str, Any]:
     """vLLM's `max_output_tokens` for a turn: room for a call on a forced turn, `cap` after."""
-    if cap is None:
-        return {}
     return {"max_output_tokens": CALL_TOKENS if tool_choice == "required" else cap}
 
 
@@ -323,64 +304,57 @@ async def open_path(
 ) -> AsyncIterator[Send]:
     """The client of one path: `await send(new items, tool_choice)` runs one turn."""
     ask = partial(_request, model, instructions)
-    if path in (PROTOTYPE, LAUNCHED):
-        ws_url = proto_url.replace("http://", "ws://", 1) + "/responses"
-        if path == PROTOTYPE:
-            ws_url += "?dialect=prototype"
-        async with open_websocket_url(ws_url, max_message_size=64 * 1024 * 1024) as ws:
-            yield (_prototype if path == PROTOTYPE else _launched)(ws, ask)
+    if path in OURS:
+        async with connect(proto_url, dialect=DIALECTS[path]) as connection:
+            yield _through_client(connection, ask)
         return
-    base = proto_url if path == HTTP else engine_url
-    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+    async with httpx.AsyncClient(base_url=engine_url, timeout=600) as http:
         # vLLM's endpoint is told the answer's length; proto-server's is started with it
-        cap = answer_tokens if path in THEIRS else None
-        yield (_chained if path == CHAINED else _stateless)(http, ask, cap)
+        yield (_chained if path == CHAINED else _stateless)(http, ask, answer_tokens)
 
 
-def _prototype(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) -> Send:
-    """One Response: each call suspends it (`response.done`), an append resumes it."""
-    before = (0, 0, 0)
-    seen: set[str] = set()
+#: The client dialect of each of proto-server's paths.
+DIALECTS: dict[str, Dialect] = {PROTOTYPE: "prototype", LAUNCHED: "launched", HTTP: "http"}
+
+
+def _through_client(connection: Connection, ask: Callable[[str], dict[str, Any]]) -> Send:
+    """A proto-server path through this project's client (`client/`): its dialect decides what
+    a turn puts on the wire (one Response suspended on each call and appended to, a chain by
+    `previous_response_id`, or the whole history)."""
+    rollouts: list[Rollout] = []
 
     async def send(new: Items, tool_choice: str) -> Said:
-        nonlocal before
-        if not seen:
-            # store: false like every proto-server path; true would also write each suspension
-            message = {"type": "response.create", "input": new, "store": False, **ask(tool_choice)}
-        else:
-            message = {"type": "response.append", "input": new, "tool_choice": tool_choice}
-        event, ttft, took, sent = await _frames(ws, message)
-        response = event["response"]
-        now = _usage(response)  # the Response's usage so far
-        usage = (now[0] - before[0], now[1] - before[1], now[2] - before[2])
-        before = now
-        output = [item for item in response["output"] if item["id"] not in seen]
-        seen.update(item["id"] for item in response["output"])
-        return Said(response["id"], output, usage, ttft, took, sent)
+        if not rollouts:
+            # store: false like every path; true would also write each suspension
+            rollouts.append(await connection.create(new, store=False, **ask(tool_choice)))
+        elif rollouts[0].state is RolloutState.SUSPENDED:
+            answers = {item["call_id"]: item["output"] for item in new}
+            await rollouts[0].append(answers, tool_choice=tool_choice)
+        else:  # proto-server holds a forced call to its tool: this is not the model's doing
+            raise RuntimeError(
+                f"proto-server's turn ended {rollouts[0].state.value}, not in a call"
+            )
+        rollout = rollouts[0]
+        before = len(rollout.output)
+        segment = await rollout.step()
+        if segment.end == "error" or rollout.state is RolloutState.FAILED:
+            raise RuntimeError(f"proto-server refused the turn: {rollout.tracker.error}")
+        assert segment.ended_at is not None and segment.response_id is not None
+        first = next((r.at for r in segment.events if r.event.type in OUTPUT), segment.ended_at)
+        return Said(
+            segment.response_id,
+            [wire_json(item) for item in rollout.output[before:]],
+            (segment.input_tokens, segment.cached_tokens, segment.output_tokens),
+            first - segment.sent_at,
+            segment.ended_at - segment.sent_at,
+            segment.sent_bytes,
+        )
 
     return send
 
 
-def _launched(ws: WebSocketConnection, ask: Callable[[str], dict[str, Any]]) -> Send:
-    """A Response per turn, chained by `previous_response_id` on one connection."""
-    previous: list[str] = []
-
-    async def send(new: Items, tool_choice: str) -> Said:
-        message = {"type": "response.create", "input": new, "store": False, **ask(tool_choice)}
-        if previous:
-            message["previous_response_id"] = previous[-1]
-        event, ttft, took, sent = await _frames(ws, message)
-        response = event["response"]
-        previous.append(response["id"])
-        return Said(response["id"], response["output"], _usage(response), ttft, took, sent)
-
-    return send
-
-
-def _stateless(
-    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int | None
-) -> Send:
-    """The whole history every turn, `store: false`."""
+def _stateless(http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int) -> Send:
+    """vLLM's endpoint with the whole history every turn, `store: false`."""
     history: Items = []
 
     async def send(new: Items, tool_choice: str) -> Said:
@@ -394,9 +368,7 @@ def _stateless(
     return send
 
 
-def _chained(
-    http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int | None
-) -> Send:
+def _chained(http: httpx.AsyncClient, ask: Callable[[str], dict[str, Any]], cap: int) -> Send:
     """vLLM's endpoint chained by `previous_response_id`: its store keeps the history."""
     previous: list[str] = []
 
@@ -426,7 +398,10 @@ class Setup:
 
 
 #: What ends one path's run (and only its own): it is reported, and the other paths go on.
-PATH_FAILURES = (RuntimeError, OSError, httpx.HTTPError, HandshakeError, ConnectionClosed)
+PATH_FAILURES = (
+    RuntimeError, OSError, httpx.HTTPError, HandshakeError, ConnectionClosed, StreamEnded,
+    trio.BrokenResourceError,
+)  # fmt: skip
 
 
 async def run_paths(

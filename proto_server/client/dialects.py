@@ -39,6 +39,13 @@ class Turns:
     previous_response_id: str | None
     #: Outputs given while other calls are still pending (a chain sends them in one turn).
     waiting: list[Any] = attrs.field(factory=list)
+    #: A `tool_choice` given with an answer, not yet sent: the frame that resumes carries it.
+    chosen: Any = None
+
+    def choose(self, tool_choice: Any) -> None:
+        """A new `tool_choice` from the answer that resumes on: a chain's every later turn
+        asks with it (the prototype's Response keeps it itself)."""
+        self.chosen = tool_choice
 
     def first(self) -> dict[str, Any]:
         body: dict[str, Any] = {"type": "response.create", **self.settings, "input": self.input}
@@ -59,6 +66,8 @@ class Turns:
             self.waiting.extend(outputs)
             return None
         outputs, self.waiting = [*self.waiting, *outputs], []
+        if self.chosen is not None:
+            self.settings, self.chosen = {**self.settings, "tool_choice": self.chosen}, None
         return Answer(self.next_turn(outputs, response_id, unsent), resumes=True)
 
     def next_turn(
@@ -85,7 +94,10 @@ class PrototypeTurns(Turns):
         response_id: str | None,
         unsent: Callable[[], Sequence[Any]],
     ) -> Answer | None:
-        return Answer({"type": "response.append", "input": outputs}, resumes=answered_all)
+        body: dict[str, Any] = {"type": "response.append", "input": outputs}
+        if answered_all and self.chosen is not None:
+            body["tool_choice"], self.chosen = self.chosen, None
+        return Answer(body, resumes=answered_all)
 
 
 @attrs.define

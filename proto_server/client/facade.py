@@ -324,9 +324,12 @@ class BlockingRollout:
         """Read events until the next suspension or the end; the segment (shows as a table)."""
         return self.client.call(self.rollout.step)
 
-    def append(self, outputs: Mapping[str, str] | Sequence[ToolOutput]) -> None:
-        """Answer pending calls; once all are answered the rollout streams again (step())."""
-        self.client.call(self.rollout.append, outputs)
+    def append(
+        self, outputs: Mapping[str, str] | Sequence[ToolOutput], *, tool_choice: Any = None
+    ) -> None:
+        """Answer pending calls; once all are answered the rollout streams again (step()).
+        `tool_choice`: a new one from the answer that resumes on (`Rollout.append`)."""
+        self.client.call(partial(self.rollout.append, outputs, tool_choice=tool_choice))
 
     def cancel(self) -> None:
         self.client.call(self.rollout.cancel)

@@ -6,6 +6,7 @@ A non-2xx answer becomes the same `error` event the WebSocket would have sent.
 
 from __future__ import annotations
 
+import select
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -121,10 +122,12 @@ class HttpWire:
             while http.their_state is h11.SEND_BODY:
                 if isinstance(await self._next_event(), h11.ConnectionClosed):
                     break
-            if (http.our_state, http.their_state) == (h11.DONE, h11.DONE):
+            if (http.our_state, http.their_state) == (h11.DONE, h11.DONE) and not _readable(
+                self._stream
+            ):
                 http.start_next_cycle()
                 return
-            await self.aclose()
+            await self.aclose()  # not reusable, or closed by the server while it was idle
         self._stream = await trio.open_tcp_stream(self._host, self._port)
         self._http = h11.Connection(h11.CLIENT)
 
@@ -137,3 +140,11 @@ class HttpWire:
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
+
+
+def _readable(stream: trio.SocketStream) -> bool:
+    """Whether an idle kept-alive connection has something to read: the server closed it (its
+    idle timeout) or broke the protocol. A request sent on it would meet the close instead of
+    an answer, so it is not reused (as httpcore checks its pool's connections)."""
+    readable, _, _ = select.select([stream.socket.fileno()], [], [], 0)
+    return bool(readable)

@@ -99,12 +99,18 @@ class Rollout:
         assert segment is not None
         return segment
 
-    async def append(self, outputs: Mapping[str, str] | Sequence[ToolOutput]) -> None:
+    async def append(
+        self, outputs: Mapping[str, str] | Sequence[ToolOutput], *, tool_choice: Any = None
+    ) -> None:
         """Answer pending calls (`{call_id: output}` or output items); resumes once all are.
 
-        Outputs that answer no pending call raise `OutputsRefused` and nothing is sent.
+        `tool_choice`: a new one for the rest of the rollout, from the answer that resumes on
+        (e.g. `"none"` once the agent must answer). Outputs that answer no pending call raise
+        `OutputsRefused` and nothing is sent.
         """
         items = self.tracker.outputs(outputs)
+        if tool_choice is not None:
+            self._turns.choose(tool_choice)
         answer = self._turns.answer(
             [wire_json(item) for item in items],
             answered_all=self.tracker.answered(items),

@@ -8,9 +8,12 @@ import sys
 
 import orjson
 import pytest
+import trio
+from prometheus_client import REGISTRY
 
 from proto_server.client import Dialect, Rollout, RolloutState, Sent, connect
 from proto_server.client.dialects import rules
+from proto_server.client.http import HttpWire
 from proto_server.client.state import OutputsRefused
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
@@ -93,6 +96,30 @@ async def test_bytes_sent_per_segment_are_the_frames_that_started_it(
         len(orjson.dumps(append(first_call, "a.py"))),
         len(orjson.dumps(append(a, "1"))) + len(orjson.dumps(append(b, "2"))),
     ]
+
+
+@pytest.mark.parametrize("dialect", ["prototype", "launched", "http"])
+async def test_a_tool_choice_given_to_append_goes_with_the_answer_that_resumes_and_stays(
+    start_server: StartServer, dialect: Dialect
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    async with connect(running.address.http_url, dialect=dialect) as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND], tool_choice="auto")
+        await rollout.step()
+        await rollout.append({rollout.pending_calls[0].call_id: "a.py"}, tool_choice="required")
+        await rollout.step()
+        a, b = (call.call_id for call in rollout.pending_calls)
+        await rollout.append({a: "1"}, tool_choice="none")  # held (prototype: partial) ...
+        await rollout.append({b: "2"})  # ... until the answer that resumes carries it
+        assert (await rollout.step()).end == "response.completed"
+
+    sent = [
+        entry.body.get("tool_choice") for entry in connection.transcript if isinstance(entry, Sent)
+    ]
+    if dialect == "prototype":  # the Response keeps a tool_choice for the rest by itself
+        assert sent == ["auto", "required", None, "none"]
+    else:  # a chain asks every later turn with it
+        assert sent == ["auto", "required", "none"]
 
 
 async def test_outputs_for_unknown_calls_are_refused_before_anything_is_sent(
@@ -264,6 +291,32 @@ async def test_http_turns_resend_the_whole_history_and_reprocess_it(
         assert after.reprocessed_tokens > before.input_tokens + before.output_tokens
     text = "".join(r.event.delta for r in rollout.received if isinstance(r.event, OutputTextDelta))
     assert text == "Let me look.Fixed: the loop was off by one."
+
+
+def open_connections() -> float:
+    return REGISTRY.get_sample_value("proto_server_connections_open") or 0.0
+
+
+async def test_an_http_connection_the_server_closed_while_idle_is_not_reused(
+    start_server: StartServer,
+) -> None:
+    # the server ends a kept-alive connection idle past its handshake timeout; a request sent
+    # on it would meet the close instead of an answer (what bench-vllm's http path met)
+    running = await start_server(THREE_SEGMENTS, handshake_timeout_s=0.2)
+    before = open_connections()
+    async with connect(running.address.http_url, dialect="http") as connection:
+        rollout = await connection.create("fix it", tools=[EXEC_COMMAND])
+        await rollout.step()
+        wire = connection._wire
+        assert isinstance(wire, HttpWire) and wire._stream is not None
+        idle = wire._stream
+        with trio.fail_after(10):
+            while open_connections() > before:  # noqa: ASYNC110 (a gauge: nothing to wait on)
+                await trio.sleep(0.05)  # until the server has closed it
+        await rollout.append({rollout.pending_calls[0].call_id: "a.py"})
+        await rollout.step()
+        assert rollout.state is RolloutState.SUSPENDED  # on the next calls
+        assert wire._stream is not idle  # a new connection carried it
 
 
 async def test_an_http_refusal_is_an_error_event(start_server: StartServer) -> None:
