@@ -1,5 +1,11 @@
 """`proto-server serve`: run the server with its embedded defaults, or with flags;
-`proto-server bench-local`: warm against cold prefill on the local model."""
+`proto-server bench-local`: warm against cold prefill on the local model.
+
+Why one module of this length: `main` is the one place a `Refused` or an `InvalidSetting` becomes a
+line on stderr and exit status 2, and every command's set-up (the store, the secret, the engines,
+the local model) raises one for it. bench-local and bench-vllm build their generators with serve's
+own `_load_local` and `_connect_vllm`, so they measure the generator serve would run.
+"""
 
 from __future__ import annotations
 

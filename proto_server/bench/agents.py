@@ -11,12 +11,17 @@ defaults keep their ratio, scaled down to a 1 s median for a small machine.
 The same workload runs through each path, one path after the other, on the same engine:
 proto-server's prototype WebSocket (one Response, suspended at each call), its launched
 WebSocket (`previous_response_id`, `store: false`) and, on a real vLLM, vLLM's own
-`/v1/responses` with the whole history (the clients are `bench.vllm`'s). On the simulated GPU
+`/v1/responses` with the whole history (the clients are `bench.paths`'). On the simulated GPU
 (the default) only proto-server's paths run and the engine's time is modelled.
 
 Per path: makespan, the prompt tokens prefilled (each turn's `input_tokens - cached_tokens`)
 against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 (the client's
 first output event after its request) and the engine's preemptions (`/metrics`).
+
+Why one module of this length: the workload, each path's run and the report share the records
+`Agent`, `AgentTurn` and `PathRun`. The paths' names (`ADMITTED`, `SPREAD`) are made by
+`run_agents` and read back by `Target` and `spread_vs_one`: split, a name would be built in one
+file and parsed in another.
 """
 
 from __future__ import annotations
@@ -41,9 +46,7 @@ import attrs
 import httpx
 import trio
 
-from proto_server.bench.report import NO_PLOTS, pyplot
-from proto_server.bench.tables import table
-from proto_server.bench.vllm import (
+from proto_server.bench.paths import (
     ASK,
     INSTRUCTIONS,
     LAUNCHED,
@@ -57,6 +60,8 @@ from proto_server.bench.vllm import (
     start_proto_server,
     start_serve,
 )
+from proto_server.bench.report import NO_PLOTS, pyplot
+from proto_server.bench.tables import table
 from proto_server.bench.workload import _GUIDANCE, _code_line, _prose
 
 Progress = Callable[[str], None]
@@ -255,7 +260,7 @@ class Target:
         return self.admitted_url if path.endswith(ADMITTED) else self.proto_url
 
     def dialect(self, path: str) -> str:
-        """The client's path (`bench.vllm`'s name) that `path` runs."""
+        """The client's path (`bench.paths`' name) that `path` runs."""
         return LAUNCHED if path == self.spread else path.removesuffix(ADMITTED)
 
 

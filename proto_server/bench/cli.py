@@ -1,4 +1,10 @@
-"""`proto-server bench`: the four transports side by side, from a fresh install, no arguments."""
+"""`proto-server bench`: the four transports side by side, from a fresh install, no arguments.
+
+Why one module of this length: the sections share flags that mean different things in each
+(`--rollouts`, `--context-tokens`, `--tool-tokens`, `--wait-s`, `--turns`, `--prefill-rate`), and
+argparse takes each flag once. So the shared flags, their defaults and how each section reads them
+(`_run_agents`, `_run_fleet`, `run`) are declared in one place.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,12 @@ The same seeded workload (`lognormal` draws with the issue's shapes) runs under 
   rollouts by KV capacity, keep-alive TTL), unchanged.
 
 The core (`simulate`) is sans-IO and deterministic for a seed; `main` prints, writes and plots.
+
+Why one module of this length: `Replica`'s block names and `unbounded_need` share one model of the
+cache (the shared prefix's full blocks are everyone's, the rest a rollout's own, a partial block
+prefilled again), and the ratio printed means something only while they agree. The policies differ
+in a few branches of `simulate`, so all three run on the same replica and event loop, read in one
+place.
 """
 
 from __future__ import annotations

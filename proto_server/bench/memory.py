@@ -11,6 +11,10 @@ really costs.
 `--steer-flood LANES STEERS MB` is the issue-22 attack instead: one connection, LANES lanes each
 with a Response that completed with an unanswered call, then STEERS steers of MB each per lane,
 all sent at once; the peak RSS against `--max-memory` plus the baseline, and the answers by code.
+
+Why one module of this length: the shapes and the steer flood are two measurements of one thing,
+peak RSS against what the memory budget charged, and both stand on the same server process
+(`Server`), the same reading of `VmHWM` and the same frames (`frame_of`, `_called`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Medians everywhere (the machine is shared and noisy); ratios are taken against H
 within the same repeat and decode rate, then the median of those ratios is reported, so a slow
 moment hurts both sides of a ratio alike. Server-side per-turn costs do not depend on the decode
 rate, so per-turn medians pool every rollout of a transport.
+
+Why one module of this length: the summaries, the targets, the table and the plots all read the
+same medians (`per_turn`, `_totals`) of one `BenchRun`, and each target is judged on the rows the
+table prints. Split, a target could be judged on a figure other than the one shown.
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ holds those tokens, so it is kept (docs/requests.md).
 Rendering a message through the template and the tokenizer costs about a millisecond, and a
 stateless client resends its whole history every turn: the tokens of the messages rendered
 last are kept (`RenderedMessages`, bounded in bytes), so such a turn renders only what is new.
+
+Why one module of this length: every rendering is cut at the boundaries the probes found when the
+renderer was built (`_base`, `_user_block`, `_thought_probe`), so the probes and the cuts that rely
+on them are read together. `RenderedMessages` and `PREFIX` are here with `ModelRenderer`, which
+promises that cache; the harmony renderer imports them from here.
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ messages as input, goes first in its lane's queue, served from the warm rollout 
 starts the successor after its completion all the same. A Response that completed with calls
 awaiting output keeps its steers pending (`_Awaiting`) for the create that answers them: they
 follow that create's input; a create on the lane that does not continue it returns them.
+
+Why one module of this length: a lane's queue, its warm rollout and the steers waiting on its last
+Response are one state that each turn takes and hands on (`_serve_turn` takes the cache, `_follow`
+queues the successor or parks the steers). `_Lane` closes the warm rollout and only the dialect's
+turns take and keep it; split, who owns the rollout and who hands it on would be read in two
+places.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ writer), turns with their tokens and phases (`turn_ended`, from the sampling loo
 suspensions and evictions (suspension.py, memory.py), store calls and the state of the SQLite
 file (`TimedStore`), what the chat-template renderer's cache did (`rendered`, after each
 render: the engine's renderer keeps its own counts, taken from here).
+
+Why one module of this length: the series are declared once, module-level, and each gauge's
+`multiprocess_mode` must agree with how `exposition` and `worker_gone` add up the workers' files,
+so declaration, merge and scrape are read together. `TimedStore` is here as the one place the
+store's two series are counted.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ The server makes one `Responses` and hands it to every dialect (`prototype.py`, 
 and to every HTTP exchange (`http.py`); none of them knows the server, which keeps to the
 listener, the handshake and shutdown (`app.py`). So a dialect can be driven without a socket:
 a `Responses`, a connection's lanes as channels, and events in.
+
+Why one module of this length: `begin`, `resume` and `input_tokens` must resolve, render and budget
+a request the same way, from the state `Responses` keeps for the process (the renderer, the store,
+the compaction key, the budgets). Split, the prompt `/v1/responses/input_tokens` counts could drift
+from the one a create is served with.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ with only its own responses. Connections are kept alive; a store that cannot ans
 
 The h11 plumbing they stand on is http.py; the SSE framing, sse.py. Each route is a method of
 one `_Exchange` (a request and its answer), so the module is as long as the API is wide.
+
+Why one module of this length: `serve` is the route table, and every route reads the same
+`_Exchange` (its owner once authorized, its body limit, the connection's budget). Split by route,
+the table and what each route may assume of its request would be read in different places.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ Its neighbours hold the rest: the wait while suspended (`suspension.IdleWait`), 
 (`storing.StoreStep`) and the turn's account (`turns.TurnAccount`). What is left, about 500
 lines, is one idea: the segment's run, from admission through the generator's chunks to the
 events they become, and the client's calls that cut it short.
+
+Why one module of this length: the generator task and the loop share the cancel scopes that the
+client's calls cut (`cancel`, `steer` and `expire` reach `_generator_scope` and
+`_admission_scope`), and only this loop sends the Response's events. Split, the order of the
+machine's events would depend on code in two places.
 """
 
 from __future__ import annotations

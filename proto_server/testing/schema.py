@@ -27,6 +27,10 @@ Five overlays on the published document, each explicit here and in docs/checker.
   the request's format (`JsonSchemaResponseFormatParam`) requires an object there.
 
 Needs the `jsonschema` package (the dev extra), imported only when a `WireSchema` is built.
+
+Why one module of this length: the overlays are the whole list of where this project departs from
+the published document, and `_overlaid` and `WireSchema` apply them to the document the validators
+are built from. In one file, each departure listed sits beside the code that applies it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 Structuring is strict (a number is not a string) and every failure becomes a `ProtocolError`
 whose `param` is the path of the offending field, e.g. `input[2].call_id`.
+
+Why one module of this length: the hooks are registrations on the one global `converter`, made when
+this module is imported, and the decoders and their refusals (`_locate`, `_structure_or_refuse`)
+rely on the `InvalidValue`s those hooks raise. Kept together, whoever decodes a frame has every
+hook in place.
 """
 
 from __future__ import annotations

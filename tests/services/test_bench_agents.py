@@ -25,7 +25,7 @@ from proto_server.bench.agents import (
     spread_vs_one,
     unbounded_need,
 )
-from proto_server.bench.vllm import LAUNCHED, PROTOTYPE, STATELESS
+from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
 from ..support.engine import Engine

@@ -726,16 +726,8 @@ async def test_the_benchmark_runs_every_path_on_the_same_engine(
 ) -> None:
     """`proto-server bench-vllm`, small: three turns through each of the five paths, with
     proto-server as a process of its own; every path gives numbers, and the files are there."""
-    from proto_server.bench.vllm import (
-        CALL_TOKENS,
-        OURS,
-        PATHS,
-        PLOTS,
-        measure,
-        render,
-        summarize,
-        write_files,
-    )
+    from proto_server.bench.paths import CALL_TOKENS, OURS, PATHS
+    from proto_server.bench.vllm import PLOTS, measure, render, summarize, write_files
 
     assert vllm_engine.process is not None
     with trio.fail_after(300):

@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from proto_server.bench.agents import SPREAD
-from proto_server.bench.vllm import LAUNCHED, PROTOTYPE, STATELESS
+from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
 from ..support.engine import Engine, running

@@ -1,9 +1,11 @@
 """The documentation site's promises that need no build: the flag page is generated, and says
-what `serve` takes; the architecture page's transition table is the machine's.
+what `serve` takes; the architecture page's transition table is the machine's; a long module
+says why it is one.
 (`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
 
 from __future__ import annotations
 
+import ast
 import re
 import unicodedata
 from pathlib import Path
@@ -94,6 +96,23 @@ def test_the_tests_readme_names_every_test_module() -> None:
         if not re.search(rf"\b{path.stem}\b", listed)
     ]
     assert not missing, f"add {missing} to tests/README.md's table"
+
+
+#: A module longer than this says at its top why it is one module (docs/architecture.md).
+LONG_MODULE_LINES = 420
+
+
+def test_a_long_module_says_at_its_top_why_it_is_one() -> None:
+    unexplained = []
+    for path in sorted((ROOT / "proto_server").rglob("*.py")):
+        text = path.read_text()
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if (
+            text.count("\n") > LONG_MODULE_LINES
+            and "Why one module of this length:" not in docstring
+        ):
+            unexplained.append(str(path.relative_to(ROOT)))
+    assert not unexplained, f"split these, or say why each is one module: {unexplained}"
 
 
 def test_the_architecture_pages_transition_table_is_the_machines() -> None:

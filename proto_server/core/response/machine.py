@@ -21,11 +21,11 @@ A call that is not legal in the current state raises and changes nothing: a clie
 a `ProtocolError` (it becomes an `error` event) or a `SteerRefused` (`response.steer.failed`),
 a generator's is an `IllegalTransition` (a bug of the server, which fails the Response).
 
-Why this module is longer than 400 lines: `ResponseMachine` is the one object the server
-drives for a Response, and its forty-odd members (what the generator produced, what the client
-sent, how it ends, what it looks like) are each a few lines over the sibling modules, which
-hold the state of their own. Splitting it further would spread one Response's status, and the
-order its events come in, over several objects.
+Why one module of this length: `ResponseMachine` is the one object the server drives for a
+Response, and its forty-odd members (what the generator produced, what the client sent, how it
+ends, what it looks like) are each a few lines over the sibling modules, which hold the state of
+their own. Splitting it further would spread one Response's status, and the order its events
+come in, over several objects.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ answer, and is applied to the model of Responses at once (`accept`).
 The ledger also holds the answers that are events of their own: `response.queued` for a create
 that waits its turn, `response.inject.created` / `.failed`, and a steer's `accepted`,
 `pending` and `failed` (with the accepted steers until they are committed or returned).
+
+Why one module of this length: what a frame may earn (`sent`, `_answers`, `_judge`) and the events
+that settle it (`error`, `created`, `inject_failed`, `steer_failed`...) read and widen the same
+`Frame` records. Split, the codes a frame may earn could drift from the codes its answers are
+matched by.
 """
 
 from __future__ import annotations
