@@ -38,7 +38,7 @@ from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
 from ..server.test_structured_output import SCHEMAS as SMALL_SCHEMAS
-from ..support.helpers import END, TERMINAL, connect
+from ..support.helpers import END, TERMINAL, model_connect
 from ..support.tinymodel import (
     INSTRUCTIONS,
     NO_LIMITS,
@@ -288,7 +288,7 @@ async def test_a_forced_call_over_the_server_suspends_and_resumes(
         "max_tool_calls": 1,
     }
     with trio.fail_after(60):
-        async with connect(running.prototype_url) as client:
+        async with model_connect(running.prototype_url) as client:
             await client.send(create)
             first = await client.segment()
             assert first[-1]["type"] == "response.done"
@@ -339,7 +339,7 @@ async def test_without_a_fast_tokenizer_a_forced_call_is_refused_when_it_arrives
     running = await serve(nursery, generator)
     create = {"type": "response.create", "model": "tiny", "input": "hi", "tools": [EXEC, PICK]}
     with trio.fail_after(30):
-        async with connect(running.prototype_url) as client:
+        async with model_connect(running.prototype_url) as client:
             await client.send({**create, "tool_choice": {"type": "function", "name": "pick"}})
             (refused,) = await client.segment()
             assert refused["type"] == "error"
@@ -453,7 +453,7 @@ async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
             "text.format.schema.properties.when",
         )
         assert "look-around" in error["message"]
-        async with connect(running.address.ws_url) as client:
+        async with model_connect(running.address.ws_url) as client:
             await client.send(create)
             (refused,) = await client.until(*END)
             assert refused["type"] == "error" and refused["error"] == error

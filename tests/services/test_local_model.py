@@ -56,7 +56,7 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, collapse, connect, read_line, types
+from ..support.helpers import EXEC_COMMAND, collapse, model_connect, read_line, types
 from ..support.tinymodel import (
     CHATML,
     INSTRUCTIONS,
@@ -221,7 +221,7 @@ async def test_suspend_and_append_over_the_server_prefill_only_what_is_new(
     script = Scripted(tokenizer, [CALL, "Fixed."])
     generator = make(tokenizer, script)
     running = await serve(nursery, generator)
-    async with connect(running.prototype_url) as client:
+    async with model_connect(running.prototype_url) as client:
         await client.send(create())
         first = await client.segment()
         assert generator.live_caches == 1  # suspended, and the cache is kept
@@ -292,7 +292,7 @@ async def test_the_cache_is_released_on_every_exit_path(
         choose = explode
     generator = make(tokenizer, choose, max_tokens=8 if exit_path == "max-tokens" else 10**6)
     running = await serve(nursery, generator)
-    async with connect(running.prototype_url) as client:
+    async with model_connect(running.prototype_url) as client:
         await client.send(create(tools=exit_path != "max-tokens"))
         if streaming:
             events = await client.until("response.output_text.delta")
@@ -422,7 +422,7 @@ async def test_serve_local_runs_a_model_directory(
         line = await read_line(process.stdout)
         assert f"local model {tmp_path.name} on cpu" in line
         ws_url = line.split("WebSocket ")[1].split(";")[0]
-        async with connect(ws_url + "?dialect=prototype") as client:
+        async with model_connect(ws_url + "?dialect=prototype") as client:
             await client.send(create(tools=False))
             events = await client.segment()
         final = events[-1]["response"]
@@ -442,7 +442,7 @@ async def test_the_launched_dialect_chains_turns_on_the_same_warm_cache(
     script = Scripted(tokenizer, [CALL, "Fixed."])
     generator = make(tokenizer, script)
     running = await serve(nursery, generator)
-    async with connect(running.address.ws_url) as client:
+    async with model_connect(running.address.ws_url) as client:
         await client.send({**create(), "store": False})
         first = await client.until(*LAUNCHED_END)
         r1 = first[-1]["response"]
@@ -471,7 +471,7 @@ async def test_a_launched_warm_up_prefills_and_the_next_turn_reads_nothing_again
 ) -> None:
     generator = make(tokenizer, Scripted(tokenizer, ["Fixed."]))
     running = await serve(nursery, generator)
-    async with connect(running.address.ws_url) as client:
+    async with model_connect(running.address.ws_url) as client:
         await client.send({**create(), "store": False, "generate": False})
         warm = (await client.until(*LAUNCHED_END))[-1]["response"]
         assert (warm["output"], warm["usage"]["output_tokens"]) == ([], 0)

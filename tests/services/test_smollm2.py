@@ -29,7 +29,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, TERMINAL, connect
+from ..support.helpers import EXEC_COMMAND, TERMINAL, model_connect
 
 pytestmark = [pytest.mark.model, pytest.mark.deadline(240)]  # a model on a busy CPU
 
@@ -98,7 +98,7 @@ async def test_a_short_real_rollout_streams_a_valid_response(
         "tools": [EXEC_COMMAND],
     }
     events: list[dict[str, Any]] = []
-    async with connect(f"{address.ws_url}?dialect=prototype") as client:
+    async with model_connect(f"{address.ws_url}?dialect=prototype") as client:
         await client.send(create)
         for round_ in range(3):
             segment = await client.until("response.done", *TERMINAL)
@@ -166,7 +166,7 @@ async def test_tool_choice_required_makes_even_smollm2_call_a_tool(
         "tool_choice": "required",
     }
     with trio.fail_after(120):
-        async with connect(f"{address.ws_url}?dialect=prototype") as client:
+        async with model_connect(f"{address.ws_url}?dialect=prototype") as client:
             await client.send(create)
             events = await client.until("response.done", *TERMINAL)
             assert events[-1]["type"] == "response.done"
@@ -208,7 +208,7 @@ async def test_smollm2_answers_an_instance_of_a_json_schema(
         },
     }
     with trio.fail_after(120):
-        async with connect(address.ws_url) as client:
+        async with model_connect(address.ws_url) as client:
             await client.send(create)
             events = await client.until(*TERMINAL)
         await server.wait_idle()

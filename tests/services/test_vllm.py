@@ -38,7 +38,15 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from ..support.engine import BLOCK_SIZE, SERVED_NAME, Engine, grammar_accepts
-from ..support.helpers import TERMINAL, Checked, connect, in_thread, launched_create, read_line, sse
+from ..support.helpers import (
+    TERMINAL,
+    Checked,
+    in_thread,
+    launched_create,
+    model_connect,
+    read_line,
+    sse,
+)
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
 pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
@@ -157,7 +165,7 @@ async def test_a_prototype_rollout_forced_twice_then_free_is_served_warm(
     served = await start_vllm()
     events: list[dict[str, Any]] = []
     with trio.fail_after(180):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send(
                 {
                     "type": "response.create",
@@ -205,7 +213,7 @@ async def test_a_forced_call_streams_before_the_segment_ends(start_vllm: StartVl
     served = await start_vllm()
     arrivals: list[tuple[float, dict[str, Any]]] = []
     with trio.fail_after(120):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send(
                 {
                     "type": "response.create",
@@ -368,7 +376,10 @@ async def test_an_evicted_suspended_response_holds_nothing_on_the_engine(
     create = {"type": "response.create", "input": ASK, "tools": [TOOL],
               "tool_choice": "required", "temperature": 0}  # fmt: skip
     with trio.fail_after(180):
-        async with connect(served.prototype_url) as first, connect(served.prototype_url) as second:
+        async with (
+            model_connect(served.prototype_url) as first,
+            model_connect(served.prototype_url) as second,
+        ):
             await first.send(create)
             assert (await first.until("response.done", *TERMINAL))[-1]["type"] == "response.done"
             await second.send({**create, "input": f"{ASK} Then read README.md."})
@@ -564,7 +575,7 @@ async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
     served = await start_vllm(max_tokens=512)
     before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
     with trio.fail_after(120):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
             # the engine is decoding this Response (a fast one, 511 tokens to go: a second)
             await client.until("response.output_text.delta")
@@ -596,7 +607,7 @@ async def test_a_steer_aborts_the_engine_request_and_its_successor_is_served_war
             await trio.sleep(0.05)
 
     with trio.fail_after(180):
-        async with connect(served.address.ws_url) as raw, trio.open_nursery() as nursery:
+        async with model_connect(served.address.ws_url) as raw, trio.open_nursery() as nursery:
             client = Checked(raw)
             await client.send(
                 launched_create(input=LONG_ASK, model=SERVED_NAME, tools=[], temperature=0)
@@ -632,7 +643,7 @@ async def test_a_shutdown_mid_stream_aborts_the_engine_request(
     served = await start_vllm(max_tokens=512)
     before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
     with trio.fail_after(60):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
             await client.until("response.output_text.delta")  # the engine is decoding it
             async with trio.open_nursery() as nursery:
@@ -652,7 +663,7 @@ async def test_a_launched_warm_up_fills_the_engine_cache_for_the_turn(
     served = await start_vllm(max_tokens=8)
     nonce = uuid.uuid4().hex  # nothing of it is in the engine's cache yet
     with trio.fail_after(60):
-        async with connect(served.address.ws_url) as client:
+        async with model_connect(served.address.ws_url) as client:
             await client.send(
                 {"type": "response.create", "input": f"{nonce} {LONG_ASK}", "generate": False}
             )
@@ -675,7 +686,7 @@ async def test_a_launched_warm_up_fills_the_engine_cache_for_the_turn(
 async def test_max_output_tokens_is_honoured(start_vllm: StartVllm) -> None:
     served = await start_vllm(max_tokens=256)
     with trio.fail_after(60):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send(
                 {
                     "type": "response.create",
@@ -696,7 +707,7 @@ async def test_a_prompt_over_the_context_fails_context_length_exceeded_and_the_n
 ) -> None:
     served = await start_vllm(max_tokens=8)
     with trio.fail_after(90):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send({"type": "response.create", "input": "word " * 9000})
             events = await client.until(*TERMINAL)
             assert events[-1]["type"] == "response.failed"
@@ -712,7 +723,7 @@ async def test_an_engine_that_stalls_fails_engine_timeout(start_vllm: StartVllm)
     served = await start_vllm(timeout_s=0.05)
     nonce = uuid.uuid4().hex
     with trio.fail_after(60):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             await client.send(
                 {"type": "response.create", "input": f"{nonce} {LONG_ASK} " * 8, "tools": [TOOL]}
             )
@@ -878,7 +889,7 @@ async def test_the_engine_killed_mid_stream_fails_the_response_then_serves_once_
     """Last in the file: it restarts the session's engine (about a minute)."""
     served = await start_vllm(max_tokens=512)
     root = served.address.http_url.removesuffix("/v1")
-    async with connect(served.prototype_url) as client:
+    async with model_connect(served.prototype_url) as client:
         with trio.fail_after(60):
             await client.send({"type": "response.create", "input": LONG_ASK, "temperature": 0})
             await client.until("response.output_text.delta")
@@ -928,7 +939,7 @@ async def test_admitted_by_the_engines_capacity_with_priorities_a_rollout_is_ser
     served = await start_vllm(kv_capacity_tokens=capacity, engine_priority=True)
     events: list[dict[str, Any]] = []
     with trio.fail_after(180):
-        async with connect(served.prototype_url) as client:
+        async with model_connect(served.prototype_url) as client:
             create = {"type": "response.create", "input": ASK, "tools": [TOOL]}
             await client.send({**create, "tool_choice": "required", "temperature": 0})
             segment = await client.until("response.done", *TERMINAL)

@@ -24,7 +24,7 @@ from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
 from ..support.engine import Engine, running
-from ..support.helpers import TERMINAL, connect, parse, read_line, value
+from ..support.helpers import TERMINAL, model_connect, parse, read_line, value
 from .test_bench_agents import _consistent
 from .test_vllm import ASK, TOOL, assert_warm, calls_of, segment_usage
 
@@ -149,7 +149,7 @@ async def test_two_engines_spread_stay_warm_fail_over_and_take_work_again(
     a_engine, b_engine = second_engine, vllm_engine  # as the router places them
     prompts = [await trio.to_thread.run_sync(e.metric, PROMPTS) for e in (a_engine, b_engine)]
     with trio.fail_after(300):
-        async with connect(front.prototype_url) as a, connect(front.prototype_url) as b:
+        async with model_connect(front.prototype_url) as a, model_connect(front.prototype_url) as b:
             # balance: two rollouts at once go to the two engines
             await a.send(forced())
             a_first = await a.until("response.done", *TERMINAL)
@@ -200,7 +200,7 @@ async def test_two_engines_spread_stay_warm_fail_over_and_take_work_again(
         pytest.fail("the restarted engine was not seen up within 30 s")
     before = await trio.to_thread.run_sync(a_engine.metric, PROMPTS)
     with trio.fail_after(120):
-        async with connect(front.prototype_url) as c:
+        async with model_connect(front.prototype_url) as c:
             await c.send({"type": "response.create", "input": "Hi", "temperature": 0})
             done = await c.until(*TERMINAL)
     assert done[-1]["type"] in ("response.completed", "response.incomplete"), done[-1]

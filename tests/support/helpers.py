@@ -42,7 +42,7 @@ from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.outbox import LaneSink, Outgoing
 from proto_server.server.store import ANONYMOUS, StoredResponse, owner_id
 from proto_server.testing.checker import LaneChecker
-from proto_server.testing.client import MAX_MESSAGE_BYTES, WireClient
+from proto_server.testing.client import EVENT_TIMEOUT_S, MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
 from proto_server.wire.converter import converter, decode_client_event, encode_server_event_bytes
 from proto_server.wire.items import Item, Message
@@ -472,13 +472,28 @@ TERMINAL = {"response.completed", "response.failed", "response.incomplete", "res
 
 @asynccontextmanager
 async def connect(
-    url: str, *, max_message_size: int = MAX_MESSAGE_BYTES, **headers: str
+    url: str,
+    *,
+    max_message_size: int = MAX_MESSAGE_BYTES,
+    event_timeout_s: float = EVENT_TIMEOUT_S,
+    **headers: str,
 ) -> AsyncIterator[WireClient]:
     """The one test client (`proto_server.testing.client`), unchecked, headers as keywords."""
     async with client_connect(
-        url, headers=list(headers.items()), max_message_size=max_message_size
+        url,
+        headers=list(headers.items()),
+        max_message_size=max_message_size,
+        event_timeout_s=event_timeout_s,
     ) as client:
         yield client
+
+
+#: How long a test waits for one event from a real model (vLLM on CPU, the local model): a
+#: first token may wait for a grammar's compile and a prefill on a machine shared with others
+#: (10 s was met on a loaded 2-core machine). It guards against a hang; it measures nothing.
+MODEL_EVENT_TIMEOUT_S = 60.0
+#: `connect` for tests of a real model.
+model_connect = partial(connect, event_timeout_s=MODEL_EVENT_TIMEOUT_S)
 
 
 def types(events: list[dict[str, Any]]) -> list[str]:
