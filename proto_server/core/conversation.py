@@ -147,8 +147,15 @@ def render_items(
     model_end = -1
     previous = False
     before = after
-    for item in kept:
-        tokens.extend(renderer.render_item(item, before))
+    joined_until = 0  # the items before it were rendered with a run of outputs
+    for index, item in enumerate(kept):
+        if index >= joined_until:
+            run = _outputs_run(renderer, kept, index, before)
+            if run is not None:
+                joined_until, run_tokens = run
+                tokens.extend(run_tokens)
+            else:
+                tokens.extend(renderer.render_item(item, before))
         before = item
         nbytes += item_bytes(item)
         model = is_model_item(item)
@@ -173,6 +180,23 @@ def render_items(
         model_end=model_end,
         after=after,
     )
+
+
+def _outputs_run(
+    renderer: Renderer, items: Sequence[Item], start: int, before: Item | None
+) -> tuple[int, Sequence[int]] | None:
+    """Where `items[start:]` begins with two or more tool outputs and the renderer renders such
+    a run together (`render_run`: Qwen3's template joins them in one message): where the run
+    ends, and its tokens. The outputs of one turn always arrive in one batch (an append, a
+    create), so a run never spans two."""
+    end = start
+    while end < len(items) and isinstance(items[end], FunctionCallOutput | CustomToolCallOutput):
+        end += 1
+    render_run = getattr(renderer, "render_run", None)
+    if end - start < 2 or render_run is None:
+        return None
+    joined: Sequence[int] | None = render_run(items[start:end], before)
+    return None if joined is None else (end, joined)
 
 
 def counted(items: Iterable[Item]) -> tuple[int, int]:

@@ -45,7 +45,10 @@ class Renderer(Protocol):
     def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
         """The item's tokens; possibly shared with later calls (a renderer may keep them), so
         never to be changed by the caller. `previous`: the item rendered just before it, where
-        the format joins them (Qwen3's reasoning and the call after it are one message)."""
+        the format joins them (Qwen3's reasoning and the call after it are one message).
+
+        A renderer may also have `render_run(outputs, previous)`: two or more consecutive tool
+        outputs rendered together, where the format joins them (`render_items` asks it)."""
         ...
 
 

@@ -402,6 +402,26 @@ class ChatTemplateRenderer:
             self.rendered.put(key, tokens)
         return tokens
 
+    def render_run(self, outputs: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
+        """Consecutive tool outputs as the template renders them together, where that is not
+        their renderings one after another (Qwen3 puts them in one user message, whose close
+        depends on what comes next); None where it is, or after reasoning (`render_item`)."""
+        if self._thought_probe is not None and isinstance(previous, Reasoning):
+            return None
+        found = [self._message(item) for item in outputs]
+        if any(message is None for message in found):
+            return None
+        messages = [message for _, message in found]  # type: ignore[misc]
+        key = ("\0outputs", json.dumps([[m["role"], m["content"]] for m in messages]))
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            text = self._text([_PROBE, *messages])
+            if not text.startswith(self._base):  # not rendered one message at a time: apart
+                return None
+            tokens = array("I", self._encode(text[len(self._base) :]))
+            self.rendered.put(key, tokens)
+        return tokens
+
     def _render_thought(self, thought: str) -> Sequence[int]:
         key = ("\0reasoning", thought)
         tokens = self.rendered.get(key)

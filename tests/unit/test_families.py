@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from proto_server.core.conversation import Conversation
 from proto_server.core.ranges import InvalidSetting
 from proto_server.engine import families
 from proto_server.engine.chat_template import ChatTemplateRenderer
@@ -46,7 +47,7 @@ from proto_server.engine.families.qwen import QWEN
 from proto_server.engine.model_files import tokenizer_files
 from proto_server.engine.vllm import forced_call_head
 from proto_server.server.config import ServerConfig
-from proto_server.wire.items import FunctionCall, FunctionCallOutput
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.tools import FunctionTool
 
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
@@ -300,6 +301,44 @@ def test_tools_outputs_and_calls_are_rendered_as_the_family_was_tuned_on(package
         assert not renderer.takes_tools and not renderer.renders_calls
         assert LLAMA3_JSON.describe_tools([weather]) in prefix
         assert output.startswith("<|start_header_id|>ipython<|end_header_id|>")
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_a_turns_tool_outputs_are_rendered_together_as_the_template_renders_them(
+    package: str,
+) -> None:
+    """Qwen3's template puts consecutive tool outputs in one user message, DeepSeek V3's in one
+    `tool_outputs` block (each closes on what comes next); Llama 3's renders them apart."""
+    tokenizer = npm_tokenizer(package)
+    renderer = ChatTemplateRenderer(tokenizer, syntax=TOKENIZERS[package])
+    conversation = Conversation(renderer, instructions="Be brief.")
+    conversation.extend([Message(role="user", content="Weather in Paris and Rome?")])
+    for call_id, city in (("c1", "Paris"), ("c2", "Rome")):
+        arguments = f'{{"city": "{city}"}}'
+        conversation.extend(
+            [FunctionCall(call_id=call_id, name="get_weather", arguments=arguments)]
+        )
+    before = len(conversation.tokens)
+    outputs = [FunctionCallOutput(call_id="c1", output="sunny"),
+               FunctionCallOutput(call_id="c2", output="rain")]  # fmt: skip
+    conversation.extend(outputs)  # one append: a turn's outputs arrive together
+    added = list(conversation.tokens[before:])
+    role = "tool" if renderer.renders_calls else "ipython"
+    system = {"role": "system", "content": "probe"}
+    tools = [{"role": role, "content": text} for text in ("sunny", "rain")]
+    base = tokenizer.apply_chat_template([system], tokenize=False)
+    whole = tokenizer.apply_chat_template([system, *tools], tokenize=False)
+    assert added == list(tokenizer.encode(whole[len(base) :], add_special_tokens=False))
+    text = tokenizer.decode(added)
+    if package == "qwen3":  # one user message holds both
+        assert text.count("<|im_start|>user") == 1
+        assert "sunny\n</tool_response>\n<tool_response>\nrain" in text
+    elif package == "deepseek_v3":
+        assert text.count("<｜tool▁outputs▁begin｜>") == 1
+        assert "sunny<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>rain" in text
+    else:
+        apart = [t for item in outputs for t in renderer.render_item(item)]
+        assert added == apart
 
 
 # -- every family's syntax, fed in arbitrary pieces ----------------------------------------------
