@@ -2,7 +2,7 @@
 
 SQLite (sqlite_host.py, in a child process) and PostgreSQL (postgres.py, on a worker thread)
 run these same functions on a connection that keeps to the `Database` protocol: statements are
-written in the subset both speak (upserts with `ON CONFLICT`, `row_number()` for the count
+written in the subset both speak (upserts with `ON CONFLICT`, `LIMIT ? OFFSET ?` for the count
 limit, a recursive CTE for a chain, `true`/`false`) with `?` placeholders and `{responses}`,
 `{items}`, `{suspended}`, `{suspended_items}` for the tables; each backend's `Database` turns a
 statement into its own text once (`statement_text`). What differs stays with its backend: the
@@ -27,6 +27,8 @@ Row = tuple[bytes, bytes, "str | None"]
 #: A suspension as it is read back: (state, version, claimed, stored_at, item chunks in order).
 Suspension = tuple[bytes, int, bool, float, list[bytes]]
 
+#: "No limit" as a LIMIT both databases take (SQLite's -1 is PostgreSQL's error).
+_ALL = 2**62
 #: Ids looked up by one statement (far below either database's limit on parameters).
 ITEMS_PER_QUERY = 500
 
@@ -121,10 +123,13 @@ def put(
 def _prune(db: Database, table: str, related: str, key: str, older_than: float, keep: int) -> None:
     """Delete `table`'s rows stored before `older_than` or past the newest `keep`, and their
     rows in `related`: the oldest go first, so both are a tail by stored_at."""
+    # OFFSET walks the stored_at index past the newest `keep`; both databases need a LIMIT
+    # before an OFFSET. (row_number() over the table reads the same, but SQLite ranks every
+    # row: 13-24 ms a write at 10,000 rows against 0.5 ms.)
     old = db.execute(
-        "SELECT id FROM (SELECT id, stored_at, row_number() OVER (ORDER BY stored_at DESC) AS "
-        f"place FROM {{{table}}}) AS ranked WHERE stored_at < ? OR place > ?",
-        (older_than, keep),
+        f"SELECT id FROM {{{table}}} WHERE stored_at < ? UNION SELECT id FROM (SELECT id FROM "
+        f"{{{table}}} ORDER BY stored_at DESC LIMIT ? OFFSET ?) AS past",
+        (older_than, _ALL, keep),
     ).fetchall()
     db.executemany(f"DELETE FROM {{{related}}} WHERE {key} = ?", old)
     db.executemany(f"DELETE FROM {{{table}}} WHERE id = ?", old)
