@@ -146,5 +146,6 @@ def _readable(stream: trio.SocketStream) -> bool:
     """Whether an idle kept-alive connection has something to read: the server closed it (its
     idle timeout) or broke the protocol. A request sent on it would meet the close instead of
     an answer, so it is not reused (as httpcore checks its pool's connections)."""
-    readable, _, _ = select.select([stream.socket.fileno()], [], [], 0)
-    return bool(readable)
+    poll = select.poll()  # not select(): it refuses a descriptor past 1023
+    poll.register(stream.socket.fileno(), select.POLLIN)
+    return bool(poll.poll(0))

@@ -187,8 +187,9 @@ def _outputs_run(
 ) -> tuple[int, Sequence[int]] | None:
     """Where `items[start:]` begins with two or more tool outputs and the renderer renders such
     a run together (`render_run`: Qwen3's template joins them in one message): where the run
-    ends, and its tokens. The outputs of one turn always arrive in one batch (an append, a
-    create), so a run never spans two."""
+    ends, and its tokens. A run is one batch's (an append, a create): outputs a prototype
+    client sends in several appends, a partial answer first, are rendered an append at a time,
+    which a cold rebuild of the same items renders together (the known difference)."""
     end = start
     while end < len(items) and isinstance(items[end], FunctionCallOutput | CustomToolCallOutput):
         end += 1

@@ -253,6 +253,20 @@ def test_a_write_that_comes_to_its_commit_past_its_deadline_is_rolled_back(tmp_p
     db.close()
 
 
+def test_a_claim_that_comes_to_its_commit_past_its_deadline_does_not_land(
+    tmp_path: Path,
+) -> None:
+    db = sqlite_host.connect(str(tmp_path / "s.sqlite3"), 2, writer=True)
+    soon = time.monotonic() + 2
+    sqlite_host.run(db, "suspend", soon, ("resp_s", "", 1.0, b"{}", 0, 0, None, 0, 0.0, 10))
+    with pytest.raises(sqlite3.OperationalError, match="commit past its deadline"):
+        sqlite_host.run(db, "claim", time.monotonic() - 0.001, ("resp_s", "", 1, 2.0, 0.0))
+    state = sqlite_host.run(db, "suspended", time.monotonic() + 2, ("resp_s", ""))
+    assert state[1:3] == (1, False)  # its version and claim as before
+    assert sqlite_host.run(db, "claim", time.monotonic() + 2, ("resp_s", "", 1, 2.0, 0.0))
+    db.close()
+
+
 async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
     path = tmp_path / "store.sqlite3"
     store = SQLiteStore(path)

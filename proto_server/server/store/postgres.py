@@ -62,6 +62,8 @@ CONNECTIONS = 4
 #: The longest `/readyz` waits for `SELECT 1` (or `--store-timeout`, if shorter): a balancer's
 #: check must get its answer well within its own timeout.
 PROBE_TIMEOUT_S = 2.0
+#: A write still open this close to its call's deadline is rolled back, not committed.
+_COMMIT_MARGIN_S = 0.05
 #: Any key: the advisory lock that makes concurrent start-ups migrate one at a time.
 _MIGRATION_LOCK = 0x70726F746F  # "proto"
 _RESPONSES = "proto_server_responses"
@@ -191,7 +193,8 @@ class PostgresStore:
         """Run `fn(database, *args)` on a worker thread within `timeout_s`, the wait for a
         connection included; every way it can fail becomes a `StoreUnavailable` here."""
 
-        until = time.monotonic() + self.timeout_s
+        # a commit begun this long before the deadline still lands before the client is told
+        until = time.monotonic() + self.timeout_s - _COMMIT_MARGIN_S
 
         def run() -> T:
             with self._pool.connection(timeout=self.timeout_s) as conn:

@@ -127,12 +127,18 @@ def _prune(db: Database, table: str, related: str, key: str, older_than: float, 
     # before an OFFSET. (row_number() over the table reads the same, but SQLite ranks every
     # row: 13-24 ms a write at 10,000 rows against 0.5 ms.)
     old = db.execute(
-        f"SELECT id FROM {{{table}}} WHERE stored_at < ? UNION SELECT id FROM (SELECT id FROM "
-        f"{{{table}}} ORDER BY stored_at DESC LIMIT ? OFFSET ?) AS past",
+        f"SELECT id, stored_at FROM {{{table}}} WHERE stored_at < ? UNION SELECT id, stored_at "
+        f"FROM (SELECT id, stored_at FROM {{{table}}} ORDER BY stored_at DESC LIMIT ? OFFSET ?) "
+        "AS past",
         (older_than, _ALL, keep),
     ).fetchall()
-    db.executemany(f"DELETE FROM {{{related}}} WHERE {key} = ?", old)
-    db.executemany(f"DELETE FROM {{{table}}} WHERE id = ?", old)
+    # as selected: a row another process stored again since (PostgreSQL) is not the one pruned
+    db.executemany(
+        f"DELETE FROM {{{related}}} WHERE {key} IN "
+        f"(SELECT id FROM {{{table}}} WHERE id = ? AND stored_at = ?)",
+        old,
+    )
+    db.executemany(f"DELETE FROM {{{table}}} WHERE id = ? AND stored_at = ?", old)
 
 
 def delete(db: Database, response_id: str, owner: str) -> bool:
@@ -252,12 +258,13 @@ def claim(
     """Take a suspension to resume it: unclaimed, or claimed by someone whose claim lapsed."""
     # one statement: of racing claims the first takes the row's lock (SQLite: the one writer;
     # PostgreSQL: read committed re-checks the WHERE against the row the winner wrote) and wins
-    won = db.execute(
-        "UPDATE {suspended} SET claimed = true, version = version + 1, stored_at = ? "
-        "WHERE id = ? AND owner = ? AND version = ? AND (NOT claimed OR stored_at < ?)",
-        (now, response_id, owner, version, lapsed_before),
-    )
-    return won.rowcount == 1
+    with db.transaction(write=True):  # a claim past its deadline must not land either
+        won = db.execute(
+            "UPDATE {suspended} SET claimed = true, version = version + 1, stored_at = ? "
+            "WHERE id = ? AND owner = ? AND version = ? AND (NOT claimed OR stored_at < ?)",
+            (now, response_id, owner, version, lapsed_before),
+        )
+        return won.rowcount == 1
 
 
 def release(db: Database, response_id: str, version: int) -> None:

@@ -17,6 +17,7 @@ message))` out. Its first message is the outcome of opening the database.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import signal
@@ -30,8 +31,13 @@ from typing import IO, Any
 if __package__:
     from proto_server.server.store import sql
 else:  # the child (-I, run as a script): sql.py beside it, which needs only the standard library
-    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-    import sql  # type: ignore[no-redef,import-not-found,unused-ignore]
+    # (loaded by its path: an installed module named `sql` must not stand in for it)
+    _spec = importlib.util.spec_from_file_location(
+        "proto_server_sql", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sql.py")
+    )
+    assert _spec is not None and _spec.loader is not None
+    sql = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sql)
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS responses (
@@ -115,8 +121,17 @@ def _text(statement: str) -> str:
     return sql.statement_text(statement, prefix="", placeholder="?")
 
 
+#: The statements' upserts (`ON CONFLICT ... DO UPDATE`) and `true`/`false` need it.
+OLDEST_SQLITE = (3, 24, 0)
+
+
 def connect(path: str, timeout_s: float, *, writer: bool) -> sqlite3.Connection:
     """The connection of a writer (WAL set, the schema migrated) or of a reader."""
+    if sqlite3.sqlite_version_info < OLDEST_SQLITE:
+        raise sqlite3.NotSupportedError(
+            f"this Python links SQLite {sqlite3.sqlite_version}; the store needs 3.24 or later "
+            "(a newer Python, or --store postgresql://...)"
+        )
     db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=timeout_s)
     if writer:
         db.execute("PRAGMA journal_mode=WAL")
