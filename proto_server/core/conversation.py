@@ -15,7 +15,7 @@ import attrs
 import orjson
 
 from proto_server.core.compaction import counts_of, is_compaction
-from proto_server.core.render import Renderer
+from proto_server.core.render import Renderer, turn_end
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -151,6 +151,8 @@ def render_items(
     for index, item in enumerate(kept):
         if index >= joined_until:
             run = _outputs_run(renderer, kept, index, before)
+            if run is None:
+                run = _turn_run(renderer, kept, index, before)
             if run is not None:
                 joined_until, run_tokens = run
                 tokens.extend(run_tokens)
@@ -197,6 +199,20 @@ def _outputs_run(
     if end - start < 2 or render_run is None:
         return None
     joined: Sequence[int] | None = render_run(items[start:end], before)
+    return None if joined is None else (end, joined)
+
+
+def _turn_run(
+    renderer: Renderer, items: Sequence[Item], start: int, before: Item | None
+) -> tuple[int, Sequence[int]] | None:
+    """Where `items[start:]` begins with a model turn that the renderer renders as one message
+    (`render_turn`: Qwen3's template joins a text and the calls after it): where it ends, and
+    its tokens; as `Conversation.extend_turn` renders the same turn as the model writes it."""
+    end = turn_end(items, start)
+    render_turn = getattr(renderer, "render_turn", None)
+    if end - start < 2 or render_turn is None:
+        return None
+    joined: Sequence[int] | None = render_turn(items[start:end], before)
     return None if joined is None else (end, joined)
 
 
@@ -252,6 +268,9 @@ class Conversation:
         self.tool_outputs = 0
         self.model_output_end = 0
         self._last_was_model = False
+        #: The model's turn `open_turn` began: its first item's index and token, until
+        #: anything but `extend_turn` appends.
+        self._turn: tuple[int, int] | None = None
 
     def opens_with(
         self, instructions: str | None, tools: Sequence[Tool], effort: str | None = None
@@ -285,10 +304,43 @@ class Conversation:
         """Render and append new items; return how many tokens they added."""
         return self.extend_rendered(render_items(self.renderer, items, self.last_item))
 
+    def open_turn(self) -> None:
+        """The model's turn begins here: what `extend_turn` appends next is what it writes."""
+        self._turn = (len(self._items), len(self.tokens))
+
+    def extend_turn(self, item: Item) -> int:
+        """Append an item the model wrote in the turn `open_turn` began; return how the token
+        count changed. Where the renderer renders a turn's items as one message
+        (`render_turn`: a text and the calls after it, in Qwen3's template), the turn so far
+        is rendered again with it, exactly as `render_items` renders the same items at once
+        (a resume, a stateless client's history). The turn is the model's own output, so
+        this is bounded by its output limit."""
+        turn = self._turn
+        if turn is None or len(self._items) == turn[0] or not hasattr(self.renderer, "render_turn"):
+            return self._append(render_items(self.renderer, (item,), self.last_item))
+        first, start = turn
+        previous = self._items[first - 1] if first else None
+        rendered = render_items(self.renderer, [*self._items[first:], item], previous)
+        before = len(self.tokens)
+        del self.tokens[start:]
+        self.tokens.extend(rendered.tokens)
+        self.rendered_tokens += len(rendered.tokens)
+        self._items.append(item)
+        self._item_bytes += item_bytes(item)
+        if rendered.model_end >= 0:
+            self.model_output_end = start + rendered.model_end
+        self._last_was_model = rendered.last_is_model  # the turn goes on: no new segment
+        return len(self.tokens) - before
+
     def extend_rendered(self, rendered: RenderedItems) -> int:
         """Append items rendered by `render_items`; return how many tokens they added. Items
         rendered after another item than a last reasoning item are rendered again after it
-        (a renderer may join them: Qwen3's reasoning and the call after it are one message)."""
+        (a renderer may join them: Qwen3's reasoning and the call after it are one message).
+        What is appended so ends the model's turn (`open_turn`)."""
+        self._turn = None
+        return self._append(rendered)
+
+    def _append(self, rendered: RenderedItems) -> int:
         if not rendered.items:
             return 0
         last = self.last_item

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import attrs
 import orjson
 
 from proto_server.core.compaction import summary_of
@@ -48,8 +49,59 @@ class Renderer(Protocol):
         the format joins them (Qwen3's reasoning and the call after it are one message).
 
         A renderer may also have `render_run(outputs, previous)`: two or more consecutive tool
-        outputs rendered together, where the format joins them (`render_items` asks it)."""
+        outputs rendered together, and `render_turn(items, previous)`: a `model_turn`'s items
+        as one message, where the format joins them (`render_items` and
+        `Conversation.extend_turn` ask them); either answers None where it renders them apart."""
         ...
+
+
+@attrs.frozen
+class ModelTurn:
+    """What a model wrote in one turn, in the order it writes it: its reasoning, its text,
+    then its calls (name, arguments); what a renderer that joins them in one message reads."""
+
+    thought: str | None
+    text: str | None
+    calls: tuple[tuple[str, str], ...]
+
+
+def is_assistant_message(item: Item) -> bool:
+    return isinstance(item, Message) and item.role == "assistant"
+
+
+def turn_end(items: Sequence[Item], start: int) -> int:
+    """Where the longest run at `items[start]` shaped as one model turn ends: a reasoning
+    item, an assistant message, then calls, each part optional."""
+    end = start
+    if end < len(items) and isinstance(items[end], Reasoning):
+        end += 1
+    if end < len(items) and is_assistant_message(items[end]):
+        end += 1
+    while end < len(items) and isinstance(items[end], FunctionCall | CustomToolCall):
+        end += 1
+    return end
+
+
+def model_turn(items: Sequence[Item]) -> ModelTurn | None:
+    """`items` as one model turn, where they are one that a format may render joined (a
+    text and the calls after it, or several calls); None otherwise."""
+    if turn_end(items, 0) != len(items):
+        return None
+    thought = text = None
+    calls: list[tuple[str, str]] = []
+    for item in items:
+        match item:
+            case Reasoning():
+                thought = item.text
+            case Message(content=content):
+                text = content_text(content)
+            case FunctionCall(name=name, arguments=arguments):
+                calls.append((name, arguments))
+            case CustomToolCall(name=name, input=given):
+                calls.append((name, given))
+    if not calls or (text is None and len(calls) < 2):
+        return None
+    return ModelTurn(thought, text, tuple(calls))
 
 
 def requested_effort(reasoning: Mapping[str, Any] | None) -> str | None:

@@ -43,7 +43,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
-from proto_server.core.render import Renderer
+from proto_server.core.render import Renderer, model_turn
 from proto_server.engine.families.base import ToolSyntax, object_arguments
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
@@ -421,6 +421,50 @@ class ChatTemplateRenderer:
             tokens = array("I", self._encode(text[len(self._base) :]))
             self.rendered.put(key, tokens)
         return tokens
+
+    def render_turn(self, items: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
+        """A model turn's items (its reasoning, its text, then its calls) as one assistant
+        message, as the template renders them together: Qwen3's renders a text and the calls
+        after it, or several calls, in one message; DeepSeek V3's several calls in one
+        `tool_calls` block. None where the items are no such turn (`model_turn`), the template
+        renders calls as the family's text (`renders_calls` false), or it would drop a part
+        (DeepSeek V3's drops the calls of a message with text): rendered apart, each is seen."""
+        turn = model_turn(items) if self.renders_calls else None
+        if turn is None:
+            return None
+        if self._thought_probe is not None and isinstance(previous, Reasoning):
+            return None  # the message before holds only reasoning: `render_item` closes it
+        thought = turn.thought if self._thought_probe is not None else None
+        content = self.syntax.call_content if turn.text is None else turn.text
+        key = ("\0turn", json.dumps([thought, content, turn.calls]))
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            text = self._turn_text(thought, content, turn.calls)
+            if text is None:
+                return None
+            tokens = array("I", self._encode(text))
+            self.rendered.put(key, tokens)
+        return tokens
+
+    def _turn_text(
+        self, thought: str | None, content: str | None, calls: Sequence[tuple[str, str]]
+    ) -> str | None:
+        """What the template renders for one assistant message of a turn; None where it drops
+        its last call, or (with text) all of its calls, or cannot render it."""
+        specs = [self._call_message(name, text)["tool_calls"][0] for name, text in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought is not None:
+            message["reasoning_content"] = thought
+        # after a user message, as `_thought_text` renders reasoning (the turn's own)
+        base, probe = (self._base, _PROBE) if thought is None else (self._base_user, _PROBE_USER)
+        try:
+            text = self._text([probe, {**message, "tool_calls": specs}])
+            fewer = [{**message, "tool_calls": specs[:-1]}] if content is None else [message]
+            if text == self._text([probe, *fewer]) or not text.startswith(base):
+                return None
+        except Exception:
+            return None
+        return text[len(base) :]
 
     def _render_thought(self, thought: str) -> Sequence[int]:
         key = ("\0reasoning", thought)

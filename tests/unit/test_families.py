@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.ranges import InvalidSetting
+from proto_server.core.response import ResponseMachine
 from proto_server.engine import families
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import (
@@ -47,7 +48,16 @@ from proto_server.engine.families.qwen import QWEN
 from proto_server.engine.model_files import tokenizer_files
 from proto_server.engine.vllm import forced_call_head
 from proto_server.server.config import ServerConfig
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
+from proto_server.wire.items import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    OutputText,
+    Reasoning,
+    ReasoningText,
+)
+from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool
 
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
@@ -339,6 +349,114 @@ def test_a_turns_tool_outputs_are_rendered_together_as_the_template_renders_them
     else:
         apart = [t for item in outputs for t in renderer.render_item(item)]
         assert added == apart
+
+
+def _turn_by_the_machine(renderer: ChatTemplateRenderer, calls: Sequence[str]) -> Conversation:
+    """A Response whose one segment says a text and then makes `calls` (cities), as the
+    sampling loop drives its machine: item by item, as the model writes them."""
+    conversation = Conversation(renderer, instructions="Be brief.")
+    conversation.extend([Message(role="user", content="Weather?")])
+    response = Response(id="resp_1", created_at=0, status="in_progress", model="m")
+    machine = ResponseMachine(response=response, conversation=conversation)
+    machine.start()
+    machine.begin_segment(prompt_tokens=len(conversation.tokens), cached_tokens=0)
+    machine.text_delta("Let me look.", tokens=4)
+    for city in calls:
+        machine.begin_function_call("get_weather", tokens=1)
+        machine.function_call_arguments_delta(f'{{"city": "{city}"}}', tokens=5)
+        machine.end_function_call()
+    machine.end_segment()
+    return conversation
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+def test_a_turns_text_and_calls_are_rendered_as_one_message_where_the_template_joins_them(
+    package: str,
+) -> None:
+    """A model that says something and then calls writes one assistant message: Qwen3's
+    template renders it so (text, then a `<tool_call>` block per call, one `<|im_end|>`), so
+    the conversation holds it so, built item by item as the model writes (the warm path) or
+    from the items at once (a resume, a stateless client's history): the next turn's prompt
+    is then the template's rendering of the whole conversation, as vLLM's own API renders it.
+    DeepSeek V3's template joins several calls in one `tool_calls` block but drops the calls
+    of a message with text, so there a text and a call stay apart (both seen); Llama 3's
+    renders each call apart."""
+    tokenizer = npm_tokenizer(package)
+    renderer = ChatTemplateRenderer(tokenizer, syntax=TOKENIZERS[package])
+    warm = _turn_by_the_machine(renderer, ["Paris", "Rome"])
+    cold = Conversation(renderer, instructions="Be brief.")
+    cold.extend([Message(role="user", content="Weather?"), *warm.items[1:]])
+    assert list(warm.tokens) == list(cold.tokens)
+    assert warm.model_segments == cold.model_segments == 1
+    text = tokenizer.decode(list(warm.tokens))
+    assert "Let me look." in text and '"Paris"' in text and '"Rome"' in text
+    calls = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+        for c in ("Paris", "Rome")
+    ]
+    joined = [{"role": "assistant", "content": "Let me look.", "tool_calls": calls}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    if package == "qwen3":  # with the outputs after it, as the next turn's prompt holds it
+        outputs = [FunctionCallOutput(call_id=c.call_id, output="sunny") for c in warm.items[2:]]
+        warm.extend(outputs)
+        tools = [{"role": "tool", "content": "sunny"}] * 2
+        whole = tokenizer.apply_chat_template([*messages, *joined, *tools], tokenize=False)
+        assert list(warm.tokens) == list(tokenizer.encode(whole, add_special_tokens=False))
+        assert text.count("<|im_start|>assistant") == 1
+        assert text.count("<|im_end|>") == 3  # system, user, the one assistant message
+        assert text.endswith("</tool_call><|im_end|>\n")
+    elif package == "deepseek_v3":
+        assert text.count("<｜tool▁calls▁begin｜>") == 1  # both calls in one block
+        assert text.count("<｜Assistant｜>") == 2  # the text's message, then the calls'
+    else:
+        apart = [t for item in warm.items[1:] for t in renderer.render_item(item)]
+        assert list(warm.tokens)[-len(apart) :] == apart
+    # a text and one call (no reasoning): joined by Qwen3 only
+    one = _turn_by_the_machine(renderer, ["Paris"])
+    assistants = tokenizer.decode(list(one.tokens)).count(
+        {"qwen3": "<|im_start|>assistant", "deepseek_v3": "<｜Assistant｜>"}.get(
+            package, "<|start_header_id|>assistant"
+        )
+    )
+    assert assistants == (1 if package == "qwen3" else 2)
+
+
+@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    thought=st.sampled_from([None, "Which city first?"]),
+    text=st.sampled_from([None, "Let me look.", "Two cities:\n"]),
+    cities=st.lists(st.sampled_from(["Paris", "Rome", "Oslo"]), max_size=3),
+)
+def test_a_turn_built_as_the_model_writes_it_is_the_turn_rendered_at_once(
+    package: str, thought: str | None, text: str | None, cities: list[str]
+) -> None:
+    """Whatever a turn holds (reasoning, a text, calls), the conversation the warm path builds
+    item by item (`open_turn`, `extend_turn`) is, token for token, the one a resume or a
+    stateless client builds from the same items at once, and the outputs after it too."""
+    items: list[Item] = []
+    if thought is not None:
+        items.append(Reasoning(content=(ReasoningText(text=thought),)))
+    if text is not None:
+        items.append(Message(role="assistant", content=(OutputText(text=text),)))
+    calls = [
+        FunctionCall(call_id=f"c{n}", name="get_weather", arguments=f'{{"city": "{city}"}}')
+        for n, city in enumerate(cities)
+    ]
+    assume(items or calls)
+    renderer = ChatTemplateRenderer(npm_tokenizer(package), syntax=TOKENIZERS[package])
+    ask = Message(role="user", content="Weather?")
+    outputs = [FunctionCallOutput(call_id=call.call_id, output="sunny") for call in calls]
+    warm = Conversation(renderer, instructions="Be brief.")
+    warm.extend([ask])
+    warm.open_turn()
+    for item in [*items, *calls]:
+        warm.extend_turn(item)
+    warm.extend(outputs)
+    cold = Conversation(renderer, instructions="Be brief.")
+    cold.extend([ask, *items, *calls, *outputs])
+    assert list(warm.tokens) == list(cold.tokens)
+    assert (warm.model_segments, warm.tool_outputs) == (cold.model_segments, cold.tool_outputs)
 
 
 # -- every family's syntax, fed in arbitrary pieces ----------------------------------------------

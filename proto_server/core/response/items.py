@@ -199,7 +199,7 @@ class Output:
 
     def finish(self, item: Item) -> None:
         self.items.append(item)
-        self.conversation.extend((item,))
+        self.conversation.extend_turn(item)
 
     def close_text(self, status: str = "completed") -> list[ServerEvent]:
         """Close the message or reasoning item that is streaming, if one is."""

@@ -240,6 +240,7 @@ class ResponseMachine:
         self.segment_open = True
         self.segments += 1
         self._tokens.begin_segment(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+        self._items.conversation.open_turn()  # what the model writes now is one turn
 
     def report_cached(self, cached_tokens: int) -> None:
         """The engine said, once the segment ended, how much of its prompt it had cached."""
