@@ -270,7 +270,9 @@ class Conversation:
         self._last_was_model = False
         #: The model's turn `open_turn` began: its first item's index and token, until
         #: anything but `extend_turn` appends.
-        self._turn: tuple[int, int] | None = None
+        self._turn: tuple[int, int, Item | None] | None = None
+        #: `open_turn` closed the last item's message (the renderer had left it open).
+        self._closed = False
 
     def opens_with(
         self, instructions: str | None, tools: Sequence[Tool], effort: str | None = None
@@ -297,16 +299,38 @@ class Conversation:
         return self._item_bytes + TOKEN_BYTES * len(self.tokens)
 
     @property
-    def last_item(self) -> Item | None:
-        return self._items[-1] if self._items else None
+    def render_after(self) -> Item | None:
+        """The item new items are rendered after (`render_items`' `after`): the last one,
+        unless the model's turn after it began by closing its message (`open_turn`)."""
+        return self._items[-1] if self._items and not self._closed else None
 
     def extend(self, items: Iterable[Item]) -> int:
         """Render and append new items; return how many tokens they added."""
-        return self.extend_rendered(render_items(self.renderer, items, self.last_item))
+        return self.extend_rendered(render_items(self.renderer, items, self.render_after))
+
+    def turn_prompt(self, opening: Sequence[int]) -> list[int]:
+        """The prompt of the model's next turn: the conversation, what closes its last
+        message where the renderer left it open (a turn that ended in its reasoning, in
+        Qwen3's template), then `opening` (the renderer's generation prompt)."""
+        return [*self.tokens, *self._closing(), *opening]
+
+    def _closing(self) -> Sequence[int]:
+        closing = getattr(self.renderer, "closing", None)
+        if closing is None or self._closed:
+            return ()
+        tokens: Sequence[int] = closing(self.render_after)
+        return tokens
 
     def open_turn(self) -> None:
-        """The model's turn begins here: what `extend_turn` appends next is what it writes."""
-        self._turn = (len(self._items), len(self.tokens))
+        """The model's turn begins here (after `turn_prompt`): what `extend_turn` appends
+        next is what it writes. A message the renderer left open is closed first, as the
+        prompt closed it, so the model's own message is not rendered as continuing it."""
+        close = self._closing()
+        if close:
+            self.tokens.extend(close)
+            self.rendered_tokens += len(close)
+            self._closed = True
+        self._turn = (len(self._items), len(self.tokens), self.render_after)
 
     def extend_turn(self, item: Item) -> int:
         """Append an item the model wrote in the turn `open_turn` began; return how the token
@@ -317,9 +341,8 @@ class Conversation:
         this is bounded by its output limit."""
         turn = self._turn
         if turn is None or len(self._items) == turn[0] or not hasattr(self.renderer, "render_turn"):
-            return self._append(render_items(self.renderer, (item,), self.last_item))
-        first, start = turn
-        previous = self._items[first - 1] if first else None
+            return self._append(render_items(self.renderer, (item,), self.render_after))
+        first, start, previous = turn
         rendered = render_items(self.renderer, [*self._items[first:], item], previous)
         before = len(self.tokens)
         del self.tokens[start:]
@@ -343,13 +366,14 @@ class Conversation:
     def _append(self, rendered: RenderedItems) -> int:
         if not rendered.items:
             return 0
-        last = self.last_item
+        last = self.render_after
         if isinstance(last, Reasoning) and rendered.after is not last:
             rendered = render_items(self.renderer, rendered.items, last)
         before = len(self.tokens)
         self.tokens.extend(rendered.tokens)
         self.rendered_tokens += len(rendered.tokens)
         self._items.extend(rendered.items)
+        self._closed = False
         self._item_bytes += rendered.nbytes
         self.tool_outputs += rendered.tool_outputs
         # a run of model items that continues the last one is not a new segment

@@ -51,7 +51,9 @@ class Renderer(Protocol):
         A renderer may also have `render_run(outputs, previous)`: two or more consecutive tool
         outputs rendered together, and `render_turn(items, previous)`: a `model_turn`'s items
         as one message, where the format joins them (`render_items` and
-        `Conversation.extend_turn` ask them); either answers None where it renders them apart."""
+        `Conversation.extend_turn` ask them); either answers None where it renders them apart.
+        And `closing(last)`: what closes a message it left open for what usually follows
+        (Qwen3's reasoning), where the model's own next turn follows instead."""
         ...
 
 

@@ -422,6 +422,14 @@ class ChatTemplateRenderer:
             self.rendered.put(key, tokens)
         return tokens
 
+    def closing(self, last: Item | None) -> Sequence[int]:
+        """What closes the message `last` left open, where a new message follows it that no
+        item renders (the model's next turn): a turn that ended in its reasoning, whose
+        message `render_item` leaves open for the answer or call that usually follows."""
+        if self._thought_probe is None or not isinstance(last, Reasoning):
+            return ()
+        return self._encode(self._thought_probe[1])
+
     def render_turn(self, items: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
         """A model turn's items (its reasoning, its text, then its calls) as one assistant
         message, as the template renders them together: Qwen3's renders a text and the calls

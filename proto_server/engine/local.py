@@ -194,7 +194,7 @@ class LocalSession:
         or no calls left: the parser is offered no tools, so whatever the model writes is text.
         A call the request forces is decoded under a grammar from the first token."""
         constraint = await self._constraint(limits)
-        prompt = [*self._conversation.tokens, *self._generator.renderer.generation_prompt]
+        prompt = self._conversation.turn_prompt(self._generator.renderer.generation_prompt)
         keep, logits = await self._extend(prompt)
         await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
         await self._decode(logits, send, limits, constraint)

@@ -165,7 +165,7 @@ async def serve_inject(
     # rendered after the conversation's last item now; if the segment streaming meanwhile adds
     # one, extend_rendered renders them again after it
     rendered = await offload.run(
-        render_items, conversation.renderer, inject.input, conversation.last_item, size=size
+        render_items, conversation.renderer, inject.input, conversation.render_after, size=size
     )
     if target() is None:  # it ended while the items were rendered
         message = f"Response {quoted(response_id)} ended; nothing was committed."

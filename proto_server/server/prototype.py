@@ -104,7 +104,7 @@ class PrototypeDialect:
                     render_items,
                     conversation.renderer,
                     items,
-                    conversation.last_item,
+                    conversation.render_after,
                     size=frame_bytes,
                 )
                 loop = self._open_rollout(stream_id, "append to")

@@ -430,7 +430,7 @@ class Responses:
         if append.tool_choice is not None:
             self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
         rendered = await self.offload.run(
-            render_items, self.renderer, append.input, conversation.last_item, size=size
+            render_items, self.renderer, append.input, conversation.render_after, size=size
         )
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
         rollout = self._rollout_of(conversation, budget, owner)

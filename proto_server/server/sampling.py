@@ -145,7 +145,7 @@ class SamplingLoop:
         if rendered is None:
             self.machine.check_append(items)  # before the work of rendering them
             conversation = self.rollout.conversation
-            rendered = render_items(conversation.renderer, items, conversation.last_item)
+            rendered = render_items(conversation.renderer, items, conversation.render_after)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
         self._resume_events = self.machine.append(items, rendered, tool_choice=tool_choice)
@@ -169,7 +169,7 @@ class SamplingLoop:
         committed before the Response's next event."""
         if rendered is None:
             conversation = self.rollout.conversation
-            rendered = render_items(conversation.renderer, items, conversation.last_item)
+            rendered = render_items(conversation.renderer, items, conversation.render_after)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
         resumed = self.machine.inject(items, rendered)

@@ -221,10 +221,43 @@ def test_items_rendered_after_the_last_reasoning_are_not_rendered_again(
     conversation = Conversation(counting)  # type: ignore[arg-type]
     items = loop()[:3]
     conversation.extend(items[:2])
-    rendered = render_items(counting, items[2:], conversation.last_item)  # type: ignore[arg-type]
+    rendered = render_items(counting, items[2:], conversation.render_after)  # type: ignore[arg-type]
     before = counting.rendered
     conversation.extend_rendered(rendered)
     assert counting.rendered == before
     joined = Conversation(renderer)
     joined.extend(items)
     assert list(conversation.tokens) == list(joined.tokens)
+
+
+def test_a_turn_that_ended_in_its_reasoning_is_closed_before_the_models_next_turn(
+    tokenizer: Any, renderer: ChatTemplateRenderer
+) -> None:
+    """A model may stop after its `<think>` block and write nothing else. The message that
+    reasoning opened is left open for an answer; when the model's own next turn follows (a
+    chained create with nothing new), its prompt closes that message first, as the template
+    renders a message of only reasoning, and the model's answer is a message of its own: not
+    rendered as continuing the reasoning, nor closed twice when a user speaks after it."""
+    conversation = Conversation(renderer, instructions="Be brief.", tools=[WEATHER])
+    conversation.extend([loop()[0]])
+    conversation.open_turn()
+    conversation.extend_turn(thought("Nothing to say yet."))
+    prompt = conversation.turn_prompt(renderer.generation_prompt)
+    messages = template_messages()[:2]
+    alone = {"role": "assistant", "content": "", "reasoning_content": "Nothing to say yet."}
+    assert prompt == whole(tokenizer, [*messages, alone], add_generation_prompt=True)
+    conversation.open_turn()  # the model's next turn, on that prompt
+    assert list(conversation.tokens) == prompt[: -len(renderer.generation_prompt)]
+    answer = Message(role="assistant", content=(OutputText(text="It is sunny."),))
+    conversation.extend_turn(answer)
+    conversation.extend([Message(role="user", content="Thanks.")])
+    # (the template itself would drop the reasoning once the user speaks: it is kept)
+    after = [answer, Message(role="user", content="Thanks.")]
+    rest = [token for item in after for token in renderer.render_item(item)]
+    assert list(conversation.tokens) == [*prompt[: -len(renderer.generation_prompt)], *rest]
+    assert tokenizer.decode(list(conversation.tokens)).endswith(
+        "<think>\nNothing to say yet.\n</think>\n\n<|im_end|>\n"
+        "<|im_start|>assistant\nIt is sunny.<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n"
+    )
+    # a turn that did not end in reasoning is not closed again
+    assert conversation.turn_prompt(()) == list(conversation.tokens)

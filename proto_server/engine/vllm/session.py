@@ -88,7 +88,7 @@ class VllmSession:
 
     async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
         generator = self._generator
-        prompt = [*self._conversation.tokens, *generator.renderer.generation_prompt]
+        prompt = self._conversation.turn_prompt(generator.renderer.generation_prompt)
         names = [tool.name for tool in self._tools]
         syntax = generator.syntax
         frame = syntax.frame
