@@ -13,7 +13,10 @@ its engine would be sent.
 For a thinking model (Qwen3), a second table follows a tool loop with reasoning turn over
 turn: what the engine held after each model turn (that turn's prompt and what the model wrote,
 `<think>` block included, as its template writes it) and how much of it the next turn's prompt
-begins with, the share a prefix cache serves.
+begins with, the share a prefix cache serves. And a third: a turn that says a text and makes two
+calls (one assistant message, as the model writes it), and how much of what the engine held
+after it the next prompt begins with, as proto-server renders the turn and as vLLM's
+`/v1/responses` does (an assistant message per output item).
 """
 
 from __future__ import annotations
@@ -235,6 +238,101 @@ def held_turns(tokenizer: Any, rounds: int) -> list[HeldTurn] | None:
     return turns
 
 
+@attrs.frozen
+class JoinedTurn:
+    """After a turn that thinks, says a text and makes two calls: what the engine held, and
+    how much of it the next prompt begins with, rendered three ways."""
+
+    held: int
+    #: The turn as one message (proto-server: the template's rendering of it).
+    joined: int
+    #: An assistant message per item: proto-server before it joined them, and vLLM's
+    #: `/v1/responses` (`construct_chat_message_with_tool_call`, one per item).
+    apart: int
+    vllms: int
+
+
+_THOUGHT = "Two files fail.\nRead both before changing anything."
+_TEXT = "I will read both files first."
+
+
+def _look(n: int) -> FunctionCall:
+    arguments = json.dumps({"cmd": f"sed -n 1,40p src/part{n}.py"})
+    return FunctionCall(call_id=f"call_{n}", name="exec_command", arguments=arguments)
+
+
+def joined_turn(tokenizer: Any) -> JoinedTurn | None:
+    """What the engine held after the turn (its prompt and what the model wrote: the
+    template's rendering of the one message, to the end-of-turn token) against the next
+    prompt three ways; None where the template does not render such a turn as one message
+    ending in `<|im_end|>` (it shows each call apart, or drops the calls of a text)."""
+    renderer = choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    ask = Message(role="user", content="The tests fail in two files; look at both.")
+    thought = Reasoning(content=(ReasoningText(text=_THOUGHT),))
+    text = Message(role="assistant", content=_TEXT)
+    calls = [_look(0), _look(1)]
+    turn: list[Item] = [thought, text, *calls]
+    outputs = [FunctionCallOutput(call_id=c.call_id, output=f"{c.arguments}: ok") for c in calls]
+
+    def next_prompt(conversation: Conversation, joined: bool) -> list[int]:
+        conversation.extend([ask])
+        conversation.open_turn()
+        for item in turn:  # as the model writes them
+            if joined:
+                conversation.extend_turn(item)
+            else:
+                conversation.extend([item])
+        conversation.extend(outputs)
+        return conversation.turn_prompt(renderer.generation_prompt)
+
+    joined = next_prompt(Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS), True)
+    apart = next_prompt(Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS), False)
+    if joined == apart:
+        return None
+    first = vllm_messages([ask])
+    specs = [
+        {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+        for c in calls
+    ]
+    message = {"role": "assistant", "content": _TEXT, "reasoning_content": _THOUGHT,
+               "tool_calls": specs}  # fmt: skip
+    before = tokenizer.apply_chat_template(
+        first, tools=TOOL_SPECS, add_generation_prompt=True, tokenize=False
+    )
+    after = tokenizer.apply_chat_template([*first, message], tools=TOOL_SPECS, tokenize=False)
+    wrote = after[len(before) :]
+    if not after.startswith(before) or END_OF_TURN not in wrote:
+        return None
+    wrote = wrote[: wrote.rindex(END_OF_TURN) + len(END_OF_TURN)]
+    prompt = list(tokenizer.encode(before, add_special_tokens=False))
+    held = [*prompt, *tokenizer.encode(wrote, add_special_tokens=False)]
+    theirs = tokenizer.apply_chat_template(
+        vllm_messages([ask, *turn, *outputs]), tools=TOOL_SPECS,
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    vllms = list(tokenizer.encode(theirs, add_special_tokens=False))
+    return JoinedTurn(len(held), _common(held, joined), _common(held, apart), _common(held, vllms))
+
+
+def report_joined(name: str, turn: JoinedTurn) -> str:
+    rows = [
+        [path, str(reused), f"{reused / turn.held:.3f}"]
+        for path, reused in (
+            ("proto-server: the turn as one message", turn.joined),
+            ("a message per item (proto-server before)", turn.apart),
+            ("vLLM /v1/responses: a message per item", turn.vllms),
+        )
+    ]
+    lines = [
+        f"{name}: a turn that thinks, says a text and makes two calls; of the {turn.held} "
+        "tokens the engine held after it, the next prompt begins with (measured: tokenized "
+        "here, no engine):",
+        "",
+        *table(["rendering", "reused", "share"], rows),
+    ]
+    return "\n".join(lines)
+
+
 def report(renderings: Sequence[Rendering], rounds: int) -> str:
     rows = [
         [
@@ -297,6 +395,8 @@ def main(directories: Sequence[Path], rounds: int) -> int:
         renderings.append(rendering)
         if (turns := held_turns(_tokenizer(directory), rounds)) is not None:
             held.append(report_held(rendering.tokenizer, turns))
+        if (turn := joined_turn(_tokenizer(directory))) is not None:
+            held.append(report_joined(rendering.tokenizer, turn))
     print(report(renderings, rounds))
     for text in held:
         print(f"\n{text}")

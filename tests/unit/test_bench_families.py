@@ -6,7 +6,8 @@ prompt is vLLM's token for token; the templates that offer no tools (Llama 3.1's
 them (DeepSeek V3's renders neither `tools` nor, with vLLM's `content: ""`, the calls) make
 vLLM's prompt shorter, because the model is shown less (docs/benchmarks.md says so). With
 reasoning, Qwen3's next prompt begins with all the engine held after each model turn, its
-`<think>` block included.
+`<think>` block included, and a turn of text and calls, rendered back as one message, is
+all served from cache where a message per item (vLLM's `/v1/responses`) is not.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from proto_server.bench.families import held_turns, main, render_both
+from proto_server.bench.families import held_turns, joined_turn, main, render_both
 from proto_server.engine.model_files import tokenizer_files
 
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
@@ -53,6 +54,7 @@ def test_the_bench_prints_a_row_per_family_and_names_what_it_skipped(
         assert family in out
     assert "no chat template, not compared" in out and "gptoss" in out
     assert "tokenizer-qwen3: a tool loop with reasoning" in out
+    assert "tokenizer-qwen3: a turn that thinks, says a text and makes two calls" in out
 
 
 def test_with_reasoning_qwen3s_next_prompt_begins_with_all_the_engine_held() -> None:
@@ -65,3 +67,18 @@ def test_with_reasoning_qwen3s_next_prompt_begins_with_all_the_engine_held() -> 
 @pytest.mark.parametrize("name", ["llama3_1", "deepseek_v3"])
 def test_a_template_that_renders_no_reasoning_has_no_held_table(name: str) -> None:
     assert held_turns(tokenizer_files(tokenizer(name)), rounds=2) is None
+
+
+def test_a_turn_of_text_and_calls_is_served_whole_from_cache_only_rendered_as_one_message() -> None:
+    """Qwen3 writes its thought, a text and two calls as one message: rendered back so, the
+    next prompt begins with all the engine held; an assistant message per item (proto-server
+    before, vLLM's `/v1/responses`) parts right after the text."""
+    turn = joined_turn(tokenizer_files(tokenizer("qwen3")))
+    assert turn is not None
+    assert turn.joined == turn.held
+    assert turn.apart == turn.vllms < turn.held
+
+
+@pytest.mark.parametrize("name", ["llama3_1", "deepseek_v3"])
+def test_a_template_that_shows_a_text_and_its_calls_apart_has_no_joined_table(name: str) -> None:
+    assert joined_turn(tokenizer_files(tokenizer(name))) is None
