@@ -43,7 +43,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
-from proto_server.core.render import Renderer, model_turn
+from proto_server.core.render import ModelTurn, Renderer, model_turn
 from proto_server.engine.families.base import ToolSyntax, object_arguments
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
@@ -437,11 +437,11 @@ class ChatTemplateRenderer:
         `tool_calls` block. None where the items are no such turn (`model_turn`), the template
         renders calls as the family's text (`renders_calls` false), or it would drop a part
         (DeepSeek V3's drops the calls of a message with text): rendered apart, each is seen."""
-        turn = model_turn(items) if self.renders_calls else None
-        if turn is None:
-            return None
-        if self._thought_probe is not None and isinstance(previous, Reasoning):
-            return None  # the message before holds only reasoning: `render_item` closes it
+        turn = model_turn(items)
+        if turn is None or (self._thought_probe is not None and isinstance(previous, Reasoning)):
+            return None  # after a message of only reasoning: `render_item` closes it
+        if not self.renders_calls:
+            return self._turn_as_text(turn)
         thought = turn.thought if self._thought_probe is not None else None
         content = self.syntax.call_content if turn.text is None else turn.text
         key = ("\0turn", json.dumps([thought, content, turn.calls]))
@@ -451,6 +451,26 @@ class ChatTemplateRenderer:
             if text is None:
                 return None
             tokens = array("I", self._encode(text))
+            self.rendered.put(key, tokens)
+        return tokens
+
+    def _turn_as_text(self, turn: ModelTurn) -> Sequence[int] | None:
+        """A turn as one assistant message whose content is the text and then the calls in the
+        family's own block, as the model wrote them (a template that knows no calls, SmolLM2's);
+        None where the family writes a block alone in its message (Llama's bare JSON) or one
+        call a block. Its reasoning is not shown, as such a template shows none."""
+        frame = self.syntax.frame
+        block = self.syntax.calls_text(turn.calls)
+        if block is None or (frame.bare and turn.text is not None):
+            return None
+        message = {"role": "assistant", "content": (turn.text or "") + block}
+        key = ("\0turn text", message["content"])
+        tokens = self.rendered.get(key)
+        if tokens is None:
+            text = self._text([_PROBE, message])
+            if not text.startswith(self._base):
+                return None
+            tokens = array("I", self._encode(text[len(self._base) :]))
             self.rendered.put(key, tokens)
         return tokens
 

@@ -421,7 +421,13 @@ def test_a_turns_text_and_calls_are_rendered_as_one_message_where_the_template_j
     assert assistants == (1 if package == "qwen3" else 2)
 
 
-@pytest.mark.parametrize("package", sorted(TOKENIZERS))
+#: Each real tokenizer with its family's syntax, and Hermes' (SmolLM2's) on a template that
+#: renders no calls.
+RENDERINGS = [*((package, TOKENIZERS[package]) for package in sorted(TOKENIZERS)),
+              ("llama3_1", HERMES)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("package", "syntax"), RENDERINGS, ids=lambda x: getattr(x, "name", x))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     thought=st.sampled_from([None, "Which city first?"]),
@@ -429,7 +435,7 @@ def test_a_turns_text_and_calls_are_rendered_as_one_message_where_the_template_j
     cities=st.lists(st.sampled_from(["Paris", "Rome", "Oslo"]), max_size=3),
 )
 def test_a_turn_built_as_the_model_writes_it_is_the_turn_rendered_at_once(
-    package: str, thought: str | None, text: str | None, cities: list[str]
+    package: str, syntax: ToolSyntax, thought: str | None, text: str | None, cities: list[str]
 ) -> None:
     """Whatever a turn holds (reasoning, a text, calls), the conversation the warm path builds
     item by item (`open_turn`, `extend_turn`) is, token for token, the one a resume or a
@@ -444,7 +450,7 @@ def test_a_turn_built_as_the_model_writes_it_is_the_turn_rendered_at_once(
         for n, city in enumerate(cities)
     ]
     assume(items or calls)
-    renderer = ChatTemplateRenderer(npm_tokenizer(package), syntax=TOKENIZERS[package])
+    renderer = ChatTemplateRenderer(npm_tokenizer(package), syntax=syntax)
     ask = Message(role="user", content="Weather?")
     outputs = [FunctionCallOutput(call_id=call.call_id, output="sunny") for call in calls]
     warm = Conversation(renderer, instructions="Be brief.")
@@ -457,6 +463,48 @@ def test_a_turn_built_as_the_model_writes_it_is_the_turn_rendered_at_once(
     cold.extend([ask, *items, *calls, *outputs])
     assert list(warm.tokens) == list(cold.tokens)
     assert (warm.model_segments, warm.tool_outputs) == (cold.model_segments, cold.tool_outputs)
+
+
+@pytest.mark.parametrize("syntax", EVERY, ids=lambda syntax: syntax.name)
+def test_where_the_template_knows_no_calls_a_turn_is_rendered_as_the_model_wrote_it(
+    syntax: ToolSyntax,
+) -> None:
+    """A template that renders no `tool_calls` (SmolLM2's; Llama 3.1's npm template here)
+    shows a call as the family's own text in an assistant message. A model that says
+    something and then calls wrote one message: its text, then one block of its calls; so the
+    turn is rendered as that one message (what the parser reads back as that text and those
+    calls), where the family writes text before a block. Llama's bare JSON stands alone in
+    its message, so there each item stays a message of its own."""
+    tokenizer = npm_tokenizer("llama3_1")
+    renderer = ChatTemplateRenderer(tokenizer, syntax=syntax)
+    assert not renderer.renders_calls
+    text = "Let me look.\n"
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]
+    items: list[Item] = [Message(role="assistant", content=(OutputText(text=text),))]
+    items += [FunctionCall(call_id=f"c{n}", name=name, arguments=arguments)
+              for n, (name, arguments) in enumerate(calls)]  # fmt: skip
+    conversation = Conversation(renderer)
+    conversation.extend([Message(role="user", content="Weather?")])
+    before = len(conversation.tokens)
+    conversation.open_turn()
+    for item in items:
+        conversation.extend_turn(item)
+    turn = list(conversation.tokens[before:])
+    wrote = syntax.calls_text(calls)
+    if syntax.frame.bare:  # apart, each as `render_item` renders it
+        assert turn == [t for item in items for t in renderer.render_item(item)]
+        return
+    assert wrote is not None
+    probe = {"role": "system", "content": "probe"}
+    message = {"role": "assistant", "content": text + wrote}
+    base = tokenizer.apply_chat_template([probe], tokenize=False)
+    whole = tokenizer.apply_chat_template([probe, message], tokenize=False)
+    assert turn == list(tokenizer.encode(whole[len(base) :], add_special_tokens=False))
+    parser = syntax.parser(["get_weather"])
+    chunks = parser.feed(text + wrote, 1)
+    chunks += parser.finish()[0]
+    said = "".join(c.text for c in chunks if isinstance(c, TextDelta))
+    assert said == text and parser.calls == 2
 
 
 # -- every family's syntax, fed in arbitrary pieces ----------------------------------------------

@@ -171,6 +171,13 @@ class ToolSyntax:
         """A call written as the model writes it, so a rendered call matches its tokens."""
         return self.frame.block([(name, object_arguments(arguments))])
 
+    def calls_text(self, calls: Sequence[tuple[str, str]]) -> str | None:
+        """A turn's calls (name, arguments) written as the model writes them, in one block;
+        None where a block holds one call and these are more."""
+        if self.frame.separator is None and len(calls) > 1:
+            return None
+        return self.frame.block([(name, object_arguments(arguments)) for name, arguments in calls])
+
     def parser(
         self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
     ) -> CallParser:
