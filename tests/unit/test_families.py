@@ -515,6 +515,7 @@ def test_where_the_template_knows_no_calls_a_turn_is_rendered_as_the_model_wrote
 @given(
     calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
     lead=st.sampled_from(["", "Let me look. ", "\n"]),
+    tail=st.sampled_from(["", "\n", "\n\nThat is all.", " ok"]),
     cuts=st.lists(st.integers(0, 10**6), max_size=16),
     tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5),
 )
@@ -522,18 +523,20 @@ def test_a_block_in_the_family_syntax_is_read_as_its_calls_forced_or_not(
     syntax: ToolSyntax,
     calls: list[tuple[str, dict[str, Any]]],
     lead: str,
+    tail: str,
     cuts: list[int],
     tokens: list[int],
 ) -> None:
     """Held, the block becomes its calls at its end; under a grammar it streams, as the same
-    chunks; text before it is text; every token is carried once."""
+    chunks; text before it is text; what the model writes after its calls is not said (a
+    segment's calls come last); every token is carried once."""
     if syntax.frame.separator is None:
         calls = calls[:1]
     assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
     block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
     if lead and syntax.frame.bare:
         block = syntax.frame.open + block  # after text, Llama's call opens with its tag
-    pieces = split(lead + block, cuts, tokens)
+    pieces = split(lead + block + tail, cuts, tokens)
     tool_names = sorted({name for name, _ in calls})
     held = fed(syntax, pieces, tool_names)
     assert calls_of(held) == [(name, args) for name, args in calls]

@@ -82,7 +82,10 @@ class BlockStream:
         return head
 
     def _emit_text(self, text: str) -> list[Chunk]:
-        if not text:
+        """`text` as the model's text; none once its calls are read: a segment's calls come
+        last (the model's turn ends on them), so what it writes after them is not said, and
+        its tokens are what `finish` returns (counted as output, shown nowhere)."""
+        if not text or self.calls:
             return []
         self._spoke = True
         tokens, self._tokens = self._tokens, 0
