@@ -297,3 +297,26 @@ def test_mistral_calls_as_mistral_common_renders_them_are_read_back() -> None:
                 ("run", {"cmd": "ls -la"}),
             ]
             assert not text_of(chunks).strip() and tokens_of(chunks) == render["tokens"]
+
+
+@pytest.mark.parametrize("family_engine", ["qwen3"], indirect=True)
+async def test_qwens_turn_is_not_cut_at_its_first_call_where_more_are_allowed(
+    front: tuple[VllmGenerator, httpx.AsyncClient],
+) -> None:
+    """Qwen writes each call in a tag pair of its own, the next after the close. With one call
+    allowed the engine stops at the first `</tool_call>`; with more allowed (the default) it
+    is not stopped there, and the turn ends where the model ends it (at temperature 0 here,
+    its end-of-turn token right after the call), still `completed` with its calls."""
+    _, http = front
+    named = {"type": "function", "name": "get_weather"}
+    turns = {}
+    for parallel in (False, True):
+        body = await create(
+            http, tools=TOOLS, tool_choice=named, parallel_tool_calls=parallel,
+            temperature=0, max_output_tokens=64,
+        )  # fmt: skip
+        calls = [item for item in body["output"] if item["type"] == "function_call"]
+        assert calls and all(json.loads(call["arguments"])["city"] for call in calls)
+        turns[parallel] = (len(calls), body["usage"]["output_tokens"])
+    assert turns[False][0] == 1
+    assert turns[True][1] > turns[False][1], turns  # decoded past the first close

@@ -588,6 +588,22 @@ def test_text_streams_at_once_and_only_a_possible_opening_is_held() -> None:
     assert bare.feed('{"a": 1}') == [TextDelta('{"a": 1}', 1)]  # not a call: released at once
 
 
+def test_the_engine_stops_at_a_blocks_close_only_where_no_further_call_can_follow_it() -> None:
+    """vLLM is asked to stop at a block's close. Qwen writes each call in a tag pair of its
+    own, the next after the close, so stopping there would cut a turn to one call: where the
+    request allows more, the engine goes on to the model's end of turn (what the model
+    writes after its calls is not said, as the parsers' test above shows); with one call
+    allowed (`parallel_tool_calls: false`) it stops at the close. A Hermes list and
+    DeepSeek V3's block hold all the calls inside: they stop at their close."""
+    assert QWEN.stop(None) == QWEN.stop(3) == []
+    assert QWEN.stop(1) == ["</tool_call>"]
+    assert HERMES.stop(None) == HERMES.stop(1) == ["</tool_call>"]
+    assert DEEPSEEK_V3.stop(None) == [DEEPSEEK_V3.frame.close]
+    assert MISTRAL.stop(None) == MISTRAL_JSON.stop(None) == LLAMA3_JSON.stop(None) == []
+    two = QWEN.calls_text([("f", "{}"), ("g", '{"a": 1}')])
+    assert two is not None and two.count("</tool_call>") == 2  # a close inside the turn
+
+
 def test_a_block_holding_more_calls_than_allowed_keeps_the_first() -> None:
     block = DEEPSEEK_V3.frame.block([("f", '{"n": 1}'), ("g", '{"n": 2}')])
     for forced in (False, True):

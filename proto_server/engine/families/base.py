@@ -196,10 +196,17 @@ class ToolSyntax:
         """The ids that end the model's turn (`tokens.stop_ids`)."""
         return stop_ids(tokenizer, configured)
 
-    @property
-    def stop(self) -> list[str]:
-        """What the engine stops at once a call is complete (the block's close, if any)."""
-        return [self.frame.close] if self.frame.close else []
+    def stop(self, max_calls: int | None) -> list[str]:
+        """What the engine stops at once a call is complete: the block's close, if it has
+        one, unless the request allows another call and the family writes the next one
+        after the close (Qwen's form: a tag pair a call): the engine then goes on to the end
+        of the model's turn, and what the model writes after its calls is not said."""
+        frame = self.frame
+        if not frame.close:
+            return []
+        if max_calls != 1 and (frame.separator or "").startswith(frame.close):
+            return []
+        return [frame.close]
 
 
 def call_chunks(

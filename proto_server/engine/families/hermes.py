@@ -70,8 +70,7 @@ class Hermes(ToolSyntax):
     name = "hermes"
     frame = FRAME
 
-    @property
-    def stop(self) -> list[str]:
+    def stop(self, max_calls: int | None) -> list[str]:
         return [CLOSE]  # a Qwen block holds one object, without the list's `]`
 
     def parser(

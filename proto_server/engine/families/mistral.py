@@ -44,8 +44,7 @@ class MistralJson(ToolSyntax):
         id_key="id",
     )
 
-    @property
-    def stop(self) -> list[str]:
+    def stop(self, max_calls: int | None) -> list[str]:
         return []  # a `]` is no mark of a call's end in text: the turn's end (`</s>`) is
 
 

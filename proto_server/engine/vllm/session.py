@@ -126,7 +126,7 @@ class VllmSession:
             max_tokens=most,
             limits=limits,
             stop_token_ids=generator.stop_ids,
-            stop=syntax.stop if names and limits.max_calls != 0 else (),
+            stop=syntax.stop(limits.max_calls) if names and limits.max_calls != 0 else (),
             structure=structure,
             cache_salt=self._cache_salt,
         )
@@ -182,7 +182,10 @@ class VllmSession:
         await send.send(
             SegmentEnd(
                 tokens=leftover,
-                incomplete="max_output_tokens" if finish == "length" else None,
+                # calls end the turn: what came after them, to the limit, is not said
+                incomplete="max_output_tokens"
+                if finish == "length" and not parser.called
+                else None,
                 cached_tokens=cached,
             )
         )
