@@ -157,6 +157,9 @@ class ToolSyntax:
     template_arguments_text: bool = False
     #: The content of an assistant message that only calls (some templates test for None).
     call_content: str | None = ""
+    #: What a constrained answer (a structured one, no call allowed) opens with, put in the
+    #: prompt rather than decoded: where the family writes its answer under a header.
+    answer_head: str = ""
 
     def describe_tools(self, tools: Sequence[FunctionTool]) -> str:
         """The system-prompt text that offers `tools`, for a template that does not take them."""

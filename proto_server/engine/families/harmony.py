@@ -240,6 +240,8 @@ FRAME = CallFrame(
 class Harmony(ToolSyntax):
     name = "harmony"
     frame = FRAME
+    #: The answer is a `final` message, as harmony renders it back on the next turn.
+    answer_head = f"{CHANNEL}final{MESSAGE}"
 
     def parser(
         self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
