@@ -268,8 +268,8 @@ class Conversation:
         self.tool_outputs = 0
         self.model_output_end = 0
         self._last_was_model = False
-        #: The model's turn `open_turn` began: its first item's index and token, until
-        #: anything but `extend_turn` appends.
+        #: The model's turn `open_turn` began: its first item's index and token, and the item
+        #: it is rendered after, until anything but `extend_turn` appends.
         self._turn: tuple[int, int, Item | None] | None = None
         #: `open_turn` closed the last item's message (the renderer had left it open).
         self._closed = False
