@@ -448,11 +448,11 @@ class ChatTemplateRenderer:
         tokens = self.rendered.get(key)
         if tokens is None:
             text = self._turn_text(thought, content, turn.calls)
-            if text is None:
-                return None
-            tokens = array("I", self._encode(text))
+            # kept either way: a turn rendered apart (kept empty, as no message renders to
+            # nothing) is not probed again for each call the model adds to it
+            tokens = array("I", self._encode(text) if text is not None else ())
             self.rendered.put(key, tokens)
-        return tokens
+        return tokens or None
 
     def _turn_as_text(self, turn: ModelTurn) -> Sequence[int] | None:
         """A turn as one assistant message whose content is the text and then the calls in the
