@@ -393,6 +393,14 @@ def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
         help="fleet, proto-server's policy: the place kept K times the median time away, at "
         "most --ttl-s (the server's --admission-ttl-median)",
     )
+    group.add_argument(
+        "--bypass",
+        type=int,
+        default=d.bypass,
+        metavar="N",
+        help="fleet, proto-server's policy: waiters smallest first, the oldest passed by at "
+        "most N (the server's --admission-bypass; 0: first come first served)",
+    )
 
 
 def _run_fleet(args: argparse.Namespace) -> int:
@@ -422,6 +430,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         target_fill=args.kv_target_fill,
         ttl_s=args.ttl_s,
         ttl_median=args.ttl_median,
+        bypass=args.bypass,
         out_dir=args.out,
     )
     return fleet.main(settings)

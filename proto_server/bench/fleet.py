@@ -48,6 +48,7 @@ from proto_server.bench.tables import table
 from proto_server.core.routing import Router
 from proto_server.core.scheduler import Scheduler
 from proto_server.engine.prefix_cache import PrefixCache
+from proto_server.server.config import ServerConfig
 
 POLICIES = ("plain", "affinity", "proto-server")
 PLOTS = ("fleet-jct.png", "fleet-prefilled.png")
@@ -89,6 +90,8 @@ class FleetSettings:
     ttl_s: float = 30.0
     #: The server's --admission-ttl-median (None: off).
     ttl_median: float | None = None
+    #: The server's --admission-bypass: its oldest waiter is passed by at most this many.
+    bypass: int = ServerConfig().admission_bypass
     out_dir: Path = Path("bench-results")
 
     def problems(self) -> list[str]:
@@ -127,6 +130,8 @@ class FleetSettings:
                 found.append(f"{flag} must be positive and finite, got {value}")
         if self.ttl_median is not None and not (0 < self.ttl_median < math.inf):
             found.append(f"--ttl-median must be positive and finite, got {self.ttl_median}")
+        if self.bypass < 0:
+            found.append(f"--bypass must be at least 0, got {self.bypass}")
         if not (0 <= self.arrival_s < math.inf):
             found.append(f"--arrival-s must be at least 0 and finite, got {self.arrival_s}")
         if not (0 < self.target_fill <= 1):
@@ -357,7 +362,12 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
     router = Router(count, capacities=[settings.cache_tokens] * count)
     capacity = max(1, int(settings.cache_tokens * settings.target_fill))
     schedulers = [
-        Scheduler(capacity, ttl_s=settings.ttl_s, ttl_median=settings.ttl_median)
+        Scheduler(
+            capacity,
+            ttl_s=settings.ttl_s,
+            ttl_median=settings.ttl_median,
+            bypass=settings.bypass,
+        )
         for _ in range(count)
     ]
     events: list[tuple[float, int, int, int]] = []

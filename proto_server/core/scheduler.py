@@ -16,7 +16,9 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
 - a rollout larger than what fits is still served when nothing else is admitted (no deadlock);
 - the waiting queue is served by weighted fair share between owners (API keys): the owner with
   the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
-  ago), first come first served within one.
+  ago); within one, the waiter holding the fewest tokens first (more fit at once, and the
+  mean wait is shorter), but the one that has waited longest is passed by at most `bypass`
+  others, then goes next (no waiter starves); `bypass` 0: first come first served.
 
 Sans-IO: no clock (every call that needs the time is given `now`), no awaits. The trio side
 (`server/admission.py`) wakes the rollouts each call returns as admitted.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import heapq
 import math
 import statistics
 from collections.abc import Hashable, Mapping
@@ -76,6 +79,58 @@ ADMITTED = Request(admitted=True, resident=False)
 QUEUED = Request(admitted=False, resident=False)
 
 
+class Queue:
+    """One owner's waiting rollouts: the smallest first, the oldest once it has been passed
+    `bypass` times (0: the oldest always). O(log n) a change: arrival order in a dict, sizes
+    in a heap whose stale tuples (a waiter gone, or asked again with other tokens) are
+    dropped when they come to its top."""
+
+    def __init__(self, bypass: int) -> None:
+        self.bypass = bypass
+        self._fifo: dict[int, Entry] = {}  # by order: insertion-ordered, oldest first
+        self._sizes: list[tuple[int, int, Entry]] = []
+        #: How many others were admitted past the oldest since it became the oldest.
+        self.passed = 0
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def add(self, entry: Entry) -> None:
+        self._fifo[entry.order] = entry
+        if self.bypass:
+            heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
+
+    def resized(self, entry: Entry) -> None:
+        """A waiter asked again holding other tokens: its place in arrival order stays."""
+        if self.bypass:
+            heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
+
+    def oldest(self) -> Entry:
+        return next(iter(self._fifo.values()))
+
+    def head(self) -> Entry:
+        """Who goes next: nobody behind it goes while it does not fit."""
+        oldest = self.oldest()
+        if self.passed >= self.bypass:
+            return oldest
+        sizes, fifo = self._sizes, self._fifo
+        while True:
+            tokens, order, entry = sizes[0]
+            if fifo.get(order) is entry and entry.tokens == tokens:
+                return entry
+            heapq.heappop(sizes)
+
+    def remove(self, entry: Entry, *, admitted: bool) -> None:
+        """`entry` leaves: admitted (`head` returned it), or gone."""
+        if self.oldest() is entry:
+            self.passed = 0
+        elif admitted:
+            self.passed += 1
+        del self._fifo[entry.order]
+        if not self._fifo:
+            self._sizes.clear()
+
+
 #: How many of the latest times away `ttl_median` takes the median of, and how many it needs.
 AWAY_SAMPLES = 256
 AWAY_SAMPLES_MIN = 16
@@ -91,6 +146,7 @@ class Scheduler:
         ttl_s: float,
         ttl_median: float | None = None,
         weights: Mapping[str, float] | None = None,
+        bypass: int = 0,
     ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
@@ -99,16 +155,19 @@ class Scheduler:
         self.capacity = capacity_tokens
         if ttl_median is not None and not ttl_median > 0:
             raise ValueError(f"ttl_median must be positive, got {ttl_median}")
+        if bypass < 0:
+            raise ValueError(f"bypass must be at least 0, got {bypass}")
         self.ttl_s = ttl_s
         self.ttl_median = ttl_median
+        self.bypass = bypass
         #: The latest `AWAY_SAMPLES` times a rollout was away (its segment's end to its next
         #: request), and the place kept now (`ttl`).
         self._away: collections.deque[float] = collections.deque(maxlen=AWAY_SAMPLES)
         self.ttl = ttl_s
         self._weights = dict(weights or {})
         self._entries: dict[Hashable, Entry] = {}
-        #: Per owner, its waiting rollouts in arrival order.
-        self._queues: dict[str, collections.deque[Entry]] = {}
+        #: Per owner, its waiting rollouts.
+        self._queues: dict[str, Queue] = {}
         #: Admitted tokens: in all, and per owner.
         self.reserved = 0
         self._owned: collections.Counter[str] = collections.Counter()
@@ -133,15 +192,21 @@ class Scheduler:
             self._came_back(now - entry.away_since)
             entry.away_since = None
         if entry is not None and entry.admitted:
-            if tokens != entry.tokens:
-                self._resize(entry, tokens)
             entry.state = State.STREAMING
-            return RESIDENT
+            if tokens == entry.tokens:
+                return RESIDENT
+            self._resize(entry, tokens)
+            if not self.waiting:
+                return RESIDENT
+            # its owner's share changed, so another owner may be next, and its waiter may fit
+            return Request(admitted=True, resident=True, woken=tuple(self._pump()))
         if entry is None:
             entry = Entry(key, owner, tokens, State.IDLE, now)
             self._entries[key] = entry
         elif entry.state is State.WAITING:
-            entry.tokens = tokens  # its place in the queue is kept
+            if tokens != entry.tokens:  # its place in the queue is kept
+                entry.tokens = tokens
+                self._queues[entry.owner].resized(entry)
             return QUEUED
         entry.tokens = tokens
         if not self.waiting and self._fits(tokens):  # no pressure: no scan, no queue
@@ -168,10 +233,7 @@ class Scheduler:
         if entry.admitted:
             self._unreserve(entry)
         elif entry.state is State.WAITING:
-            self._queues[entry.owner].remove(entry)
-            if not self._queues[entry.owner]:
-                del self._queues[entry.owner]
-            self.waiting -= 1
+            self._dequeue(entry, admitted=False)
         return self._pump()
 
     def set_capacity(self, capacity_tokens: int) -> list[Hashable]:
@@ -268,27 +330,38 @@ class Scheduler:
         entry.since = now
         entry.order = self._order
         self._order += 1
-        self._queues.setdefault(entry.owner, collections.deque()).append(entry)
+        queue = self._queues.get(entry.owner)
+        if queue is None:
+            queue = self._queues[entry.owner] = Queue(self.bypass)
+        queue.add(entry)
         self.waiting += 1
+
+    def _dequeue(self, entry: Entry, *, admitted: bool) -> None:
+        queue = self._queues[entry.owner]
+        queue.remove(entry, admitted=admitted)
+        if not queue:
+            del self._queues[entry.owner]
+        self.waiting -= 1
 
     def _pump(self) -> list[Hashable]:
         """Admit waiting rollouts while the next one fits: the owner with the lowest share
-        first (on a tie, the one served longest ago), its oldest waiting rollout. Strict: when that
-        one does not fit, nobody behind it goes (so a large rollout is not starved by small
-        ones that keep slipping past it)."""
+        first (on a tie, the one served longest ago), its next in line (`Queue.head`). Strict:
+        when that one does not fit, nobody behind it goes (so a large rollout that has been
+        passed `bypass` times is not starved by small ones that keep slipping past it)."""
         admitted: list[Hashable] = []
         while (owner := self.next_owner()) is not None:
-            queue = self._queues[owner]
-            head = queue[0]
+            head = self._queues[owner].head()
             if not self._fits(head.tokens):
                 break
-            queue.popleft()
-            if not queue:
-                del self._queues[owner]
-            self.waiting -= 1
+            self._dequeue(head, admitted=True)
             self._admit(head)
             admitted.append(head.key)
         return admitted
+
+    def next_in_line(self, owner: str) -> Hashable | None:
+        """The key of `owner`'s waiter that goes next (None: it has none)."""
+        queue = self._queues.get(owner)
+        return None if queue is None else queue.head().key
 
     def next_owner(self) -> str | None:
         """The owner whose oldest waiting rollout goes next (None: nobody waits)."""

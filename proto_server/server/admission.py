@@ -64,7 +64,7 @@ class Admission:
             metrics.ADMISSION_TTL.set(scheduler.ttl)
             if scheduler.waiting:
                 self._poke()  # a waiter sleeping until a place lapses: it may lapse sooner
-        if answer.resident:
+        if answer.resident and not answer.woken:
             metrics.KV_RESERVED.set(scheduler.reserved)
             return answer
         self._wake(answer.woken)

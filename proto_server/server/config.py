@@ -200,6 +200,14 @@ class ServerConfig:
         "their tools lately (the last 256, once 16 came back), at most --admission-ttl; "
         "0: --admission-ttl alone",
     )
+    admission_bypass: int = setting(
+        16,
+        between(0, 1_000_000),
+        metavar="N",
+        help="a key's waiting rollouts are admitted smallest first, but the one that has "
+        "waited longest is passed by at most N others, then goes next; 0: first come first "
+        "served",
+    )
     admission_timeout_s: float = setting(
         300.0,
         positive,

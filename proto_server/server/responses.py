@@ -134,6 +134,7 @@ class Responses:
                 ttl_s=config.admission_ttl_s,
                 ttl_median=config.admission_ttl_median or None,
                 weights=dict(config.key_weights),
+                bypass=config.admission_bypass,
             )
             # over engine replicas, admitted against the capacity of those that answer
             shared = generator if isinstance(generator, SharedGenerator) else None

@@ -389,3 +389,24 @@ async def test_a_waiter_is_let_in_when_a_learned_place_lapses_sooner_than_it_sle
             assert scheduler.ttl == 2
     assert scheduler.state("w") is State.STREAMING
     assert 2 <= trio.current_time() - suspended_at < 3  # a's place lapsed at 2 s, not 30
+
+
+async def test_a_waiter_is_let_in_when_a_resumed_rollouts_growth_makes_its_key_next(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The fair share looks at admitted tokens: when key a's resumed rollout has grown, key
+    b's small waiter is next and fits, and is woken then, not at its timeout."""
+    admission = Admission(Scheduler(100, ttl_s=30, bypass=0), timeout_s=300)
+    assert admission.request("a1", "a", 10).admitted
+    assert admission.request("b1", "b", 20).admitted
+    assert not admission.request("a2", "a", 80).admitted
+    assert not admission.request("b2", "b", 5).admitted  # behind a2: key a holds less
+    admission.suspended("a1")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(admission.wait, "b2")
+            await trio.sleep(1)
+            assert admission.request("a1", "a", 30).resident  # back, grown
+            started = trio.current_time()
+    assert admission.scheduler.state("b2") is State.STREAMING
+    assert trio.current_time() == started  # woken at once

@@ -131,6 +131,7 @@ def test_the_command_writes_its_table_json_and_plots(
         (["--fleet-turns", "5,1"], "expected 0 < MEDIAN <= P99"),
         (["--kv-target-fill", "1.5"], "--kv-target-fill must be in (0, 1]"),
         (["--arrival-s", "-1"], "--arrival-s must be at least 0"),
+        (["--bypass", "-1"], "--bypass must be at least 0"),
     ],
 )
 def test_bench_fleet_refuses_bad_flags_with_what_to_change(

@@ -43,6 +43,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "kv_target_fill", 1.5, "between 0.01 and 1"),
     (ServerConfig, "admission_ttl_s", 0, "positive"),
     (ServerConfig, "admission_ttl_median", -1.0, "between 0 and 1000"),
+    (ServerConfig, "admission_bypass", -1, "between 0 and 1000000"),
     (ServerConfig, "admission_timeout_s", -1, "positive"),
     (TimingModel, "prefill_tokens_per_s", 0, "positive"),
     (TimingModel, "decode_tokens_per_s", -1, "positive"),

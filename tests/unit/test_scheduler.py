@@ -3,6 +3,7 @@ invariants under hypothesis over arrivals, suspensions, resumptions, releases an
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -69,6 +70,20 @@ def test_a_waiter_learns_when_the_next_place_lapses() -> None:
     assert s.expire(now=3 + TTL) == ["b"]
 
 
+def test_a_resumed_rollout_that_grew_can_make_another_keys_waiter_next() -> None:
+    """Found by hypothesis: a's growth makes key a's share the larger, so key b's small
+    waiter is next and fits; it was left waiting until something else changed."""
+    s = Scheduler(100, ttl_s=TTL, bypass=0)
+    s.request("a1", "a", 10, now=0)
+    s.request("b1", "b", 20, now=0)
+    s.request("a2", "a", 80, now=0)  # waits: 110 > 100
+    s.request("b2", "b", 5, now=0)  # waits behind a2: a's share (10) is less than b's (20)
+    s.suspend("a1", now=1)
+    answer = s.request("a1", "a", 30, now=2)  # back, grown: a's share is now 30
+    assert answer.admitted and answer.resident and answer.woken == ("b2",)
+    assert s.state("a2") is State.WAITING
+
+
 def test_a_rollout_larger_than_the_cache_is_served_alone() -> None:
     s = Scheduler(100, ttl_s=TTL)
     assert s.request("huge", "k", 500, now=0).admitted
@@ -76,13 +91,40 @@ def test_a_rollout_larger_than_the_cache_is_served_alone() -> None:
     assert s.release("huge") == ["small"]
 
 
-def test_the_queue_is_first_come_first_served_within_a_key_and_strict() -> None:
-    s = Scheduler(100, ttl_s=TTL)
+def test_with_no_bypass_the_queue_is_first_come_first_served_within_a_key_and_strict() -> None:
+    s = Scheduler(100, ttl_s=TTL, bypass=0)
     s.request("a", "k", 100, now=0)
     s.request("big", "k", 90, now=1)
     s.request("small", "k", 5, now=2)  # fits beside nothing but would slip past big: it waits
     assert s.state("small") is State.WAITING
     assert s.release("a") == ["big", "small"]
+
+
+def test_the_smallest_waiter_goes_first_and_the_oldest_is_passed_at_most_bypass_times() -> None:
+    """Smallest first packs more rollouts at once; the bound keeps a large one from starving
+    behind small ones that keep coming."""
+    s = Scheduler(100, ttl_s=TTL, bypass=2)
+    s.request("a", "k", 100, now=0)
+    s.request("big", "k", 95, now=1)
+    for i in range(4):
+        s.request(("small", i), "k", 10, now=2 + i)
+    assert s.next_in_line("k") == ("small", 0)
+    assert s.release("a") == [("small", 0), ("small", 1)]  # big is passed twice; then it is
+    assert s.next_in_line("k") == "big"  # next, and nobody passes it while it does not fit
+    assert s.state(("small", 2)) is State.WAITING
+    assert s.release(("small", 0)) == [] and s.release(("small", 1)) == ["big"]
+    assert s.next_in_line("k") == ("small", 2)
+
+
+def test_a_waiter_asking_again_with_other_tokens_keeps_its_arrival_and_takes_its_new_size() -> None:
+    s = Scheduler(100, ttl_s=TTL, bypass=5)
+    s.request("a", "k", 100, now=0)
+    s.request("b", "k", 30, now=1)
+    s.request("c", "k", 20, now=2)
+    assert s.next_in_line("k") == "c"
+    assert not s.request("c", "k", 40, now=3).admitted  # grew while it waited
+    assert s.next_in_line("k") == "b"
+    assert s.release("a") == ["b", "c"]
 
 
 def test_the_key_with_the_least_admitted_share_goes_first() -> None:
@@ -163,6 +205,8 @@ def test_bad_settings_are_refused() -> None:
         Scheduler(10, ttl_s=0)
     with pytest.raises(ValueError):
         Scheduler(10, ttl_s=TTL, ttl_median=0)
+    with pytest.raises(ValueError):
+        Scheduler(10, ttl_s=TTL, bypass=-1)
 
 
 OWNERS = ("a", "b", "c")
@@ -172,22 +216,46 @@ CAPACITY = 100
 class Admissions(RuleBasedStateMachine):
     """Any sequence of what the server tells the scheduler keeps its promises."""
 
+    BYPASS = 0
+
     def __init__(self) -> None:
         super().__init__()
-        self.s = Scheduler(CAPACITY, ttl_s=TTL, weights={"c": 2.0})
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, weights={"c": 2.0}, bypass=self.BYPASS)
         self.now = 0.0
         self.keys = itertools.count()
         self.owner: dict[int, str] = {}
-        self.queued: dict[str, list[int]] = {o: [] for o in OWNERS}  # FCFS order per owner
+        self.queued: dict[str, list[int]] = {o: [] for o in OWNERS}  # arrival order per owner
+        self.tokens: dict[int, int] = {}
+        #: Per owner, how many were admitted past its oldest waiter since it became the oldest.
+        self.passed: collections.Counter[str] = collections.Counter()
+
+    def _next(self, owner: str) -> int:
+        """Who the queue discipline says goes next in `owner`'s queue."""
+        queue = self.queued[owner]
+        if self.passed[owner] >= self.BYPASS:
+            return queue[0]
+        return min(queue, key=lambda k: (self.tokens[k], queue.index(k)))
+
+    def _leaves(self, key: int, *, admitted: bool) -> None:
+        owner = self.owner[key]
+        queue = self.queued[owner]
+        if queue[0] == key:
+            self.passed[owner] = 0
+        elif admitted:
+            self.passed[owner] += 1
+            assert self.passed[owner] <= self.BYPASS  # the oldest is passed at most BYPASS times
+        queue.remove(key)
 
     # -- what happens ----------------------------------------------------------------------
 
     def _ask(self, key: int, tokens: int) -> None:
         was = self.s.state(key)
         before = (self.s.admitted, self.s.reserved)
+        self.tokens[key] = tokens
         answer = self.s.request(key, self.owner[key], tokens, self.now)
         if was in (State.STREAMING, State.SUSPENDED):
             assert answer.admitted and answer.resident  # an admitted rollout never waits
+            self._admitted(list(answer.woken), before)  # its growth may change who is next
             return
         if was is not State.WAITING:
             self.queued[self.owner[key]].append(key)
@@ -196,9 +264,8 @@ class Admissions(RuleBasedStateMachine):
 
     def _admitted(self, keys: list[int], before: tuple[int, int]) -> None:
         for key in keys:
-            queue = self.queued[self.owner[key]]
-            assert queue[0] == key  # first come first served within a key
-            queue.pop(0)
+            assert key == self._next(self.owner[key])  # the queue's discipline within a key
+            self._leaves(key, admitted=True)
             assert self.s.state(key) is State.STREAMING
         if keys:  # the server's own admissions never overcommit, but for one rollout alone
             assert self.s.reserved <= CAPACITY or self.s.admitted == 1, (before, keys)
@@ -239,7 +306,7 @@ class Admissions(RuleBasedStateMachine):
         if keys:
             key = data.draw(st.sampled_from(keys))
             if self.s.state(key) is State.WAITING:
-                self.queued[self.owner[key]].remove(key)
+                self._leaves(key, admitted=False)
             before = (self.s.admitted, self.s.reserved)
             del self.owner[key]
             self._admitted(self.s.release(key), before)
@@ -267,7 +334,8 @@ class Admissions(RuleBasedStateMachine):
         """Nobody waits while the next in line would fit: no rollout waits for nothing."""
         owner = self.s.next_owner()
         if owner is not None:
-            head = self.queued[owner][0]
+            head = self._next(owner)
+            assert self.s.next_in_line(owner) == head
             entry = self.s.entry(head)
             assert entry is not None
             assert self.s.reserved + entry.tokens > CAPACITY and self.s.admitted > 0
@@ -290,12 +358,26 @@ TestAdmissions = Admissions.TestCase
 TestAdmissions.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class AdmissionsSmallestFirst(Admissions):
+    """The same promises, and the bound on passing, when the smallest waiter goes first."""
+
+    BYPASS = 2
+
+
+TestAdmissionsSmallestFirst = AdmissionsSmallestFirst.TestCase
+TestAdmissionsSmallestFirst.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+
+
 class AdmissionsWithALearnedTtl(Admissions):
     """The same promises when places are kept a multiple of the median time away."""
 
+    BYPASS = 1
+
     def __init__(self) -> None:
         super().__init__()
-        self.s = Scheduler(CAPACITY, ttl_s=TTL, ttl_median=2.0, weights={"c": 2.0})
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, ttl_median=2.0, weights={"c": 2.0}, bypass=1)
 
     @invariant()
     def the_place_kept_is_never_longer_than_the_ttl(self) -> None:
