@@ -8,8 +8,9 @@ is split from extending: `render_items` is pure and safe to run on a worker thre
 from __future__ import annotations
 
 import sys
+import types
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import orjson
@@ -148,11 +149,18 @@ def render_items(
     previous = False
     before = after
     joined_until = 0  # the items before it were rendered with a run of outputs
+    # Where a run of outputs, or of calls, that the renderer would not join ends: none of its
+    # shorter tails is asked again (each would be scanned and rendered: 20,000 calls in a
+    # client's history took minutes). A text's turn is asked again from its calls (DeepSeek
+    # V3's template joins calls, not a text and its calls).
+    apart_until = 0
+    render_run = getattr(renderer, "render_run", None)
+    render_turn = getattr(renderer, "render_turn", None)
     for index, item in enumerate(kept):
         if index >= joined_until:
-            run = _outputs_run(renderer, kept, index, before)
-            if run is None:
-                run = _turn_run(renderer, kept, index, before)
+            run = None
+            if index >= apart_until:
+                run, apart_until = _joined_run(kept, index, before, render_run, render_turn)
             if run is not None:
                 joined_until, run_tokens = run
                 tokens.extend(run_tokens)
@@ -184,36 +192,46 @@ def render_items(
     )
 
 
-def _outputs_run(
-    renderer: Renderer, items: Sequence[Item], start: int, before: Item | None
-) -> tuple[int, Sequence[int]] | None:
-    """Where `items[start:]` begins with two or more tool outputs and the renderer renders such
-    a run together (`render_run`: Qwen3's template joins them in one message): where the run
-    ends, and its tokens. A run is one batch's (an append, a create): outputs a prototype
-    client sends in several appends, a partial answer first, are rendered an append at a time,
-    which a cold rebuild of the same items renders together (the known difference)."""
-    end = start
-    while end < len(items) and isinstance(items[end], FunctionCallOutput | CustomToolCallOutput):
-        end += 1
-    render_run = getattr(renderer, "render_run", None)
-    if end - start < 2 or render_run is None:
-        return None
-    joined: Sequence[int] | None = render_run(items[start:end], before)
-    return None if joined is None else (end, joined)
+RenderRun = Callable[[Sequence[Item], Item | None], Sequence[int] | None]
 
 
-def _turn_run(
-    renderer: Renderer, items: Sequence[Item], start: int, before: Item | None
-) -> tuple[int, Sequence[int]] | None:
-    """Where `items[start:]` begins with a model turn that the renderer renders as one message
-    (`render_turn`: Qwen3's template joins a text and the calls after it): where it ends, and
-    its tokens; as `Conversation.extend_turn` renders the same turn as the model writes it."""
-    end = turn_end(items, start)
-    render_turn = getattr(renderer, "render_turn", None)
-    if end - start < 2 or render_turn is None:
-        return None
-    joined: Sequence[int] | None = render_turn(items[start:end], before)
-    return None if joined is None else (end, joined)
+def _joined_run(
+    items: Sequence[Item],
+    start: int,
+    before: Item | None,
+    render_run: RenderRun | None,
+    render_turn: RenderRun | None,
+) -> tuple[tuple[int, Sequence[int]] | None, int]:
+    """Where `items[start:]` begins with two or more items the renderer renders together: a
+    run of tool outputs (`render_run`: Qwen3's template joins them in one user message), or
+    a model turn (`render_turn`: Qwen3's joins a text and the calls after it): where it ends
+    and its tokens, or None; and, when it renders them apart, up to where no shorter tail
+    of the run need be asked (`start` when one may). A run is one batch's (an append, a
+    create): outputs a prototype client sends in several appends are rendered an append at
+    a time, which a cold rebuild of the same items renders together (the known difference);
+    a turn is rendered so as `Conversation.extend_turn` renders it as the model writes it."""
+    item = items[start]
+    outputs = FunctionCallOutput | CustomToolCallOutput
+    kind: type[Item] | types.UnionType = outputs if isinstance(item, outputs) else _CALLS
+    render = render_run if kind is outputs else render_turn
+    if render is None:
+        return None, start
+    if kind is outputs:
+        end = start + 1
+        while end < len(items) and isinstance(items[end], outputs):
+            end += 1
+    else:
+        end = turn_end(items, start)
+    if end - start < 2:
+        return None, start
+    joined = render(items[start:end], before)
+    if joined is not None:
+        return (end, joined), start
+    # a tail of calls (or outputs) after a call (an output) is asked as this run was: not again
+    return None, end if isinstance(item, kind) and isinstance(before, kind) else start
+
+
+_CALLS = FunctionCall | CustomToolCall
 
 
 def counted(items: Iterable[Item]) -> tuple[int, int]:
