@@ -8,7 +8,6 @@ is split from extending: `render_items` is pure and safe to run on a worker thre
 from __future__ import annotations
 
 import sys
-import types
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
@@ -193,6 +192,8 @@ def render_items(
 
 
 RenderRun = Callable[[Sequence[Item], Item | None], Sequence[int] | None]
+_OUTPUTS = FunctionCallOutput | CustomToolCallOutput
+_CALLS = FunctionCall | CustomToolCall
 
 
 def _joined_run(
@@ -211,14 +212,14 @@ def _joined_run(
     a time, which a cold rebuild of the same items renders together (the known difference);
     a turn is rendered so as `Conversation.extend_turn` renders it as the model writes it."""
     item = items[start]
-    outputs = FunctionCallOutput | CustomToolCallOutput
-    kind: type[Item] | types.UnionType = outputs if isinstance(item, outputs) else _CALLS
-    render = render_run if kind is outputs else render_turn
+    is_output = isinstance(item, _OUTPUTS)
+    kind = _OUTPUTS if is_output else _CALLS
+    render = render_run if is_output else render_turn
     if render is None:
         return None, start
-    if kind is outputs:
+    if is_output:
         end = start + 1
-        while end < len(items) and isinstance(items[end], outputs):
+        while end < len(items) and isinstance(items[end], _OUTPUTS):
             end += 1
     else:
         end = turn_end(items, start)
@@ -229,9 +230,6 @@ def _joined_run(
         return (end, joined), start
     # a tail of calls (or outputs) after a call (an output) is asked as this run was: not again
     return None, end if isinstance(item, kind) and isinstance(before, kind) else start
-
-
-_CALLS = FunctionCall | CustomToolCall
 
 
 def counted(items: Iterable[Item]) -> tuple[int, int]:

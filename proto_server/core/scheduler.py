@@ -101,9 +101,14 @@ class Queue:
             heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
 
     def resized(self, entry: Entry) -> None:
-        """A waiter asked again holding other tokens: its place in arrival order stays."""
-        if self.bypass:
-            heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
+        """A waiter asked again holding other tokens: its place in arrival order stays. The
+        heap is rebuilt when stale tuples outnumber the waiters, so it stays O(waiters)."""
+        if not self.bypass:
+            return
+        heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
+        if len(self._sizes) > 2 * len(self._fifo) + 16:
+            self._sizes = [(e.tokens, e.order, e) for e in self._fifo.values()]
+            heapq.heapify(self._sizes)
 
     def oldest(self) -> Entry:
         return next(iter(self._fifo.values()))

@@ -127,6 +127,18 @@ def test_a_waiter_asking_again_with_other_tokens_keeps_its_arrival_and_takes_its
     assert s.release("a") == ["b", "c"]
 
 
+def test_a_waiter_asking_again_and_again_does_not_grow_the_queue_past_its_waiters() -> None:
+    s = Scheduler(100, ttl_s=TTL, bypass=5)
+    s.request("a", "k", 100, now=0)
+    s.request("b", "k", 30, now=1)
+    for tokens in range(1, 1_000):
+        s.request("c", "k", tokens, now=2)
+    queue = s._queues["k"]
+    assert len(queue._sizes) <= 2 * len(queue) + 16
+    assert s.next_in_line("k") == "b"  # c holds 999 now
+    assert s.release("a") == ["b"]
+
+
 def test_the_key_with_the_least_admitted_share_goes_first() -> None:
     s = Scheduler(100, ttl_s=TTL)
     for i in range(10):
