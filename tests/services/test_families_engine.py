@@ -93,8 +93,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
 }  # fmt: skip
 #: What an engine of the family needs besides: vLLM refuses gpt-oss a parser but harmony's
-#: (its own /v1/responses, which these tests do not use, parses with it).
-ENGINE_ARGS = {"gptoss": ("--tool-call-parser", "openai")}
+#: (its own /v1/responses, which these tests do not use, parses with it); on a CPU with AMX
+#: vLLM picks an MLA kernel for DeepSeek that takes bfloat16 weights only, so the reference
+#: one (any dtype) is named, which every CPU runs.
+ENGINE_ARGS = {
+    "gptoss": ("--tool-call-parser", "openai"),
+    "deepseek_v3": ("--attention-backend", "CPU_MLA"),
+}
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -99,8 +100,15 @@ class Engine:
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM exited ({self.process.returncode}):\n{tail}")
+                log = self.log_path.read_text(errors="replace")
+                causes = [
+                    line for line in log.splitlines() if re.search(r"\w(Error|Exception):", line)
+                ]
+                raise RuntimeError(
+                    f"vLLM exited ({self.process.returncode}); its errors, first to last:\n"
+                    + "\n".join(causes[:10])
+                    + f"\nits log ends:\n{log[-3000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
                     return
