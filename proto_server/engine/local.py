@@ -193,11 +193,15 @@ class LocalSession:
         """Decode at most `limits.max_output_tokens` (and `--max-tokens`); `tool_choice: none`
         or no calls left: the parser is offered no tools, so whatever the model writes is text.
         A call the request forces is decoded under a grammar from the first token."""
+        generator = self._generator
         constraint = await self._constraint(limits)
-        prompt = self._conversation.turn_prompt(self._generator.renderer.generation_prompt)
+        prompt = self._conversation.turn_prompt(generator.renderer.generation_prompt)
+        head = generator.syntax.answer_prompt(limits, self._tools)  # in the prompt, not decoded
+        if head:
+            prompt += generator.tokenizer.encode(head, add_special_tokens=False)
         keep, logits = await self._extend(prompt)
         await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
-        await self._decode(logits, send, limits, constraint)
+        await self._decode(logits, send, limits, constraint, head)
 
     async def _constraint(self, limits: GenerationLimits) -> Constraint | None:
         """The grammar this segment decodes under: a forced call to the offered tools (the named
@@ -257,6 +261,7 @@ class LocalSession:
         send: trio.MemorySendChannel[Chunk],
         limits: GenerationLimits,
         constraint: Constraint | None,
+        head: str,
     ) -> None:
         generator = self._generator
         # under a grammar every block is a valid call: it streams as it decodes; without one
@@ -276,6 +281,8 @@ class LocalSession:
         most = generator.max_tokens
         if limits.max_output_tokens is not None:
             most = min(most, limits.max_output_tokens)
+        for chunk in parser.feed(head, 0) if head else ():  # the header the prompt ends with
+            await send.send(chunk)
         if constraint is not None and most > 0:
             logits = await generator.run(constraint.mask, logits)
         while True:

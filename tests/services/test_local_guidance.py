@@ -25,9 +25,16 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
 from proto_server.core.text_format import TextFormat
-from proto_server.engine.chunks import Chunk, TextDelta, ToolCallArgumentsDelta, ToolCallBegin
+from proto_server.engine.chunks import (
+    Chunk,
+    Prefilled,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+)
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.default_model import example_value
+from proto_server.engine.families.harmony import HARMONY
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
@@ -47,8 +54,10 @@ from ..support.tinymodel import (
     outputs,
     segment,
     serve,
+    tiny_llama,
     tiny_tokenizer,
 )
+from ..unit.test_families import npm_tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -411,6 +420,37 @@ async def test_with_tools_under_auto_the_answer_is_an_instance_or_a_valid_call(
     session = open_session(generator)
     items = outputs(await bounded(session, GenerationLimits(text_format=ANSWER)))
     assert json.loads(answer_text(items)) == {"color": "blue", "n": 3}
+    await session.aclose()
+
+
+@pytest.mark.npm  # the real gpt-oss tokenizer comes from tests/clients (npm)
+async def test_gpt_oss_answers_after_its_final_header_which_the_prompt_holds() -> None:
+    """harmony writes an answer under `<|channel|>final<|message|>`: the local model is prompted
+    with that header (as the engine is), decodes only the JSON, which streams as text; the next
+    turn renders the answer back on final, so the cache holds all of it."""
+    tokenizer = npm_tokenizer("gptoss")
+    wants = '{"color": "red", "n": 4}'
+    model = tiny_llama(vocab_size=len(tokenizer), eos_token_id=None)
+    generator = LocalGenerator(
+        model, tokenizer, threads=1, choose=Prefers(tokenizer, wants), max_tokens=40
+    )
+    assert generator.syntax is HARMONY
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS)
+    conversation.extend([USER])
+    plain = len(conversation.turn_prompt(generator.renderer.generation_prompt))
+    session = generator.open_session(conversation)
+    chunks = await bounded(session, GenerationLimits(text_format=ANSWER))
+    prefilled = chunks[0]
+    assert isinstance(prefilled, Prefilled)
+    head = tokenizer.encode(HARMONY.answer_head, add_special_tokens=False)
+    assert prefilled.prompt_tokens == plain + len(head) == plain + 3
+    items = outputs(chunks)
+    assert answer_text(items) == wants
+    conversation.extend([*items, Message(role="user", content="and blue?")])
+    (again, *_) = await bounded(session, GenerationLimits(max_output_tokens=1))
+    assert isinstance(again, Prefilled)
+    written = len(tokenizer.encode(wants, add_special_tokens=False))
+    assert again.cached_tokens == prefilled.prompt_tokens + written
     await session.aclose()
 
 

@@ -53,10 +53,14 @@ def tiny_tokenizer() -> Any:
     )
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int = 0, *, vocab_size: int = 264, eos_token_id: int | None = 258
+) -> LlamaForCausalLM:
+    """`vocab_size` and `eos_token_id`: another tokenizer's (its embeddings tied, to stay small)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=264,
+        vocab_size=vocab_size,
+        tie_word_embeddings=vocab_size > 264,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -64,7 +68,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
         num_key_value_heads=2,
         max_position_embeddings=16384,
         bos_token_id=257,
-        eos_token_id=258,
+        eos_token_id=eos_token_id,
     )
     return LlamaForCausalLM(config).eval()
 

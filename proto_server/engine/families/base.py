@@ -28,6 +28,7 @@ from proto_server.wire.tools import FunctionTool
 
 if TYPE_CHECKING:
     from proto_server.engine.chat_template import ModelRenderer
+    from proto_server.engine.limits import GenerationLimits
 
 WHITESPACE = " \t\r\n"
 
@@ -160,6 +161,13 @@ class ToolSyntax:
     #: What a constrained answer (a structured one, no call allowed) opens with, put in the
     #: prompt rather than decoded: where the family writes its answer under a header.
     answer_head: str = ""
+
+    def answer_prompt(self, limits: GenerationLimits, tools: Sequence[FunctionTool]) -> str:
+        """What a segment's prompt ends with past the generation prompt, so that the model is
+        not asked to decode it: a structured answer's header where no call is allowed."""
+        if limits.text_format is None or limits.must_call or (tools and limits.max_calls != 0):
+            return ""
+        return self.answer_head
 
     def describe_tools(self, tools: Sequence[FunctionTool]) -> str:
         """The system-prompt text that offers `tools`, for a template that does not take them."""

@@ -102,8 +102,8 @@ class VllmSession:
         elif limits.text_format is not None:
             callable_tools = self._tools if limits.max_calls != 0 else []
             structure = answer_format(limits.text_format, callable_tools, limits.max_calls, frame)
-            if not callable_tools and syntax.answer_head:  # the answer's header, not decoded
-                head = syntax.answer_head
+            head = syntax.answer_prompt(limits, self._tools)  # the answer's header, not decoded
+            if head:
                 prompt += generator.tokenizer.encode(head, add_special_tokens=False)
         elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
             structure = strict_call_format(self._tools, limits.max_calls, frame)
