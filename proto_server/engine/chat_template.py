@@ -37,7 +37,7 @@ import logging
 import sys
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from cachetools import LRUCache
@@ -61,8 +61,9 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.tools import FunctionTool, Tool, function_tools
 
-_PROBE = {"role": "system", "content": "probe"}
+_PROBE = {"role": "system", "content": "probe system"}
 _PROBE_USER = {"role": "user", "content": "probe"}
+_PROBE_REPLY = {"role": "assistant", "content": "probe"}
 #: What a reasoning item is rendered with, and cut at: an answer no reasoning holds.
 _PROBE_ANSWER = "\0probe answer"
 _PROBE_THOUGHT = "probe thought"
@@ -197,6 +198,30 @@ class RenderedMessages:
         return 0 if self._cache is None else int(self._cache.currsize)
 
 
+def _check_one_message_at_a_time(user_block: str, reply: Callable[[], str]) -> None:
+    """A message is rendered after a system message alone (`render_item`): a template that
+    holds the system message back for a later one, or refuses a reply that no user message
+    comes before (Mistral's, as mistral-common writes them: they put the system message and
+    the tools in the last user message and check that roles alternate) would put the probe in
+    the prompt, or fail on the model's first reply in the middle of a rollout."""
+    refusal = (
+        "so it cannot be rendered one message at a time, as a rollout's prompt only grows; "
+        "serve this model through vLLM's own API, or give it a chat template (its "
+        "tokenizer_config.json's `chat_template`) that renders each message on its own"
+    )
+    if _PROBE["content"] in user_block:
+        raise TemplateError(
+            "the model's chat template moves the system message into a later message, " + refusal
+        )
+    try:
+        reply()
+    except Exception as exc:
+        raise TemplateError(
+            f"the model's chat template refuses a reply right after a system message ({exc}), "
+            + refusal
+        ) from exc
+
+
 @runtime_checkable
 class ModelRenderer(Renderer, Protocol):
     """A real model's rendering (its chat template, or harmony's for gpt-oss): what opens
@@ -237,6 +262,7 @@ class ChatTemplateRenderer:
                 "so it cannot be extended incrementally; use a model with a ChatML-like template"
             )
         self._user_block = probed[len(self._base) :]
+        _check_one_message_at_a_time(self._user_block, lambda: self._text([_PROBE, _PROBE_REPLY]))
         #: What opens the model's turn (`<|im_start|>assistant\n` in ChatML).
         self.generation_prompt = self._encode(prompted[len(self._base) :])
         #: The model thinks in `<think>` blocks (Qwen3, DeepSeek R1: both are in its vocabulary),

@@ -25,6 +25,8 @@ import httpx
 import pytest
 import trio
 
+from proto_server.engine import families
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.families import FAMILIES
 from proto_server.engine.families.mistral import MISTRAL_JSON
 from proto_server.engine.model_files import load_tokenizer
@@ -349,3 +351,45 @@ async def test_qwens_turn_is_not_cut_at_its_first_call_where_more_are_allowed(
         turns[parallel] = (len(calls), body["usage"]["output_tokens"])
     assert turns[False][0] == 1
     assert turns[True][1] > turns[False][1], turns  # decoded past the first close
+
+
+#: A Hugging Face tokenizer folder for each Tekken tokenizer mistral-common ships: the
+#: vocabulary converted by transformers, the chat template mistral-common generates for it.
+MISTRAL_FOLDERS = """
+import glob, json, os, sys
+from pathlib import Path
+import mistral_common
+from mistral_common.integrations.chat_templates.chat_templates import (
+    convert_tokenizer_to_chat_template,
+)
+from transformers.integrations.mistral import convert_tekken_tokenizer
+data = Path(mistral_common.__file__).parent / "data"
+for source in sorted(data.glob("tekken_*.json")):
+    folder = Path(sys.argv[1]) / source.stem
+    convert_tekken_tokenizer(str(source)).save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = convert_tokenizer_to_chat_template(source)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text('{"model_type": "mistral"}')
+    print(folder)
+"""
+
+
+def test_mistral_s_own_chat_template_is_refused_at_start_saying_why(tmp_path: Path) -> None:
+    """mistral-common's templates put the system message and the tools in the last user
+    message and check that roles alternate: rendered one message at a time, the system probe
+    went into the first user message and the model's first reply failed the template. The
+    renderer refuses such a template when it is built (the server does not start), saying
+    what to do; the call syntax itself is read (the test above)."""
+    result = subprocess.run(
+        [str(engine_python()), "-c", MISTRAL_FOLDERS, str(tmp_path)], capture_output=True,
+        text=True, timeout=120, check=True, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    folders = result.stdout.split()
+    assert len(folders) == 2  # tekken_240718 and tekken_240911
+    for folder in folders:
+        tokenizer = load_tokenizer(Path(folder)).tokenizer
+        syntax = families.choose(tokenizer, families.AUTO)
+        assert syntax is MISTRAL_JSON
+        with pytest.raises(TemplateError, match="moves the system message into a later message"):
+            syntax.renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
