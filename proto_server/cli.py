@@ -303,11 +303,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             planner, timing, prefix_cache=cache if launch.prefix_cache else None
         )
         what = f"simulated GPU with {model}"
-    if config.kv_capacity_tokens and launch.worker_of > 1:
-        # each worker schedules its own rollouts: the engine's cache is split between them
-        config = attrs.evolve(
-            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // launch.worker_of)
-        )
+    config = _admission_between_processes(config, launch)
     try:  # a socket the supervisor of --workers bound and passed down
         listener = None if launch.listen_fd is None else socket.socket(fileno=launch.listen_fd)
     except OSError as exc:
@@ -367,6 +363,27 @@ def _secret(launch: Launch, shared: PostgresStore | None) -> bytes | None:
     except (OSError, ValueError) as exc:
         raise Refused(f"cannot use the compaction secret: {exc}; pass another "
                       "--compaction-secret-file") from None  # fmt: skip
+
+
+def _admission_between_processes(config: ServerConfig, launch: Launch) -> ServerConfig:
+    """Processes admitting against the same engines share the room through the store they
+    share (--admission-shared; --workers N turns it on); workers that share no store
+    (:memory:) each admit against a static 1/N of it."""
+    memory = launch.store == ":memory:"
+    if config.admission_shared:
+        if memory:
+            raise Refused("--admission-shared needs a store the processes share: a --store "
+                          "file or a postgresql:// URL, not :memory:")  # fmt: skip
+        if not config.kv_capacity_tokens:
+            raise Refused("--admission-shared admits by the engines' KV cache: pass "
+                          "--kv-capacity-tokens or --kv-capacity-from-engine")  # fmt: skip
+    if launch.worker_of <= 1 or not config.kv_capacity_tokens:
+        return config
+    if memory:
+        return attrs.evolve(
+            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // launch.worker_of)
+        )
+    return attrs.evolve(config, admission_shared=True)
 
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int:

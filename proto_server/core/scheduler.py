@@ -110,6 +110,9 @@ class Queue:
             self._sizes = [(e.tokens, e.order, e) for e in self._fifo.values()]
             heapq.heapify(self._sizes)
 
+    def tokens(self) -> int:
+        return sum(entry.tokens for entry in self._fifo.values())
+
     def oldest(self) -> Entry:
         return next(iter(self._fifo.values()))
 
@@ -180,6 +183,9 @@ class Scheduler:
         self.waiting = 0
         #: Suspended rollouts whose place lapsed, since the start.
         self.demotions = 0
+        #: Tokens other processes sharing the engines hold, as last read (shared admission):
+        #: a rollout larger than the room runs alone only if they hold nothing either.
+        self.elsewhere = 0
         self._order = 0
         #: Per owner, when it last had a rollout admitted (by count): between owners of equal
         #: share the one served longest ago goes first (round robin when few rollouts fit).
@@ -241,20 +247,23 @@ class Scheduler:
             self._dequeue(entry, admitted=False)
         return self._pump()
 
-    def set_capacity(self, capacity_tokens: int) -> list[Hashable]:
-        """The engine's room changed (a replica went down or came back): what is admitted
-        keeps its place; a larger room admits who waits (returned: wake them), a smaller one
+    def set_capacity(self, capacity_tokens: int, *, elsewhere: int = 0) -> list[Hashable]:
+        """The engine's room changed (a replica went down or came back; with other processes
+        sharing the engines, this one's part changed, and `elsewhere` is what they hold): what
+        is admitted keeps its place; more room admits who waits (returned: wake them), less
         admits nobody until enough is released."""
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
-        grew = capacity_tokens > self.capacity
+        grew = capacity_tokens > self.capacity or elsewhere < self.elsewhere
         self.capacity = capacity_tokens
+        self.elsewhere = elsewhere
         return self._pump() if grew else []
 
-    def expire(self, now: float) -> list[Hashable]:
+    def expire(self, now: float, *, others_wait: bool = False) -> list[Hashable]:
         """Demote every suspended rollout whose place lapsed by `now`; returns who is admitted
-        in the room they leave."""
-        if not self.waiting:
+        in the room they leave. `others_wait`: rollouts of other processes sharing the engines
+        wait (core/shared_capacity.py), so the room is wanted even if nobody waits here."""
+        if not self.waiting and not others_wait:
             return []  # a lapsed place only matters to someone waiting: demoted when one does
         lapsed = [
             e for e in self._entries.values()
@@ -284,6 +293,11 @@ class Scheduler:
     def entry(self, key: Hashable) -> Entry | None:
         return self._entries.get(key)
 
+    @property
+    def waiting_tokens(self) -> int:
+        """The tokens the waiting rollouts hold: what they want admitted."""
+        return sum(queue.tokens() for queue in self._queues.values())
+
     def owned(self, owner: str) -> int:
         """The tokens `owner`'s admitted rollouts hold."""
         return self._owned[owner]
@@ -305,9 +319,11 @@ class Scheduler:
             self.ttl = min(self.ttl_s, self.ttl_median * statistics.median(self._away))
 
     def _fits(self, tokens: int) -> bool:
-        """Room for `tokens` more; or nothing admitted (a rollout larger than the cache is
-        still served, alone)."""
-        return self.reserved + tokens <= self.capacity or self.admitted == 0
+        """Room for `tokens` more; or nothing admitted here or elsewhere (a rollout larger
+        than the cache is still served, alone)."""
+        return self.reserved + tokens <= self.capacity or (
+            self.admitted == 0 and not self.elsewhere
+        )
 
     def _admit(self, entry: Entry) -> None:
         entry.state = State.STREAMING

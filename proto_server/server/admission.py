@@ -7,20 +7,31 @@ cancellable (a cancel or a disconnect gives the place up), and bounded by
 own: a waiter wakes when it is admitted (someone's release made room) or when the next
 suspended place lapses, and demotes what lapsed itself; one waiter at a time is poked to look
 at the clock again when that changes.
+
+Several server processes sharing the engines (`--admission-shared`; `--workers N`) each run
+`share` in the server's nursery: it publishes what this one holds and waits for to the store
+they share and reads theirs, every `--admission-sync-interval` (sooner when a rollout starts to
+wait here), and admits against this process's part of the room (core/shared_capacity.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Iterable
 
 import trio
 
 from proto_server.core.scheduler import Request, Scheduler, State
+from proto_server.core.shared_capacity import Load, capacity_for
 from proto_server.server import metrics
 from proto_server.server.logs import log
+from proto_server.server.store import LoadStore, StoreUnavailable
 
 #: `incomplete_details.reason` of a Response that waited past `--admission-timeout`.
 ADMISSION_TIMEOUT = "admission_timeout"
+#: A process sharing the engines that has not published its load for this many of its
+#: intervals is taken for gone: the others share the room without it.
+STALE_INTERVALS = 10
 
 
 class AdmissionTimeout(Exception):
@@ -46,6 +57,10 @@ class Admission:
         self._recheck_s = recheck_s
         self._waiters: dict[Hashable, trio.Event] = {}
         self._demotions = 0
+        #: Sharing the engines with other processes (`share` runs): the capacity is set there.
+        self._shared = False
+        self._share_now = trio.Event()
+        self._loads_failing = False
         metrics.KV_CAPACITY.set(scheduler.capacity)
         log.info(
             "admission.on",
@@ -69,6 +84,7 @@ class Admission:
             return answer
         self._wake(answer.woken)
         if not answer.admitted:
+            self._share_now.set()  # the other processes should know it waits, and give way
             log.info(
                 "admission.waiting",
                 extra={
@@ -128,20 +144,89 @@ class Admission:
         self._wake(scheduler.release(key))
         self._changed()
 
-    def _refresh_capacity(self) -> None:
-        """Admit against the capacity of the engine replicas that answer now."""
-        if self._up_share is None:
-            return
-        capacity = max(1, round(self._full * self._up_share()))
+    async def share(
+        self,
+        loads: LoadStore,
+        *,
+        peer: str,
+        interval_s: float,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Admit against this process's part of the engines' room, beside the other processes
+        that publish their loads to `loads` as `peer`s: publish and read every `interval_s`,
+        or sooner (at most four times as often) when a rollout starts to wait here. Withdrawn
+        when cancelled, so the others need not wait for it to go stale."""
+        self._shared = True
+        log.info("admission.shared", extra={"peer": peer, "interval_s": interval_s})
+        task_status.started()
+        try:
+            while True:
+                self._share_now = trio.Event()
+                await self._publish(loads, peer, stale_s=STALE_INTERVALS * interval_s)
+                await trio.sleep(interval_s / 4)
+                with trio.move_on_after(interval_s * 3 / 4):
+                    await self._share_now.wait()
+        finally:
+            # the others forget it once it is stale, if the store does not answer now
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(interval_s),
+                contextlib.suppress(StoreUnavailable),
+            ):
+                await loads.withdraw(peer)
+
+    async def _publish(self, loads: LoadStore, peer: str, *, stale_s: float) -> None:
         scheduler = self.scheduler
-        if capacity == scheduler.capacity:
+        try:
+            others = await loads.publish_load(
+                peer, Load(scheduler.reserved, scheduler.waiting_tokens), stale_s=stale_s
+            )
+        except StoreUnavailable as exc:
+            if not self._loads_failing:  # admits by what it last knew until the store answers
+                log.warning("admission.loads_unknown", extra={"peer": peer, "why": str(exc)})
+                self._loads_failing = True
+            return
+        if self._loads_failing:
+            log.warning("admission.loads_known", extra={"peer": peer})
+            self._loads_failing = False
+        metrics.ADMISSION_PEERS.set(len(others) + 1)
+        if any(load.waiting for load in others):  # lapsed places here go to their waiters
+            self._wake(scheduler.expire(trio.current_time(), others_wait=True))
+            self._changed()
+        room = self._room()
+        metrics.KV_CAPACITY.set(room)
+        mine = Load(scheduler.reserved, scheduler.waiting_tokens)
+        elsewhere = sum(load.reserved for load in others)
+        self._set_capacity(capacity_for(room, mine, others), elsewhere=elsewhere)
+
+    def _room(self) -> int:
+        """What every process admits against together: the capacity of the engine replicas
+        that answer now."""
+        if self._up_share is None:
+            return self._full
+        return max(1, round(self._full * self._up_share()))
+
+    def _refresh_capacity(self) -> None:
+        """Admit against the capacity of the engine replicas that answer now (shared with
+        other processes: `share` does it, with their loads)."""
+        if self._up_share is None or self._shared:
+            return
+        capacity = self._room()
+        if capacity == self.scheduler.capacity:
             return
         log.info(
             "admission.capacity",
-            extra={"capacity_tokens": capacity, "was": scheduler.capacity, "full": self._full},
-        )
-        self._wake(scheduler.set_capacity(capacity))
+            extra={"capacity_tokens": capacity, "was": self.scheduler.capacity,
+                   "full": self._full},
+        )  # fmt: skip
         metrics.KV_CAPACITY.set(capacity)
+        self._set_capacity(capacity)
+
+    def _set_capacity(self, capacity: int, *, elsewhere: int = 0) -> None:
+        scheduler = self.scheduler
+        if capacity == scheduler.capacity and elsewhere == scheduler.elsewhere:
+            return
+        self._wake(scheduler.set_capacity(capacity, elsewhere=elsewhere))
         self._changed()
 
     def _expire(self) -> None:

@@ -6,6 +6,7 @@ which it makes once and hands to every dialect and HTTP exchange.
 
 server nursery (serve)
  ├─ the generator's own task, if it has one (engine replicas' probe: engine/replicas.py)
+ ├─ admission shared with other processes (--admission-shared: server/admission.py)
  └─ connection nursery (one per socket, _handle)
      ├─ trio-websocket's reader
      ├─ reader (connection.py) and writer (writer.py)
@@ -16,7 +17,10 @@ server nursery (serve)
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import socket
+from functools import partial
 from typing import Literal
 
 import attrs
@@ -159,6 +163,7 @@ class ProtoServer:
             generator = self.responses.generator
             if isinstance(generator, SupervisedGenerator):  # its engines' probe
                 await background.start(generator.supervise)
+            await self._share_admission(background)
             async with trio.open_nursery() as handlers:
                 self._handlers = handlers
                 listeners = await handlers.start(self._listen, handlers)
@@ -167,6 +172,19 @@ class ProtoServer:
                 log.info("server.listening", extra={"url": address.ws_url})
                 task_status.started(address)
             background.cancel_scope.cancel()
+
+    async def _share_admission(self, background: trio.Nursery) -> None:
+        """With --admission-shared, admit beside the other processes using the same store."""
+        admission, config = self.responses.admission, self.config
+        if admission is None or not config.admission_shared:
+            return
+        loads = self.responses.store.loads
+        if loads is None:
+            raise ValueError("--admission-shared needs a store that keeps the processes' loads")
+        peer = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        await background.start(
+            partial(admission.share, loads, peer=peer, interval_s=config.admission_sync_interval_s)
+        )
 
     async def _listen(
         self,

@@ -214,6 +214,20 @@ class ServerConfig:
         help="longest a rollout waits for room in the engine's KV cache; then its Response "
         "ends response.incomplete (reason admission_timeout)",
     )
+    admission_shared: bool = setting(
+        False,
+        help="admit against the engines together with every other server process that uses "
+        "this --store (a file the workers of one host share, or a PostgreSQL database that "
+        "hosts share): each publishes what its rollouts hold and wait for, and admits against "
+        "its part of the room nobody holds; --workers N turns it on",
+    )
+    admission_sync_interval_s: float = setting(
+        0.5,
+        between(0.01, 60),
+        help="with --admission-shared: how often each process publishes its load and reads "
+        "the others' (sooner when a rollout starts to wait); one not heard from for 10 "
+        "intervals is taken for gone",
+    )
     engine_priority: bool = setting(
         False,
         help="the engine runs with --scheduling-policy priority: resumed rollouts' segments "

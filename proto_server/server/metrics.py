@@ -35,12 +35,14 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from proto_server.core.render import Renderer
+from proto_server.core.shared_capacity import Load
 from proto_server.engine.chat_template import ModelRenderer
 from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,
     FileStore,
     ItemStore,
+    LoadStore,
     ProbedStore,
     ResponseStore,
     StoredResponse,
@@ -161,6 +163,12 @@ KV_RESERVED = Gauge(
     "proto_server_kv_reserved_tokens", "Tokens held by admitted rollouts",
     multiprocess_mode="livesum",
 )  # fmt: skip
+ADMISSION_PEERS = Gauge(
+    "proto_server_admission_peers",
+    "Server processes admitting against the engines together (--admission-shared), this one "
+    "included, as its last look at their loads found them",
+    multiprocess_mode="livemax",
+)
 ADMITTED = Gauge(
     "proto_server_admitted_rollouts", "Rollouts admitted to the engine (streaming or kept)",
     multiprocess_mode="livesum",
@@ -409,6 +417,21 @@ class TimedStore:
             return False
         with self._timed("delete"):
             return await self.inner.delete(response_id, owner=owner)
+
+    @property
+    def loads(self) -> LoadStore | None:
+        """The inner store, if the server processes can share their loads through it."""
+        return self if isinstance(self.inner, LoadStore) else None
+
+    async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
+        assert isinstance(self.inner, LoadStore), "this store keeps no loads"
+        with self._timed("publish_load"):
+            return await self.inner.publish_load(peer, load, stale_s=stale_s)
+
+    async def withdraw(self, peer: str) -> None:
+        assert isinstance(self.inner, LoadStore), "this store keeps no loads"
+        with self._timed("withdraw"):
+            await self.inner.withdraw(peer)
 
     async def readiness(self) -> str | None:
         """The inner store's answer to `/readyz`, if it has one (else it is as ready as this)."""

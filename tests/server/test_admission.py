@@ -6,6 +6,7 @@ first. On the autojump clock, so the waits cost no real time."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ from proto_server.engine.vllm import completion_request, parse_kv_capacity
 from proto_server.server.admission import Admission
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
-from proto_server.server.store import owner_id
+from proto_server.server.store import SQLiteStore, owner_id
 
 from ..support.helpers import (
     FAST,
@@ -410,3 +411,54 @@ async def test_a_waiter_is_let_in_when_a_resumed_rollouts_growth_makes_its_key_n
             started = trio.current_time()
     assert admission.scheduler.state("b2") is State.STREAMING
     assert trio.current_time() == started  # woken at once
+
+
+async def test_two_processes_sharing_a_store_admit_against_one_cache(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """--admission-shared: two servers (as two processes would) on one SQLite file and one
+    engine of 3,000 tokens. The first's rollout holds about 2,000 while it waits on its tool;
+    a rollout of about 1,500 on the second waits, though it would fit either server's cache
+    alone, and is let in once the first's rollout completes and its server says so. On the
+    real clock: the stores' threads and child processes are real I/O."""
+    shared = {
+        "kv_capacity_tokens": 3_000,
+        "kv_target_fill": 1.0,
+        "admission_shared": True,
+        "admission_sync_interval_s": 0.05,
+    }
+    path = tmp_path / "shared.sqlite3"
+    call_then_text = {
+        "segments": [
+            {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}]},
+            {"text": "done"},
+        ]
+    }
+    first = await start_server(call_then_text, store=SQLiteStore(path), **shared)
+    second = await start_server({"segments": [{"text": "ok"}]}, store=SQLiteStore(path), **shared)
+    seen_by_second = second.server.responses.admission.scheduler  # type: ignore[union-attr]
+
+    def asking(words: int) -> dict[str, Any]:
+        return create(input=[{"type": "message", "role": "user", "content": "word " * words}])
+
+    with trio.fail_after(60):
+        async with connect(first.prototype_url) as one, connect(second.prototype_url) as two:
+            await one.send(asking(2_000))
+            held = await one.segment()  # admitted; now it waits on its tool, keeping its place
+            assert held[-1]["type"] == "response.done"
+            for _ in range(6_000):  # until the second has read the first's load
+                if seen_by_second.elsewhere >= 2_000:
+                    break
+                await trio.sleep(0.01)
+            await two.send(asking(1_500))
+            head = [await two.receive(), await two.receive()]
+            assert [e["type"] for e in head] == ["response.created", "response.in_progress"]
+            with trio.move_on_after(1):  # 20 intervals: it waits for the first's room
+                event = await two.receive()
+                raise AssertionError(f"a rollout past the shared cache streamed: {event}")
+            assert seen_by_second.waiting == 1 and seen_by_second.admitted == 0
+            await one.send({"type": "response.append", "input": answers(held)})
+            assert (await one.until("response.completed"))[-1]["type"] == "response.completed"
+            done = await two.until("response.completed")  # the first let go: room for it
+            assert done[-1]["response"]["status"] == "completed"
+            assert seen_by_second.elsewhere == 0

@@ -346,3 +346,15 @@ def test_a_bad_key_weight_or_an_engine_capacity_without_an_engine_is_refused(
     assert "--kv-capacity-from-engine needs --generator vllm" in capsys.readouterr().err
     assert main(["serve", "--store", ":memory:", "--kv-target-fill", "2"]) == 2
     assert "--kv-target-fill: must be between 0.01 and 1" in capsys.readouterr().err
+
+
+def test_shared_admission_without_a_shared_store_or_a_capacity_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from proto_server.cli import main
+
+    shared = ["--admission-shared", "--kv-capacity-tokens", "1000"]
+    assert main(["serve", "--store", ":memory:", *shared]) == 2
+    assert "--admission-shared needs a store the processes share" in capsys.readouterr().err
+    assert main(["serve", "--store", str(tmp_path / "s.sqlite3"), "--admission-shared"]) == 2
+    assert "pass --kv-capacity-tokens or --kv-capacity-from-engine" in capsys.readouterr().err

@@ -189,11 +189,11 @@ def test_a_listen_fd_that_is_no_socket_is_refused(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.slow
-async def test_each_worker_schedules_against_its_share_of_the_engines_cache(
+async def test_workers_without_a_shared_store_each_schedule_against_a_part_of_the_cache(
     nursery: trio.Nursery,
 ) -> None:
-    """Workers do not share their admissions: each takes 1/N of the capacity, so together
-    they never admit more than the engine holds."""
+    """Workers on `:memory:` stores cannot see each other's admissions: each takes 1/N of the
+    capacity, so together they never admit more than the engine holds."""
     with trio.fail_after(60):
         process, http_url = await start_workers(nursery, "--kv-capacity-tokens", "1000")
         await wait_for_workers(process.pid, 2)
@@ -201,5 +201,31 @@ async def test_each_worker_schedules_against_its_share_of_the_engines_cache(
             for _ in range(4):  # whichever worker answers counts both (the largest, here)
                 answer = await http.get(http_url.removesuffix("/v1") + "/metrics")
                 assert "proto_server_kv_capacity_tokens 450.0" in answer.text  # 1000 / 2 x 0.9
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+
+
+@pytest.mark.slow
+async def test_workers_sharing_a_store_file_admit_against_the_whole_cache_together(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """--workers N with a store file turns --admission-shared on: each worker publishes its
+    load there and reads the other's, and they schedule against the whole capacity (the
+    rule each applies is tested with two servers in test_admission.py)."""
+    with trio.fail_after(60):
+        process, http_url = await start_workers(
+            nursery, "--store", str(tmp_path / "s.sqlite3"), "--kv-capacity-tokens", "1000",
+            "--admission-sync-interval", "0.1",
+        )  # fmt: skip
+        await wait_for_workers(process.pid, 2)
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(100):  # until each worker has read the other's load
+                text = (await http.get(http_url.removesuffix("/v1") + "/metrics")).text
+                if "proto_server_admission_peers 2.0" in text:
+                    break
+                await trio.sleep(0.1)
+            else:
+                raise AssertionError(f"the workers never saw each other:\n{text}")
+            assert "proto_server_kv_capacity_tokens 900.0" in text  # 1000 x 0.9, shared
         process.send_signal(signal.SIGTERM)
         assert await process.wait() == 0

@@ -32,6 +32,7 @@ from ..support.helpers import (
     connect,
     identified,
     items_and_deletion,
+    loads_shared,
     many_ids_and_the_newest_holder,
     read_line,
     stored,
@@ -91,6 +92,17 @@ async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_resp
     await store.aclose()
 
 
+async def test_processes_sharing_the_database_see_each_others_loads_until_one_goes(
+    pg_url: str,
+) -> None:
+    now = [1000.0]
+    first = PostgresStore(pg_url, clock=lambda: now[0])
+    second = PostgresStore(pg_url, clock=lambda: now[0])
+    await loads_shared(first, second, now)
+    await first.aclose()
+    await second.aclose()
+
+
 async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins(
     pg_url: str,
 ) -> None:
@@ -129,6 +141,7 @@ async def test_a_database_from_before_the_item_index_gets_its_items_ids(pg_url: 
     await store.aclose()
     with psycopg.connect(pg_url, autocommit=True) as conn:  # as a version 6 database was
         conn.execute("DROP TABLE proto_server_response_items")
+        conn.execute("DROP TABLE proto_server_admission_peers")  # and none of what came after
         conn.execute("UPDATE proto_server_schema SET version = 6")
     migrated = await trio.to_thread.run_sync(PostgresStore, pg_url)
     found = await migrated.items(["a_resp_old", "q_resp_old"], owner="")

@@ -33,6 +33,7 @@ from trio_websocket import ConnectionClosed
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
+from proto_server.core.shared_capacity import Load
 from proto_server.engine.chunks import Chunk, SegmentEnd
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
@@ -581,3 +582,16 @@ async def scrape(http: httpx.AsyncClient, base: str, **headers: str) -> Samples:
     assert answer.status_code == 200, answer.text
     assert answer.headers["content-type"].startswith("text/plain")
     return parse(answer.text)
+
+
+async def loads_shared(first: Any, second: Any, now: list[float]) -> None:
+    """What every store does with the loads of the processes that share the engines (two
+    stores on one database, as two processes; `now` is both stores' clock)."""
+    assert await first.publish_load("a", Load(100, 0), stale_s=5) == []
+    assert await second.publish_load("b", Load(20, 30), stale_s=5) == [Load(100, 0)]
+    assert await first.publish_load("a", Load(120, 0), stale_s=5) == [Load(20, 30)]
+    now[0] += 6  # b is not heard from for longer than a's stale_s: gone, and forgotten
+    assert await first.publish_load("a", Load(120, 0), stale_s=5) == []
+    assert await second.publish_load("b", Load(0, 0), stale_s=5) == [Load(120, 0)]
+    await first.withdraw("a")  # a stops: b shares the room alone at once
+    assert await second.publish_load("b", Load(0, 0), stale_s=5) == []

@@ -34,6 +34,7 @@ from ..support.helpers import (
     Locker,
     identified,
     items_and_deletion,
+    loads_shared,
     many_ids_and_the_newest_holder,
     stored,
 )
@@ -307,6 +308,7 @@ async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Pa
     await old.aclose()
     db = sqlite3.connect(path)  # as a version 4 file was: no index of item ids
     db.execute("DROP TABLE response_items")
+    db.execute("DROP TABLE admission_peers")  # and none of what came after
     db.execute("PRAGMA user_version = 4")
     db.commit()
     db.close()
@@ -321,3 +323,15 @@ async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wi
     store = SQLiteStore(":memory:")
     await many_ids_and_the_newest_holder(store)
     await store.aclose()
+
+
+async def test_processes_sharing_a_file_see_each_others_loads_until_one_goes(
+    tmp_path: Path,
+) -> None:
+    now = [1000.0]
+    path = tmp_path / "s.sqlite3"
+    first = SQLiteStore(path, clock=lambda: now[0])
+    second = SQLiteStore(path, clock=lambda: now[0])
+    await loads_shared(first, second, now)
+    await first.aclose()
+    await second.aclose()

@@ -28,6 +28,7 @@ from proto_server.server.store.chain import (
 )
 from proto_server.server.store.errors import (
     ITEMS_FAILED,
+    LOADS_FAILED,
     PUT_FAILED,
     SUSPEND_FAILED,
     StoreError,
@@ -41,6 +42,7 @@ from proto_server.server.store.errors import (
 from proto_server.server.store.interfaces import (
     FileStore,
     ItemStore,
+    LoadStore,
     ProbedStore,
     ResponseStore,
     SuspensionStore,
@@ -68,6 +70,7 @@ __all__ = [
     "DAY_S",
     "DEFAULT_RETENTION",
     "ITEMS_FAILED",
+    "LOADS_FAILED",
     "PUT_FAILED",
     "READERS",
     "SCHEMA_VERSION",
@@ -75,6 +78,7 @@ __all__ = [
     "SUSPEND_FAILED",
     "FileStore",
     "ItemStore",
+    "LoadStore",
     "ProbedStore",
     "ResponseStore",
     "SQLiteStore",

@@ -43,6 +43,10 @@ def resume_failed(response_id: str) -> str:
     return f"suspended response {response_id!r} could not be looked up or claimed; retry shortly"
 
 
+#: A process's load could not be published or the others' read (shared admission).
+LOADS_FAILED = (
+    "the other server processes' loads could not be read; this one admits by their last known"
+)
 ITEMS_FAILED = "the referenced items could not be looked up; retry shortly, or send the items"
 
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from proto_server.core.shared_capacity import Load
 from proto_server.server.store.records import ANONYMOUS, StoredResponse, SuspendedResponse
 from proto_server.wire.items import Item
 
@@ -74,6 +75,21 @@ class SuspensionStore(Protocol):
 
     async def release(self, response_id: str, *, version: int) -> None:
         """Let a claim go (its connection went away before the Response suspended again)."""
+        ...
+
+
+@runtime_checkable
+class LoadStore(Protocol):
+    """A store the server processes that share the engines publish their loads to, so each
+    admits against its part of the room (`--admission-shared`, core/shared_capacity.py)."""
+
+    async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
+        """Write `peer`'s load and return the other processes' (those heard from within
+        `stale_s`; the rest are gone, and forgotten)."""
+        ...
+
+    async def withdraw(self, peer: str) -> None:
+        """`peer` stops: its load is forgotten at once."""
         ...
 
 

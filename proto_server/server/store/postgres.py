@@ -28,10 +28,12 @@ import psycopg
 import trio
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from proto_server.core.shared_capacity import Load
 from proto_server.server.store import (
     ANONYMOUS,
     DEFAULT_RETENTION,
     ITEMS_FAILED,
+    LOADS_FAILED,
     PUT_FAILED,
     SUSPEND_FAILED,
     StoredResponse,
@@ -70,6 +72,7 @@ _RESPONSES = "proto_server_responses"
 _SUSPENDED = "proto_server_suspended"
 _SUSPENDED_ITEMS = "proto_server_suspended_items"
 _ITEMS = "proto_server_response_items"
+_PEERS = "proto_server_admission_peers"
 
 #: Schema changes in order; `proto_server_schema.version` counts those a database has had.
 _MIGRATIONS = (
@@ -113,6 +116,13 @@ _MIGRATIONS = (
     f"INSERT INTO {_ITEMS} SELECT DISTINCT r.owner, e.value->>'id', r.id FROM {_RESPONSES} r, "
     "jsonb_array_elements(convert_from(r.items, 'UTF8')::jsonb) e "
     "WHERE jsonb_typeof(e.value->'id') = 'string' ON CONFLICT DO NOTHING",
+    # 10: what each server process sharing the engines holds and waits for (shared admission)
+    f"""CREATE TABLE {_PEERS} (
+        peer text PRIMARY KEY,
+        reserved bigint NOT NULL,
+        waiting bigint NOT NULL,
+        seen_at double precision NOT NULL
+    )""",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -319,6 +329,17 @@ class PostgresStore:
         return await self._call(
             delete_failed(response_id), self._op, sql.delete, response_id, owner
         )
+
+    async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
+        now = self._clock()
+        rows = await self._call(
+            LOADS_FAILED, self._op, sql.publish_load, peer, load.reserved, load.waiting, now,
+            now - stale_s,
+        )  # fmt: skip
+        return [Load(reserved, waiting) for reserved, waiting in rows]
+
+    async def withdraw(self, peer: str) -> None:
+        await self._call(LOADS_FAILED, self._op, sql.withdraw, peer)
 
     async def count(self) -> int:
         return await self._call("the responses could not be counted", self._op, sql.count)

@@ -4,9 +4,10 @@ SQLite (sqlite_host.py, in a child process) and PostgreSQL (postgres.py, on a wo
 run these same functions on a connection that keeps to the `Database` protocol: statements are
 written in the subset both speak (upserts with `ON CONFLICT`, `LIMIT ? OFFSET ?` for the count
 limit, a recursive CTE for a chain, `true`/`false`) with `?` placeholders and `{responses}`,
-`{items}`, `{suspended}`, `{suspended_items}` for the tables; each backend's `Database` turns a
-statement into its own text once (`statement_text`). What differs stays with its backend: the
-column types and the migrations each database has had, the harness, and the errors.
+`{items}`, `{suspended}`, `{suspended_items}`, `{peers}` for the tables; each backend's
+`Database` turns a statement into its own text once (`statement_text`). What differs stays
+with its backend: the column types and the migrations each database has had, the harness, and
+the errors.
 
 Only the standard library is imported: a file store's child process runs this module with
 nothing else on its path.
@@ -70,6 +71,7 @@ def statement_text(statement: str, *, prefix: str, placeholder: str) -> str:
         items=prefix + "response_items",
         suspended=prefix + "suspended",
         suspended_items=prefix + "suspended_items",
+        peers=prefix + "admission_peers",
     ).replace("?", placeholder)
 
 
@@ -272,3 +274,30 @@ def release(db: Database, response_id: str, version: int) -> None:
         "UPDATE {suspended} SET claimed = false WHERE id = ? AND version = ?",
         (response_id, version),
     )
+
+
+# -- the loads of the server processes that share the engines (shared admission) -----------
+
+
+def publish_load(
+    db: Database, peer: str, reserved: int, waiting: int, now: float, stale_before: float
+) -> list[tuple[int, int]]:
+    """Write `peer`'s load, forget the processes not heard from since `stale_before` (gone),
+    and read the others' (reserved, waiting), all as of one moment."""
+    with db.transaction(write=True):
+        db.execute(
+            "INSERT INTO {peers} (peer, reserved, waiting, seen_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (peer) DO UPDATE SET reserved = excluded.reserved, "
+            "waiting = excluded.waiting, seen_at = excluded.seen_at",
+            (peer, reserved, waiting, now),
+        )
+        db.execute("DELETE FROM {peers} WHERE seen_at < ?", (stale_before,))
+        rows = db.execute(
+            "SELECT reserved, waiting FROM {peers} WHERE peer <> ? ORDER BY peer", (peer,)
+        ).fetchall()
+    return [(int(reserved), int(waiting)) for reserved, waiting in rows]
+
+
+def withdraw(db: Database, peer: str) -> None:
+    """`peer` stops: the others share the room without it at once."""
+    db.execute("DELETE FROM {peers} WHERE peer = ?", (peer,))

@@ -25,10 +25,12 @@ from typing import Any, TypeVar
 
 import trio
 
+from proto_server.core.shared_capacity import Load
 from proto_server.server.logs import log
 from proto_server.server.store import sql, sqlite_host
 from proto_server.server.store.errors import (
     ITEMS_FAILED,
+    LOADS_FAILED,
     PUT_FAILED,
     SUSPEND_FAILED,
     StoreUnavailable,
@@ -417,6 +419,17 @@ class SQLiteStore:
             delete_failed(response_id), self._op, "delete", response_id, owner
         )
         return bool(deleted)
+
+    async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
+        now = self._clock()
+        rows = await self._write(
+            LOADS_FAILED, self._op, "publish_load", peer, load.reserved, load.waiting, now,
+            now - stale_s,
+        )  # fmt: skip
+        return [Load(reserved, waiting) for reserved, waiting in rows]
+
+    async def withdraw(self, peer: str) -> None:
+        await self._write(LOADS_FAILED, self._op, "withdraw", peer)
 
     def count(self) -> int:
         return int(self._writer().call("count", time.monotonic() + self.timeout_s))

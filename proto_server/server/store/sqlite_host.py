@@ -83,6 +83,13 @@ MIGRATIONS = (
     "INSERT OR IGNORE INTO response_items SELECT r.owner, json_extract(j.value, '$.id'), r.id "
     "FROM responses r, json_each(CAST(r.items AS TEXT)) j "
     "WHERE json_type(j.value, '$.id') = 'text'",
+    # 8: what each server process sharing the engines holds and waits for (shared admission)
+    """CREATE TABLE admission_peers (
+        peer TEXT PRIMARY KEY,
+        reserved INTEGER NOT NULL,
+        waiting INTEGER NOT NULL,
+        seen_at REAL NOT NULL
+    )""",
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -165,7 +172,7 @@ OPS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (
         sql.put, sql.delete, sql.items, sql.suspend, sql.suspended, sql.claim, sql.release,
-        sql.get, sql.chain, sql.count,
+        sql.get, sql.chain, sql.count, sql.publish_load, sql.withdraw,
     )
 }  # fmt: skip
 

@@ -1,0 +1,65 @@
+"""Several server processes admitting against the same engines: each one's part of the room.
+
+Every process (a `--workers` worker, a host behind HAProxy) admits its own rollouts
+(`core/scheduler.py`), but the engines' KV cache is one. So each publishes what it holds and
+what its waiting rollouts want (`Load`) where the others read it (the store they share), and
+admits against what it holds plus its part of the room nobody holds (`capacity_for`): the room
+goes max-min fair by what each waits for (water-filling: nobody gets more than it waits for,
+and what one does not need goes to the others in equal parts); when nobody waits, in equal
+parts, so a rollout that comes to any process is admitted at once if it fits that part.
+
+Every process that computes its part from the same loads gets parts that add up to at most
+the room, so together they never admit past the capacity. Between two publications a process's
+loads are older than its own (by at most the interval at which they publish); that is the whole
+of the overcommit they can make: what the others admitted since they last published.
+
+Sans-IO: the trio side (`server/admission.py`) publishes, reads and sets the capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Load:
+    """What one server process holds on the engines and wants more of, in tokens."""
+
+    #: Its admitted rollouts' tokens (the scheduler's `reserved`).
+    reserved: int
+    #: Its waiting rollouts' tokens (what it would admit if it had the room).
+    waiting: int
+
+
+def capacity_for(capacity: int, mine: Load, others: Sequence[Load]) -> int:
+    """What a process holding `mine` may admit against, beside `others`, out of `capacity`:
+    what it holds (what is admitted keeps its place) and its part of the room (at least 1,
+    as a scheduler's capacity must be)."""
+    return max(1, mine.reserved + part_of_room(capacity, mine, others))
+
+
+def part_of_room(capacity: int, mine: Load, others: Sequence[Load]) -> int:
+    """The part of the room nobody holds that a process holding `mine` may admit into."""
+    loads = [mine, *others]
+    room = capacity - sum(load.reserved for load in loads)
+    if room <= 0:
+        return 0
+    if not any(load.waiting for load in loads):
+        return room // len(loads)
+    return water_fill(room, [load.waiting for load in loads])[0]
+
+
+def water_fill(room: int, demands: Sequence[int]) -> list[int]:
+    """`room` shared max-min fair by `demands`: the smallest demand is met first, or given an
+    equal part of what is left if it is larger; so no part is larger than its demand, and the
+    parts add up to at most `room`."""
+    parts = [0] * len(demands)
+    wanting = sorted((d, i) for i, d in enumerate(demands) if d > 0)
+    left = room
+    for n, (demand, index) in enumerate(wanting):
+        part = min(demand, left // (len(wanting) - n))
+        parts[index] = part
+        left -= part
+    return parts

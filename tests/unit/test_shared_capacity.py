@@ -1,0 +1,84 @@
+"""Several processes admitting against the same engines (core/shared_capacity.py): each gets
+what it holds and its part of the room nobody holds; the parts, computed from the same loads,
+never add up past the capacity; the room goes max-min fair by what each waits for."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proto_server.core.scheduler import Scheduler
+from proto_server.core.shared_capacity import Load, capacity_for, part_of_room, water_fill
+
+
+def test_when_nobody_waits_the_room_is_shared_in_equal_parts() -> None:
+    # 1,000 tokens, 400 held: each of three processes may admit 200 more at once
+    assert capacity_for(1000, Load(400, 0), [Load(0, 0), Load(0, 0)]) == 600
+    assert capacity_for(1000, Load(0, 0), [Load(400, 0), Load(0, 0)]) == 200
+
+
+def test_the_room_goes_to_those_who_wait_the_smallest_demand_met_first() -> None:
+    # 600 free: b wants 100 (met), a and c share the other 500 (250 each, neither wants less)
+    assert capacity_for(1000, Load(400, 900), [Load(0, 100), Load(0, 1000)]) == 400 + 250
+    assert capacity_for(1000, Load(0, 100), [Load(400, 900), Load(0, 1000)]) == 100
+    # a process that waits for nothing gets none of it while others wait
+    assert capacity_for(1000, Load(0, 0), [Load(400, 900)]) == 1
+
+
+def test_what_is_admitted_keeps_its_place_when_the_room_is_gone() -> None:
+    assert capacity_for(1000, Load(700, 50), [Load(600, 0)]) == 700
+
+
+def test_a_process_admits_by_its_part_and_no_further_until_the_next_look() -> None:
+    """The scheduler of one process, given its part: a second rollout waits for the room."""
+    s = Scheduler(capacity_for(1000, Load(0, 0), [Load(0, 0)]), ttl_s=10)  # 500
+    assert s.request("a", "k", 400, now=0).admitted
+    assert not s.request("b", "k", 400, now=0).admitted
+    assert s.waiting_tokens == 400
+    # the other process holds 200 and waits for nothing: all the room left is this one's
+    assert s.set_capacity(capacity_for(1000, Load(s.reserved, 400), [Load(200, 0)])) == ["b"]
+
+
+def test_a_lapsed_place_is_given_up_when_another_process_waits() -> None:
+    s = Scheduler(1000, ttl_s=10)
+    s.request("a", "k", 400, now=0)
+    s.suspend("a", now=0)
+    assert s.expire(now=20) == [] and s.reserved == 400  # nobody waits anywhere: kept
+    s.expire(now=20, others_wait=True)
+    assert s.reserved == 0 and s.demotions == 1
+
+
+loads = st.builds(Load, st.integers(0, 5_000), st.integers(0, 5_000))
+
+
+@given(st.integers(1, 10_000), st.lists(loads, min_size=1, max_size=8))
+def test_parts_computed_from_the_same_loads_never_overcommit(
+    capacity: int, processes: list[Load]
+) -> None:
+    parts = [
+        part_of_room(capacity, load, processes[:i] + processes[i + 1 :])
+        for i, load in enumerate(processes)
+    ]
+    assert all(part >= 0 for part in parts)
+    assert sum(parts) <= max(0, capacity - sum(load.reserved for load in processes))
+    if not any(load.waiting for load in processes):  # equal parts
+        assert max(parts) - min(parts) == 0
+
+
+@given(st.integers(0, 10_000), st.lists(st.integers(0, 3_000), max_size=8))
+def test_water_filling_is_max_min_fair(room: int, demands: list[int]) -> None:
+    parts = water_fill(room, demands)
+    assert sum(parts) <= room
+    assert all(0 <= p <= d for p, d in zip(parts, demands, strict=True))
+    short = [p for p, d in zip(parts, demands, strict=True) if p < d]
+    if short:  # whoever got less than it wants got at least as much as anyone else, give or
+        # take the integer division's crumbs, and the room is used but for those crumbs
+        assert min(short) >= max(parts) - 1
+        assert room - sum(parts) < len(demands)
+
+
+def test_a_rollout_larger_than_the_room_runs_alone_only_when_no_process_holds_anything() -> None:
+    s = Scheduler(500, ttl_s=10)
+    assert s.set_capacity(500, elsewhere=300) == []
+    assert not s.request("big", "k", 2_000, now=0).admitted  # another process holds some
+    assert s.set_capacity(500, elsewhere=0) == ["big"]  # it let go: the big one runs alone
