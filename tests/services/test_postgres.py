@@ -198,9 +198,9 @@ async def test_a_database_that_goes_away_fails_in_time_and_is_used_again_when_ba
 # -- two server processes on one database ---------------------------------------------------------
 
 
-async def serve(nursery: trio.Nursery, pg_url: str) -> tuple[trio.Process, str]:
+async def serve(nursery: trio.Nursery, pg_url: str, *flags: str) -> tuple[trio.Process, str]:
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", pg_url,
-               "--store-timeout", "2"]  # fmt: skip
+               "--store-timeout", "2", *flags]  # fmt: skip
     process: trio.Process = await nursery.start(
         partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
     )
@@ -218,6 +218,37 @@ async def two_servers(nursery: trio.Nursery, pg_url: str) -> AsyncIterator[tuple
         process.send_signal(signal.SIGTERM)
     with trio.fail_after(30):
         assert [await process.wait() for process in (one, two)] == [0, 0]
+
+
+async def test_servers_on_two_hosts_share_the_engines_room_through_the_database(
+    nursery: trio.Nursery, pg_url: str
+) -> None:
+    """--admission-shared over PostgreSQL, as two hosts behind HAProxy run it: each server
+    sees the other's load; one that stops withdraws, and the other has the room alone."""
+    shared = ("--kv-capacity-tokens", "1000", "--admission-shared",
+              "--admission-sync-interval", "0.1")  # fmt: skip
+
+    async def peers(http: httpx.AsyncClient, url: str, count: int) -> None:
+        for _ in range(300):
+            metrics = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+            if f"proto_server_admission_peers {count:.1f}" in metrics:
+                return
+            await trio.sleep(0.1)
+        raise AssertionError(f"{url} never saw {count} processes:\n{metrics}")
+
+    with trio.fail_after(90):
+        (one, one_url), (two, two_url) = [await serve(nursery, pg_url, *shared) for _ in "12"]
+        async with httpx.AsyncClient(timeout=10) as http:
+            await peers(http, one_url, 2)
+            await peers(http, two_url, 2)
+            one.send_signal(signal.SIGTERM)
+            assert await one.wait() == 0
+            with psycopg.connect(pg_url) as conn:  # it withdrew as it stopped: not left to lapse
+                rows = conn.execute("SELECT count(*) FROM proto_server_admission_peers")
+                assert rows.fetchone() == (1,)
+            await peers(http, two_url, 1)
+        two.send_signal(signal.SIGTERM)
+        assert await two.wait() == 0
 
 
 async def test_a_chain_started_on_one_process_continues_on_another(
