@@ -42,6 +42,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.obj = under_deadline(item.obj, seconds, item.name)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A `serve` given no --store opens the default store (under XDG_DATA_HOME, or
+    ~/.local/share): the tests' own, in a folder of theirs, never the user's. (A user's store
+    that a newer checkout had migrated made an older one's test refuse to start.)"""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data-home")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def published_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[SchemaNet]:
     """Every event and body the servers of a test send must validate against the published
