@@ -36,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
@@ -118,6 +119,9 @@ class AgentsSettings:
     #: The admitting server's `--admission-ttl` and `--admission-ttl-median` (None: its own).
     admission_ttl_s: float | None = None
     admission_ttl_median: float | None = None
+    #: The admitting server's `--workers`: more than one share the engine's room through a
+    #: store file they share (`--admission-shared`).
+    admission_workers: int = 1
 
     @property
     def admits(self) -> str:
@@ -150,6 +154,11 @@ class AgentsSettings:
         learned = self.admission_ttl_median
         if learned is not None and not 0 <= learned <= 1000:
             found.append(f"--admission-ttl-median must be between 0 and 1000, got {learned}")
+        if self.admission_workers < 1 or (self.admission_workers > 1 and self.engine != "vllm"):
+            found.append(
+                "--admission-workers must be at least 1, and more than 1 needs --engine vllm "
+                "(each worker would have a simulated GPU of its own)"
+            )
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -499,6 +508,9 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             admitting += ["--admission-ttl", f"{settings.admission_ttl_s:g}"]
         if settings.admission_ttl_median is not None:
             admitting += ["--admission-ttl-median", f"{settings.admission_ttl_median:g}"]
+        if settings.admission_workers > 1:  # they share the engine's room through the file
+            shared = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store.sqlite3"
+            admitting += ["--workers", str(settings.admission_workers), "--store", str(shared)]
         if settings.admits != "off":
             if settings.engine == "vllm":
                 admitter, admitted_url = await start_proto_server(

@@ -286,6 +286,11 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="K", help="agents: the admitting server's --admission-ttl-median",
     )  # fmt: skip
     group.add_argument(
+        "--admission-workers", type=int, default=defaults.admission_workers, metavar="N",
+        help="agents, --engine vllm: the admitting server's --workers; more than 1 share the "
+        "engine's room through a store file (--admission-shared)",
+    )  # fmt: skip
+    group.add_argument(
         "--vllm-python", default=defaults.vllm_python, metavar="PATH",
         help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
@@ -456,6 +461,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         admission=args.admission,
         admission_ttl_s=args.admission_ttl_s,
         admission_ttl_median=args.admission_ttl_median,
+        admission_workers=args.admission_workers,
     )
     return agents_main(settings)
 

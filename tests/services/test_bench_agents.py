@@ -166,9 +166,11 @@ def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
 def test_agents_on_a_real_engine_measure_all_three_paths(
     vllm_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The admitting server runs two workers, sharing the engine's room through a store file."""
     args = ["bench", "agents", "--engine", "vllm", "--engine-url", vllm_engine.url,
             "--rollouts", "2", "--turns", "2", "--wait-s", "0.05,0.1", "--context-tokens", "100",
-            "--tool-tokens", "40,60", "--out", str(tmp_path)]  # fmt: skip
+            "--tool-tokens", "40,60", "--admission-workers", "2",
+            "--out", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
     assert [p["path"] for p in data["paths"]] == [
@@ -193,6 +195,8 @@ def test_bench_agents_starts_several_engines_only_of_vllm(
     assert "give it or --engine-url, not both" in capsys.readouterr().err
     assert main(["bench", "agents", "--admission-ttl-median", "-1"]) == 2
     assert "--admission-ttl-median must be between 0 and 1000" in capsys.readouterr().err
+    assert main(["bench", "agents", "--admission-workers", "2"]) == 2  # a simulated GPU each
+    assert "more than 1 needs --engine vllm" in capsys.readouterr().err
 
 
 def _path(name: str, shares: dict[str, float], failed: str | None = None) -> dict[str, Any]:
