@@ -252,8 +252,8 @@ class Scheduler:
         sharing the engines, this one's part changed, and `elsewhere` is what they hold): what
         is admitted keeps its place; more room admits who waits (returned: wake them), less
         admits nobody until enough is released."""
-        if capacity_tokens < 1:
-            raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
+        if capacity_tokens < 0:  # 0: no room for this process now (others hold it all)
+            raise ValueError(f"capacity_tokens must be at least 0, got {capacity_tokens}")
         grew = capacity_tokens > self.capacity or elsewhere < self.elsewhere
         self.capacity = capacity_tokens
         self.elsewhere = elsewhere

@@ -35,9 +35,11 @@ class Load:
 
 def capacity_for(capacity: int, mine: Load, others: Sequence[Load]) -> int:
     """What a process holding `mine` may admit against, beside `others`, out of `capacity`:
-    what it holds (what is admitted keeps its place) and its part of the room (at least 1,
-    as a scheduler's capacity must be)."""
-    return max(1, mine.reserved + part_of_room(capacity, mine, others))
+    what it holds and its part of the room; but never more than the others leave, even when
+    it holds more than that (a rollout that grew, or one larger than the room running alone:
+    what is admitted keeps its place, and what it frees is not room for more)."""
+    left = capacity - sum(load.reserved for load in others)
+    return max(0, min(mine.reserved + part_of_room(capacity, mine, others), left))
 
 
 def part_of_room(capacity: int, mine: Load, others: Sequence[Load]) -> int:

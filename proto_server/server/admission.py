@@ -153,19 +153,23 @@ class Admission:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Admit against this process's part of the engines' room, beside the other processes
-        that publish their loads to `loads` as `peer`s: publish and read every `interval_s`,
-        or sooner (at most four times as often) when a rollout starts to wait here. Withdrawn
-        when cancelled, so the others need not wait for it to go stale."""
+        that publish their loads to `loads` as `peer`s: publish and read once before it is
+        started, then every `interval_s`, or sooner (at most four times as often) when a
+        rollout starts to wait here. Withdrawn when cancelled, so the others need not wait for
+        it to go stale."""
         self._shared = True
         log.info("admission.shared", extra={"peer": peer, "interval_s": interval_s})
-        task_status.started()
+        stale_s = STALE_INTERVALS * interval_s
         try:
+            # before the server listens: it admits nothing until it knows the others' loads
+            await self._publish(loads, peer, stale_s=stale_s)
+            task_status.started()
             while True:
-                self._share_now = trio.Event()
-                await self._publish(loads, peer, stale_s=STALE_INTERVALS * interval_s)
                 await trio.sleep(interval_s / 4)
                 with trio.move_on_after(interval_s * 3 / 4):
                     await self._share_now.wait()
+                self._share_now = trio.Event()
+                await self._publish(loads, peer, stale_s=stale_s)
         finally:
             # the others forget it once it is stale, if the store does not answer now
             with (

@@ -35,7 +35,8 @@ def test_a_smaller_room_keeps_who_is_admitted_and_a_larger_one_admits_who_waits(
     assert s.set_capacity(100) == ["b"]
     assert (s.admitted, s.waiting, s.reserved) == (2, 0, 80)
     with pytest.raises(ValueError):
-        s.set_capacity(0)
+        s.set_capacity(-1)
+    assert s.set_capacity(0) == [] and not s.request("c", "k", 1, now=2).admitted  # no room
 
 
 def test_an_admitted_rollout_resumes_at_once_even_grown_past_the_capacity() -> None:
