@@ -9,9 +9,10 @@ and what one does not need goes to the others in equal parts); when nobody waits
 parts, so a rollout that comes to any process is admitted at once if it fits that part.
 
 Every process that computes its part from the same loads gets parts that add up to at most
-the room, so together they never admit past the capacity. Between two publications a process's
-loads are older than its own (by at most the interval at which they publish); that is the whole
-of the overcommit they can make: what the others admitted since they last published.
+the room, so together they never admit past the capacity. Between two looks, what a process
+knows of the others is up to one interval old; that is the whole of the overcommit they can
+make: what the others admitted since it last looked (a rollout larger than the room among it,
+which a process runs alone while it believes the others hold nothing).
 
 Sans-IO: the trio side (`server/admission.py`) publishes, reads and sets the capacity.
 """
