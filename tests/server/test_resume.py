@@ -190,6 +190,7 @@ async def test_a_file_from_before_suspensions_is_migrated_and_keeps_its_response
     db.execute("DROP TABLE suspended")
     db.execute("DROP TABLE suspended_items")
     db.execute("DROP TABLE response_items")  # a version 1 file had none of the later tables
+    db.execute("DROP TABLE admission_peers")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -205,7 +206,7 @@ async def test_a_database_from_before_suspensions_is_migrated_and_keeps_its_secr
     pg_url: str,
 ) -> None:
     """A database at schema version 3 gains the suspension tables at start-up (and the item
-    index after them: version 9)."""
+    index and the processes' loads after them: version 10)."""
     import psycopg
 
     from proto_server.server.store import postgres
@@ -227,7 +228,7 @@ async def test_a_database_from_before_suspensions_is_migrated_and_keeps_its_secr
         await store.aclose()
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT version FROM proto_server_schema").fetchone()
-    assert row == (postgres.SCHEMA_VERSION,) == (9,)
+    assert row == (postgres.SCHEMA_VERSION,) == (10,)
 
 
 # -- live: a connection that drops ----------------------------------------------------------
