@@ -294,6 +294,13 @@ class Scheduler:
         return self._entries.get(key)
 
     @property
+    def head_tokens(self) -> int:
+        """The tokens of the waiting rollout admitted next (0: nobody waits); nobody behind it
+        goes until it fits."""
+        owner = self.next_owner()
+        return 0 if owner is None else self._queues[owner].head().tokens
+
+    @property
     def waiting_tokens(self) -> int:
         """The tokens the waiting rollouts hold: what they want admitted."""
         return sum(queue.tokens() for queue in self._queues.values())

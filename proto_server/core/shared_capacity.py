@@ -3,10 +3,12 @@
 Every process (a `--workers` worker, a host behind HAProxy) admits its own rollouts
 (`core/scheduler.py`), but the engines' KV cache is one. So each publishes what it holds and
 what its waiting rollouts want (`Load`) where the others read it (the store they share), and
-admits against what it holds plus its part of the room nobody holds (`capacity_for`): the room
-goes max-min fair by what each waits for (water-filling: nobody gets more than it waits for,
-and what one does not need goes to the others in equal parts); when nobody waits, in equal
-parts, so a rollout that comes to any process is admitted at once if it fits that part.
+admits against what it holds plus its part of the room nobody holds (`capacity_for`): when some
+wait, first the rollout each process admits next (its head), the smallest first, while they
+fit; then the rest max-min fair by what each still waits for (water-filling: nobody gets more
+than it waits for, and what one does not need goes to the others in equal parts); when nobody
+waits, in equal parts, so a rollout that comes to any process is admitted at once if it fits
+that part.
 
 Every process that computes its part from the same loads gets parts that add up to at most
 the room, so together they never admit past the capacity. Between two looks, what a process
@@ -32,6 +34,11 @@ class Load:
     reserved: int
     #: Its waiting rollouts' tokens (what it would admit if it had the room).
     waiting: int
+    #: The tokens of the waiting rollout it admits next (0: none waits); it admits nobody
+    #: behind that one until it fits.
+    head: int = 0
+    #: Who it is: between equal heads, the room goes by it, the same way in every process.
+    peer: str = ""
 
 
 def capacity_for(capacity: int, mine: Load, others: Sequence[Load]) -> int:
@@ -51,7 +58,23 @@ def part_of_room(capacity: int, mine: Load, others: Sequence[Load]) -> int:
         return 0
     if not any(load.waiting for load in loads):
         return room // len(loads)
-    return water_fill(room, [load.waiting for load in loads])[0]
+    return share_room(room, loads)[0]
+
+
+def share_room(room: int, loads: Sequence[Load]) -> list[int]:
+    """`room` between processes some of which wait: first each one's head, the smallest first
+    (a process admits nobody until its head fits, so a part smaller than its head would be
+    lost), while they fit; then what is left max-min fair by what each still waits for."""
+    parts = [0] * len(loads)
+    left = room
+    heads = sorted((load.head, load.peer, i) for i, load in enumerate(loads) if load.head)
+    for head, _, index in heads:
+        if head > left:
+            break
+        parts[index] = head
+        left -= head
+    still = [max(0, load.waiting - part) for load, part in zip(loads, parts, strict=True)]
+    return [part + more for part, more in zip(parts, water_fill(left, still), strict=True)]
 
 
 def water_fill(room: int, demands: Sequence[int]) -> list[int]:

@@ -182,9 +182,7 @@ class Admission:
     async def _publish(self, loads: LoadStore, peer: str, *, stale_s: float) -> None:
         scheduler = self.scheduler
         try:
-            others = await loads.publish_load(
-                peer, Load(scheduler.reserved, scheduler.waiting_tokens), stale_s=stale_s
-            )
+            others = await loads.publish_load(peer, self._load(peer), stale_s=stale_s)
         except StoreUnavailable as exc:
             if not self._loads_failing:  # admits by what it last knew until the store answers
                 log.warning("admission.loads_unknown", extra={"peer": peer, "why": str(exc)})
@@ -199,9 +197,13 @@ class Admission:
             self._changed()
         room = self._room()
         metrics.KV_CAPACITY.set(room)
-        mine = Load(scheduler.reserved, scheduler.waiting_tokens)
+        mine = self._load(peer)
         elsewhere = sum(load.reserved for load in others)
         self._set_capacity(capacity_for(room, mine, others), elsewhere=elsewhere)
+
+    def _load(self, peer: str) -> Load:
+        scheduler = self.scheduler
+        return Load(scheduler.reserved, scheduler.waiting_tokens, scheduler.head_tokens, peer)
 
     def _room(self) -> int:
         """What every process admits against together: the capacity of the engine replicas

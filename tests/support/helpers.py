@@ -588,10 +588,10 @@ async def loads_shared(first: Any, second: Any, now: list[float]) -> None:
     """What every store does with the loads of the processes that share the engines (two
     stores on one database, as two processes; `now` is both stores' clock)."""
     assert await first.publish_load("a", Load(100, 0), stale_s=5) == []
-    assert await second.publish_load("b", Load(20, 30), stale_s=5) == [Load(100, 0)]
-    assert await first.publish_load("a", Load(120, 0), stale_s=5) == [Load(20, 30)]
+    assert await second.publish_load("b", Load(20, 30, 10), stale_s=5) == [Load(100, 0, 0, "a")]
+    assert await first.publish_load("a", Load(120, 0), stale_s=5) == [Load(20, 30, 10, "b")]
     now[0] += 6  # b is not heard from for longer than a's stale_s: gone, and forgotten
     assert await first.publish_load("a", Load(120, 0), stale_s=5) == []
-    assert await second.publish_load("b", Load(0, 0), stale_s=5) == [Load(120, 0)]
+    assert await second.publish_load("b", Load(0, 0), stale_s=5) == [Load(120, 0, 0, "a")]
     await first.withdraw("a")  # a stops: b shares the room alone at once
     assert await second.publish_load("b", Load(0, 0), stale_s=5) == []

@@ -18,12 +18,27 @@ def test_when_nobody_waits_the_room_is_shared_in_equal_parts() -> None:
     assert capacity_for(1000, Load(0, 0), [Load(400, 0), Load(0, 0)]) == 200
 
 
-def test_the_room_goes_to_those_who_wait_the_smallest_demand_met_first() -> None:
-    # 600 free: b wants 100 (met), a and c share the other 500 (250 each, neither wants less)
-    assert capacity_for(1000, Load(400, 900), [Load(0, 100), Load(0, 1000)]) == 400 + 250
-    assert capacity_for(1000, Load(0, 100), [Load(400, 900), Load(0, 1000)]) == 100
+def test_the_room_goes_to_the_heads_smallest_first_then_to_what_each_still_waits_for() -> None:
+    """600 free: b's head (100) and c's (300) fit, a's (500) does not after them; the 200
+    left go max-min fair by what a (900) and c (700 more) still wait for: 100 each."""
+    a, b, c = Load(400, 900, 500, "a"), Load(0, 100, 100, "b"), Load(0, 1000, 300, "c")
+    assert capacity_for(1000, a, [b, c]) == 400 + 100
+    assert capacity_for(1000, b, [a, c]) == 100
+    assert capacity_for(1000, c, [a, b]) == 300 + 100
     # a process that waits for nothing gets none of it while others wait
-    assert capacity_for(1000, Load(0, 0), [Load(400, 900)]) == 0
+    assert capacity_for(1000, Load(0, 0), [a]) == 0
+
+
+def test_two_heads_that_do_not_fit_together_are_not_both_given_a_useless_half() -> None:
+    """Halves (500 each) would let neither in; the smaller head goes whole, the other waits."""
+    big, small = Load(0, 900, 900, "a"), Load(0, 600, 600, "b")
+    assert capacity_for(1000, small, [big]) == 600
+    assert capacity_for(1000, big, [small]) == 400
+
+
+def test_equal_heads_go_by_the_processes_names_in_every_process() -> None:
+    one, two = Load(0, 600, 600, "a"), Load(0, 600, 600, "b")
+    assert (capacity_for(1000, one, [two]), capacity_for(1000, two, [one])) == (600, 400)
 
 
 def test_when_the_room_is_gone_what_one_frees_is_not_room_for_more() -> None:
@@ -52,10 +67,19 @@ def test_a_lapsed_place_is_given_up_when_another_process_waits() -> None:
     assert s.reserved == 0 and s.demotions == 1
 
 
-loads = st.builds(Load, st.integers(0, 5_000), st.integers(0, 5_000))
+@st.composite
+def loads(draw: st.DrawFn, count: int) -> list[Load]:
+    """Processes' loads, as their schedulers publish them: a head only where some wait, and
+    never more than they wait for; each process its own name."""
+    found = []
+    for index in range(count):
+        waiting = draw(st.integers(0, 5_000))
+        head = draw(st.integers(1, waiting)) if waiting else 0
+        found.append(Load(draw(st.integers(0, 5_000)), waiting, head, f"p{index}"))
+    return found
 
 
-@given(st.integers(1, 10_000), st.lists(loads, min_size=1, max_size=8))
+@given(st.integers(1, 10_000), st.integers(1, 8).flatmap(loads))
 def test_parts_computed_from_the_same_loads_never_overcommit(
     capacity: int, processes: list[Load]
 ) -> None:
@@ -110,11 +134,14 @@ class ProcessesSharingOneCache(RuleBasedStateMachine):
         while admitted:
             admitted = False
             for index, scheduler in enumerate(self.processes):
-                loads = [Load(s.reserved, s.waiting_tokens) for s in self.processes]
-                others = loads[:index] + loads[index + 1 :]
+                seen = [
+                    Load(s.reserved, s.waiting_tokens, s.head_tokens, f"p{i}")
+                    for i, s in enumerate(self.processes)
+                ]
+                others = seen[:index] + seen[index + 1 :]
                 admitted |= bool(
                     scheduler.set_capacity(
-                        capacity_for(self.CAPACITY, loads[index], others),
+                        capacity_for(self.CAPACITY, seen[index], others),
                         elsewhere=sum(load.reserved for load in others),
                     )
                 )

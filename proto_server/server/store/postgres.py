@@ -121,6 +121,7 @@ _MIGRATIONS = (
         peer text PRIMARY KEY,
         reserved bigint NOT NULL,
         waiting bigint NOT NULL,
+        head bigint NOT NULL,
         seen_at double precision NOT NULL
     )""",
 )
@@ -333,10 +334,10 @@ class PostgresStore:
     async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
         now = self._clock()
         rows = await self._call(
-            LOADS_FAILED, self._op, sql.publish_load, peer, load.reserved, load.waiting, now,
-            now - stale_s,
+            LOADS_FAILED, self._op, sql.publish_load, peer,
+            (load.reserved, load.waiting, load.head), now, now - stale_s,
         )  # fmt: skip
-        return [Load(reserved, waiting) for reserved, waiting in rows]
+        return [Load(reserved, waiting, head, other) for other, reserved, waiting, head in rows]
 
     async def withdraw(self, peer: str) -> None:
         await self._call(LOADS_FAILED, self._op, sql.withdraw, peer)

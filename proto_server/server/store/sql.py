@@ -280,22 +280,23 @@ def release(db: Database, response_id: str, version: int) -> None:
 
 
 def publish_load(
-    db: Database, peer: str, reserved: int, waiting: int, now: float, stale_before: float
-) -> list[tuple[int, int]]:
-    """Write `peer`'s load, forget the processes not heard from since `stale_before` (gone),
-    and read the others' (reserved, waiting), all as of one moment."""
+    db: Database, peer: str, load: tuple[int, int, int], now: float, stale_before: float
+) -> list[tuple[str, int, int, int]]:
+    """Write `peer`'s load (reserved, waiting, head), forget the processes not heard from
+    since `stale_before` (gone), and read the others' (peer first), all as of one moment."""
     with db.transaction(write=True):
         db.execute(
-            "INSERT INTO {peers} (peer, reserved, waiting, seen_at) VALUES (?, ?, ?, ?) "
+            "INSERT INTO {peers} (peer, reserved, waiting, head, seen_at) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (peer) DO UPDATE SET reserved = excluded.reserved, "
-            "waiting = excluded.waiting, seen_at = excluded.seen_at",
-            (peer, reserved, waiting, now),
+            "waiting = excluded.waiting, head = excluded.head, seen_at = excluded.seen_at",
+            (peer, *load, now),
         )
         db.execute("DELETE FROM {peers} WHERE seen_at < ?", (stale_before,))
         rows = db.execute(
-            "SELECT reserved, waiting FROM {peers} WHERE peer <> ? ORDER BY peer", (peer,)
+            "SELECT peer, reserved, waiting, head FROM {peers} WHERE peer <> ? ORDER BY peer",
+            (peer,),
         ).fetchall()
-    return [(int(reserved), int(waiting)) for reserved, waiting in rows]
+    return [(str(p), int(r), int(w), int(h)) for p, r, w, h in rows]
 
 
 def withdraw(db: Database, peer: str) -> None:

@@ -423,10 +423,10 @@ class SQLiteStore:
     async def publish_load(self, peer: str, load: Load, *, stale_s: float) -> list[Load]:
         now = self._clock()
         rows = await self._write(
-            LOADS_FAILED, self._op, "publish_load", peer, load.reserved, load.waiting, now,
-            now - stale_s,
+            LOADS_FAILED, self._op, "publish_load", peer,
+            (load.reserved, load.waiting, load.head), now, now - stale_s,
         )  # fmt: skip
-        return [Load(reserved, waiting) for reserved, waiting in rows]
+        return [Load(reserved, waiting, head, other) for other, reserved, waiting, head in rows]
 
     async def withdraw(self, peer: str) -> None:
         await self._write(LOADS_FAILED, self._op, "withdraw", peer)

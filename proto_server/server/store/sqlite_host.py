@@ -88,6 +88,7 @@ MIGRATIONS = (
         peer TEXT PRIMARY KEY,
         reserved INTEGER NOT NULL,
         waiting INTEGER NOT NULL,
+        head INTEGER NOT NULL,
         seen_at REAL NOT NULL
     )""",
 )
