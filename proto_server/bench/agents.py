@@ -122,6 +122,8 @@ class AgentsSettings:
     #: The admitting server's `--workers`: more than one share the engine's room through a
     #: store file they share (`--admission-shared`).
     admission_workers: int = 1
+    #: The admitting server's `--kv-target-fill` (None: its own).
+    kv_target_fill: float | None = None
 
     @property
     def admits(self) -> str:
@@ -159,6 +161,9 @@ class AgentsSettings:
                 "--admission-workers must be at least 1, and more than 1 needs --engine vllm "
                 "(each worker would have a simulated GPU of its own)"
             )
+        fill = self.kv_target_fill
+        if fill is not None and not 0.01 <= fill <= 1:
+            found.append(f"--kv-target-fill must be between 0.01 and 1, got {fill}")
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -508,6 +513,8 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             admitting += ["--admission-ttl", f"{settings.admission_ttl_s:g}"]
         if settings.admission_ttl_median is not None:
             admitting += ["--admission-ttl-median", f"{settings.admission_ttl_median:g}"]
+        if settings.kv_target_fill is not None:
+            admitting += ["--kv-target-fill", f"{settings.kv_target_fill:g}"]
         if settings.admission_workers > 1:  # they share the engine's room through the file
             shared = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store.sqlite3"
             admitting += ["--workers", str(settings.admission_workers), "--store", str(shared)]

@@ -380,7 +380,8 @@ def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
         type=float,
         default=d.target_fill,
         metavar="FRACTION",
-        help="fleet, proto-server's policy: share of a replica's cache admitted rollouts fill",
+        help="fleet, proto-server's policy: share of a replica's cache admitted rollouts fill; "
+        "agents: the admitting server's --kv-target-fill",
     )
     group.add_argument(
         "--ttl-s",
@@ -462,6 +463,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         admission_ttl_s=args.admission_ttl_s,
         admission_ttl_median=args.admission_ttl_median,
         admission_workers=args.admission_workers,
+        kv_target_fill=args.kv_target_fill,
     )
     return agents_main(settings)
 

@@ -197,6 +197,8 @@ def test_bench_agents_starts_several_engines_only_of_vllm(
     assert "--admission-ttl-median must be between 0 and 1000" in capsys.readouterr().err
     assert main(["bench", "agents", "--admission-workers", "2"]) == 2  # a simulated GPU each
     assert "more than 1 needs --engine vllm" in capsys.readouterr().err
+    assert main(["bench", "agents", "--kv-target-fill", "1.5"]) == 2
+    assert "--kv-target-fill must be between 0.01 and 1" in capsys.readouterr().err
 
 
 def _path(name: str, shares: dict[str, float], failed: str | None = None) -> dict[str, Any]:
