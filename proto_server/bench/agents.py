@@ -565,23 +565,58 @@ def percentile(values: Sequence[float], share: float) -> float:
     return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
-def unbounded_need(turns: Sequence[AgentTurn]) -> int:
-    """What a cache that never evicts would have prefilled for these turns: per rollout, its
-    first prompt whole, then each turn's new tokens (its prompt less the previous prompt and what
-    the model said, whose KV the decode made). The prefix all rollouts share (the instructions,
-    the tool) counts once: it is taken as the most any first turn found cached (each rollout's
-    context is its own, so no first turn can find more in the cache than that prefix)."""
+def _shared_prefix(turns: Sequence[AgentTurn]) -> tuple[int, int]:
+    """(the prefix all rollouts share, in tokens, how many first turns there are). The prefix
+    (the instructions, the tool) is taken as the most any first turn found cached: each
+    rollout's context is its own, so no first turn can find more in the cache than that."""
     firsts = [t.cached_tokens for t in turns if t.turn == 1]
-    need = -max(firsts, default=0) * max(0, len(firsts) - 1)
+    return max(firsts, default=0), len(firsts)
+
+
+def _resumed(turns: Sequence[AgentTurn]) -> list[tuple[AgentTurn, int]]:
+    """Each turn after a rollout's first, with its new tokens: its prompt less the previous
+    prompt and what the model said (whose KV the decode made)."""
+    resumed = []
     previous: dict[int, AgentTurn] = {}
     for turn in sorted(turns, key=lambda t: (t.rollout, t.turn)):
         last = previous.get(turn.rollout)
-        if last is None:
-            need += turn.input_tokens
-        else:
-            need += max(0, turn.input_tokens - last.input_tokens - last.output_tokens)
+        if last is not None:
+            new = max(0, turn.input_tokens - last.input_tokens - last.output_tokens)
+            resumed.append((turn, new))
         previous[turn.rollout] = turn
-    return need
+    return resumed
+
+
+def unbounded_need(turns: Sequence[AgentTurn]) -> int:
+    """What a cache that never evicts would have prefilled for these turns: per rollout, its
+    first prompt whole, then each turn's new tokens; the prefix all rollouts share counts once."""
+    shared, firsts = _shared_prefix(turns)
+    need = sum(t.input_tokens for t in turns if t.turn == 1) - shared * max(0, firsts - 1)
+    return need + sum(new for _, new in _resumed(turns))
+
+
+def past_need(turns: Sequence[AgentTurn], block_tokens: int = BLOCK_SIZE) -> dict[str, int]:
+    """What was prefilled past `unbounded_need`, by cause, so that a run says what to fix:
+    `evicted`, resumed turns that prefilled more than a block past their new tokens (their
+    rollout's own earlier tokens were let go while it waited on its tool; `evicted_turns`
+    counts them); `partial_blocks`, resumed turns that prefilled at most a block more (an
+    engine caches whole blocks only, so the tail of what it held that fills no block is
+    computed again, as an unbounded vLLM cache would too); `shared_prefix`, first turns that
+    did not find the prefix all rollouts share. The three add up to the excess."""
+    shared, firsts = _shared_prefix(turns)
+    first_turns = [t for t in turns if t.turn == 1]
+    first_need = sum(t.input_tokens for t in first_turns) - shared * max(0, firsts - 1)
+    first_prefilled = sum(t.input_tokens - t.cached_tokens for t in first_turns)
+    evicted = partial = evicted_turns = 0
+    for turn, new in _resumed(turns):
+        over = turn.input_tokens - turn.cached_tokens - new
+        if over > block_tokens:
+            evicted += over
+            evicted_turns += 1
+        else:
+            partial += over
+    return {"evicted": evicted, "evicted_turns": evicted_turns, "partial_blocks": partial,
+            "shared_prefix": first_prefilled - first_need}  # fmt: skip
 
 
 def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
@@ -606,6 +641,7 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
         "prefilled_tokens": prompt - cached,
         "unbounded_need_tokens": need,
         "prefilled_vs_unbounded": (prompt - cached) / need if need else math.nan,
+        "past_need_tokens": past_need(turns),
         "cached_share": cached / prompt if prompt else math.nan,
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
@@ -690,6 +726,11 @@ def render(data: dict[str, Any]) -> str:
             "n/a" if pre is None else f"{pre:.0f}",
         ])  # fmt: skip
     lines += table(header, rows)
+    lines += ["", "Prefilled past the unbounded need, by cause (tokens, and over the need):"]
+    lines += table(
+        ["path", "evicted while waiting", "partial blocks", "shared prefix"],
+        [[p["path"], *_causes(p)] for p in data["paths"]],
+    )
     lines += ["", "Cached share per turn (mean over rollouts):"]
     turn_keys = sorted({k for p in data["paths"] for k in p["cached_share_per_turn"]}, key=int)
     lines += table(
@@ -709,6 +750,18 @@ def render(data: dict[str, Any]) -> str:
         if p["failed"]:
             lines.append(f"\n{p['path']} failed: {p['failed']}")
     return "\n".join(lines)
+
+
+def _causes(path: dict[str, Any]) -> list[str]:
+    """A path's `past_need_tokens` as table cells."""
+    past, need = path["past_need_tokens"], path["unbounded_need_tokens"]
+
+    def cell(tokens: int) -> str:
+        return f"{tokens:,} ({tokens / need:.2f}x)" if need else f"{tokens:,}"
+
+    turns = past["evicted_turns"]
+    return [f"{cell(past['evicted'])}, {turns} turn{'s' * (turns != 1)}",
+            cell(past["partial_blocks"]), cell(past["shared_prefix"])]  # fmt: skip
 
 
 def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:

@@ -21,6 +21,7 @@ from proto_server.bench.agents import (
     AgentTurn,
     lognormal,
     make_agents,
+    past_need,
     percentile,
     spread_vs_one,
     unbounded_need,
@@ -43,6 +44,11 @@ def _consistent(path: dict[str, Any], rollouts: int, turns: int) -> None:
     assert path["prefilled_vs_unbounded"] == pytest.approx(
         path["prefilled_tokens"] / path["unbounded_need_tokens"]
     )
+    past = path["past_need_tokens"]
+    assert past["evicted"] + past["partial_blocks"] + past["shared_prefix"] == (
+        path["prefilled_tokens"] - path["unbounded_need_tokens"]
+    )
+    assert 0 <= past["evicted_turns"] <= rollouts * (turns - 1)
     assert 0 < path["ttft_p50_s"] <= path["ttft_p99_s"]
     assert set(path["cached_share_per_turn"]) == {str(t) for t in range(1, turns + 1)}
     assert all(0 <= share <= 1 for share in path["cached_share_per_turn"].values())
@@ -62,7 +68,7 @@ def test_a_reduced_agents_bench_reports_every_path_consistently(
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
     assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED]
     for path in data["paths"]:
-        assert out.out.count(path["path"]) == 2  # the table and the per-turn table
+        assert out.out.count(path["path"]) == 3  # the table, the causes, the per-turn table
         _consistent(path, rollouts=3, turns=3)
         assert path["time"] == "modelled engine time" and path["preemptions"] is None
         # later turns resume warm: most of their prompt is cached
@@ -117,6 +123,23 @@ def test_the_unbounded_need_counts_new_tokens_and_the_shared_prefix_once() -> No
         turn(1, 1, 510, 64, 20), turn(1, 2, 700, 0, 20),  # 64 shared: once; 170 new
     ]  # fmt: skip
     assert unbounded_need(turns) == 500 + 180 + (510 - 64) + 170
+
+
+def test_what_is_prefilled_past_the_need_is_told_by_cause() -> None:
+    def turn(rollout: int, number: int, prompt: int, cached: int, out: int) -> AgentTurn:
+        return AgentTurn("p", rollout, number, prompt, cached, out, 0.1, 0.2, 0.0)
+
+    turns = [
+        turn(0, 1, 500, 64, 20), turn(0, 2, 700, 512, 20),  # 180 new, 8 more: a partial block
+        turn(0, 3, 900, 0, 20),  # 180 new, all 720 before it let go while it waited
+        turn(1, 1, 510, 0, 20), turn(1, 2, 700, 512, 20),  # 170 new, 18 more
+        turn(2, 1, 520, 0, 20),  # the shared 64 prefilled by a second rollout: one too many
+    ]  # fmt: skip
+    past = past_need(turns, block_tokens=32)
+    assert past == {"evicted": 720, "evicted_turns": 1, "partial_blocks": 8 + 18,
+                    "shared_prefix": 64}  # fmt: skip
+    excess = sum(t.input_tokens - t.cached_tokens for t in turns) - unbounded_need(turns)
+    assert past["evicted"] + past["partial_blocks"] + past["shared_prefix"] == excess
 
 
 @pytest.mark.parametrize(
