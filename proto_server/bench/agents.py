@@ -38,10 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import httpx
@@ -79,6 +79,8 @@ COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
     "finished": "vllm:e2e_request_latency_seconds_count",
 }
+#: The admitting server's counters read before and after each of its paths.
+SERVER_COUNTERS = {"demotions": "proto_server_admission_demotions_total"}
 PLOTS = ("agents-ttft.png", "agents-cached-share-per-turn.png")
 #: The name of a proto-server path served by the server that admits rollouts by KV capacity.
 ADMITTED = " + admission"
@@ -251,6 +253,8 @@ class PathRun:
     #: The engine's counters over the path (empty on the simulated GPU).
     engine: dict[str, float]
     failed: str | None = None
+    #: The admitting server's demotions over the path (None: a path it does not serve).
+    demotions: float | None = None
 
 
 @attrs.frozen
@@ -278,15 +282,30 @@ class Target:
         return LAUNCHED if path == self.spread else path.removesuffix(ADMITTED)
 
 
-async def engine_counters(http: httpx.AsyncClient) -> dict[str, float]:
-    """The engine's COUNTERS now, each summed over its label sets."""
-    values = dict.fromkeys(COUNTERS, 0.0)
-    names = {name: key for key, name in COUNTERS.items()}
-    for line in (await http.get("/metrics")).text.splitlines():
+async def engine_counters(
+    http: httpx.AsyncClient, wanted: Mapping[str, str] = COUNTERS
+) -> dict[str, float]:
+    """The `wanted` counters of a Prometheus scrape (the engine's, by default) now, each
+    summed over its label sets."""
+    values = dict.fromkeys(wanted, 0.0)
+    names = {name: key for key, name in wanted.items()}
+    scrape = await http.get("/metrics")
+    scrape.raise_for_status()  # never zeros for a scrape that failed
+    for line in scrape.text.splitlines():
         key = names.get(line.split("{", 1)[0].split(" ", 1)[0])
         if key is not None:
             values[key] += float(line.rsplit(" ", 1)[1])
     return values
+
+
+async def demotions(target: Target, path: str) -> float | None:
+    """The admitting server's demotions so far (places that lapsed while others waited), for
+    a path it serves; None for another path."""
+    if not path.endswith(ADMITTED):
+        return None
+    origin = target.admitted_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=origin, timeout=30) as server:
+        return (await engine_counters(server, SERVER_COUNTERS))["demotions"]
 
 
 async def summed_counters(engines: Sequence[httpx.AsyncClient]) -> dict[str, float]:
@@ -334,6 +353,7 @@ async def run_path(
     instructions = f"[{nonce} {path}] {INSTRUCTIONS}"  # nothing of another path's is cached
     turns: list[AgentTurn] = []
     before = await summed_counters(engines) if engines else {}
+    demoted = await demotions(target, path)
     started = time.perf_counter()
     done = 0
 
@@ -364,8 +384,10 @@ async def run_path(
                 break
             await trio.sleep(0.05)
         counted = {key: after[key] - before[key] for key in COUNTERS}
+    if demoted is not None:
+        demoted = cast(float, await demotions(target, path)) - demoted
     ordered = sorted(turns, key=lambda t: (t.rollout, t.turn))
-    return PathRun(path, tuple(ordered), makespan, counted, failed)
+    return PathRun(path, tuple(ordered), makespan, counted, failed, demoted)
 
 
 # -- engines -------------------------------------------------------------------------------------
@@ -648,6 +670,7 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
         "cached_share_per_turn": {str(k): statistics.mean(v) for k, v in sorted(by_turn.items())},
         "engine": run.engine,
         "preemptions": run.engine.get("preemptions"),
+        "demotions": run.demotions,
     }
 
 
@@ -728,7 +751,7 @@ def render(data: dict[str, Any]) -> str:
     lines += table(header, rows)
     lines += ["", "Prefilled past the unbounded need, by cause (tokens, and over the need):"]
     lines += table(
-        ["path", "evicted while waiting", "partial blocks", "shared prefix"],
+        ["path", "evicted while waiting", "places lapsed", "partial blocks", "shared prefix"],
         [[p["path"], *_causes(p)] for p in data["paths"]],
     )
     lines += ["", "Cached share per turn (mean over rollouts):"]
@@ -753,14 +776,17 @@ def render(data: dict[str, Any]) -> str:
 
 
 def _causes(path: dict[str, Any]) -> list[str]:
-    """A path's `past_need_tokens` as table cells."""
+    """A path's `past_need_tokens` as table cells, with the admitting server's demotions
+    (its places that lapsed while others waited: a rollout evicted while waiting was one, or
+    was evicted by the admitted rollouts' growth)."""
     past, need = path["past_need_tokens"], path["unbounded_need_tokens"]
 
     def cell(tokens: int) -> str:
         return f"{tokens:,} ({tokens / need:.2f}x)" if need else f"{tokens:,}"
 
-    turns = past["evicted_turns"]
+    turns, lapsed = past["evicted_turns"], path["demotions"]
     return [f"{cell(past['evicted'])}, {turns} turn{'s' * (turns != 1)}",
+            "n/a" if lapsed is None else f"{lapsed:.0f}",
             cell(past["partial_blocks"]), cell(past["shared_prefix"])]  # fmt: skip
 
 

@@ -174,6 +174,10 @@ def test_with_a_bounded_cache_each_proto_server_path_runs_without_and_with_admis
     ]  # fmt: skip
     for path in data["paths"]:
         _consistent(path, rollouts=3, turns=2)
+        # the admitting server's places that lapsed, read from its /metrics; none elsewhere
+        admitted = path["path"].endswith(ADMITTED)
+        assert (path["demotions"] is not None) == admitted
+        assert not admitted or path["demotions"] >= 0
     assert PROTOTYPE + ADMITTED in capsys.readouterr().out
 
 
