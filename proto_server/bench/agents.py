@@ -126,6 +126,8 @@ class AgentsSettings:
     admission_workers: int = 1
     #: The admitting server's `--kv-target-fill` (None: its own).
     kv_target_fill: float | None = None
+    #: The admitting server's `--admission-growth` (None: its own).
+    admission_growth: float | None = None
 
     @property
     def admits(self) -> str:
@@ -166,6 +168,9 @@ class AgentsSettings:
         fill = self.kv_target_fill
         if fill is not None and not 0.01 <= fill <= 1:
             found.append(f"--kv-target-fill must be between 0.01 and 1, got {fill}")
+        growth = self.admission_growth
+        if growth is not None and not 1 <= growth <= 100:
+            found.append(f"--admission-growth must be between 1 and 100, got {growth}")
         if self.admission not in ADMISSION_CHOICES:
             found.append(f"--admission: one of {', '.join(ADMISSION_CHOICES)}")
         elif self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
@@ -537,6 +542,8 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             admitting += ["--admission-ttl-median", f"{settings.admission_ttl_median:g}"]
         if settings.kv_target_fill is not None:
             admitting += ["--kv-target-fill", f"{settings.kv_target_fill:g}"]
+        if settings.admission_growth is not None:
+            admitting += ["--admission-growth", f"{settings.admission_growth:g}"]
         if settings.admission_workers > 1:  # they share the engine's room through the file
             shared = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store.sqlite3"
             admitting += ["--workers", str(settings.admission_workers), "--store", str(shared)]

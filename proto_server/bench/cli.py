@@ -278,6 +278,10 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         "auto: both where the cache's size is known (vllm, or --num-gpu-blocks-override)",
     )  # fmt: skip
     group.add_argument(
+        "--admission-growth", type=float, default=None, metavar="G",
+        help="agents: the admitting server's --admission-growth (default: the server's own)",
+    )  # fmt: skip
+    group.add_argument(
         "--admission-ttl", dest="admission_ttl_s", type=float, default=None, metavar="S",
         help="agents: the admitting server's --admission-ttl (default: the server's own)",
     )  # fmt: skip
@@ -461,6 +465,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         out_dir=args.out,
         admission=args.admission,
         admission_ttl_s=args.admission_ttl_s,
+        admission_growth=args.admission_growth,
         admission_ttl_median=args.admission_ttl_median,
         admission_workers=args.admission_workers,
         kv_target_fill=args.kv_target_fill,

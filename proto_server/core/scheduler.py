@@ -13,6 +13,9 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
   `ttl_median` K, the place is kept K times the median time rollouts were away lately (their
   tools' times, as this server saw them), if that is shorter: past it, a rollout is unlikely
   to be back soon;
+- a rollout grows while admitted (each turn appends a call, its output, the next answer): with
+  `growth` G above 1, it is admitted for G times what it holds, and keeps that much reserved
+  until it holds more, so the admitted ones' growth does not evict each other;
 - a rollout larger than what fits is still served when nothing else is admitted (no deadlock);
 - the waiting queue is served by weighted fair share between owners (API keys): the owner with
   the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
@@ -22,6 +25,11 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
 
 Sans-IO: no clock (every call that needs the time is given `now`), no awaits. The trio side
 (`server/admission.py`) wakes the rollouts each call returns as admitted.
+
+Why one module of this length: `Queue` orders one owner's waiters and `Scheduler` decides who
+of the queues' heads fits; both move the same `Entry` between states, and the promises they
+keep together (nobody waits while the next in line would fit; the oldest is passed at most
+`bypass` times) are read and tested as one (test_scheduler's state machines).
 """
 
 from __future__ import annotations
@@ -56,6 +64,14 @@ class Entry:
     #: When its last segment ended (it has waited on its client since); None: it has not, or
     #: it has asked again since.
     away_since: float | None = None
+    #: While admitted, the least it holds reserved: `growth` times its tokens when admitted
+    #: (0 with `growth` 1: what it holds, as that changes).
+    floor: int = 0
+
+    @property
+    def held(self) -> int:
+        """The tokens reserved for it while admitted."""
+        return max(self.tokens, self.floor)
 
     @property
     def admitted(self) -> bool:
@@ -155,6 +171,7 @@ class Scheduler:
         ttl_median: float | None = None,
         weights: Mapping[str, float] | None = None,
         bypass: int = 0,
+        growth: float = 1.0,
     ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
@@ -165,6 +182,9 @@ class Scheduler:
             raise ValueError(f"ttl_median must be positive, got {ttl_median}")
         if bypass < 0:
             raise ValueError(f"bypass must be at least 0, got {bypass}")
+        if not growth >= 1:
+            raise ValueError(f"growth must be at least 1, got {growth}")
+        self.growth = growth
         self.ttl_s = ttl_s
         self.ttl_median = ttl_median
         self.bypass = bypass
@@ -295,15 +315,15 @@ class Scheduler:
 
     @property
     def head_tokens(self) -> int:
-        """The tokens of the waiting rollout admitted next (0: nobody waits); nobody behind it
-        goes until it fits."""
+        """The tokens the waiting rollout admitted next wants reserved (0: nobody waits);
+        nobody behind it goes until they fit."""
         owner = self.next_owner()
-        return 0 if owner is None else self._queues[owner].head().tokens
+        return 0 if owner is None else self._wanted(self._queues[owner].head().tokens)
 
     @property
     def waiting_tokens(self) -> int:
-        """The tokens the waiting rollouts hold: what they want admitted."""
-        return sum(queue.tokens() for queue in self._queues.values())
+        """The tokens the waiting rollouts want reserved."""
+        return self._wanted(sum(queue.tokens() for queue in self._queues.values()))
 
     def owned(self, owner: str) -> int:
         """The tokens `owner`'s admitted rollouts hold."""
@@ -325,10 +345,14 @@ class Scheduler:
         if len(self._away) >= AWAY_SAMPLES_MIN:
             self.ttl = min(self.ttl_s, self.ttl_median * statistics.median(self._away))
 
+    def _wanted(self, tokens: int) -> int:
+        """What a rollout holding `tokens` is admitted for: `growth` times them."""
+        return tokens if self.growth == 1 else math.ceil(tokens * self.growth)
+
     def _fits(self, tokens: int) -> bool:
-        """Room for `tokens` more; or nothing admitted here or elsewhere (a rollout larger
-        than the cache is still served, alone)."""
-        return self.reserved + tokens <= self.capacity or (
+        """Room for a rollout holding `tokens`; or nothing admitted here or elsewhere (a
+        rollout larger than the cache is still served, alone)."""
+        return self.reserved + self._wanted(tokens) <= self.capacity or (
             self.admitted == 0 and not self.elsewhere
         )
 
@@ -336,22 +360,25 @@ class Scheduler:
         entry.state = State.STREAMING
         self._served[entry.owner] = self._admissions
         self._admissions += 1
-        self.reserved += entry.tokens
-        self._owned[entry.owner] += entry.tokens
+        entry.floor = 0 if self.growth == 1 else self._wanted(entry.tokens)
+        self.reserved += entry.held
+        self._owned[entry.owner] += entry.held
         self.admitted += 1
 
     def _unreserve(self, entry: Entry) -> None:
-        self.reserved -= entry.tokens
-        self._owned[entry.owner] -= entry.tokens
+        self.reserved -= entry.held
+        self._owned[entry.owner] -= entry.held
         if not self._owned[entry.owner]:
             del self._owned[entry.owner]
         self.admitted -= 1
 
     def _resize(self, entry: Entry, tokens: int) -> None:
-        """An admitted rollout grew (its appended outputs, its last segment's tokens)."""
-        self.reserved += tokens - entry.tokens
-        self._owned[entry.owner] += tokens - entry.tokens
+        """An admitted rollout grew (its appended outputs, its last segment's tokens): past
+        what was reserved for it, it holds more."""
+        before = entry.held
         entry.tokens = tokens
+        self.reserved += entry.held - before
+        self._owned[entry.owner] += entry.held - before
 
     def _enqueue(self, entry: Entry, now: float) -> None:
         entry.state = State.WAITING

@@ -186,6 +186,13 @@ class ServerConfig:
         metavar="FRACTION",
         help="share of --kv-capacity-tokens the admitted rollouts' tokens may fill",
     )
+    admission_growth: float = setting(
+        1.0,
+        between(1, 100),
+        metavar="G",
+        help="admit a rollout for G times the tokens it holds, reserved until it holds more, "
+        "as it grows by each turn's call, output and answer; 1: what it holds now",
+    )
     admission_ttl_s: float = setting(
         30.0,
         positive,

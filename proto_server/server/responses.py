@@ -135,6 +135,7 @@ class Responses:
                 ttl_median=config.admission_ttl_median or None,
                 weights=dict(config.key_weights),
                 bypass=config.admission_bypass,
+                growth=config.admission_growth,
             )
             # over engine replicas, admitted against the capacity of those that answer
             shared = generator if isinstance(generator, SharedGenerator) else None

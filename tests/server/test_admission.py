@@ -344,6 +344,15 @@ async def test_the_configured_capacity_fill_and_weights_are_what_is_scheduled() 
     assert scheduler.share(heavy) == 100 == scheduler.share(owner_id("k2"))
 
 
+async def test_the_configured_growth_is_what_a_rollout_is_admitted_for() -> None:
+    config = ServerConfig(port=0, kv_capacity_tokens=1000, admission_growth=1.5)
+    server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), config)
+    scheduler = server.responses.admission.scheduler  # type: ignore[union-attr]
+    assert scheduler.request("a", "", 400, now=0).admitted
+    assert scheduler.reserved == 600
+    assert not scheduler.request("b", "", 250, now=0).admitted  # 600 + 375 > 900
+
+
 ENGINE_METRICS = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge

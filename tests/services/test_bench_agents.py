@@ -160,6 +160,14 @@ def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("growth", ["0.5", "101"])
+def test_bench_agents_refuses_a_growth_the_server_would(
+    growth: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "agents", "--admission-growth", growth]) == 2
+    assert "--admission-growth must be between 1 and 100" in capsys.readouterr().err
+
+
 def test_with_a_bounded_cache_each_proto_server_path_runs_without_and_with_admission(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -41,6 +41,8 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "kv_capacity_tokens", -1, "at least 0"),
     (ServerConfig, "kv_target_fill", 0, "between 0.01 and 1"),
     (ServerConfig, "kv_target_fill", 1.5, "between 0.01 and 1"),
+    (ServerConfig, "admission_growth", 0.5, "between 1 and 100"),
+    (ServerConfig, "admission_growth", 101, "between 1 and 100"),
     (ServerConfig, "admission_ttl_s", 0, "positive"),
     (ServerConfig, "admission_ttl_median", -1.0, "between 0 and 1000"),
     (ServerConfig, "admission_bypass", -1, "between 0 and 1000000"),

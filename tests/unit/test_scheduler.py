@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 import pytest
 from hypothesis import settings
@@ -47,6 +48,32 @@ def test_an_admitted_rollout_resumes_at_once_even_grown_past_the_capacity() -> N
     answer = s.request("a", "k", 120, now=3)
     assert answer.admitted and answer.resident
     assert s.reserved == 120
+
+
+def test_with_growth_a_rollout_is_admitted_for_what_it_will_hold() -> None:
+    """`--admission-growth 2`: 40 tokens are admitted for 80, reserved until they are more, so
+    a second 40 waits for the room the first will grow into; released, all of it is free."""
+    s = Scheduler(100, ttl_s=TTL, growth=2)
+    assert s.request("a", "k", 40, now=0).admitted
+    assert s.reserved == 80 and s.head_tokens == 0
+    assert not s.request("b", "k", 40, now=0).admitted  # 80 + 80 > 100
+    assert (s.head_tokens, s.waiting_tokens) == (80, 80)  # what b wants, for other processes
+    s.suspend("a", now=1)
+    assert s.request("a", "k", 70, now=2).resident and s.reserved == 80  # grew into its room
+    s.suspend("a", now=3)
+    assert s.request("a", "k", 90, now=4).resident and s.reserved == 90  # and past it
+    assert s.release("a") == ["b"] and s.reserved == 80
+    with pytest.raises(ValueError):
+        Scheduler(100, ttl_s=TTL, growth=0.5)
+
+
+def test_without_growth_a_rollout_that_shrinks_holds_less() -> None:
+    """Compaction shrinks a conversation: with growth 1 what is reserved follows it down."""
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 80, now=0)
+    s.suspend("a", now=1)
+    s.request("a", "k", 30, now=2)
+    assert s.reserved == 30 and s.request("b", "k", 70, now=2).admitted
 
 
 def test_a_suspended_place_lapses_after_the_ttl_only_when_someone_waits() -> None:
@@ -338,7 +365,8 @@ class Admissions(RuleBasedStateMachine):
     @invariant()
     def counts_agree(self) -> None:
         entries = [e for k in self.owner if (e := self.s.entry(k)) is not None]
-        assert self.s.reserved == sum(e.tokens for e in entries if e.admitted)
+        assert self.s.reserved == sum(e.held for e in entries if e.admitted)
+        assert all(e.held >= e.tokens for e in entries)
         assert self.s.admitted == sum(e.admitted for e in entries)
         assert self.s.waiting == sum(e.state is State.WAITING for e in entries)
 
@@ -351,7 +379,8 @@ class Admissions(RuleBasedStateMachine):
             assert self.s.next_in_line(owner) == head
             entry = self.s.entry(head)
             assert entry is not None
-            assert self.s.reserved + entry.tokens > CAPACITY and self.s.admitted > 0
+            wanted = math.ceil(entry.tokens * self.s.growth)
+            assert self.s.reserved + wanted > CAPACITY and self.s.admitted > 0
             shares = [self.s.share(o) for o in OWNERS if self.queued[o]]
             assert self.s.share(owner) == min(shares)  # the least served key is next
 
@@ -400,4 +429,20 @@ class AdmissionsWithALearnedTtl(Admissions):
 TestAdmissionsWithALearnedTtl = AdmissionsWithALearnedTtl.TestCase
 TestAdmissionsWithALearnedTtl.settings = settings(
     max_examples=100, stateful_step_count=60, deadline=None
+)
+
+
+class AdmissionsWithGrowth(Admissions):
+    """The same promises when each rollout is admitted for 1.5 times what it holds."""
+
+    BYPASS = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, weights={"c": 2.0}, bypass=1, growth=1.5)
+
+
+TestAdmissionsWithGrowth = AdmissionsWithGrowth.TestCase
+TestAdmissionsWithGrowth.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None
 )
