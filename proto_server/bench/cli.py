@@ -279,7 +279,8 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
     )  # fmt: skip
     group.add_argument(
         "--admission-growth", type=float, default=None, metavar="G",
-        help="agents: the admitting server's --admission-growth (default: the server's own)",
+        help="agents: the admitting server's --admission-growth (default: the server's own); "
+        "fleet: proto-server's policy's",
     )  # fmt: skip
     group.add_argument(
         "--admission-ttl", dest="admission_ttl_s", type=float, default=None, metavar="S",
@@ -441,6 +442,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         ttl_s=args.ttl_s,
         ttl_median=args.ttl_median,
         bypass=args.bypass,
+        growth=d.growth if args.admission_growth is None else args.admission_growth,
         out_dir=args.out,
     )
     return fleet.main(settings)

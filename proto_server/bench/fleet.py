@@ -92,6 +92,8 @@ class FleetSettings:
     ttl_median: float | None = None
     #: The server's --admission-bypass: its oldest waiter is passed by at most this many.
     bypass: int = ServerConfig().admission_bypass
+    #: The server's --admission-growth: a rollout is admitted for this many times its tokens.
+    growth: float = ServerConfig().admission_growth
     out_dir: Path = Path("bench-results")
 
     def problems(self) -> list[str]:
@@ -136,6 +138,8 @@ class FleetSettings:
             found.append(f"--arrival-s must be at least 0 and finite, got {self.arrival_s}")
         if not (0 < self.target_fill <= 1):
             found.append(f"--kv-target-fill must be in (0, 1], got {self.target_fill}")
+        if not 1 <= self.growth <= 100:
+            found.append(f"--admission-growth must be between 1 and 100, got {self.growth}")
         return found
 
 
@@ -367,6 +371,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             ttl_s=settings.ttl_s,
             ttl_median=settings.ttl_median,
             bypass=settings.bypass,
+            growth=settings.growth,
         )
         for _ in range(count)
     ]

@@ -66,6 +66,21 @@ def test_with_a_cache_too_small_plain_forwarding_prefills_more_than_the_servers_
     assert proto.demotions >= 0 and len(proto.jct_s) == tight.rollouts
 
 
+def test_admitted_for_their_growth_rollouts_evict_each_other_less() -> None:
+    """--admission-growth: the server's reservation for growth, in the same simulation."""
+    tight = attrs.evolve(SMALL, cache_tokens=4096)
+    now, reserved = (
+        _run(tight, "proto-server"),
+        _run(attrs.evolve(tight, growth=2.0), "proto-server"),
+    )
+    assert reserved.evictions < now.evictions
+    assert reserved.prefilled_tokens < now.prefilled_tokens
+    assert len(reserved.jct_s) == tight.rollouts  # every rollout still ends
+    assert attrs.evolve(tight, growth=0.5).problems() == [
+        "--admission-growth must be between 1 and 100, got 0.5"
+    ]
+
+
 def test_a_place_kept_a_short_multiple_of_the_time_away_demotes_more() -> None:
     """--ttl-median: the server's learned place, in the same simulation; the workload's waits
     are the same, so a place kept less than its fixed TTL lapses more often."""
