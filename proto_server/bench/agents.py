@@ -624,6 +624,14 @@ def unbounded_need(turns: Sequence[AgentTurn]) -> int:
     return need + sum(new for _, new in _resumed(turns))
 
 
+def working_set(turns: Sequence[AgentTurn]) -> int:
+    """What the rollouts hold at their largest: each one's last prompt, added up."""
+    last: dict[int, int] = {}
+    for turn in turns:
+        last[turn.rollout] = max(last.get(turn.rollout, 0), turn.input_tokens)
+    return sum(last.values())
+
+
 def past_need(turns: Sequence[AgentTurn], block_tokens: int = BLOCK_SIZE) -> dict[str, int]:
     """What was prefilled past `unbounded_need`, by cause, so that a run says what to fix:
     `evicted`, resumed turns that prefilled more than a block past their new tokens (their
@@ -670,6 +678,7 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
         "prefilled_tokens": prompt - cached,
         "unbounded_need_tokens": need,
         "prefilled_vs_unbounded": (prompt - cached) / need if need else math.nan,
+        "working_set_tokens": working_set(turns),
         "past_need_tokens": past_need(turns),
         "cached_share": cached / prompt if prompt else math.nan,
         "ttft_p50_s": percentile(ttfts, 0.5),
@@ -699,11 +708,42 @@ def report(
         "paths": paths,
         "turns": [attrs.asdict(t) for run in runs for t in run.turns],
         "spread_vs_one": spread_vs_one(paths),
+        "against_vllm": against_vllm(paths, settings),
     }
 
 
 #: Issue 19's goal for several engines: each turn's cached share within this of one engine's.
 SPREAD_POINTS = 5.0
+
+
+#: Issue 19's goals under pressure (a working set at least `PRESSURE` times the cache), each a
+#: ratio to vLLM's own path in the same run: prefilled / unbounded need, makespan, TTFT p99.
+PRESSURE = 1.5
+GOALS = {"prefilled_vs_unbounded": 1.2, "makespan": 0.7, "ttft_p99": 0.5}
+
+
+def against_vllm(
+    paths: Sequence[dict[str, Any]], settings: AgentsSettings
+) -> dict[str, Any] | None:
+    """Each proto-server path on one engine against issue 19's goals under pressure: its
+    prefill over the unbounded need, its makespan and TTFT p99 over vLLM's own path's in the
+    same run; `pressure`, its working set (each rollout's last prompt) over the cache: a goal
+    holds only under pressure. None without vLLM's own path or a bounded cache."""
+    vllm = next((p for p in paths if p["path"] == STATELESS and not p["failed"]), None)
+    if vllm is None or settings.gpu_blocks is None:
+        return None
+    cache = settings.gpu_blocks * BLOCK_SIZE
+    judged = {}
+    for p in paths:
+        if p is vllm or p["failed"] or p["path"].startswith(LAUNCHED + " on "):
+            continue
+        pressure = p["working_set_tokens"] / cache
+        ratios = {"prefilled_vs_unbounded": p["prefilled_vs_unbounded"],
+                  "makespan": p["makespan_s"] / vllm["makespan_s"],
+                  "ttft_p99": p["ttft_p99_s"] / vllm["ttft_p99_s"]}  # fmt: skip
+        holds = {k: pressure >= PRESSURE and v <= GOALS[k] for k, v in ratios.items()}
+        judged[p["path"]] = {"pressure": pressure, "ratios": ratios, "holds": holds}
+    return judged
 
 
 def spread_vs_one(paths: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -768,6 +808,21 @@ def render(data: dict[str, Any]) -> str:
         [[p["path"], *(f"{p['cached_share_per_turn'].get(k, math.nan):.0%}" for k in turn_keys)]
          for p in data["paths"]],
     )  # fmt: skip
+    judged = data.get("against_vllm")
+    if judged:
+        lines += [
+            "",
+            "Issue 19's goals under pressure (working set at least "
+            f"{PRESSURE:g}x the cache), against vLLM's own path in this run:",
+        ]
+        names = {"prefilled_vs_unbounded": "prefilled/need", "makespan": "makespan",
+                 "ttft_p99": "TTFT p99"}  # fmt: skip
+        rows = []
+        for path, j in judged.items():
+            cells = [f"{j['ratios'][k]:.2f}x (goal {GOALS[k]:g}x: "
+                     f"{'holds' if j['holds'][k] else 'fails'})" for k in names]  # fmt: skip
+            rows.append([path, f"{j['pressure']:.1f}x", *cells])
+        lines += table(["path", "working set / cache", *names.values()], rows)
     spread = data.get("spread_vs_one")
     if spread is not None:
         each = ", ".join(f"turn {t} {v:+.1f}" for t, v in spread["points_per_turn"].items())

@@ -19,6 +19,7 @@ from proto_server.bench.agents import (
     SPREAD,
     AgentsSettings,
     AgentTurn,
+    against_vllm,
     lognormal,
     make_agents,
     past_need,
@@ -252,3 +253,24 @@ def test_several_engines_are_held_to_each_turns_cached_share_on_one() -> None:
     assert missed["worst_points"] == pytest.approx(-10.0)
     assert spread_vs_one([one]) is None
     assert spread_vs_one([one, _path(close["path"], {}, failed="boom")]) is None
+
+
+def test_each_of_our_paths_is_judged_by_issue_19s_goals_only_under_pressure() -> None:
+    def path(name: str, makespan: float, ttft_p99: float, prefill: float) -> dict[str, Any]:
+        return {"path": name, "failed": None, "makespan_s": makespan, "ttft_p99_s": ttft_p99,
+                "prefilled_vs_unbounded": prefill, "working_set_tokens": 4800}  # fmt: skip
+
+    ours, vllm = path(LAUNCHED + ADMITTED, 35.0, 4.0, 1.1), path(STATELESS, 50.0, 10.0, 2.5)
+    tight = AgentsSettings(engine="vllm", gpu_blocks=100)  # 3,200 tokens: 1.5x
+    judged = against_vllm([ours, vllm], tight)
+    assert judged is not None and set(judged) == {ours["path"]}
+    assert judged[ours["path"]]["ratios"] == pytest.approx(
+        {"prefilled_vs_unbounded": 1.1, "makespan": 0.7, "ttft_p99": 0.4}
+    )
+    assert all(judged[ours["path"]]["holds"].values())
+    slow = against_vllm([path(LAUNCHED, 40.0, 6.0, 1.3), vllm], tight)
+    assert slow is not None and not any(slow[LAUNCHED]["holds"].values())
+    roomy = against_vllm([ours, vllm], AgentsSettings(engine="vllm", gpu_blocks=1000))
+    assert roomy is not None and not any(roomy[ours["path"]]["holds"].values())  # no pressure
+    assert against_vllm([ours], tight) is None  # nothing to hold it against
+    assert against_vllm([ours, vllm], AgentsSettings(engine="vllm")) is None  # cache unbounded
