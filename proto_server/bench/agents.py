@@ -639,7 +639,9 @@ def past_need(turns: Sequence[AgentTurn], block_tokens: int = BLOCK_SIZE) -> dic
     counts them); `partial_blocks`, resumed turns that prefilled at most a block more (an
     engine caches whole blocks only, so the tail of what it held that fills no block is
     computed again, as an unbounded vLLM cache would too); `shared_prefix`, first turns that
-    did not find the prefix all rollouts share. The three add up to the excess."""
+    did not find the prefix all rollouts share. The three add up to the excess. On vLLM's own
+    path, an earlier answer that its template renders otherwise than it was decoded is a miss
+    from there on, and counts as evicted too (proto-server's paths keep the model's tokens)."""
     shared, firsts = _shared_prefix(turns)
     first_turns = [t for t in turns if t.turn == 1]
     first_need = sum(t.input_tokens for t in first_turns) - shared * max(0, firsts - 1)
@@ -727,8 +729,9 @@ def against_vllm(
 ) -> dict[str, Any] | None:
     """Each proto-server path on one engine against issue 19's goals under pressure: its
     prefill over the unbounded need, its makespan and TTFT p99 over vLLM's own path's in the
-    same run; `pressure`, its working set (each rollout's last prompt) over the cache: a goal
-    holds only under pressure. None without vLLM's own path or a bounded cache."""
+    same run; `pressure`, its working set (each rollout's last prompt) over the cache: the
+    goals are judged only under pressure (`holds` None below it). None without vLLM's own
+    path or a bounded cache."""
     vllm = next((p for p in paths if p["path"] == STATELESS and not p["failed"]), None)
     if vllm is None or settings.gpu_blocks is None:
         return None
@@ -741,7 +744,7 @@ def against_vllm(
         ratios = {"prefilled_vs_unbounded": p["prefilled_vs_unbounded"],
                   "makespan": p["makespan_s"] / vllm["makespan_s"],
                   "ttft_p99": p["ttft_p99_s"] / vllm["ttft_p99_s"]}  # fmt: skip
-        holds = {k: pressure >= PRESSURE and v <= GOALS[k] for k, v in ratios.items()}
+        holds = {k: v <= GOALS[k] if pressure >= PRESSURE else None for k, v in ratios.items()}
         judged[p["path"]] = {"pressure": pressure, "ratios": ratios, "holds": holds}
     return judged
 
@@ -819,8 +822,9 @@ def render(data: dict[str, Any]) -> str:
                  "ttft_p99": "TTFT p99"}  # fmt: skip
         rows = []
         for path, j in judged.items():
-            cells = [f"{j['ratios'][k]:.2f}x (goal {GOALS[k]:g}x: "
-                     f"{'holds' if j['holds'][k] else 'fails'})" for k in names]  # fmt: skip
+            verdicts = {True: "holds", False: "fails", None: "no pressure"}
+            cells = [f"{j['ratios'][k]:.2f}x (goal {GOALS[k]:g}x: {verdicts[j['holds'][k]]})"
+                     for k in names]  # fmt: skip
             rows.append([path, f"{j['pressure']:.1f}x", *cells])
         lines += table(["path", "working set / cache", *names.values()], rows)
     spread = data.get("spread_vs_one")

@@ -39,7 +39,7 @@ import enum
 import heapq
 import math
 import statistics
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import attrs
 
@@ -126,8 +126,9 @@ class Queue:
             self._sizes = [(e.tokens, e.order, e) for e in self._fifo.values()]
             heapq.heapify(self._sizes)
 
-    def tokens(self) -> int:
-        return sum(entry.tokens for entry in self._fifo.values())
+    def tokens(self, wanted: Callable[[int], int]) -> int:
+        """What its waiters want reserved, each `wanted(its tokens)`."""
+        return sum(wanted(entry.tokens) for entry in self._fifo.values())
 
     def oldest(self) -> Entry:
         return next(iter(self._fifo.values()))
@@ -323,10 +324,11 @@ class Scheduler:
     @property
     def waiting_tokens(self) -> int:
         """The tokens the waiting rollouts want reserved."""
-        return self._wanted(sum(queue.tokens() for queue in self._queues.values()))
+        return sum(queue.tokens(self._wanted) for queue in self._queues.values())
 
     def owned(self, owner: str) -> int:
-        """The tokens `owner`'s admitted rollouts hold."""
+        """The tokens reserved for `owner`'s admitted rollouts (with `growth`, their room to grow
+        too: a key's share is what it keeps from others)."""
         return self._owned[owner]
 
     def share(self, owner: str) -> float:
@@ -346,8 +348,12 @@ class Scheduler:
             self.ttl = min(self.ttl_s, self.ttl_median * statistics.median(self._away))
 
     def _wanted(self, tokens: int) -> int:
-        """What a rollout holding `tokens` is admitted for: `growth` times them."""
-        return tokens if self.growth == 1 else math.ceil(tokens * self.growth)
+        """What a rollout holding `tokens` is admitted for: `growth` times them (rounded
+        first, so that 100 x 1.1 is 110, not 111), but no more than the whole room if they fit
+        it (else a rollout that fits would only ever run alone)."""
+        if self.growth == 1:
+            return tokens
+        return max(tokens, min(math.ceil(round(tokens * self.growth, 6)), self.capacity))
 
     def _fits(self, tokens: int) -> bool:
         """Room for a rollout holding `tokens`; or nothing admitted here or elsewhere (a

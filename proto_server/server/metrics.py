@@ -160,7 +160,8 @@ KV_CAPACITY = Gauge(
     multiprocess_mode="livemax",
 )
 KV_RESERVED = Gauge(
-    "proto_server_kv_reserved_tokens", "Tokens held by admitted rollouts",
+    "proto_server_kv_reserved_tokens",
+    "Tokens reserved for admitted rollouts: what they hold, or --admission-growth times it",
     multiprocess_mode="livesum",
 )  # fmt: skip
 ADMISSION_PEERS = Gauge(

@@ -67,6 +67,17 @@ def test_with_growth_a_rollout_is_admitted_for_what_it_will_hold() -> None:
         Scheduler(100, ttl_s=TTL, growth=0.5)
 
 
+def test_with_growth_what_is_reserved_is_exact_and_at_most_the_room() -> None:
+    s = Scheduler(220, ttl_s=TTL, growth=1.1)
+    assert s.request("a", "k", 100, now=0).admitted and s.reserved == 110  # not 111
+    assert s.request("b", "k", 100, now=0).admitted and s.reserved == 220
+    s = Scheduler(100, ttl_s=TTL, growth=2)
+    assert s.request("a", "k", 60, now=0).admitted and s.reserved == 100  # the room, not 120
+    assert not s.request("b", "k", 1, now=0).admitted
+    assert not s.request("c", "k", 1, now=0).admitted
+    assert s.waiting_tokens == 2 + 2  # each waiter's own reservation, added up
+
+
 def test_without_growth_a_rollout_that_shrinks_holds_less() -> None:
     """Compaction shrinks a conversation: with growth 1 what is reserved follows it down."""
     s = Scheduler(100, ttl_s=TTL)
@@ -379,7 +390,8 @@ class Admissions(RuleBasedStateMachine):
             assert self.s.next_in_line(owner) == head
             entry = self.s.entry(head)
             assert entry is not None
-            wanted = math.ceil(entry.tokens * self.s.growth)
+            grown = math.ceil(round(entry.tokens * self.s.growth, 6))
+            wanted = max(entry.tokens, min(grown, CAPACITY))
             assert self.s.reserved + wanted > CAPACITY and self.s.admitted > 0
             shares = [self.s.share(o) for o in OWNERS if self.queued[o]]
             assert self.s.share(owner) == min(shares)  # the least served key is next
