@@ -179,6 +179,9 @@ class Scheduler:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.capacity = capacity_tokens
+        #: The room it was built with (the whole budget; `set_capacity` changes `capacity`
+        #: to a part of it): no growth reservation exceeds it.
+        self.whole = capacity_tokens
         if ttl_median is not None and not ttl_median > 0:
             raise ValueError(f"ttl_median must be positive, got {ttl_median}")
         if bypass < 0:
@@ -353,7 +356,7 @@ class Scheduler:
         it (else a rollout that fits would only ever run alone)."""
         if self.growth == 1:
             return tokens
-        return max(tokens, min(math.ceil(round(tokens * self.growth, 6)), self.capacity))
+        return max(tokens, min(math.ceil(round(tokens * self.growth, 6)), self.whole))
 
     def _fits(self, tokens: int) -> bool:
         """Room for a rollout holding `tokens`; or nothing admitted here or elsewhere (a
