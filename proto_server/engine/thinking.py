@@ -53,6 +53,10 @@ class ThinkingParser:
     def calls(self) -> int:
         return self._answer.calls
 
+    @property
+    def cut(self) -> bool:
+        return self._answer.cut
+
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._phase == "answer":
             return self._answer.feed(text, tokens)

@@ -41,6 +41,7 @@ from proto_server.engine.chunks import (
 from proto_server.engine.constraints import Guide
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
+from proto_server.engine.families.harmony import HARMONY
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
@@ -576,6 +577,57 @@ def test_a_block_that_is_not_a_valid_call_is_released_as_the_model_text(
     assert calls_of(chunks) == []
     assert text_of(chunks) == "Well: " + text
     assert tokens_of(chunks) == sum(count for _, count in pieces)
+
+
+@pytest.mark.parametrize("syntax", [*EVERY, HARMONY], ids=lambda syntax: syntax.name)
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
+    keep=st.floats(0, 1, exclude_max=True),
+    cuts=st.lists(st.integers(0, 10**6), max_size=8),
+)
+def test_a_forced_call_the_limit_cuts_short_is_said_to_be_cut(
+    syntax: ToolSyntax, calls: list[tuple[str, dict[str, Any]]], keep: float, cuts: list[int]
+) -> None:
+    """Under a grammar a call streams, so a block that decoding stopped inside (the engine's
+    limit) ends its open call with what it has; the parser says so (`cut`), and the segment
+    is then `incomplete` rather than a turn that called. A whole block is not cut."""
+    if syntax.frame.separator is None or syntax is HARMONY:
+        calls = calls[:1]
+    assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
+    block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
+    last = json.dumps(calls[-1][1])
+    start = block.rindex(last)
+    short = block[: start + int(keep * len(last))]
+    names_offered = sorted({name for name, _ in calls})
+    # harmony's call ends with the turn's stop token (`<|call|>`), never fed: there `cut` is
+    # read only where the limit stopped decoding
+    cases = [(short, True)] if syntax is HARMONY else [(short, True), (block, False)]
+    for text, cut in cases:
+        parser = syntax.parser(names_offered, forced=True)
+        chunks = [c for piece, t in split(text, cuts, [1]) for c in parser.feed(piece, t)]
+        held, _ = parser.finish()
+        chunks += held
+        streamed = streamed_arguments(chunks)
+        assert len(streamed) == sum(isinstance(c, ToolCallEnd) for c in chunks)
+        # what the client was sent as calls: those whole, and the last one cut short if it
+        # began (a call cut before its arguments began was never sent: not cut)
+        whole = [json.dumps(args) for _, args in calls]
+        assert streamed[:-1] == whole[: len(streamed) - 1]
+        partial = bool(streamed) and streamed[-1] != whole[len(streamed) - 1]
+        assert partial is (cut and partial)
+        assert parser.cut is partial, (text, chunks)
+
+
+def streamed_arguments(chunks: Sequence[Chunk]) -> list[str]:
+    """The arguments text of each call the chunks stream, whole or not."""
+    texts: list[str] = []
+    for chunk in chunks:
+        if isinstance(chunk, ToolCallBegin):
+            texts.append("")
+        elif isinstance(chunk, ToolCallArgumentsDelta):
+            texts[-1] += chunk.delta
+    return texts
 
 
 def test_text_streams_at_once_and_only_a_possible_opening_is_held() -> None:

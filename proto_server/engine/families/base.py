@@ -103,6 +103,13 @@ class CallParser(Protocol):
     @property
     def called(self) -> bool: ...
 
+    @property
+    def cut(self) -> bool:
+        """`finish` ended a call whose end it had not read. Read only where decoding stopped
+        at its limit: the call was cut short, so the segment is `incomplete`, not a turn that
+        called (where the turn ended, its end token is not fed, and this says nothing)."""
+        ...
+
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
 
     def finish(self) -> tuple[list[Chunk], int]: ...

@@ -103,6 +103,7 @@ class HarmonyParser:
         self._kind = "text"  # the content's chunks: "reasoning", "text", "call", "held_call"
         self._name = ""
         self.calls = 0
+        self.cut = False  # `CallParser.cut`
 
     @property
     def called(self) -> bool:
@@ -127,6 +128,7 @@ class HarmonyParser:
         if self._phase == "header" and self._held:
             chunks += self._release()
         elif self._phase == "content":
+            self.cut = self._kind == "call"  # streamed: its end (`<|call|>`) never came
             chunks += self._end_message(self._held)
         tokens, self._tokens = self._tokens, 0
         return chunks, tokens

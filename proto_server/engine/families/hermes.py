@@ -227,7 +227,10 @@ class ToolCallParser(BlockStream):
     def finish(self) -> tuple[list[Chunk], int]:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
         chunks: list[Chunk] = []
-        if self._stream is not None and self._stream.begun:
+        if (stream := self._stream) is not None and stream.begun:
+            self.cut = stream.phase == "args" or (
+                stream.pending is not None and stream.phase != "call_end"
+            )
             chunks += self._cut_stream()
         elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)

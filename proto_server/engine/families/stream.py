@@ -68,6 +68,7 @@ class BlockStream:
         self._lead = ""  # whitespace held before the current block
         self._spoke = False
         self.calls = 0
+        self.cut = False  # `CallParser.cut`
 
     @property
     def called(self) -> bool:

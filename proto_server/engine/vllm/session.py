@@ -185,9 +185,10 @@ class VllmSession:
         await send.send(
             SegmentEnd(
                 tokens=leftover,
-                # calls end the turn: what came after them, to the limit, is not said
+                # calls end the turn: what came after them, to the limit, is not said; a
+                # call the limit cut short is no call made
                 incomplete="max_output_tokens"
-                if finish == "length" and not parser.called
+                if finish == "length" and (parser.cut or not parser.called)
                 else None,
                 cached_tokens=cached,
             )
