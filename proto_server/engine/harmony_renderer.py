@@ -172,11 +172,7 @@ class HarmonyRenderer:
         if found is None:
             return ()
         key, message = found
-        tokens = self.rendered.get(key)
-        if tokens is None:
-            tokens = array("I", encoding().render(message))
-            self.rendered.put(key, tokens)
-        return tokens
+        return self.rendered.rendered(key, lambda: encoding().render(message))
 
     def _message(self, item: Item) -> tuple[tuple[str, str], HarmonyMessage] | None:
         match item:

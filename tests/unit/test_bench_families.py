@@ -7,7 +7,8 @@ them (DeepSeek V3's renders neither `tools` nor, with vLLM's `content: ""`, the 
 vLLM's prompt shorter, because the model is shown less (docs/benchmarks.md says so). With
 reasoning, Qwen3's next prompt begins with all the engine held after each model turn, its
 `<think>` block included, and a turn of text and calls, rendered back as one message, is
-all served from cache where a message per item (vLLM's `/v1/responses`) is not.
+all served from cache where a message per item (vLLM's `/v1/responses`) is not. Mistral is
+rendered by mistral-common on both sides.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from proto_server.bench.families import held_turns, joined_turn, main, render_both
+from proto_server.bench.mistral import mistral_folder
 from proto_server.engine.model_files import tokenizer_files
 
 pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
@@ -35,6 +37,19 @@ def test_qwen3s_prompt_is_vllms_token_for_token() -> None:
     rendering = render_both(tokenizer("qwen3"), rounds=4)
     assert rendering is not None and rendering.family == "qwen"
     assert rendering.parts_at is None and rendering.ours == rendering.vllms
+
+
+def test_mistrals_prompt_is_vllms_but_where_version_7_moves_the_tools(tmp_path: Path) -> None:
+    """Both sides render with mistral-common. The loop ends in a new question: version 13
+    leaves the tools before the first user message, as proto-server does (identical);
+    version 7 moves them before the new one, which proto-server does not (a prompt that only
+    grows), so the two part where the tools were, and are as long."""
+    newest = render_both(mistral_folder(tmp_path, "v13"), rounds=4)
+    assert newest is not None and newest.family == "mistral"
+    assert newest.parts_at is None and newest.ours == newest.vllms
+    older = render_both(mistral_folder(tmp_path, "v7"), rounds=4)
+    assert older is not None and older.family == "mistral_json"
+    assert older.ours == older.vllms and older.parts_at is not None
 
 
 @pytest.mark.parametrize("name", ["llama3_1", "deepseek_v3"])

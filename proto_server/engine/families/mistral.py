@@ -5,17 +5,39 @@ From tokenizer version 11 (the vocabulary has `[ARGS]`) each call is
 JSON list, `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}, ...]` (mistral-common
 writes the call's id, which the server reads past: `call_id`s are its own). Either way the
 block ends with the turn (`</s>`), as vLLM's `mistral` parser reads it.
+
+Conversations are rendered by mistral-common where the model's folder has its `tekken.json`
+(engine/mistral_renderer.py), else by the model's chat template.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from proto_server.engine.families.base import CallFrame, ToolSyntax
+
+if TYPE_CHECKING:
+    from proto_server.engine.chat_template import ModelRenderer
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 
 
-class Mistral(ToolSyntax):
+class MistralFamily(ToolSyntax):
+    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
+        """mistral-common's rendering, where the folder the tokenizer was read from holds the
+        model's `tekken.json`; else its chat template's."""
+        from proto_server.engine.mistral_renderer import MistralRenderer, mistral_tokenizer
+
+        folder = getattr(tokenizer, "name_or_path", "")
+        mistral = mistral_tokenizer(Path(folder)) if folder else None
+        if mistral is None:
+            return super().renderer(tokenizer, cache_bytes=cache_bytes)
+        return MistralRenderer(mistral, tokenizer, cache_bytes=cache_bytes)
+
+
+class Mistral(MistralFamily):
     """Version 11 and later."""
 
     name = "mistral"
@@ -29,7 +51,7 @@ class Mistral(ToolSyntax):
     )
 
 
-class MistralJson(ToolSyntax):
+class MistralJson(MistralFamily):
     """Before version 11."""
 
     name = "mistral_json"

@@ -1,0 +1,208 @@
+"""Mistral rendered by mistral-common, one item at a time (engine/mistral_renderer.py).
+
+The tokenizers are the Tekken vocabulary mistral-common ships (Mistral Nemo's), written at the
+versions whose framing is tested (`bench.mistral.mistral_folder`): the version changes where
+the system prompt and the tools go and how calls are written, not the vocabulary. Version 7 is
+Mistral Small 3's framing (a JSON list of calls with ids), version 13 Devstral 2's and Mistral
+3's (`[TOOL_CALLS]name[ARGS]{...}`, the tools before the first user message). The server's
+tokenizer is the one transformers converts from that file, as Mistral's model folders ship it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mistral_common.protocol.instruct.messages import (
+    AssistantMessage,
+    SystemMessage,
+    ToolMessage,
+    UserMessage,
+)
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from mistral_common.protocol.instruct.tool_calls import Function, Tool, ToolCall
+from mistral_common.protocol.instruct.tool_calls import FunctionCall as MistralCall
+from mistral_common.protocol.instruct.validator import ValidationMode
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+from proto_server.bench.mistral import mistral_folder
+from proto_server.core.conversation import render_items
+from proto_server.engine import families
+from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
+from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
+from proto_server.engine.mistral_renderer import MistralRenderer, mistral_call_id
+from proto_server.engine.model_files import load_tokenizer
+from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message
+from proto_server.wire.tools import FunctionTool
+
+from .test_families import arguments, calls_of, fed, split, text_of
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = FunctionTool(name="get_weather", description="The weather in a city.", parameters=CITY)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tekken")
+    return {version: mistral_folder(root, version) for version in ("v3", "v7", "v13")}
+
+
+@functools.cache
+def renderer_of(folder: Path) -> tuple[Any, MistralRenderer]:
+    tokenizer = load_tokenizer(folder).tokenizer
+    renderer = families.choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    assert isinstance(renderer, MistralRenderer)
+    return tokenizer, renderer
+
+
+def whole(folder: Path, messages: list[Any], tools: list[Tool]) -> list[int]:
+    """What mistral-common renders for the whole conversation, as vLLM's own API would (a
+    conversation that ends in the model's answer is checked as mistral-common checks one for
+    fine-tuning)."""
+    ends = isinstance(messages[-1], AssistantMessage)
+    mode = ValidationMode.finetuning if ends else ValidationMode.test
+    mistral = MistralTokenizer.from_file(str(folder / "tekken.json"), mode=mode)
+    request = ChatCompletionRequest(messages=messages, tools=tools)
+    return list(mistral.encode_chat_completion(request).tokens)
+
+
+def item_by_item(renderer: MistralRenderer, items: Sequence[Item]) -> list[int]:
+    prefix = renderer.render_prefix("Be brief.", [WEATHER])
+    return [*prefix, *render_items(renderer, items).tokens]
+
+
+TOOLS = [Tool(function=Function(name="get_weather", description=WEATHER.description or "",
+                                parameters=CITY))]  # fmt: skip
+LOOP: list[Item] = [
+    Message(role="user", content="Weather in Paris and Rome?"),
+    Message(role="assistant", content="Looking."),
+    FunctionCall(call_id="call_parisAAAA1", name="get_weather", arguments='{"city": "Paris"}'),
+    FunctionCall(call_id="call_2", name="get_weather", arguments='{"city": "Rome"}'),
+    FunctionCallOutput(call_id="call_parisAAAA1", output="sunny"),
+    FunctionCallOutput(call_id="call_2", output="rain"),
+    Message(role="assistant", content="Sunny in Paris, rain in Rome."),
+]
+LATER: list[Item] = [Message(role="user", content="And tomorrow?")]
+
+
+def messages_of(items: Sequence[Item]) -> list[Any]:
+    """The same conversation as mistral-common's messages (ids as the renderer cuts them)."""
+    calls = [
+        ToolCall(id=mistral_call_id(i.call_id),
+                 function=MistralCall(name=i.name, arguments=i.arguments))
+        for i in items if isinstance(i, FunctionCall)
+    ]  # fmt: skip
+    messages: list[Any] = [SystemMessage(content="Be brief.")]
+    for item in items:
+        match item:
+            case Message(role="user", content=text):
+                messages.append(UserMessage(content=text))
+            case Message(role="assistant", content=text) if text == "Looking.":
+                messages.append(AssistantMessage(content=text, tool_calls=calls))
+            case Message(role="assistant", content=text):
+                messages.append(AssistantMessage(content=text))
+            case FunctionCallOutput(call_id=call_id, output=output):
+                messages.append(ToolMessage(content=output, tool_call_id=mistral_call_id(call_id)))
+    return messages
+
+
+@pytest.mark.parametrize("version", ["v7", "v13"])
+def test_a_tool_loop_rendered_item_by_item_is_what_mistral_common_renders_whole(
+    folders: dict[str, Path], version: str
+) -> None:
+    """A text and two calls are one assistant message (the model writes them so), each output
+    a tool message: token for token mistral-common's rendering of the whole loop."""
+    _, renderer = renderer_of(folders[version])
+    assert item_by_item(renderer, LOOP) == whole(folders[version], messages_of(LOOP), TOOLS)
+
+
+def test_a_new_user_message_is_rendered_where_version_13_renders_it(
+    folders: dict[str, Path],
+) -> None:
+    _, renderer = renderer_of(folders["v13"])
+    conversation = [*LOOP, *LATER]
+    expected = whole(folders["v13"], messages_of(conversation), TOOLS)
+    assert item_by_item(renderer, conversation) == expected
+
+
+def test_before_version_13_a_new_user_message_leaves_the_tools_where_they_were(
+    folders: dict[str, Path],
+) -> None:
+    """mistral-common moves version 7's tools to the last user message (so vLLM's own engine
+    prefills the whole conversation again); a rollout's prompt only grows: what was rendered
+    stays, and the new message follows it."""
+    tokenizer, renderer = renderer_of(folders["v7"])
+    before = item_by_item(renderer, LOOP)
+    after = item_by_item(renderer, [*LOOP, *LATER])
+    assert after[: len(before)] == before
+    assert tokenizer.decode(after[len(before) :]) == "[INST]And tomorrow?[/INST]"
+    moved = whole(folders["v7"], messages_of([*LOOP, *LATER]), TOOLS)
+    assert moved[: len(before)] != before  # what the rollout keeps and vLLM's own would not
+
+
+def test_versions_are_told_apart_and_an_old_one_is_refused_saying_why(
+    folders: dict[str, Path],
+) -> None:
+    for version, family in (("v7", MISTRAL_JSON), ("v13", MISTRAL)):
+        tokenizer = load_tokenizer(folders[version]).tokenizer
+        assert families.choose(tokenizer) is family
+    tokenizer = load_tokenizer(folders["v3"]).tokenizer
+    with pytest.raises(TemplateError, match=r"tokenizer v3 puts the instructions in the last user"):
+        families.choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+
+
+def test_a_folder_with_only_tekken_json_is_read(tmp_path: Path) -> None:
+    """transformers reads such a folder through mistral-common; the server decodes with the
+    fast tokenizer converted from the same file, and renders with mistral-common."""
+    folder = mistral_folder(tmp_path, "v13", tokenizer_json=False)
+    tokenizer, renderer = renderer_of(folder)
+    assert type(tokenizer).__name__ != "MistralCommonBackend"
+    assert tokenizer.name_or_path == str(folder)
+    assert item_by_item(renderer, LOOP) == whole(folder, messages_of(LOOP), TOOLS)
+
+
+def test_a_tokenizer_that_numbers_text_otherwise_is_refused(folders: dict[str, Path]) -> None:
+    smollm2 = load_tokenizer(None).tokenizer
+    mistral = MistralTokenizer.from_file(str(folders["v13"] / "tekken.json"))
+    with pytest.raises(TemplateError, match="numbers text differently"):
+        MistralRenderer(mistral, smollm2)
+
+
+def test_call_ids_are_nine_letters_or_digits_and_stay_apart() -> None:
+    assert mistral_call_id("call_abcdefghi") == "abcdefghi"  # as vLLM cuts them
+    short = [mistral_call_id(f"call_{n}") for n in range(1000)]
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in short)
+    assert len(set(short)) == 1000
+    assert mistral_call_id("call_1") == mistral_call_id("call_1")
+
+
+@pytest.mark.parametrize("version", ["v7", "v13"])
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.sampled_from(["get_weather", "run"]), arguments), min_size=1,
+                   max_size=3),
+    cuts=st.lists(st.integers(min_value=0), max_size=6),
+)  # fmt: skip
+def test_what_the_renderer_writes_for_calls_is_read_back_as_those_calls(
+    folders: dict[str, Path], version: str, calls: list[tuple[str, dict[str, Any]]],
+    cuts: list[int],
+) -> None:  # fmt: skip
+    """The model's turn as the renderer renders it back, fed to the family's parser in any
+    pieces: the same calls, nothing said as text, every token counted."""
+    tokenizer, renderer = renderer_of(folders[version])
+    items: list[Item] = [
+        FunctionCall(call_id=f"call_{n}", name=name, arguments=json.dumps(arguments))
+        for n, (name, arguments) in enumerate(calls)
+    ]
+    tokens = render_items(renderer, items).tokens
+    text = tokenizer.decode(list(tokens)[:-1])  # the turn's end, `</s>`, ends the parse
+    syntax = families.choose(tokenizer)
+    chunks = fed(syntax, split(text, cuts, [1] * (len(cuts) + 1)), ["get_weather", "run"])
+    assert calls_of(chunks) == calls
+    assert text_of(chunks) == ""
