@@ -48,6 +48,7 @@ from proto_server.engine.families.base import ToolSyntax, object_arguments
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
 from proto_server.engine.thinking import OPEN as THINK_OPEN
+from proto_server.engine.thinking import TAGS as THINK_TAGS
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -241,6 +242,8 @@ class ModelRenderer(Renderer, Protocol):
     #: The model writes a `<think>` block first (thinking.py), and its turn may open inside it.
     thinks: bool
     opens_thinking: bool
+    #: The block's tags (`<think>`, `</think>`; Magistral's `[THINK]`, `[/THINK]`).
+    think_tags: tuple[str, str]
 
 
 class ChatTemplateRenderer:
@@ -278,6 +281,7 @@ class ChatTemplateRenderer:
         #: and whether its turn opens inside one (DeepSeek R1's prompt ends in `<think>\n`).
         vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.thinks = THINK_OPEN in vocabulary and THINK_CLOSE in vocabulary
+        self.think_tags = THINK_TAGS
         self.opens_thinking = self.thinks and prompted.rstrip().endswith(THINK_OPEN)
         # What the template says before the first message when there is no system message.
         self._default_prefix = (

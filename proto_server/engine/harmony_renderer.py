@@ -47,6 +47,7 @@ from proto_server.engine.chat_template import (
 )
 from proto_server.engine.families.base import object_arguments
 from proto_server.engine.families.harmony import CONSTRAIN, FUNCTIONS, START
+from proto_server.engine.thinking import TAGS
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -121,6 +122,7 @@ class HarmonyRenderer:
         #: harmony's analysis channel is its thinking, read by the family's own parser
         self.thinks = False
         self.opens_thinking = False
+        self.think_tags = TAGS
         self.generation_prompt: list[int] = encoding().encode(
             f"{START}assistant", allowed_special="all"
         )

@@ -273,6 +273,7 @@ class LocalSession:
             ),
             thinks=renderer.thinks and constraint is None,
             opened=renderer.opens_thinking,
+            tags=renderer.think_tags,
         )
         text = _Detokenizer(generator.tokenizer)
         generated: list[int] = []

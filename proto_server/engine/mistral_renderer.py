@@ -6,7 +6,8 @@ from it put the system message and the tools in the last user message, which no 
 only grows can follow (chat_template.py refuses them). Where the model's folder holds its
 `tekken.json`, each item is that library's rendering of the message it is: a user's
 `[INST]...[/INST]`, a call as an assistant message's `tool_calls`, an output as a tool message,
-an instruction in the middle as `[SYSTEM_PROMPT]`. The tokens are the library's; the tokenizer
+an instruction in the middle as `[SYSTEM_PROMPT]`, earlier thinking (Magistral's) as the
+`[THINK]` block that opens the model's message. The tokens are the library's; the tokenizer
 the server decodes with is checked to number them alike when the renderer is built.
 
 Where things go follows tokenizer version 13 (Devstral 2, Mistral 3): the system prompt first,
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from mistral_common.protocol.instruct.chunk import ThinkChunk
 from mistral_common.protocol.instruct.messages import (
     AssistantMessage,
     SystemMessage,
@@ -68,6 +70,8 @@ from proto_server.wire.tools import function_tools
 
 #: The file mistral-common reads a model's tokenizer from (Tekken, every model since 2024).
 TEKKEN = "tekken.json"
+#: Magistral's thinking block (thinking.py reads it as it streams).
+THINK_TAGS = ("[THINK]", "[/THINK]")
 #: Whatever request and message types a version's tokenizer takes.
 AnyMistralTokenizer: TypeAlias = "MistralTokenizer[Any, Any, Any, Any, Any]"
 _ALPHABET = string.ascii_letters + string.digits
@@ -130,9 +134,10 @@ class MistralRenderer:
         self.rendered = RenderedMessages(cache_bytes)
         #: The model's turn opens right after `[/INST]` or `[/TOOL_RESULTS]`: nothing to add.
         self.generation_prompt: list[int] = []
-        #: Reasoning (`[THINK]`, Magistral's) is not read as reasoning here (docs/engines.md).
-        self.thinks = False
+        #: Magistral thinks in a `[THINK]` block first, where the vocabulary has its tags.
+        self.thinks = getattr(self._instruct, "BEGIN_THINK", None) is not None
         self.opens_thinking = False
+        self.think_tags = THINK_TAGS
 
     def prefix_effort(self, effort: str | None) -> str | None:
         return None
@@ -175,12 +180,35 @@ class MistralRenderer:
         return list(tokens)
 
     def render_item(self, item: Item, previous: Item | None = None) -> Sequence[int]:
-        """`previous` is not needed: each message is rendered whole."""
+        """A reasoning item is the `[THINK]` block that opens the assistant message, and the
+        text or call after it continues that message, as the model wrote them; anything else
+        after it closes the message first (`closing`). Other messages are rendered whole."""
+        if isinstance(item, Reasoning):
+            return self._thought(item)
         found = self._message(item)
         if found is None:
             return ()
         key, message = found
-        return self.rendered.rendered(key, lambda: self._encode(message))
+        tokens = self.rendered.rendered(key, lambda: self._encode(message))
+        if isinstance(message, UserMessage | ToolMessage | SystemMessage):
+            return [*self.closing(previous), *tokens]
+        return tokens
+
+    def closing(self, last: Item | None) -> Sequence[int]:
+        """The end of a message that held only reasoning (the model stopped after its
+        `[/THINK]`), where a message that is not the model's follows it."""
+        if isinstance(last, Reasoning) and self._thought(last):
+            return [self._instruct.tokenizer.eos_id]
+        return ()
+
+    def _thought(self, item: Reasoning) -> Sequence[int]:
+        """Its `[THINK]` block, where the model thinks in one and the item holds text."""
+        if not self.thinks or not item.text:
+            return ()
+        chunk = ThinkChunk(thinking=item.text, closed=True)
+        return self.rendered.rendered(
+            ("\0reasoning", item.text), lambda: self._instruct.encode_think(chunk)
+        )
 
     def render_turn(self, items: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
         """A text and the calls after it, or several calls, as one assistant message, as the
@@ -188,6 +216,7 @@ class MistralRenderer:
         if len(items) < 2 or turn_end(items, 0) != len(items):
             return None
         text = None
+        thought: Sequence[int] = ()
         calls: list[ToolCall] = []
         for item in items:
             match item:
@@ -195,13 +224,13 @@ class MistralRenderer:
                     text = content_text(content)
                 case FunctionCall() | CustomToolCall():
                     calls.append(self._call(item))
-                case _:  # reasoning: not shown (module docstring)
-                    pass
+                case Reasoning():
+                    thought = self._thought(item)
         if not calls or (text is None and len(calls) < 2):
             return None
         message = AssistantMessage(content=text or None, tool_calls=calls)
         key = ("\0turn", message.model_dump_json())
-        return self.rendered.rendered(key, lambda: self._encode(message))
+        return [*thought, *self.rendered.rendered(key, lambda: self._encode(message))]
 
     def _call(self, item: FunctionCall | CustomToolCall) -> ToolCall:
         text = item.arguments if isinstance(item, FunctionCall) else item.input

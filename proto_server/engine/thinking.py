@@ -27,17 +27,24 @@ from proto_server.engine.families.stream import opening_prefix
 
 OPEN = "<think>"
 CLOSE = "</think>"
+#: A block's tags: `<think>` and `</think>`, or a family's own (Magistral's `[THINK]`).
+TAGS = (OPEN, CLOSE)
 
 
-def split_thinking(answer: CallParser, *, thinks: bool, opened: bool) -> CallParser:
+def split_thinking(
+    answer: CallParser, *, thinks: bool, opened: bool, tags: tuple[str, str] = TAGS
+) -> CallParser:
     """`answer` behind a `ThinkingParser` when the model thinks (`opened`: its turn begins
     inside the block), else `answer` itself."""
-    return ThinkingParser(answer, thinking=opened) if thinks else answer
+    return ThinkingParser(answer, thinking=opened, tags=tags) if thinks else answer
 
 
 class ThinkingParser:
-    def __init__(self, answer: CallParser, *, thinking: bool = False) -> None:
+    def __init__(
+        self, answer: CallParser, *, thinking: bool = False, tags: tuple[str, str] = TAGS
+    ) -> None:
         self._answer = answer
+        self._open, self._close = tags
         #: "start" (a block may open), "thinking" (inside it), "after" (the blank lines after
         #: it), "answer" (past those, or no block came)
         self._phase = "thinking" if thinking else "start"
@@ -66,12 +73,12 @@ class ThinkingParser:
             return self._after()
         if self._phase == "start":
             head = self._held.lstrip(WHITESPACE)
-            if OPEN.startswith(head) and len(head) < len(OPEN):
+            if self._open.startswith(head) and len(head) < len(self._open):
                 return []  # the block may still open
-            if not head.startswith(OPEN):
+            if not head.startswith(self._open):
                 return self._to_answer(self._held)
             self._phase = "thinking"
-            self._held = head[len(OPEN) :]
+            self._held = head[len(self._open) :]
         return self._think()
 
     def finish(self) -> tuple[list[Chunk], int]:
@@ -90,9 +97,9 @@ class ThinkingParser:
     def _think(self) -> list[Chunk]:
         if not self._thought:
             self._held = self._held.lstrip(WHITESPACE)
-        end = self._held.find(CLOSE)
+        end = self._held.find(self._close)
         if end >= 0:
-            thought, rest = self._held[:end], self._held[end + len(CLOSE) :]
+            thought, rest = self._held[:end], self._held[end + len(self._close) :]
             chunks = self._reason(thought.rstrip(WHITESPACE))
             if not chunks and self._tokens and self._thought:
                 # the close tag (and the blank before it) is the thinking's: its tokens too
@@ -101,7 +108,7 @@ class ThinkingParser:
             self._phase, self._held = "after", rest
             return chunks + self._after()
         # hold a possible start of the close tag, and whitespace that may be the block's end
-        keep = opening_prefix(self._held, CLOSE)
+        keep = opening_prefix(self._held, self._close)
         body = self._held[: len(self._held) - keep]
         out = body.rstrip(WHITESPACE)
         self._held = self._held[len(out) :]

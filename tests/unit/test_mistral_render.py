@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mistral_common.protocol.instruct.chunk import TextChunk, ThinkChunk
 from mistral_common.protocol.instruct.messages import (
     AssistantMessage,
     SystemMessage,
@@ -35,13 +36,22 @@ from proto_server.bench.mistral import mistral_folder
 from proto_server.core.conversation import render_items
 from proto_server.engine import families
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
+from proto_server.engine.chunks import ReasoningDelta
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
-from proto_server.engine.mistral_renderer import MistralRenderer, mistral_call_id
+from proto_server.engine.mistral_renderer import THINK_TAGS, MistralRenderer, mistral_call_id
 from proto_server.engine.model_files import load_tokenizer
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message
+from proto_server.engine.thinking import split_thinking
+from proto_server.wire.items import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    Reasoning,
+    ReasoningText,
+)
 from proto_server.wire.tools import FunctionTool
 
-from .test_families import arguments, calls_of, fed, split, text_of
+from .test_families import arguments, calls_of, fed, split, text_of, tokens_of
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = FunctionTool(name="get_weather", description="The weather in a city.", parameters=CITY)
@@ -206,3 +216,47 @@ def test_what_the_renderer_writes_for_calls_is_read_back_as_those_calls(
     chunks = fed(syntax, split(text, cuts, [1] * (len(cuts) + 1)), ["get_weather", "run"])
     assert calls_of(chunks) == calls
     assert text_of(chunks) == ""
+
+
+THOUGHT = "Both cities: call for each."
+
+
+def test_magistral_s_thinking_is_rendered_back_where_the_model_wrote_it(
+    folders: dict[str, Path],
+) -> None:
+    """A reasoning item is the `[THINK]` block that opens the model's message, and the text
+    and calls after it continue that message: token for token mistral-common's rendering of
+    assistant messages that hold a think chunk; a turn that ended in its thinking is closed
+    (`</s>`) before what follows."""
+    _, renderer = renderer_of(folders["v13"])
+    assert renderer.thinks and renderer.think_tags == ("[THINK]", "[/THINK]")
+    thought = Reasoning(content=(ReasoningText(text=THOUGHT),))
+    loop = [LOOP[0], thought, *LOOP[1:6], thought, LOOP[6]]
+    messages = messages_of(LOOP)
+    for index in (2, 5):  # the two answers, each after its thinking
+        message = messages[index]
+        chunks = [ThinkChunk(thinking=THOUGHT, closed=True), TextChunk(text=message.content)]
+        messages[index] = AssistantMessage(content=chunks, tool_calls=message.tool_calls)
+    assert item_by_item(renderer, loop) == whole(folders["v13"], messages, TOOLS)
+    # a turn of only thinking, then the user again
+    only = [LOOP[0], thought, *LATER]
+    think = AssistantMessage(content=[ThinkChunk(thinking=THOUGHT, closed=True)])
+    expected = [SystemMessage(content="Be brief."), UserMessage(content=LOOP[0].content), think,
+                UserMessage(content="And tomorrow?")]  # fmt: skip
+    assert item_by_item(renderer, only) == whole(folders["v13"], expected, TOOLS)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0), max_size=8))
+def test_magistral_s_thinking_is_read_as_reasoning_as_it_streams(cuts: list[int]) -> None:
+    written = f'[THINK]{THOUGHT}[/THINK]Looking.[TOOL_CALLS]get_weather[ARGS]{{"city": "Paris"}}'
+    parser = split_thinking(
+        MISTRAL.parser(["get_weather"]), thinks=True, opened=False, tags=THINK_TAGS
+    )
+    chunks = [c for piece, t in split(written, cuts, [1]) for c in parser.feed(piece, t)]
+    held, leftover = parser.finish()
+    chunks += held
+    assert "".join(c.text for c in chunks if isinstance(c, ReasoningDelta)) == THOUGHT
+    assert text_of(chunks) == "Looking."
+    assert calls_of(chunks) == [("get_weather", {"city": "Paris"})]
+    assert tokens_of(chunks) + leftover == len(split(written, cuts, [1]))

@@ -118,6 +118,7 @@ class VllmSession:
             syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None),
             thinks=renderer.thinks and structure is None,
             opened=renderer.opens_thinking,
+            tags=renderer.think_tags,
         )
         if most <= 0:
             await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
