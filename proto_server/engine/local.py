@@ -33,7 +33,7 @@ from proto_server.engine import families
 from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
-from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
 from proto_server.engine.schema_grammar import check_text_format
@@ -303,6 +303,8 @@ class LocalSession:
                 break
             logits = await generator.run(self._step, token, constraint)
         chunks, leftover = parser.finish()
+        if incomplete is not None:
+            chunks = at_limit(chunks, parser)
         for chunk in chunks:
             await send.send(chunk)
         await send.send(SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete))

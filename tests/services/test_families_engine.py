@@ -196,6 +196,25 @@ async def test_a_forced_call_comes_back_valid_in_the_family_syntax(
     assert [item["type"] for item in body["output"]] == ["function_call"]
 
 
+async def test_a_forced_call_the_limit_cuts_short_is_an_incomplete_item(
+    front: tuple[VllmGenerator, httpx.AsyncClient],
+) -> None:
+    """Two tokens cannot hold `{"cmd": "…"}`: the call streamed under the grammar is cut in
+    its arguments, so the Response is `incomplete` and so is the call, never a `completed`
+    call of half its arguments."""
+    _, http = front
+    named = {"type": "function", "name": "run"}
+    request = {"input": "List the files.", "tools": TOOLS, "tool_choice": named,
+               "parallel_tool_calls": False, "max_output_tokens": 2}  # fmt: skip
+    answer = await http.post("/responses", json=request)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["status"] == "incomplete", body
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    (call,) = [item for item in body["output"] if item["type"] == "function_call"]
+    assert call["status"] == "incomplete" and call["name"] == "run"
+
+
 @pytest.mark.parametrize("family_engine", ["qwen3"], indirect=True)
 async def test_qwens_next_turn_begins_with_the_tokens_its_forced_call_was(
     front: tuple[VllmGenerator, httpx.AsyncClient],

@@ -590,15 +590,16 @@ def test_a_forced_call_the_limit_cuts_short_is_said_to_be_cut(
     syntax: ToolSyntax, calls: list[tuple[str, dict[str, Any]]], keep: float, cuts: list[int]
 ) -> None:
     """Under a grammar a call streams, so a block that decoding stopped inside (the engine's
-    limit) ends its open call with what it has; the parser says so (`cut`), and the segment
-    is then `incomplete` rather than a turn that called. A whole block is not cut."""
+    limit) ends its open call with what it has; where that is inside its arguments the parser
+    says so (`cut`), and the segment is then `incomplete` rather than a turn that called.
+    Whole arguments are a call, their frame closed or not; a whole block is not cut."""
     if syntax.frame.separator is None or syntax is HARMONY:
         calls = calls[:1]
     assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
     block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
     last = json.dumps(calls[-1][1])
     start = block.rindex(last)
-    short = block[: start + int(keep * len(last))]
+    short = block[: start + int(keep * (len(block) - start))]  # in its arguments or after
     names_offered = sorted({name for name, _ in calls})
     # harmony's call ends with the turn's stop token (`<|call|>`), never fed: there `cut` is
     # read only where the limit stopped decoding

@@ -105,14 +105,26 @@ class CallParser(Protocol):
 
     @property
     def cut(self) -> bool:
-        """`finish` ended a call whose end it had not read. Read only where decoding stopped
-        at its limit: the call was cut short, so the segment is `incomplete`, not a turn that
-        called (where the turn ended, its end token is not fed, and this says nothing)."""
+        """`finish` ended a call inside its arguments (harmony's: before its `<|call|>`).
+        Read only where decoding stopped at its limit: the call was cut short, so the segment
+        is `incomplete`, not a turn that called (where the turn ended, its end token is not
+        fed, and this says nothing). A call whose arguments are whole is a call, its frame's
+        close or not."""
         ...
 
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
 
     def finish(self) -> tuple[list[Chunk], int]: ...
+
+
+def at_limit(chunks: list[Chunk], parser: CallParser) -> list[Chunk]:
+    """`parser.finish()`'s chunks where decoding stopped at its limit: a call the limit cut
+    short is not ended, so its item stays open and the segment's `incomplete` end marks it
+    `incomplete` (never a `completed` call of half its arguments)."""
+    if not parser.cut:
+        return chunks
+    last = max((i for i, chunk in enumerate(chunks) if isinstance(chunk, ToolCallEnd)), default=-1)
+    return chunks if last < 0 else chunks[:last] + chunks[last + 1 :]
 
 
 def object_arguments(arguments: str) -> str:

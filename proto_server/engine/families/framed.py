@@ -129,7 +129,8 @@ class FramedCallParser(BlockStream):
             scan = self._scan
             whole = scan.phase in ("after", "tail")  # the last call is complete
             if self._streaming and scan.begun:
-                self.cut = not whole and (scan.phase == "args" or scan.pending is not None)
+                # in its arguments (past them, the call is whole but for its frame)
+                self.cut = scan.phase == "args"
                 chunks += self._end_call(everything=True) if whole else self._cut()
                 self.calls += len(scan.calls)
                 self._end_block()

@@ -228,9 +228,8 @@ class ToolCallParser(BlockStream):
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
         chunks: list[Chunk] = []
         if (stream := self._stream) is not None and stream.begun:
-            self.cut = stream.phase == "args" or (
-                stream.pending is not None and stream.phase != "call_end"
-            )
+            # in its arguments (past them, the call is whole but for its frame: counted)
+            self.cut = stream.phase == "args"
             chunks += self._cut_stream()
         elif self._block is not None:
             chunks += self._release_block(OPEN + self._block)

@@ -17,6 +17,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
+from proto_server.engine.families.base import at_limit
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
 from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix
@@ -179,6 +180,8 @@ class VllmSession:
                 unsent=not prefilled,
             )
         held, leftover = parser.finish()
+        if finish == "length":
+            held = at_limit(held, parser)
         for chunk in held:
             await send.send(chunk)
         cached = usage.cached_tokens if usage is not None else None
