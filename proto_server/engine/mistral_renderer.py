@@ -26,11 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import string
+import threading
 from array import array
 from collections.abc import Sequence
+from math import inf
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from cachetools import LRUCache
 from mistral_common.protocol.instruct.chunk import ThinkChunk
 from mistral_common.protocol.instruct.messages import (
     AssistantMessage,
@@ -52,7 +55,6 @@ from proto_server.engine.chat_template import (
     RenderedMessages,
     TemplateError,
 )
-from proto_server.engine.families.base import object_arguments
 from proto_server.engine.model_files import PROBE
 from proto_server.wire.items import (
     CustomToolCall,
@@ -74,8 +76,18 @@ TEKKEN = "tekken.json"
 THINK_TAGS = ("[THINK]", "[/THINK]")
 #: Whatever request and message types a version's tokenizer takes.
 AnyMistralTokenizer: TypeAlias = "MistralTokenizer[Any, Any, Any, Any, Any]"
+#: How many calls' places are remembered, so outputs are shown in their calls' order.
+CALL_ORDER = 65536
 _ALPHABET = string.ascii_letters + string.digits
 _PROBE_USER = "probe"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def mistral_call_id(call_id: str) -> str:
@@ -138,6 +150,12 @@ class MistralRenderer:
         self.thinks = getattr(self._instruct, "BEGIN_THINK", None) is not None
         self.opens_thinking = False
         self.think_tags = THINK_TAGS
+        #: Where each call rendered lately came, by call_id: from version 13 on, outputs are
+        #: shown in their calls' order (their ids are not shown). Large inputs render on
+        #: worker threads, hence the lock.
+        self._called: LRUCache[str, int] = LRUCache(CALL_ORDER)
+        self._called_lock = threading.Lock()
+        self._calls_seen = 0
 
     def prefix_effort(self, effort: str | None) -> str | None:
         return None
@@ -232,9 +250,32 @@ class MistralRenderer:
         key = ("\0turn", message.model_dump_json())
         return [*thought, *self.rendered.rendered(key, lambda: self._encode(message))]
 
+    def render_run(self, outputs: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
+        """Outputs that arrive together, in their calls' order where the version shows no
+        ids (13 on: mistral-common sorts them so); None where that is the order they came in."""
+        if self.version < TokenizerVersion.v13:
+            return None
+        with self._called_lock:
+            order = [self._called.get(getattr(item, "call_id", ""), inf) for item in outputs]
+        ranked = sorted(range(len(outputs)), key=lambda i: (order[i], i))
+        if ranked == sorted(ranked):
+            return None
+        tokens: list[int] = []
+        before = previous
+        for index in ranked:
+            tokens += self.render_item(outputs[index], before)
+            before = outputs[index]
+        return tokens
+
     def _call(self, item: FunctionCall | CustomToolCall) -> ToolCall:
         text = item.arguments if isinstance(item, FunctionCall) else item.input
-        arguments = object_arguments(text)
+        # as mistral-common reads a request's: JSON as it is (an object or not), none as {},
+        # and a custom tool's free-form input as a JSON string
+        arguments = text if _is_json(text or "{}") else json.dumps(text)
+        arguments = arguments or "{}"
+        with self._called_lock:
+            self._calls_seen += 1
+            self._called[item.call_id] = self._calls_seen
         return ToolCall(
             id=mistral_call_id(item.call_id),
             function=MistralCall(name=item.name, arguments=arguments),

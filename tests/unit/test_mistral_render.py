@@ -260,3 +260,28 @@ def test_magistral_s_thinking_is_read_as_reasoning_as_it_streams(cuts: list[int]
     assert text_of(chunks) == "Looking."
     assert calls_of(chunks) == [("get_weather", {"city": "Paris"})]
     assert tokens_of(chunks) + leftover == len(split(written, cuts, [1]))
+
+
+def test_from_version_13_outputs_are_shown_in_their_calls_order(
+    folders: dict[str, Path],
+) -> None:
+    """Version 13 shows no ids on results, so mistral-common puts outputs in their calls'
+    order; outputs sent the other way round are rendered so too."""
+    _, renderer = renderer_of(folders["v13"])
+    swapped = [*LOOP[:4], LOOP[5], LOOP[4], LOOP[6]]
+    expected = whole(folders["v13"], messages_of(LOOP), TOOLS)
+    assert item_by_item(renderer, swapped) == expected
+
+
+@pytest.mark.parametrize("written", ["", "[1, 2]", '"x"'])
+def test_arguments_that_are_no_object_are_shown_as_mistral_common_reads_them(
+    folders: dict[str, Path], written: str
+) -> None:
+    _, renderer = renderer_of(folders["v13"])
+    call = FunctionCall(call_id="call_abcdefghi", name="get_weather", arguments=written)
+    calls = [ToolCall(id="abcdefghi", function=MistralCall(name="get_weather",
+                                                           arguments=written or "{}"))]  # fmt: skip
+    messages = [SystemMessage(content="Be brief."), UserMessage(content="Hi"),
+                AssistantMessage(content=None, tool_calls=calls)]  # fmt: skip
+    conversation = [Message(role="user", content="Hi"), call]
+    assert item_by_item(renderer, conversation) == whole(folders["v13"], messages, TOOLS)

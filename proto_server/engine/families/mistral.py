@@ -28,12 +28,13 @@ class MistralFamily(ToolSyntax):
     def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
         """mistral-common's rendering, where the folder the tokenizer was read from holds the
         model's `tekken.json`; else its chat template's."""
+        folder = getattr(tokenizer, "name_or_path", "")
+        if not folder or not (Path(folder) / "tekken.json").is_file():
+            return super().renderer(tokenizer, cache_bytes=cache_bytes)
         from proto_server.engine.mistral_renderer import MistralRenderer, mistral_tokenizer
 
-        folder = getattr(tokenizer, "name_or_path", "")
-        mistral = mistral_tokenizer(Path(folder)) if folder else None
-        if mistral is None:
-            return super().renderer(tokenizer, cache_bytes=cache_bytes)
+        mistral = mistral_tokenizer(Path(folder))
+        assert mistral is not None  # the file is there
         return MistralRenderer(mistral, tokenizer, cache_bytes=cache_bytes)
 
 
