@@ -454,6 +454,26 @@ async def test_gpt_oss_answers_after_its_final_header_which_the_prompt_holds() -
     await session.aclose()
 
 
+@pytest.mark.npm  # the real gpt-oss tokenizer comes from tests/clients (npm)
+async def test_gpt_oss_s_forced_call_is_decoded_to_the_end_of_its_arguments() -> None:
+    """Under the grammar harmony's call streams from its header on; the call counts once its
+    arguments end (the turn's `<|call|>`), so decoding does not stop at the header (it did:
+    the call came back with no arguments)."""
+    tokenizer = npm_tokenizer("gptoss")
+    arguments = '{"color": "red", "n": 4}'
+    model = tiny_llama(vocab_size=len(tokenizer), eos_token_id=None)
+    wants = HARMONY.call_text("pick", arguments) + "<|call|>"
+    generator = LocalGenerator(
+        model, tokenizer, threads=1, choose=Prefers(tokenizer, wants), max_tokens=60
+    )
+    session = open_session(generator)
+    limits = GenerationLimits(tool_choice=ToolChoice("required", "pick"))
+    chunks = await bounded(session, limits)
+    (call,) = calls(outputs(chunks))
+    assert (call.name, json.loads(call.arguments)) == ("pick", json.loads(arguments))
+    await session.aclose()
+
+
 async def test_a_schema_the_grammar_cannot_take_is_a_400_naming_its_path(
     nursery: trio.Nursery, tokenizer: Any
 ) -> None:

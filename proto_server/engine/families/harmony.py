@@ -148,9 +148,8 @@ class HarmonyParser:
             self._name = recipient.removeprefix(FUNCTIONS)
             if not recipient.startswith(FUNCTIONS) or self._name not in self._names:
                 return self._release()  # a call the request does not allow, a built-in tool
-            if self._forced:
+            if self._forced:  # counted at its end: its arguments are still to come
                 self._kind = "call"
-                self.calls += 1
                 begin = ToolCallBegin(self._name, self._tokens)
                 self._tokens = 0
                 return [begin, *self._content()]
@@ -206,6 +205,7 @@ class HarmonyParser:
             return [ToolCallBegin(self._name, 0), arguments, ToolCallEnd()]
         chunks = self._stream(text) if text else []
         if self._kind == "call":
+            self.calls += 1
             if self._tokens and chunks == []:
                 chunks = self._chunk(ToolCallArgumentsDelta, "")
             chunks.append(ToolCallEnd())
