@@ -305,6 +305,8 @@ class LocalSession:
         chunks, leftover = parser.finish()
         if incomplete is not None:
             chunks = at_limit(chunks, parser)
+            if parser.called and not parser.cut:  # whole arguments, the frame left open
+                incomplete = None
         for chunk in chunks:
             await send.send(chunk)
         await send.send(SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete))

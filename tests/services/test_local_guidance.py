@@ -28,9 +28,11 @@ from proto_server.core.text_format import TextFormat
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
+    SegmentEnd,
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallBegin,
+    ToolCallEnd,
 )
 from proto_server.engine.constraints import Constraint
 from proto_server.engine.default_model import example_value
@@ -451,6 +453,38 @@ async def test_gpt_oss_answers_after_its_final_header_which_the_prompt_holds() -
     assert isinstance(again, Prefilled)
     written = len(tokenizer.encode(wants, add_special_tokens=False))
     assert again.cached_tokens == prefilled.prompt_tokens + written
+    await session.aclose()
+
+
+@pytest.mark.parametrize("past", [0, 1])
+async def test_the_limit_in_a_forced_call_makes_it_incomplete_but_not_past_its_arguments(
+    tokenizer: Any, past: int
+) -> None:
+    """Stopped by `max_output_tokens` inside its arguments, the call is cut: the segment is
+    `incomplete` and the call not ended (its item ends `incomplete`). Stopped once they are
+    whole, before the block's close, it is a call, and the segment is not `incomplete`."""
+    arguments = '{"color": "red", "n": 1}'  # what `pick`'s strict schema allows
+    wants = HERMES.call_text("pick", arguments)
+    script = tokenizer.encode(wants, add_special_tokens=False)
+    whole = next(
+        k for k in range(1, len(script) + 1)
+        if tokenizer.decode(script[:k]).find(arguments) >= 0
+    )  # fmt: skip
+    generator = make(tokenizer, Prefers(tokenizer, wants), max_tokens=200)
+    session = open_session(generator)
+    limits = GenerationLimits(
+        tool_choice=ToolChoice("required", "pick"), max_output_tokens=whole - 1 + past
+    )
+    chunks = await bounded(session, limits)
+    end = chunks[-1]
+    assert isinstance(end, SegmentEnd)
+    ends = [chunk for chunk in chunks if isinstance(chunk, ToolCallEnd)]
+    if past:
+        assert end.incomplete is None and len(ends) == 1
+        (call,) = calls(outputs(chunks))
+        assert json.loads(call.arguments) == json.loads(arguments)
+    else:
+        assert end.incomplete == "max_output_tokens" and ends == []
     await session.aclose()
 
 

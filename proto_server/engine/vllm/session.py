@@ -180,6 +180,8 @@ class VllmSession:
                 unsent=not prefilled,
             )
         held, leftover = parser.finish()
+        if finish == "length" and generated and generated[-1] in generator.stop_ids:
+            finish = "stop"  # the turn's end was the last token the limit allowed
         if finish == "length":
             held = at_limit(held, parser)
         for chunk in held:
