@@ -29,7 +29,6 @@ import string
 import threading
 from array import array
 from collections.abc import Sequence
-from math import inf
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -150,8 +149,8 @@ class MistralRenderer:
         self.thinks = getattr(self._instruct, "BEGIN_THINK", None) is not None
         self.opens_thinking = False
         self.think_tags = THINK_TAGS
-        #: Where each call rendered lately came, by call_id: from version 13 on, outputs are
-        #: shown in their calls' order (their ids are not shown). Large inputs render on
+        #: Where each call rendered lately came, by call_id: from version 11 on, outputs are
+        #: shown in their calls' order. Large inputs render on
         #: worker threads, hence the lock.
         self._called: LRUCache[str, int] = LRUCache(CALL_ORDER)
         self._called_lock = threading.Lock()
@@ -251,12 +250,15 @@ class MistralRenderer:
         return [*thought, *self.rendered.rendered(key, lambda: self._encode(message))]
 
     def render_run(self, outputs: Sequence[Item], previous: Item | None) -> Sequence[int] | None:
-        """Outputs that arrive together, in their calls' order where the version shows no
-        ids (13 on: mistral-common sorts them so); None where that is the order they came in."""
-        if self.version < TokenizerVersion.v13:
+        """Outputs that arrive together, in their calls' order (from version 11 on
+        mistral-common sorts them so); None where that is the order they came in, or where a
+        call's place is no longer known (then they are shown as they came)."""
+        if self.version < TokenizerVersion.v11:
             return None
         with self._called_lock:
-            order = [self._called.get(getattr(item, "call_id", ""), inf) for item in outputs]
+            order = [self._called.get(getattr(item, "call_id", "")) for item in outputs]
+        if None in order:
+            return None
         ranked = sorted(range(len(outputs)), key=lambda i: (order[i], i))
         if ranked == sorted(ranked):
             return None
@@ -268,11 +270,13 @@ class MistralRenderer:
         return tokens
 
     def _call(self, item: FunctionCall | CustomToolCall) -> ToolCall:
-        text = item.arguments if isinstance(item, FunctionCall) else item.input
-        # as mistral-common reads a request's: JSON as it is (an object or not), none as {},
-        # and a custom tool's free-form input as a JSON string
-        arguments = text if _is_json(text or "{}") else json.dumps(text)
-        arguments = arguments or "{}"
+        # as mistral-common reads a request's: JSON as it is (an object or not), none as {};
+        # a custom tool's free-form input as a JSON string
+        if isinstance(item, FunctionCall):
+            text = item.arguments or "{}"
+            arguments = text if _is_json(text) else json.dumps(text)
+        else:
+            arguments = json.dumps(item.input)
         with self._called_lock:
             self._calls_seen += 1
             self._called[item.call_id] = self._calls_seen

@@ -60,7 +60,7 @@ WEATHER = FunctionTool(name="get_weather", description="The weather in a city.",
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tekken")
-    return {version: mistral_folder(root, version) for version in ("v3", "v7", "v13")}
+    return {version: mistral_folder(root, version) for version in ("v3", "v7", "v11", "v13")}
 
 
 @functools.cache
@@ -262,15 +262,25 @@ def test_magistral_s_thinking_is_read_as_reasoning_as_it_streams(cuts: list[int]
     assert tokens_of(chunks) + leftover == len(split(written, cuts, [1]))
 
 
-def test_from_version_13_outputs_are_shown_in_their_calls_order(
+@pytest.mark.parametrize("version", ["v11", "v13"])
+def test_from_version_11_outputs_are_shown_in_their_calls_order(
+    folders: dict[str, Path], version: str
+) -> None:
+    """mistral-common puts outputs in their calls' order from version 11 on (13 shows no
+    ids on results: the order is all that ties them); outputs sent the other way round are
+    rendered so too."""
+    _, renderer = renderer_of(folders[version])
+    swapped = [*LOOP[:4], LOOP[5], LOOP[4], LOOP[6]]
+    expected = whole(folders[version], messages_of(LOOP), TOOLS)
+    assert item_by_item(renderer, swapped) == expected
+
+
+def test_outputs_whose_calls_are_no_longer_known_are_shown_as_they_came(
     folders: dict[str, Path],
 ) -> None:
-    """Version 13 shows no ids on results, so mistral-common puts outputs in their calls'
-    order; outputs sent the other way round are rendered so too."""
     _, renderer = renderer_of(folders["v13"])
-    swapped = [*LOOP[:4], LOOP[5], LOOP[4], LOOP[6]]
-    expected = whole(folders["v13"], messages_of(LOOP), TOOLS)
-    assert item_by_item(renderer, swapped) == expected
+    outputs = [FunctionCallOutput(call_id=f"call_gone{n}", output="x") for n in range(2)]
+    assert renderer.render_run(outputs, None) is None
 
 
 @pytest.mark.parametrize("written", ["", "[1, 2]", '"x"'])
