@@ -1,4 +1,7 @@
-"""Reasoning items a client sends back: their `encrypted_content` verified, their text restored.
+"""Reasoning: what a request may ask of it, and the items a client sends back.
+
+`reasoning.effort` and `.summary` take the API's values (`check_reasoning`) and are echoed
+whole (`echoed_reasoning`).
 
 A `reasoning` item's `encrypted_content` (made when a request's `include` names
 `reasoning.encrypted_content`) is the reasoning text sealed with the server's secret, as
@@ -10,16 +13,57 @@ the items that arrived with only the seal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from proto_server.core.compaction import CompactionKey
-from proto_server.wire.errors import ProtocolError
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.items import Item, Reasoning, ReasoningText
 
 #: What a request's `include` names to get reasoning items' `encrypted_content`.
 ENCRYPTED_CONTENT = "reasoning.encrypted_content"
+
+#: The values OpenAI's API takes for `reasoning.effort` and `reasoning.summary` (and the older
+#: `reasoning.generate_summary`), each also null; the published schema's effort enum omits
+#: `minimal`, which its descriptions and the SDKs name.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+_REASONING_FIELDS = {
+    "effort": REASONING_EFFORTS,
+    "summary": REASONING_SUMMARIES,
+    "generate_summary": REASONING_SUMMARIES,
+}
+
+
+def check_reasoning(reasoning: Mapping[str, Any] | None) -> None:
+    """`reasoning.effort` and `.summary` hold one of the API's values or null, as OpenAI
+    checks them: a value no model knows is refused rather than echoed (other keys are
+    ignored, as unknown fields are, and not echoed)."""
+    for name, allowed in _REASONING_FIELDS.items():
+        value = (reasoning or {}).get(name)
+        if value is not None and value not in allowed:
+            shown = quoted(value) if isinstance(value, str) else type(value).__name__
+            raise ProtocolError(
+                "invalid_field",
+                f"`reasoning.{name}` is {shown}; it must be one of "
+                f"{', '.join(map(repr, allowed))}, or null.",
+                param=f"reasoning.{name}",
+            )
+
+
+def echoed_reasoning(reasoning: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """`reasoning` as the API echoes it: both `effort` and `summary`, null when not asked
+    (Codex sends only one of them; a strict client's parser requires both), the older
+    `generate_summary` read as `summary`, and nothing else the client put there."""
+    if reasoning is None:
+        return None
+    summary = reasoning.get("summary")
+    if summary is None:
+        summary = reasoning.get("generate_summary")
+    return {"effort": reasoning.get("effort"), "summary": summary}
+
 
 #: Bound into every reasoning seal, so no compaction seal verifies as one (and no other).
 _DOMAIN = b"proto-server reasoning v1\n"

@@ -16,6 +16,7 @@ from proto_server.core.conversation import (
     prefix_bytes,
     render_items,
 )
+from proto_server.core.reasoning import check_reasoning, echoed_reasoning
 from proto_server.core.render import Renderer, requested_effort
 from proto_server.core.text_format import parse_text_format
 from proto_server.core.tool_schema import check_tool_schemas
@@ -63,9 +64,9 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, a `text.format` this server
     honours (text_format.py), `tool_choice` naming an offered function, the values of
-    `prompt_cache_options` and `context_management`, `conversation` (refused), a `truncation`
-    the Response can echo. Run when a create is accepted, before
-    anything is built for it."""
+    `prompt_cache_options`, `reasoning` and `context_management`, `conversation` (refused), a
+    `truncation` the Response can echo. Run when a create is accepted, before anything is
+    built for it."""
     if create.background:  # on every transport alike: the answer is its own stream
         raise ProtocolError(
             "invalid_field",
@@ -77,6 +78,7 @@ def check_create(create: ResponseCreate) -> None:
     parse_text_format(create.text)
     check_tool_choice(create.tool_choice, create.tools)
     check_prompt_cache_options(create.prompt_cache_options)
+    check_reasoning(create.reasoning)
     compaction_threshold(create)
     check_conversation(create)
     if create.truncation not in (None, "auto", "disabled"):
@@ -332,14 +334,6 @@ def echoed_tool(tool: Tool) -> Tool:
         parameters=tool.parameters if tool.parameters is not None else {"type": "object"},
         strict=True if tool.strict is None else tool.strict,
     )
-
-
-def echoed_reasoning(reasoning: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """`reasoning` as the API echoes it: both `effort` and `summary`, null when not asked
-    (Codex sends only one of them; a strict client's parser requires both)."""
-    if reasoning is None:
-        return None
-    return {"effort": None, "summary": None, **reasoning}
 
 
 def echoed_text(text: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -16,10 +16,13 @@ import trio
 from openai import OpenAI
 
 from proto_server.core.compaction import summary_of
+from proto_server.core.reasoning import REASONING_EFFORTS, REASONING_SUMMARIES, echoed_reasoning
 from proto_server.core.request import check_create
+from proto_server.engine.harmony_renderer import EFFORTS
 from proto_server.testing import StreamChecker, o200k_count
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
+from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import UnknownItem
 
 from ..support.helpers import (
@@ -68,6 +71,11 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"conversation": {"name": "c"}}, "conversation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"conversation": {"id": "conv_1"}}, "conversation"),
+    ({"reasoning": {"effort": "banana"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "x" * 1_000_000}}, "reasoning.effort"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "low", "summary": "verbose"}}, "reasoning.summary"),
+    ({"reasoning": {"generate_summary": ["auto"]}}, "reasoning.generate_summary"),
 ]
 
 
@@ -83,6 +91,27 @@ def test_each_new_field_is_checked_with_its_path(fields: dict[str, Any], param: 
     detail = refusal(fields).detail
     assert (detail.code, detail.param) == ("invalid_field", param)
     assert f"`{param}`" in detail.message
+
+
+def test_a_refusal_quotes_a_huge_value_briefly() -> None:
+    detail = refusal({"reasoning": {"effort": "x" * 1_000_000}}).detail
+    assert len(detail.message) < 500 and "1,000,000 characters" in detail.message
+
+
+@pytest.mark.parametrize("effort", [*REASONING_EFFORTS, None])
+@pytest.mark.parametrize("summary", [*REASONING_SUMMARIES, None])
+def test_reasoning_takes_the_apis_values_and_echoes_only_them(
+    effort: str | None, summary: str | None
+) -> None:
+    asked = {"effort": effort, "summary": summary, "future_knob": "x" * 1000}
+    event = decode_client_event(orjson.dumps({"type": "response.create", "reasoning": asked}))
+    assert isinstance(event, ResponseCreate)
+    check_create(event)
+    assert echoed_reasoning(event.reasoning) == {"effort": effort, "summary": summary}
+
+
+def test_harmony_says_every_effort_the_api_takes() -> None:
+    assert set(EFFORTS) == set(REASONING_EFFORTS)
 
 
 def test_conversation_is_refused_saying_what_to_do_instead() -> None:
