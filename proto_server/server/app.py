@@ -40,10 +40,11 @@ from proto_server.server.handshake import (
     read_request_head,
     upgrade_refusal,
 )
-from proto_server.server.http import LINGER_S, Shutdown, error_body, linger, send_error
+from proto_server.server.http import LINGER_S, Shutdown, error_body, send_error
 from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
 from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
+from proto_server.server.overflow import Overflow
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.responses import Responses
 from proto_server.server.routes import serve_http, unauthorized
@@ -123,6 +124,7 @@ class ProtoServer:
         #: Draining, then stopping (with the deadline `shutdown()` sets once it stops listening),
         #: as the HTTP connections and the WebSockets accepted since see it.
         self._http = Shutdown()
+        self._overflow = Overflow(self.responses, self._http)
         self._websockets: set[Connection] = set()
         self._listening = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
@@ -245,7 +247,7 @@ class ProtoServer:
 
     async def _handle(self, socket_stream: trio.SocketStream) -> None:
         if self.open_connections >= self.config.max_connections:
-            await self._turn_away(socket_stream)
+            await self._overflow.turn_away(socket_stream)
             return
         stream = SendTimeoutStream(socket_stream, self.config.send_timeout_s)
         self._count(connections=1)
@@ -287,28 +289,6 @@ class ProtoServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             self._count(connections=-1)
-
-    async def _turn_away(self, stream: trio.SocketStream) -> None:
-        """A connection past `max_connections`: 503 at once, before its head is read (a full
-        server spends nothing on it), then closed; it is not counted as open."""
-        limit = self.config.max_connections
-        log.info("connection.refused", extra={"limit": limit})
-        busy = ProtocolError(
-            "server_busy",
-            f"The server has reached its limit of {limit:,} open connections "
-            "(--max-connections); retry later.",
-            status=503,
-            error_type="server_error",
-        )
-        try:
-            with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
-                await send_error(stream, busy)
-                await linger(stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
 
     async def _serve_websocket(
         self, stream: SendTimeoutStream, head: RequestHead, deadline: float

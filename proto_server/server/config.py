@@ -83,7 +83,14 @@ class ServerConfig:
         1000,
         at_least(1),
         help="open connections (WebSocket and HTTP); one more is answered 503 server_busy and "
-        "closed at once",
+        "closed (a GET /healthz or /readyz among them is answered: --probe-connections)",
+    )
+    probe_connections: int = setting(
+        16,
+        at_least(0),
+        help="connections past --max-connections whose request head is read (1 s, 4 KiB at "
+        "most) so that a GET /healthz or /readyz is answered during a connection flood; past "
+        "these, 503 server_busy at once; 0: every one at once",
     )
     suspend_timeout_s: float = setting(
         600.0,

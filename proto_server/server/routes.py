@@ -115,6 +115,27 @@ async def serve_http(
         budget.close()
 
 
+#: The routes every connection may use, past `--max-connections` too: a liveness or readiness
+#: probe answered 503 by a full server would have it restarted for being busy.
+PROBES = frozenset({("GET", "/healthz"), ("GET", "/readyz")})
+
+
+def is_probe(head: RequestHead) -> bool:
+    route = (head.request.method.decode(), head.path.rstrip("/"))
+    return not head.is_websocket and route in PROBES
+
+
+async def serve_probe(
+    responses: Responses, shutdown: Shutdown, stream: trio.abc.Stream, head: RequestHead
+) -> None:
+    """Answer one probe (`is_probe`) and nothing after it on this connection."""
+    budget = responses.connection_budget()
+    try:
+        await _Exchange(responses, shutdown, stream, head.connection, head.request, budget).serve()
+    finally:
+        budget.close()
+
+
 async def _serve_requests(
     responses: Responses,
     shutdown: Shutdown,

@@ -570,6 +570,34 @@ async def test_tools_with_any_schema_are_carried() -> None:
             assert len(echoed) == 2  # a bare name is served, but no schema echoes it
 
 
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+
+
+async def test_health_probes_are_answered_past_the_cap_and_nothing_else_is() -> None:
+    """A flood of idle connections fills the server; a liveness probe still hears it is
+    alive (an orchestrator would otherwise restart a busy server), the API stays refused."""
+    async with serving(max_connections=2) as (server, address):
+        url = f"{address.ws_url}?dialect=prototype"
+        with trio.fail_after(20):
+            async with connect_checked(url), connect_checked(url):
+                healthz = await exchange_raw(address, get("/healthz"))
+                readyz = await exchange_raw(address, get("/readyz"))
+                api = await exchange_raw(address, get("/v1/models"))
+                assert server.open_connections == 2
+    assert status_of(healthz) == 200 and b'"ok"' in healthz
+    assert status_of(readyz) == 200 and b'"ready"' in readyz
+    assert status_of(api) == 503 and b"server_busy" in api
+
+
+async def test_without_probe_connections_a_full_server_answers_every_one_503() -> None:
+    async with serving(max_connections=1, probe_connections=0) as (_, address):
+        url = f"{address.ws_url}?dialect=prototype"
+        with trio.fail_after(20):
+            async with connect_checked(url):
+                assert status_of(await exchange_raw(address, get("/healthz"))) == 503
+
+
 async def test_connections_past_the_cap_are_turned_away_at_once_and_others_go_on() -> None:
     async with serving(max_connections=2) as (server, address):
         url = f"{address.ws_url}?dialect=prototype"
@@ -584,7 +612,7 @@ async def test_connections_past_the_cap_are_turned_away_at_once_and_others_go_on
                     assert error["code"] == "server_busy"
                     assert "limit of 2 open connections" in error["message"]
                     assert "retry later" in error["message"]
-                    # plain HTTP too, answered before its head is read: here it sends none
+                    # plain HTTP too, answered 503 when no probe's head came: here none does
                     stream = await trio.open_tcp_stream(address.host, address.port)
                     async with stream:
                         received = b""

@@ -27,6 +27,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "send_timeout_s", 0, "positive"),
     (ServerConfig, "send_timeout_s", math.nan, "positive"),
     (ServerConfig, "max_connections", 0, "at least 1"),
+    (ServerConfig, "probe_connections", -1, "at least 0"),
     (ServerConfig, "suspend_timeout_s", 0, "positive"),
     (ServerConfig, "max_suspended_rollouts", 0, "at least 1"),
     (ServerConfig, "shutdown_grace_s", -1, "positive"),
