@@ -3,7 +3,8 @@
     connection nursery
      ├─ writer: drains the bounded client channel into the socket (writer.py), stamping each
     │  event with its lane's `stream_id` and the lane's next sequence number
-     ├─ reader (this task): frames -> decode -> the dialect; a bad frame becomes an `error` event
+     ├─ reader (this task): frames -> decode -> the dialect; a bad frame becomes an `error` event,
+    │  and so does a store that fails a lookup the frame needs (`store_unavailable`)
      └─ what the dialect starts: rollout nurseries (sampling.py), the launched dialect's turns
 
 When the peer goes away the nursery is cancelled, and every rollout under it with it. When the
@@ -29,6 +30,7 @@ from proto_server.server.observe import ServerObserver
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.sendtimeout import SLOW_READER, SendTimeout
+from proto_server.server.store import StoreUnavailable
 from proto_server.server.writer import discard_events, write_events
 from proto_server.server.wsframes import FrameWriter, close_stalled
 from proto_server.wire.converter import decode_client_event
@@ -55,7 +57,8 @@ SLOW_READER_CODE = 1008
 
 
 class Dialect(Protocol):
-    """Turns client events into effects; raises `ProtocolError` and changes nothing if it can't.
+    """Turns client events into effects; raises `ProtocolError` (or `StoreUnavailable`, a store
+    lookup failed) and changes nothing if it can't.
 
     `handle` may await the event's preparation (rendering a large input off the event loop):
     meanwhile this connection reads no further frame, and every other connection goes on."""
@@ -222,8 +225,14 @@ class Connection:
         # refused on the lane the frame named (an inject or a steer names the lane of the
         # Response it targets itself)
         lane = None if isinstance(event, ResponseInject | ResponseSteer) else event.stream_id
-        with on_lane(lane):
-            await dialect.handle(event, size)
+        try:
+            with on_lane(lane):
+                await dialect.handle(event, size)
+        except StoreUnavailable as exc:
+            # a lookup the frame needed (the suspension it resumes, an item it references):
+            # the server's fault, refused as the launched dialect's lanes refuse it, and the
+            # connection, its other lanes and their Responses live on
+            await self.lane(lane).refuse(exc)
 
     async def _retire(self, dialect: Dialect, lifetime_s: float) -> None:
         log.info("connection.lifetime_reached", extra={"connection": self.id})
