@@ -6,12 +6,19 @@ SDK, with `store: true`, replaces each earlier assistant reply of a resent histo
 reference is resolved from the conversation it continues first (the chain of
 `previous_response_id`, warm or stored), then from every response its owner stored; one found
 nowhere is refused, naming it, so no history is served with a hole in it.
+
+A reference is a few dozen bytes that may stand for megabytes, and may be repeated: what a
+request costs is what its references expand to, measured from the items found (`expansion`)
+and bounded (`check_expansion`) before anything is rendered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
+
+from proto_server.core.conversation import item_bytes
 from proto_server.core.ids import new_id
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.items import ID_PREFIXES, Item, UnknownItem, item_id, with_id
@@ -56,6 +63,50 @@ def find_in(history: Sequence[Item], wanted: Sequence[str]) -> dict[str, Item]:
             missing.discard(named)
             found[named] = item
     return found
+
+
+@attrs.frozen
+class Expansion:
+    """What a request's references expand to: how many there are, and what the items they name
+    hold in memory (`item_bytes`), each counted as often as it is named."""
+
+    references: int = 0
+    nbytes: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.references:,} item_references expanding to {self.nbytes / 2**20:.1f} MiB"
+
+
+def expansion(items: Sequence[Item], found: Mapping[str, Item]) -> Expansion:
+    """What `items`' references to `found` expand to, without building the expansion: each
+    item named is measured once, however often it is named (one not found is `resolve`'s)."""
+    sizes: dict[str, int] = {}
+    count = nbytes = 0
+    for item in items:
+        if isinstance(item, UnknownItem) and item.type == REFERENCE:
+            named = item.raw.get("id")
+            if isinstance(named, str) and named in found:
+                if named not in sizes:
+                    sizes[named] = item_bytes(found[named])
+                count += 1
+                nbytes += sizes[named]
+    return Expansion(count, nbytes)
+
+
+def check_expansion(expanded: Expansion, limit: int) -> None:
+    """Refuse references that expand past `limit` (`--max-message-bytes`): the most one request
+    may carry, so referencing an item is no way round it (a 5 KB body naming a 4 MB item 100
+    times would otherwise be rendered as 400 MB)."""
+    if expanded.nbytes > limit:
+        raise ProtocolError(
+            "message_too_large",
+            f"`input` has {expanded}, each referenced item counted as often as it is named: "
+            f"over the limit of {limit} bytes (--max-message-bytes) one request may carry. "
+            "Reference each item once, or send less (continue with previous_response_id and "
+            "only new items).",
+            param="input",
+            status=413,
+        )
 
 
 def resolve(items: Sequence[Item], found: Mapping[str, Item]) -> tuple[Item, ...]:

@@ -40,7 +40,8 @@ class ServerConfig:
         16 * MiB,
         at_least(1024),
         metavar="BYTES",
-        help="largest client frame; a larger one closes the connection with code 1009 and says so",
+        help="largest client frame; a larger one closes the connection with code 1009 and says "
+        "so; also the most a request's item_references may expand to (message_too_large)",
     )
     #: Server events buffered for a slow client before the stream itself slows down.
     client_queue_events: int = attrs.field(default=256, validator=at_least(1))

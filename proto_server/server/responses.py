@@ -33,7 +33,15 @@ from proto_server.core.reasoning import (
     check_reasonings,
     replayed,
 )
-from proto_server.core.references import find_in, references, resolve, with_ids
+from proto_server.core.references import (
+    Expansion,
+    check_expansion,
+    expansion,
+    find_in,
+    references,
+    resolve,
+    with_ids,
+)
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
     ToolChoice,
@@ -268,16 +276,18 @@ class Responses:
 
         Only what is new is rendered: the create's input on a warm rollout; the prefix, the
         history and the input on a cold one. Rendering runs off the event loop when the input
-        is large (`size`: the bytes of the request; each history item counts as 1 KiB). What it
-        adds must fit `budget`, else a `ProtocolError` says so and nothing changes (a warm
-        `rollout` stays its caller's to close). Stored, it belongs to `owner`. `response_id`:
-        the id a `response.queued` already announced; `mode`: see `ResponseMachine`.
+        is large (`size`: the bytes of the request, to which what its references expand to is
+        added; each history item counts as 1 KiB). What it adds must fit `budget`, else a
+        `ProtocolError` says so and nothing changes (a warm `rollout` stays its caller's to
+        close). Stored, it belongs to `owner`. `response_id`: the id a `response.queued`
+        already announced; `mode`: see `ResponseMachine`.
         """
         arrived_at = trio.current_time()
         known = rollout.conversation.items if rollout is not None else history
-        create = await self.resolved(create, known, owner)
+        create, expanded = await self.resolved(create, known, owner, budget)
+        size += expanded.nbytes
         # rendering peaks as decoding does (`proto-server bench memory`): room is held for it
-        with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
+        with self.memory.reserve(PREPARING_FACTOR * size, _what(expanded)):
             prepared = await self.offload.run(
                 partial(prepare_input, cold=rollout is None),
                 self.renderer,
@@ -358,33 +368,49 @@ class Responses:
         )
 
     async def resolved(
-        self, create: ResponseCreate, history: Sequence[Item], owner: str
-    ) -> ResponseCreate:
+        self, create: ResponseCreate, history: Sequence[Item], owner: str, budget: MemoryBudget
+    ) -> tuple[ResponseCreate, Expansion]:
         """`create` with its `item_reference`s replaced by the items they name (from `history`,
         the conversation it continues, else from what `owner` stored), its tool outputs each
         answering a call of the conversation; refused (400) otherwise, changing nothing. Its
-        sealed reasoning items get their text back: the model reads it as it wrote it."""
+        sealed reasoning items get their text back: the model reads it as it wrote it.
+
+        With what its references expand to, measured and bounded before anything is rendered
+        or unsealed: past `--max-message-bytes`, or past what `budget` (the connection's) has
+        room for, refused whatever the request's own size."""
         items = input_items(create)
         wanted = references(items)
+        expanded = Expansion()
         if wanted:
             found = find_in(history, list(wanted))
             elsewhere = [named for named in wanted if named not in found]
             if elsewhere:
                 found |= await self.store.items(elsewhere, owner=owner)
+            expanded = expansion(items, found)
+            check_expansion(expanded, self.config.max_message_bytes)
+            budget.check(expanded.nbytes, _what(expanded))  # what its conversation will hold
             items = resolve(items, found)
         check_tool_outputs(history, items)
         if (unsealed := replayed(items, self.compaction_key)) is not items or wanted:
             create = attrs.evolve(create, input=unsealed)
-        return create
+        return create, expanded
 
     async def input_tokens(
-        self, create: ResponseCreate, history: Sequence[Item], *, owner: str, size: int
+        self,
+        create: ResponseCreate,
+        history: Sequence[Item],
+        *,
+        owner: str,
+        budget: MemoryBudget,
+        size: int,
     ) -> int:
         """The prompt tokens `create` would be served with on a cold rollout holding `history`:
-        rendered as `begin` renders it (references resolved), with the chat template's
-        generation prompt where the model has one."""
-        create = await self.resolved(create, history, owner)
-        with self.memory.reserve(PREPARING_FACTOR * size, "This request"):
+        rendered as `begin` renders it (references resolved, bounded and charged as `begin`
+        bounds and charges them), with the chat template's generation prompt where the model
+        has one."""
+        create, expanded = await self.resolved(create, history, owner, budget)
+        size += expanded.nbytes
+        with self.memory.reserve(PREPARING_FACTOR * size, _what(expanded)):
             prepared = await self.offload.run(
                 partial(prepare_input, cold=True),
                 self.renderer,
@@ -520,6 +546,11 @@ class Responses:
             first_event_s=record.first_event_s,
         )
         metrics.rendered(self.renderer)
+
+
+def _what(expanded: Expansion) -> str:
+    """A request, as a memory budget's refusal names it: with its references, if any."""
+    return f"This request ({expanded})" if expanded.references else "This request"
 
 
 def _has_schema(create: ResponseCreate) -> bool:

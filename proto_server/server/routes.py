@@ -437,7 +437,9 @@ class _Exchange:
         responses = self.responses
         await responses.check(create, size=len(body))
         history = await self._history(create.previous_response_id)
-        tokens = await responses.input_tokens(create, history, owner=self.owner, size=len(body))
+        tokens = await responses.input_tokens(
+            create, history, owner=self.owner, budget=self.budget, size=len(body)
+        )
         await self._json(200, {"object": "response.input_tokens", "input_tokens": tokens})
 
     def _model(self) -> dict[str, Any]:
