@@ -9,7 +9,8 @@ nowhere is refused, naming it, so no history is served with a hole in it.
 
 A reference is a few dozen bytes that may stand for megabytes, and may be repeated: what a
 request costs is what its references expand to, measured from the items found (`expansion`)
-and bounded (`check_expansion`) before anything is rendered.
+and bounded (`check_expansion`) before anything is rendered; what the store reads to find them
+is bounded before it is read (`check_stored`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,28 @@ def check_expansion(expanded: Expansion, limit: int) -> None:
             f"over the limit of {limit} bytes (--max-message-bytes) one request may carry. "
             "Reference each item once, or send less (continue with previous_response_id and "
             "only new items).",
+            param="input",
+            status=413,
+        )
+
+
+def check_stored(found: int, nbytes: int, limit: int) -> None:
+    """Refuse references to stored items whose responses hold more than `limit` bytes of JSON
+    (`--max-message-bytes`), checked by the store before it reads them: what a request may
+    carry inline is all it may load by reference (a 50 KB body naming 1,000 different 4 MB
+    items would otherwise load 4 GB to find it too large). A stored item is read with the
+    response that holds it, so each such response counts, once, at its stored length: for
+    ASCII text JSON need not escape, less than the `item_bytes` of what it holds (the keys
+    cost 100-180 bytes an item, the estimate 240-440), so where it holds only what is named,
+    nothing is refused here that `check_expansion` would let through."""
+    if nbytes > limit:
+        raise ProtocolError(
+            "message_too_large",
+            f"`input` references {found:,} stored items whose responses hold "
+            f"{nbytes / 2**20:.1f} MiB of JSON: over the limit of {limit} bytes "
+            "(--max-message-bytes) one request may carry, inline or by reference. Reference "
+            "fewer stored items at a time (continue with previous_response_id and only new "
+            "items).",
             param="input",
             status=413,
         )

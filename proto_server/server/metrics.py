@@ -49,6 +49,7 @@ from proto_server.server.store import (
     SuspendedResponse,
     SuspensionStore,
 )
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ErrorEvent, ServerEvent
 from proto_server.wire.items import Item
 
@@ -346,6 +347,9 @@ class TimedStore:
         try:
             yield
             outcome = "ok"
+        except ProtocolError:
+            outcome = "ok"  # it answered: what was asked of it is refused (too much to read)
+            raise
         finally:
             STORE.labels(operation, outcome).observe(time.perf_counter() - started)
             self._file_checked()
@@ -404,12 +408,14 @@ class TimedStore:
         with self._timed("chain"):
             return await self.inner.chain(response_id, owner=owner)
 
-    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+    async def items(
+        self, item_ids: Sequence[str], *, owner: str, max_bytes: int | None = None
+    ) -> dict[str, Item]:
         """The inner store's items of these ids (none, if it cannot look items up)."""
         if not isinstance(self.inner, ItemStore):
             return {}
         with self._timed("items"):
-            return await self.inner.items(item_ids, owner=owner)
+            return await self.inner.items(item_ids, owner=owner, max_bytes=max_bytes)
 
     async def delete(self, response_id: str, *, owner: str) -> bool:
         """Whether the inner store held and deleted it (one that cannot delete holds nothing

@@ -377,7 +377,8 @@ class Responses:
 
         With what its references expand to, measured and bounded before anything is rendered
         or unsealed: past `--max-message-bytes`, or past what `budget` (the connection's) has
-        room for, refused whatever the request's own size."""
+        room for, refused whatever the request's own size. What the store reads to find them is
+        bounded by `--max-message-bytes` too, before it is read."""
         items = input_items(create)
         wanted = references(items)
         expanded = Expansion()
@@ -385,7 +386,9 @@ class Responses:
             found = find_in(history, list(wanted))
             elsewhere = [named for named in wanted if named not in found]
             if elsewhere:
-                found |= await self.store.items(elsewhere, owner=owner)
+                found |= await self.store.items(
+                    elsewhere, owner=owner, max_bytes=self.config.max_message_bytes
+                )
             expanded = expansion(items, found)
             check_expansion(expanded, self.config.max_message_bytes)
             budget.check(expanded.nbytes, _what(expanded))  # what its conversation will hold

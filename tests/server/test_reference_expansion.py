@@ -1,7 +1,8 @@
 """`item_reference`s are charged by what they expand to: a small request naming a large item many
 times is refused before anything renders the expansion, over HTTP (from the store), over
 `/v1/responses/input_tokens` and over a launched WebSocket with `store: false` (from its warm
-conversation), and the connection goes on serving.
+conversation), and the connection goes on serving. Many different stored items, each named
+once, are refused before the store reads them, on SQLite and on PostgreSQL.
 
 A renderer that counts the large items it is asked to render says whether the expansion was
 rendered: the refusal must not depend on it (before, each of these rendered it first: a 5 KB
@@ -10,10 +11,12 @@ body naming a 4 MB item 100 times was refused after 12.5 s, the event loop block
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from proto_server.core.conversation import item_bytes
@@ -23,9 +26,20 @@ from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.memory import MiB
+from proto_server.server.store import ResponseStore, SQLiteStore
+from proto_server.server.store.postgres import PostgresStore
 from proto_server.wire.items import Item
 
-from ..support.helpers import END, FAST, Running, body, connect, launched_create, turn
+from ..support.helpers import (
+    END,
+    FAST,
+    Running,
+    body,
+    connect,
+    counting_decodes,
+    launched_create,
+    turn,
+)
 
 #: The large item: tokenizing it costs tens of milliseconds, a hundred of it seconds.
 BIG_TEXT = "word " * (64 * 1024 // 5)
@@ -44,18 +58,37 @@ class CountingRenderer(O200kRenderer):
         return super().render_item(item, previous)
 
 
-async def serve(nursery: trio.Nursery, **config: Any) -> tuple[Running, CountingRenderer]:
+async def serve(
+    nursery: trio.Nursery, store: ResponseStore | None = None, **config: Any
+) -> tuple[Running, CountingRenderer]:
     renderer = CountingRenderer()
     server = ProtoServer(
         SimulatedGenerator(DefaultModel(), FAST),
         ServerConfig(port=0, **config),
         renderer=renderer,
+        store=store,
     )
     return Running(server, await nursery.start(server.serve)), renderer
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ResponseStore]:
+    """A store on disk. Requested before `nursery`, it is closed after the server stopped."""
+    if request.param == "sqlite":
+        opened: ResponseStore = SQLiteStore(tmp_path / "store.sqlite3")
+    else:
+        url = request.getfixturevalue("pg_url")
+        opened = await trio.to_thread.run_sync(PostgresStore, url)
+    yield opened
+    await opened.aclose()
+
+
 def references(item_id: str, times: int) -> list[dict[str, Any]]:
     return [{"type": "item_reference", "id": item_id}] * times
+
+
+def each_once(item_ids: Sequence[str]) -> list[dict[str, Any]]:
+    return [{"type": "item_reference", "id": item_id} for item_id in item_ids]
 
 
 async def stored_big_item(http: httpx.AsyncClient, url: str) -> str:
@@ -92,6 +125,31 @@ async def test_a_stored_item_referenced_many_times_is_refused_unrendered(
     assert refused.json()["error"]["param"] == "input"
     assert served.status_code == 200 and served.json()["status"] == "completed", served.text
     assert renderer.big == rendered + 2
+
+
+async def test_many_different_stored_items_are_refused_before_the_store_reads_them(
+    store: ResponseStore, nursery: trio.Nursery
+) -> None:
+    # 20 stored 64 KiB items, each named once: 1.3 MB of stored JSON, over the 1 MiB a request
+    # may carry; before, the store read and decoded all of them, then they were found too large
+    running, renderer = await serve(nursery, store, max_message_bytes=MiB)
+    url = f"{running.address.http_url}/responses"
+    with trio.fail_after(60):
+        async with httpx.AsyncClient() as http:
+            item_ids = [await stored_big_item(http, url) for _ in range(20)]
+            rendered = renderer.big
+            with counting_decodes() as decoded:
+                refused = await http.post(url, json=body(tools=[], input=each_once(item_ids)))
+                assert decoded == [0]  # not one of them read
+                served = await http.post(url, json=body(tools=[], input=each_once(item_ids[:8])))
+                assert decoded == [8]
+    assert refused.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "message_too_large" and error["param"] == "input", error
+    assert "20 stored items whose responses hold 1.3 MiB" in error["message"], error
+    assert "--max-message-bytes" in error["message"], error
+    assert served.status_code == 200 and served.json()["status"] == "completed", served.text
+    assert renderer.big == rendered + 8
 
 
 async def test_input_tokens_counts_no_expansion_past_the_budgets(nursery: trio.Nursery) -> None:

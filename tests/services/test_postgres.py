@@ -32,6 +32,7 @@ from ..support.helpers import (
     connect,
     identified,
     items_and_deletion,
+    items_read_within,
     loads_shared,
     many_ids_and_the_newest_holder,
     read_line,
@@ -108,6 +109,12 @@ async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wi
 ) -> None:
     store = PostgresStore(pg_url)
     await many_ids_and_the_newest_holder(store)
+    await store.aclose()
+
+
+async def test_items_past_a_byte_bound_are_refused_before_they_are_read(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    await items_read_within(store)
     await store.aclose()
 
 

@@ -15,8 +15,8 @@ import math
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,11 +41,12 @@ from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.connection import Dialect
 from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.outbox import LaneSink, Outgoing
-from proto_server.server.store import ANONYMOUS, StoredResponse, owner_id
+from proto_server.server.store import ANONYMOUS, StoredResponse, owner_id, records
 from proto_server.testing.checker import LaneChecker
 from proto_server.testing.client import EVENT_TIMEOUT_S, MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
 from proto_server.wire.converter import converter, decode_client_event, encode_server_event_bytes
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Item, Message
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -433,6 +434,48 @@ async def many_ids_and_the_newest_holder(store: Any) -> None:
     found = await store.items(wanted, owner="")
     assert sorted(found) == ["a_resp_1", "q_resp_2"]
     assert found["a_resp_1"].content == "replayed"
+
+
+@contextmanager
+def counting_decodes() -> Iterator[list[int]]:
+    """How many stored responses' items are decoded in this process meanwhile (the first of
+    the list): what a store read for an `item_reference` (a file store's child only reads)."""
+    decoded = [0]
+    decode = records.decode_items
+
+    def counted(items: bytes) -> tuple[Item, ...]:
+        decoded[0] += 1
+        return decode(items)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records, "decode_items", counted)
+        yield decoded
+
+
+async def items_read_within(store: Any) -> None:
+    """`items(max_bytes=...)` refuses ids whose responses hold more stored JSON than that (each
+    response once, however many of its items are named) before it reads or decodes any of
+    them, and finds those within it."""
+    text = "x" * (64 * 1024)
+    for i in range(8):
+        plain = identified(f"resp_{i}")
+        big = attrs.evolve(plain.items[1], content=text)  # type: ignore[misc]
+        await store.put(attrs.evolve(plain, items=(plain.items[0], big)))
+    answers = [f"a_resp_{i}" for i in range(8)]
+    with counting_decodes() as decoded:
+        with pytest.raises(ProtocolError) as refused:  # 8 x 64 KiB, over 256 KiB
+            await store.items(answers, owner="", max_bytes=256 * 1024)
+        assert decoded == [0]
+        assert refused.value.detail.code == "message_too_large" and refused.value.status == 413
+        assert "8 stored items whose responses hold 0.5 MiB" in str(refused.value)
+        assert "--max-message-bytes" in str(refused.value)
+        # three responses, each read once for its question and its answer: 192 KiB
+        wanted = [*answers[:3], "q_resp_0", "q_resp_1", "q_resp_2", "a_nowhere"]
+        found = await store.items(wanted, owner="", max_bytes=256 * 1024)
+        assert sorted(found) == sorted(wanted[:-1])
+        assert decoded == [3]
+        assert found["a_resp_2"].content == text  # type: ignore[union-attr]
+        assert len(await store.items(answers, owner="")) == 8  # no bound: all of them
 
 
 LOCK = """

@@ -34,6 +34,7 @@ from ..support.helpers import (
     Locker,
     identified,
     items_and_deletion,
+    items_read_within,
     loads_shared,
     many_ids_and_the_newest_holder,
     stored,
@@ -322,6 +323,15 @@ async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Pa
 async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
     store = SQLiteStore(":memory:")
     await many_ids_and_the_newest_holder(store)
+    await store.aclose()
+
+
+@pytest.mark.parametrize("where", [":memory:", "file"])
+async def test_items_past_a_byte_bound_are_refused_before_they_are_read(
+    where: str, tmp_path: Path
+) -> None:
+    store = SQLiteStore(where if where == ":memory:" else tmp_path / "s.sqlite3")
+    await items_read_within(store)
     await store.aclose()
 
 

@@ -36,9 +36,15 @@ class ItemStore(Protocol):
     """A store that finds stored items by their ids (what `item_reference` names) and deletes
     stored responses (`DELETE /v1/responses/{id}`); both stores do, a test's dict may not."""
 
-    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
+    async def items(
+        self, item_ids: Sequence[str], *, owner: str, max_bytes: int | None = None
+    ) -> dict[str, Item]:
         """Those of the ids that name an item of a response `owner` stored, with the item (from
-        the newest such response, if several hold it)."""
+        the newest such response, if several hold it).
+
+        An item is read with the response that holds it: if those responses hold more than
+        `max_bytes` of stored JSON in all (each once), a `ProtocolError` `message_too_large`
+        (`check_stored`) is raised before any of them is read or decoded."""
         ...
 
     async def delete(self, response_id: str, *, owner: str) -> bool:

@@ -276,8 +276,10 @@ class PostgresStore:
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
-    def _items(db: sql.Database, item_ids: list[str], owner: str) -> dict[str, Item]:
-        return found_items(*sql.items(db, owner, item_ids))
+    def _items(
+        db: sql.Database, item_ids: list[str], owner: str, max_bytes: int | None
+    ) -> dict[str, Item]:
+        return found_items(*sql.items(db, owner, item_ids, max_bytes), max_bytes)
 
     def _chain(self, db: sql.Database, response_id: str, owner: str) -> list[StoredResponse] | None:
         rows = sql.chain(db, response_id, owner, self.max_responses)
@@ -323,8 +325,10 @@ class PostgresStore:
     ) -> list[StoredResponse] | None:
         return await self._call(chain_failed(response_id), self._chain, response_id, owner)
 
-    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
-        return await self._call(ITEMS_FAILED, self._items, list(item_ids), owner)
+    async def items(
+        self, item_ids: Sequence[str], *, owner: str, max_bytes: int | None = None
+    ) -> dict[str, Item]:
+        return await self._call(ITEMS_FAILED, self._items, list(item_ids), owner, max_bytes)
 
     async def delete(self, response_id: str, *, owner: str) -> bool:
         return await self._call(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import attrs
 import orjson
 
+from proto_server.core.references import check_stored
 from proto_server.server.store.sql import PutRow
 from proto_server.wire.converter import converter
 from proto_server.wire.items import Item, item_id
@@ -119,8 +120,13 @@ def stored_item_ids(stored: StoredResponse) -> list[str]:
     return list(dict.fromkeys(found for item in stored.items if (found := item_id(item))))
 
 
-def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Item]:
-    """The items of the ids found (`where`: each id's response; `blobs`: their items)."""
+def found_items(
+    where: dict[str, str], blobs: dict[str, bytes], nbytes: int, max_bytes: int | None
+) -> dict[str, Item]:
+    """The items of the ids found (`where`: each id's response; `blobs`: their items, `nbytes`
+    of JSON, none read if that is past `max_bytes`: refused, `message_too_large`)."""
+    if max_bytes is not None:
+        check_stored(len(where), nbytes, max_bytes)
     held = {
         response_id: {item_id(item): item for item in decode_items(blob)}
         for response_id, blob in blobs.items()
@@ -128,5 +134,5 @@ def found_items(where: dict[str, str], blobs: dict[str, bytes]) -> dict[str, Ite
     return {
         wanted: held[response_id][wanted]
         for wanted, response_id in where.items()
-        if wanted in held[response_id]
+        if wanted in held.get(response_id, ())  # one deleted meanwhile (PostgreSQL) is not found
     }

@@ -173,28 +173,50 @@ def chain(db: Database, response_id: str, owner: str, longest: int) -> list[Row]
 
 
 def items(
-    db: Database, owner: str, item_ids: Sequence[str]
-) -> tuple[dict[str, str], dict[str, bytes]]:
+    db: Database, owner: str, item_ids: Sequence[str], max_bytes: int | None = None
+) -> tuple[dict[str, str], dict[str, bytes], int]:
     """Where `owner`'s items of these ids are: each found id's response (the newest stored that
-    holds it), and those responses' items."""
+    holds it), those responses' items, and how many bytes of JSON those hold (each response
+    once). Their lengths are read first, so responses past `max_bytes` in all are not read at
+    all: then no items come back, only the ids' places and the bytes they would have been."""
     newest: dict[str, tuple[float, str]] = {}
+    sizes: dict[str, int] = {}
     blobs: dict[str, bytes] = {}
     with db.transaction(write=False):  # the lookups as of one moment
-        for start in range(0, len(item_ids), ITEMS_PER_QUERY):
-            some = item_ids[start : start + ITEMS_PER_QUERY]
+        for some in _batches(item_ids):
             rows = db.execute(
-                "SELECT i.item_id, r.id, r.stored_at, r.items FROM {items} i "
+                "SELECT i.item_id, r.id, r.stored_at, length(r.items) FROM {items} i "
                 "JOIN {responses} r ON r.id = i.response_id WHERE i.owner = ? AND i.item_id IN "
                 f"({', '.join('?' * len(some))})",
                 (owner, *some),
             )
-            for item_id, response_id, stored_at, blob in rows:
+            for item_id, response_id, stored_at, size in rows:
                 if item_id not in newest or stored_at > newest[item_id][0]:
                     newest[item_id] = (stored_at, response_id)
-                    blobs[response_id] = bytes(blob)
-    where = {item_id: response_id for item_id, (_, response_id) in newest.items()}
-    held = set(where.values())
-    return where, {response_id: blob for response_id, blob in blobs.items() if response_id in held}
+                    sizes[response_id] = int(size)
+        where = {item_id: response_id for item_id, (_, response_id) in newest.items()}
+        held = list(dict.fromkeys(where.values()))
+        total = sum(sizes[response_id] for response_id in held)
+        if max_bytes is not None and total > max_bytes:
+            return where, blobs, total
+        total = 0
+        for some in _batches(held):
+            rows = db.execute(
+                f"SELECT id, items FROM {{responses}} WHERE id IN ({', '.join('?' * len(some))})",
+                some,
+            )
+            for response_id, blob in rows:
+                # read committed (PostgreSQL) may see a response stored again since: counted anew
+                blobs[response_id] = bytes(blob)
+                total += len(blobs[response_id])
+    if max_bytes is not None and total > max_bytes:
+        blobs.clear()
+    return where, blobs, total
+
+
+def _batches(ids: Sequence[str]) -> Iterator[Sequence[str]]:
+    for start in range(0, len(ids), ITEMS_PER_QUERY):
+        yield ids[start : start + ITEMS_PER_QUERY]
 
 
 def count(db: Database) -> int:

@@ -367,8 +367,11 @@ class SQLiteStore:
         return None if row is None else decode_row(row[0], row[1], owner)
 
     @staticmethod
-    def _items(db: _Connection, until: float, item_ids: list[str], owner: str) -> dict[str, Item]:
-        return found_items(*db.call("items", until, owner, item_ids))
+    def _items(
+        db: _Connection, until: float, item_ids: list[str], owner: str, max_bytes: int | None
+    ) -> dict[str, Item]:
+        where, blobs, nbytes = db.call("items", until, owner, item_ids, max_bytes)
+        return found_items(where, blobs, nbytes, max_bytes)
 
     def _chain(
         self, db: _Connection, until: float, response_id: str, owner: str
@@ -411,8 +414,10 @@ class SQLiteStore:
     ) -> list[StoredResponse] | None:
         return await self._read(chain_failed(response_id), self._chain, response_id, owner)
 
-    async def items(self, item_ids: Sequence[str], *, owner: str) -> dict[str, Item]:
-        return await self._read(ITEMS_FAILED, self._items, list(item_ids), owner)
+    async def items(
+        self, item_ids: Sequence[str], *, owner: str, max_bytes: int | None = None
+    ) -> dict[str, Item]:
+        return await self._read(ITEMS_FAILED, self._items, list(item_ids), owner, max_bytes)
 
     async def delete(self, response_id: str, *, owner: str) -> bool:
         deleted = await self._write(
