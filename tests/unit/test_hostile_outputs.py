@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto_server.engine import thinking
+from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, ToolCallBegin, ToolCallEnd
 from proto_server.engine.families import base, framed, harmony, hermes, stream
 from proto_server.engine.families.base import (
@@ -37,6 +38,7 @@ from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.qwen import QWEN
 from proto_server.engine.thinking import ThinkingParser
+from proto_server.wire.items import FunctionCall
 
 from .test_families import (
     EVERY,
@@ -137,6 +139,19 @@ def test_a_thousand_levels_as_real_tokenizers_write_them_are_read_as_text(
     chunks = fed(syntax, pieces, ["f"])
     assert calls_of(chunks) == [] and text_of(chunks) == block
     assert tokens_of(chunks) == len(ids)
+
+
+@pytest.mark.npm
+def test_a_call_too_deep_to_decode_is_rendered_as_written_on_the_next_turn() -> None:
+    """A template that takes a call's arguments as an object (Hermes' here, on Qwen3's
+    template) is given them as written where they nest past the cap, not decoded (where
+    Python's decoder overflowed): a client may send such a call back."""
+    tokenizer = npm_tokenizer("qwen3")
+    renderer = ChatTemplateRenderer(tokenizer, syntax=HERMES, cache_bytes=0)
+    assert renderer.renders_calls and not HERMES.template_arguments_text
+    for depth in (MAX_ARGUMENTS_DEPTH + 1, 5_000):
+        call = FunctionCall(call_id="call_1", name="f", arguments=nested(depth))
+        assert nested(depth) in tokenizer.decode(list(renderer.render_item(call)))
 
 
 # -- any hostile output --------------------------------------------------------------------------
