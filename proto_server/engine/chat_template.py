@@ -44,7 +44,7 @@ from cachetools import LRUCache
 
 from proto_server.core.compaction import summary_of
 from proto_server.core.render import ModelTurn, Renderer, model_turn
-from proto_server.engine.families.base import ToolSyntax, object_arguments
+from proto_server.engine.families.base import ToolSyntax, object_arguments, too_deep
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
 from proto_server.engine.thinking import OPEN as THINK_OPEN
@@ -393,9 +393,9 @@ class ChatTemplateRenderer:
         """An assistant message holding a call, as templates read `tool_calls`."""
         if self.syntax.template_arguments_text:  # as written; a custom tool's input as a string
             given: Any = object_arguments(arguments)
-        else:
+        else:  # as an object, unless it is no JSON or too deep to decode (then as written)
             try:
-                given = json.loads(arguments)
+                given = arguments if too_deep(arguments) else json.loads(arguments)
             except ValueError:
                 given = arguments
         call = {"type": "function", "function": {"name": name, "arguments": given}}

@@ -54,6 +54,7 @@ from proto_server.engine.chat_template import (
     RenderedMessages,
     TemplateError,
 )
+from proto_server.engine.families.base import too_deep
 from proto_server.engine.model_files import PROBE
 from proto_server.wire.items import (
     CustomToolCall,
@@ -82,6 +83,9 @@ _PROBE_USER = "probe"
 
 
 def _is_json(text: str) -> bool:
+    """`text` is JSON, and shallow enough to decode (as mistral-common will)."""
+    if too_deep(text):
+        return False
     try:
         json.loads(text)
     except ValueError:

@@ -48,7 +48,10 @@ class ThinkingParser:
         #: "start" (a block may open), "thinking" (inside it), "after" (the blank lines after
         #: it), "answer" (past those, or no block came)
         self._phase = "thinking" if thinking else "start"
-        self._held = ""  # text not yet handed on: a possible tag, or whitespace at an edge
+        self._held = ""  # text not yet handed on: a possible tag, after `_space`
+        #: whitespace not yet handed on, before `_held`: at the start, or at the thoughts' edge
+        #: (kept in its pieces and looked at once, however long the run)
+        self._space: list[str] = []
         self._tokens = 0  # tokens fed and not yet carried by a chunk
         self._thought = False  # a reasoning chunk went out (leading whitespace is shown after)
 
@@ -67,56 +70,73 @@ class ThinkingParser:
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
         if self._phase == "answer":
             return self._answer.feed(text, tokens)
-        self._held += text
         self._tokens += tokens
         if self._phase == "after":
-            return self._after()
+            return self._after(text)
         if self._phase == "start":
-            head = self._held.lstrip(WHITESPACE)
-            if self._open.startswith(head) and len(head) < len(self._open):
-                return []  # the block may still open
-            if not head.startswith(self._open):
-                return self._to_answer(self._held)
-            self._phase = "thinking"
-            self._held = head[len(self._open) :]
-        return self._think()
+            return self._start(text)
+        return self._think(text)
 
     def finish(self) -> tuple[list[Chunk], int]:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
         chunks: list[Chunk] = []
         if self._phase == "thinking":
-            chunks += self._reason(self._held.rstrip(WHITESPACE))
-        elif self._phase == "start" and self._held.strip(WHITESPACE):
-            chunks += self._to_answer(self._held)
-        self._held = ""
+            chunks += self._reason((self._take_space() + self._held).rstrip(WHITESPACE))
+        elif self._phase == "start" and self._held:
+            chunks += self._to_answer(self._take_space() + self._held)
+        self._held, self._space = "", []
         more, tokens = self._answer.finish()
         tokens += self._tokens
         self._tokens = 0
         return chunks + more, tokens
 
-    def _think(self) -> list[Chunk]:
+    def _start(self, text: str) -> list[Chunk]:
+        if not self._held:  # whitespace before the block
+            head = text.lstrip(WHITESPACE)
+            self._space.append(text[: len(text) - len(head)])
+            text = head
+        self._held += text
+        if self._open.startswith(self._held) and len(self._held) < len(self._open):
+            return []  # the block may still open
+        if not self._held.startswith(self._open):
+            return self._to_answer(self._take_space() + self._held)
+        self._phase, self._space = "thinking", []
+        rest, self._held = self._held[len(self._open) :], ""
+        return self._think(rest)
+
+    def _think(self, text: str) -> list[Chunk]:
+        held = self._held + text
         if not self._thought:
-            self._held = self._held.lstrip(WHITESPACE)
-        end = self._held.find(self._close)
+            held = held.lstrip(WHITESPACE)
+        end = held.find(self._close)
         if end >= 0:
-            thought, rest = self._held[:end], self._held[end + len(self._close) :]
-            chunks = self._reason(thought.rstrip(WHITESPACE))
+            thought, rest = held[:end], held[end + len(self._close) :]
+            chunks = self._reason((self._take_space() + thought).rstrip(WHITESPACE))
             if not chunks and self._tokens and self._thought:
                 # the close tag (and the blank before it) is the thinking's: its tokens too
                 chunks = [ReasoningDelta("", self._tokens)]
                 self._tokens = 0
-            self._phase, self._held = "after", rest
-            return chunks + self._after()
+            self._phase, self._held = "after", ""
+            return chunks + self._after(rest)
         # hold a possible start of the close tag, and whitespace that may be the block's end
-        keep = opening_prefix(self._held, self._close)
-        body = self._held[: len(self._held) - keep]
+        keep = opening_prefix(held, self._close)
+        body, self._held = held[: len(held) - keep], held[len(held) - keep :]
         out = body.rstrip(WHITESPACE)
-        self._held = self._held[len(out) :]
-        return self._reason(out)
+        if not out:
+            self._space.append(body)
+            return []
+        chunks = self._reason(self._take_space() + out)
+        self._space.append(body[len(out) :])
+        return chunks
 
-    def _after(self) -> list[Chunk]:
-        answer = self._held.lstrip(WHITESPACE)
+    def _after(self, text: str) -> list[Chunk]:
+        """The blank lines after the block are the template's: dropped as they come."""
+        answer = text.lstrip(WHITESPACE)
         return self._to_answer(answer) if answer else []
+
+    def _take_space(self) -> str:
+        space, self._space = "".join(self._space), []
+        return space
 
     def _reason(self, text: str) -> list[Chunk]:
         if not text:

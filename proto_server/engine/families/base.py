@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,6 +25,7 @@ import attrs
 
 from proto_server.engine.chunks import Chunk, ToolCallArgumentsDelta, ToolCallBegin, ToolCallEnd
 from proto_server.engine.tokens import stop_ids
+from proto_server.wire.converter import MAX_JSON_DEPTH
 from proto_server.wire.tools import FunctionTool
 
 if TYPE_CHECKING:
@@ -31,6 +33,13 @@ if TYPE_CHECKING:
     from proto_server.engine.limits import GenerationLimits
 
 WHITESPACE = " \t\r\n"
+#: Arguments the model nests deeper than this are no call (released as text, or a streamed
+#: call ends there): the depth a client may send, and far from where Python's decoder, and
+#: so the next turn's template, would run out of stack (about 990 levels).
+MAX_ARGUMENTS_DEPTH = MAX_JSON_DEPTH
+#: What a scan of JSON text stops at: brackets, and what opens, escapes or closes a string.
+_JSON_MARKS = re.compile(r'[\[\]{}"\\]')
+_STRING_MARKS = re.compile(r'["\\]')
 
 
 @attrs.frozen
@@ -130,25 +139,94 @@ def at_limit(chunks: list[Chunk], parser: CallParser) -> list[Chunk]:
 def object_arguments(arguments: str) -> str:
     """`arguments` as the JSON object a call holds: itself if it is one, else as a string
     (a custom tool's free-form input)."""
+    return arguments if json_object(arguments) else json.dumps(arguments)
+
+
+def json_object(text: str) -> bool:
+    """`text` is a JSON object, nested at most `MAX_ARGUMENTS_DEPTH` deep (so reading it, here
+    or in a template, cannot run out of stack)."""
+    if too_deep(text):
+        return False
     try:
-        valid = isinstance(json.loads(arguments), dict)
+        return isinstance(json.loads(text), dict)
     except ValueError:
-        valid = False
-    return arguments if valid else json.dumps(arguments)
+        return False
 
 
-def string_end(text: str, index: int) -> int:
-    """Where the JSON string opening at `index` ends (past its quote); -1 if not yet closed."""
-    escaped = False
-    for at in range(index + 1, len(text)):
-        char = text[at]
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            return at + 1
-    return -1
+def too_deep(text: str, depth: int = MAX_ARGUMENTS_DEPTH) -> bool:
+    """`text`'s arrays and objects nest deeper than `depth` (strings aside)."""
+    if text.count("[") + text.count("{") <= depth:
+        return False  # too few brackets to nest that deep: no need to look
+    braces, at = Braces(depth=0, limit=depth), 0
+    while (end := braces.close(text, at)) is not None:
+        at = end
+    return braces.deep
+
+
+@attrs.define
+class Braces:
+    """Where a scan of a JSON value's brackets stands (outside strings), from just past its
+    `{`: resumed on each piece, so a value is scanned once however it is split. A value that
+    nests deeper than `limit` stops the scan (`deep`)."""
+
+    depth: int = 1
+    in_string: bool = False
+    escaped: bool = False
+    deep: bool = False
+    limit: int = MAX_ARGUMENTS_DEPTH
+
+    def close(self, text: str, start: int) -> int | None:
+        """Where the value ends (past its closing bracket), scanning from `start`; None: not in
+        `text` yet (the scan goes on from its end), or `deep`."""
+        at = start
+        if self.escaped and at < len(text):
+            self.escaped, at = False, at + 1
+        while not self.deep and (found := _JSON_MARKS.search(text, at)) is not None:
+            at = found.start()
+            char = text[at]
+            if self.in_string:
+                if char == "\\":
+                    if at + 1 == len(text):
+                        self.escaped = True
+                        return None
+                    at += 1  # the escaped character is no mark
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+                self.deep = self.depth > self.limit
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return at + 1
+            at += 1
+        return None
+
+
+@attrs.define
+class Quote:
+    """Where a scan of a JSON string stands, from just past its opening quote: resumed on each
+    piece, so a string is scanned once however it is split."""
+
+    escaped: bool = False
+
+    def end(self, text: str, start: int) -> int | None:
+        """Where the string ends (past its closing quote), scanning from `start`; None: not in
+        `text` yet."""
+        at = start
+        if self.escaped and at < len(text):
+            self.escaped, at = False, at + 1
+        while (found := _STRING_MARKS.search(text, at)) is not None:
+            at = found.start()
+            if text[at] == '"':
+                return at + 1
+            if at + 1 == len(text):
+                self.escaped = True
+                return None
+            at += 2
+        return None
 
 
 def tool_specs(tools: Sequence[FunctionTool]) -> str:
@@ -246,14 +324,20 @@ def call_chunks(
     `payload`, its tokens) on the chunk it opens: pieces before a call's arguments go to its
     begin, those after the last call's arguments to its last delta."""
     chunks: list[Chunk] = []
-    boundary = 0
+    at = 0  # the first mark not yet given to a chunk (marks come in the payload's order)
     for number, call in enumerate(calls):
         a_start, a_end = call.span or (call.start, call.end)
         last = number == len(calls) - 1
-        begin = sum(t for offset, t in marks if boundary <= offset < a_start)
+        begin = 0
+        while at < len(marks) and marks[at][0] < a_start:
+            begin += marks[at][1]
+            at += 1
         chunks.append(ToolCallBegin(call.name, begin))
-        inside = [(o, t) for o, t in marks if a_start <= o < a_end]
-        after = sum(t for o, t in marks if o >= a_end) if last else 0
+        first = at
+        while at < len(marks) and marks[at][0] < a_end:
+            at += 1
+        inside = marks[first:at]
+        after = sum(t for _, t in marks[at:]) if last else 0
         if call.span is None:
             chunks.append(ToolCallArgumentsDelta(call.arguments, sum(t for _, t in inside)))
         else:
@@ -268,5 +352,4 @@ def call_chunks(
             assert isinstance(final, ToolCallArgumentsDelta)
             chunks[-1] = ToolCallArgumentsDelta(final.delta, final.tokens + after)
         chunks.append(ToolCallEnd())
-        boundary = a_end
     return chunks

@@ -15,11 +15,13 @@ arguments' `{` and their text piece by piece, each call's last piece waiting for
 it (the next call or the block's end decides where the tokens after the arguments go). Every
 token fed is carried by exactly one chunk or returned by `finish`. A block whose close is the
 end of the model's turn (`close` ""), or whose last call is whole when the turn ends, counts.
+Arguments nested deeper than `MAX_ARGUMENTS_DEPTH` leave the frame (a held block is text, a
+streamed call ends there). The scan resumes where it stopped, so it reads each character
+once however the text is split (stream.py).
 """
 
 from __future__ import annotations
 
-import json
 import string
 from collections.abc import Collection
 
@@ -32,45 +34,45 @@ from proto_server.engine.chunks import (
 )
 from proto_server.engine.families.base import (
     WHITESPACE,
+    Braces,
     CallFrame,
     ParsedCall,
+    Quote,
     call_chunks,
-    string_end,
+    json_object,
 )
-from proto_server.engine.families.stream import BlockStream, Braces, opening_prefix
+from proto_server.engine.families.stream import BlockStream, opening_prefix
 
 #: What a function's name is made of (OpenAI's `^[a-zA-Z0-9_-]+$`, and dots).
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
-
-
-class _More(Exception):
-    """The text so far does not decide: more is needed."""
 
 
 class _Deviation(Exception):
     """The block left the frame: it is not a call."""
 
 
-def _literal(text: str, index: int, literal: str) -> int:
-    """Where `literal` ends when it starts at `index` (whitespace on either side optional)."""
-    for char in literal:
+def _match(text: str, index: int, literal: str, matched: int) -> tuple[int, int]:
+    """`literal` read on from its `matched` characters at `index` (whitespace on either side of
+    each character optional): where the reading got to, and how much of `literal` it matched
+    (all of it, or as much as `text` holds: the next piece goes on from there)."""
+    while matched < len(literal):
+        char = literal[matched]
         if char in WHITESPACE:
+            matched += 1
             continue
-        while index < len(text) and text[index] in WHITESPACE:
-            index += 1
+        index = _skip(text, index)
         if index >= len(text):
-            raise _More
+            break
         if text[index] != char:
             raise _Deviation
+        index, matched = index + 1, matched + 1
+    return index, matched
+
+
+def _skip(text: str, index: int) -> int:
+    while index < len(text) and text[index] in WHITESPACE:
         index += 1
     return index
-
-
-def _try(text: str, index: int, literal: str) -> int | _More | _Deviation:
-    try:
-        return _literal(text, index, literal)
-    except (_More, _Deviation) as outcome:
-        return outcome
 
 
 @attrs.define
@@ -79,9 +81,12 @@ class _Scan:
 
     phase: str = "list_open"
     pos: int = 0
+    matched: int = 0  # how much of the phase's literal is read, up to `pos`
+    after: int = 0  # where the text after the last call's frame starts
     name: str = ""
     a_start: int = 0
     braces: Braces = attrs.Factory(Braces)
+    quote: Quote = attrs.Factory(Quote)
     calls: list[ParsedCall] = attrs.Factory(list)
     end: int | None = None  # where the block ended, once it did
     # streaming: what went out
@@ -111,15 +116,15 @@ class FramedCallParser(BlockStream):
         self._opener = ""  # the opening as written ("" for a bare block)
         self._scan = _Scan()
         self._streaming = False
-
-    def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
-        if self._block is not None:
-            self._marks.append((len(self._block), tokens))
-            self._block += text
-            return self._advance()
-        self._tokens += tokens
-        self._text += text
-        return self._scan_text()
+        self._literals = {
+            "list_open": frame.list_open,
+            "prefix": frame.name_prefix,
+            "suffix": frame.name_suffix,
+            "id_key": f'"{frame.id_key}":',
+            "args_suffix": frame.args_suffix,
+            "after": (frame.separator or "") + frame.name_prefix,
+            "close": frame.close,
+        }
 
     def finish(self) -> tuple[list[Chunk], int]:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
@@ -127,7 +132,7 @@ class FramedCallParser(BlockStream):
         block = self._block
         if block is not None:
             scan = self._scan
-            whole = scan.phase in ("after", "tail")  # the last call is complete
+            whole = scan.phase in ("after", "close", "tail")  # the last call is complete
             if self._streaming and scan.begun:
                 # in its arguments (past them, the call is whole but for its frame)
                 self.cut = scan.phase == "args"
@@ -155,25 +160,10 @@ class FramedCallParser(BlockStream):
         if start < 0:
             held = opening_prefix(text, frame.open)
             return self._emit_text(self._take_text(len(text) - held))
-        before, rest = text[:start], text[start + len(opener) :]
-        chunks: list[Chunk] = []
-        if self._spoke or before.strip(WHITESPACE):
-            chunks = self._emit_text(before)
-        else:
-            self._lead = before
-        self._text = ""
-        self._block = ""
         self._opener = opener
         self._scan = _Scan()
         self._streaming = self._forced
-        self._marks = [(0, self._tokens)]
-        self._tokens = 0
-        return chunks + self.feed(rest, 0)
-
-    def _rescan(self, text: str) -> list[Chunk]:
-        self._end_block()
-        self._text = text
-        return self._scan_text() if text else []
+        return self._open(text[:start], text[start + len(opener) :])
 
     def _end_block(self) -> None:
         self._block = None
@@ -184,13 +174,13 @@ class FramedCallParser(BlockStream):
         self._tokens += sum(tokens for _, tokens in self._marks)
         self._marks = []
         self._end_block()
-        lead, self._lead = self._lead, ""
+        lead = self._take_lead()
         self._spoke = True  # a bare block's `{` is text now: it opens no other block
         return self._emit_text(lead + text)
 
     # -- inside a block --------------------------------------------------------------------------
 
-    def _advance(self) -> list[Chunk]:
+    def _scan_block(self) -> list[Chunk]:
         block, scan = self._block, self._scan
         assert block is not None
         chunks: list[Chunk] = []
@@ -201,15 +191,19 @@ class FramedCallParser(BlockStream):
             if self._streaming and scan.begun:  # not under a grammar after all: end the calls
                 chunks += self._cut()
                 self.calls += len(scan.calls)
-                return chunks + self._rescan(block[scan.pos :])
-            return self._release(self._opener) + self._rescan(block)
+                self._rescan(block[scan.pos :])
+                return chunks
+            chunks = self._release(self._opener)
+            self._rescan(block)
+            return chunks
         if scan.end is not None:
             if self._streaming and scan.begun:
                 chunks += self._end_call(everything=True)
                 self.calls += len(scan.calls)
-                self._lead = ""
+                self._lead = []
                 self._spoke = False
-                return chunks + self._rescan(block[scan.end :])
+                self._rescan(block[scan.end :])
+                return chunks
             return self._close_held()
         if self._streaming and scan.phase == "args":
             chunks += self._deltas(self._pieces(scan.sent, len(block)))
@@ -218,68 +212,77 @@ class FramedCallParser(BlockStream):
 
     def _step(self, block: str, scan: _Scan, chunks: list[Chunk]) -> bool:
         """Advance one element of the frame; False when more text is needed."""
-        frame = self._frame
-        try:
-            if scan.phase == "args":
-                return self._arguments(block, scan, chunks)
-            if scan.phase == "list_open":
-                scan.pos, scan.phase = _literal(block, scan.pos, frame.list_open), "prefix"
-            elif scan.phase == "prefix":
-                scan.pos, scan.phase = _literal(block, scan.pos, frame.name_prefix), "name"
-            elif scan.phase == "name":
-                end = scan.pos
-                while end < len(block) and block[end] in NAME_CHARS:
-                    end += 1
-                if end == len(block):
-                    raise _More
-                if block[scan.pos : end] not in self._names:
-                    raise _Deviation
-                scan.name, scan.pos, scan.phase = block[scan.pos : end], end, "suffix"
-            elif scan.phase == "suffix":
-                scan.pos, scan.phase = _literal(block, scan.pos, frame.name_suffix), "args_start"
-            elif scan.phase == "args_start":
+        phase = scan.phase
+        if phase == "args":
+            return self._arguments(block, scan, chunks)
+        if phase == "name":
+            return self._name(block, scan)
+        if phase in ("args_start", "id", "id_value"):
+            scan.pos = _skip(block, scan.pos)  # whitespace before them is read once
+            if scan.pos >= len(block):
+                return False
+            if phase == "args_start":
                 self._open_arguments(block, scan, chunks)
-            elif scan.phase == "args_suffix":
-                if frame.id_key is not None:
-                    scan.pos = self._call_id(block, scan.pos, frame.id_key)
-                scan.pos, scan.phase = _literal(block, scan.pos, frame.args_suffix), "after"
-            elif scan.phase == "after":
-                self._after_call(block, scan, chunks)
-            else:  # "tail": calls past the allowed number, dropped up to the close
-                found = block.find(frame.close, scan.pos) if frame.close else -1
-                if found < 0:
-                    raise _More
-                scan.end = found + len(frame.close)
-        except _More:
+            elif phase == "id":  # `, "id": "..."` after the arguments, or not
+                comma = block[scan.pos] == ","
+                scan.pos += comma
+                scan.phase = "id_key" if comma else "args_suffix"
+            elif block[scan.pos] != '"':
+                raise _Deviation
+            else:
+                scan.pos, scan.quote, scan.phase = scan.pos + 1, Quote(), "id_string"
+            return True
+        if phase == "id_string":
+            end = scan.quote.end(block, scan.pos)
+            scan.pos = len(block) if end is None else end
+            if end is not None:
+                scan.phase = "args_suffix"
+            return end is not None
+        if phase == "tail":  # calls past the allowed number, dropped up to the close
+            return self._tail(block, scan)
+        literal = self._literals[phase]
+        try:
+            scan.pos, scan.matched = _match(block, scan.pos, literal, scan.matched)
+        except _Deviation:
+            if phase != "after":
+                raise
+            scan.phase, scan.pos, scan.matched = "close", scan.after, 0  # no next call
+            return True
+        if scan.matched < len(literal):
             return False
+        scan.matched = 0
+        if phase == "after":
+            self._next_call(scan, chunks)
+        elif phase == "close":
+            scan.end = scan.pos
+        else:
+            scan.phase = {
+                "list_open": "prefix",
+                "prefix": "name",
+                "suffix": "args_start",
+                "id_key": "id_value",
+                "args_suffix": "close" if self._frame.separator is None else "after",
+            }[phase]
+            scan.after = scan.pos
         return True
 
-    @staticmethod
-    def _call_id(block: str, pos: int, key: str) -> int:
-        """Past `, "key": "..."` at `pos`, if the call holds it there."""
-        comma = _try(block, pos, ",")
-        if isinstance(comma, _Deviation):
-            return pos
-        if isinstance(comma, _More):
-            raise _More
-        start = _literal(block, comma, f'"{key}":')
-        while start < len(block) and block[start] in WHITESPACE:
-            start += 1
-        if start >= len(block):
-            raise _More
-        if block[start] != '"':
+    def _name(self, block: str, scan: _Scan) -> bool:
+        """The called tool's name: no longer than the longest offered, read at most once a
+        piece."""
+        end = scan.pos
+        while end < len(block) and block[end] in NAME_CHARS and end - scan.pos <= self._longest:
+            end += 1
+        if end - scan.pos > self._longest:
+            raise _Deviation  # longer than any offered name
+        if end == len(block):
+            return False
+        if block[scan.pos : end] not in self._names:
             raise _Deviation
-        end = string_end(block, start)
-        if end < 0:
-            raise _More
-        return end
+        scan.name, scan.pos, scan.phase = block[scan.pos : end], end, "suffix"
+        return True
 
     def _open_arguments(self, block: str, scan: _Scan, chunks: list[Chunk]) -> None:
         at = scan.pos
-        while at < len(block) and block[at] in WHITESPACE:
-            at += 1
-        if at >= len(block):
-            raise _More
         if block[at] != "{":
             raise _Deviation
         scan.a_start, scan.pos, scan.braces, scan.phase = at, at + 1, Braces(), "args"
@@ -289,17 +292,20 @@ class FramedCallParser(BlockStream):
             chunks.append(ToolCallBegin(scan.name, begin))
             scan.begun += 1
             scan.sent = at
-            self._lead = ""
+            self._lead = []
 
     def _arguments(self, block: str, scan: _Scan, chunks: list[Chunk]) -> bool:
         """Follow the arguments' braces to the `}` that closes them."""
         end = scan.braces.close(block, scan.pos)
         if end is None:
             scan.pos = len(block)
+            if scan.braces.deep:
+                raise _Deviation
             return False
         arguments = block[scan.a_start : end]
         scan.calls.append(ParsedCall(scan.name, arguments, (scan.a_start, end), scan.a_start, end))
-        scan.pos, scan.phase = end, "args_suffix"
+        scan.pos = end
+        scan.phase = "args_suffix" if self._frame.id_key is None else "id"
         if self._streaming:
             pieces = self._pieces(scan.sent, end)
             scan.sent = end
@@ -307,28 +313,24 @@ class FramedCallParser(BlockStream):
             scan.pending = pieces[-1]
         return True
 
-    def _after_call(self, block: str, scan: _Scan, chunks: list[Chunk]) -> None:
-        """The next call, or the block's close: whichever the text after a call is."""
-        frame = self._frame
-        more = (
-            _try(block, scan.pos, frame.separator + frame.name_prefix)
-            if frame.separator is not None
-            else _Deviation()
-        )
-        if isinstance(more, int):
-            if self._max_calls is not None and len(scan.calls) >= self._max_calls:
-                scan.phase = "tail"
-                return
-            if self._streaming:
-                chunks += self._end_call(everything=False)
-            scan.pos, scan.phase = more, "name"
+    def _next_call(self, scan: _Scan, chunks: list[Chunk]) -> None:
+        """The separator and the next call's name prefix came: another call, if allowed."""
+        if self._max_calls is not None and len(scan.calls) >= self._max_calls:
+            scan.phase, scan.pos = "tail", scan.after
             return
-        if isinstance(more, _More):
-            raise _More
-        if not frame.close:  # the turn's end closes it: what follows is text
-            scan.end = scan.pos
-            return
-        scan.end = _literal(block, scan.pos, frame.close)
+        if self._streaming:
+            chunks += self._end_call(everything=False)
+        scan.phase = "name"
+
+    def _tail(self, block: str, scan: _Scan) -> bool:
+        close = self._frame.close
+        found = block.find(close, scan.pos) if close else -1
+        if found < 0:
+            if close:  # the next piece searches on from here
+                scan.pos = max(scan.pos, len(block) - len(close) + 1)
+            return False
+        scan.end = found + len(close)
+        return True
 
     # -- a block's calls out -------------------------------------------------------------------
 
@@ -338,16 +340,19 @@ class FramedCallParser(BlockStream):
         assert block is not None and scan.end is not None
         payload, rest = block[: scan.end], block[scan.end :]
         calls = scan.calls
-        if not all(_is_object(call.arguments) for call in calls):
-            return self._release(self._opener + payload) + self._rescan(rest)
+        if not all(json_object(call.arguments) for call in calls):
+            chunks = self._release(self._opener + payload)
+            self._rescan(rest)
+            return chunks
         if self._max_calls is not None:
             calls = calls[: self._max_calls]
         chunks = call_chunks(payload, calls, self._marks)
         self._marks = []
         self.calls += len(calls)
-        self._lead = ""
+        self._lead = []
         self._spoke = False
-        return chunks + self._rescan(rest)
+        self._rescan(rest)
+        return chunks
 
     def _end_call(self, *, everything: bool) -> list[Chunk]:
         scan = self._scan
@@ -369,12 +374,5 @@ class FramedCallParser(BlockStream):
             chunks += self._end_call(everything=True)
         self._tokens += sum(count for _, count in self._marks)
         self._marks = []
-        self._lead = ""
+        self._lead = []
         return chunks
-
-
-def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except ValueError:
-        return False

@@ -36,15 +36,19 @@ from proto_server.engine.chunks import (
     ToolCallEnd,
 )
 from proto_server.engine.families.base import (
+    MAX_ARGUMENTS_DEPTH,
     WHITESPACE,
+    Braces,
     CallFrame,
     CallParser,
     ParsedCall,
+    Quote,
     ToolSyntax,
     call_chunks,
-    string_end,
+    json_object,
+    too_deep,
 )
-from proto_server.engine.families.stream import BlockStream, Braces, opening_prefix
+from proto_server.engine.families.stream import BlockStream, opening_prefix
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -134,20 +138,19 @@ def _call(text: str, index: int, names: Collection[str]) -> tuple[ParsedCall, in
     arguments, a_start, a_end = fields["arguments"]
     if not isinstance(name, str) or name not in names:
         raise _Invalid
-    if isinstance(arguments, dict):
+    if isinstance(arguments, dict) and not too_deep(text[a_start:a_end]):
         return ParsedCall(name, text[a_start:a_end], (a_start, a_end), index, end), end
-    if isinstance(arguments, str):  # arguments given as a JSON string holding an object
-        try:
-            decoded = json.loads(arguments)
-        except ValueError as exc:
-            raise _Invalid from exc
-        if isinstance(decoded, dict):
-            return ParsedCall(name, arguments, None, index, end), end
+    if isinstance(arguments, str) and json_object(arguments):  # a JSON string holding an object
+        return ParsedCall(name, arguments, None, index, end), end
     raise _Invalid
 
 
 def parse_calls(payload: str, names: Collection[str]) -> list[ParsedCall] | None:
-    """The calls between the tags: a list of call objects or one object; None if not valid."""
+    """The calls between the tags: a list of call objects or one object; None if not valid
+    (arguments nested deeper than `MAX_ARGUMENTS_DEPTH` too: the list and the call object
+    around them are looked at first, so the decoder cannot run out of stack)."""
+    if too_deep(payload, MAX_ARGUMENTS_DEPTH + 2):
+        return None
     try:
         index = _skip(payload, 0)
         calls = []
@@ -185,6 +188,8 @@ class _Stream:
     a_start: int = 0
     sent: int = 0  # the arguments' text is out up to here
     braces: Braces = attrs.Factory(Braces)
+    quote: Quote | None = None  # inside a string (a key or the name), which opened at `q_start`
+    q_start: int = 0
     pending: tuple[str, int] | None = None  # a call's last arguments piece, and its tokens
     begun: int = 0  # calls whose begin went out
     kept: int = 0  # calls whose object closed
@@ -214,15 +219,8 @@ class ToolCallParser(BlockStream):
         self._max_calls = max_calls
         self._forced = forced
         self._stream: _Stream | None = None
-
-    def feed(self, text: str, tokens: int = 1) -> list[Chunk]:
-        if self._block is not None:
-            self._marks.append((len(self._block), tokens))
-            self._block += text
-            return self._scan_stream() if self._stream is not None else self._scan_block()
-        self._tokens += tokens
-        self._text += text
-        return self._scan_text()
+        self._head_at = 0  # a held block's leading whitespace is read up to here (-1: past it)
+        self._searched = 0  # a held block holds no `</tool_call>` before here
 
     def finish(self) -> tuple[list[Chunk], int]:
         """The chunks still held when decoding stopped, and the tokens no chunk carries."""
@@ -244,59 +242,55 @@ class ToolCallParser(BlockStream):
         if start < 0:
             held = opening_prefix(self._text, OPEN)
             return self._emit_text(self._take_text(len(self._text) - held))
-        before, rest = self._text[:start], self._text[start + len(OPEN) :]
-        chunks: list[Chunk] = []
-        if self._spoke or before.strip(WHITESPACE):
-            chunks = self._emit_text(before)
-        else:  # leading whitespace: dropped if a call follows, its tokens going to the call
-            self._lead = before
-        self._text = ""
-        self._block = ""
         self._stream = _Stream() if self._forced else None
-        self._marks = [(0, self._tokens)]
-        self._tokens = 0
-        return chunks + self.feed(rest, 0)
+        self._head_at = self._searched = 0
+        return self._open(self._text[:start], self._text[start + len(OPEN) :])
 
     # -- inside a block --------------------------------------------------------------------------
 
     def _scan_block(self) -> list[Chunk]:
+        return self._scan_held() if self._stream is None else self._scan_stream()
+
+    def _scan_held(self) -> list[Chunk]:
         block = self._block
         assert block is not None
-        head = block.lstrip(WHITESPACE)
-        if head and head[0] not in "[{":  # cannot be a call: it was prose after all
-            return self._release_block(OPEN) + self._rescan(block)
-        end = block.find(CLOSE)
+        if self._head_at >= 0:
+            at = _skip(block, self._head_at)
+            if at < len(block) and block[at] not in "[{":  # cannot be a call: it was prose
+                chunks = self._release_block(OPEN)
+                self._rescan(block)
+                return chunks
+            self._head_at = at if at == len(block) else -1
+        end = block.find(CLOSE, self._searched)
         if end < 0:
+            self._searched = max(self._searched, len(block) - len(CLOSE) + 1)
             return []
         payload, rest = block[:end], block[end + len(CLOSE) :]
         calls = parse_calls(payload, self._names)
         if calls is None:
-            return self._release_block(OPEN + payload + CLOSE) + self._rescan(rest)
+            chunks = self._release_block(OPEN + payload + CLOSE)
+            self._rescan(rest)
+            return chunks
         if self._max_calls is not None:
             del calls[self._max_calls :]
         chunks = call_chunks(payload, calls, self._marks)
         self._marks = []
         self.calls += len(calls)
-        self._block = None
-        self._lead = ""
+        self._lead = []
         self._spoke = False
-        return chunks + self._rescan(rest)
+        self._rescan(rest)
+        return chunks
 
-    def _rescan(self, text: str) -> list[Chunk]:
-        """Text after a block ends, or a block's text once it proved not to be one."""
+    def _end_block(self) -> None:
         self._block = None
         self._stream = None
-        self._text = text
-        return self._scan_text() if text else []
 
     def _release_block(self, text: str) -> list[Chunk]:
         """A block that is not a valid call: the model's text, with all the block's tokens."""
         self._tokens += sum(tokens for _, tokens in self._marks)
         self._marks = []
-        self._block = None
-        self._stream = None
-        lead, self._lead = self._lead, ""
-        return self._emit_text(lead + text)
+        self._end_block()
+        return self._emit_text(self._take_lead() + text)
 
     # -- a forced block, streamed ------------------------------------------------------------------
 
@@ -308,14 +302,15 @@ class ToolCallParser(BlockStream):
         chunks: list[Chunk] = []
         try:
             while self._step(stream, block, chunks):
-                if self._block is None:  # the block closed; `chunks` holds what came after
+                if self._block is None:  # the block closed; what came after it is queued
                     return chunks
         except _Deviation:
             if not stream.begun:  # nothing out yet: hold it as an unforced block
                 self._stream = None
-                return self._scan_block()
+                return self._scan_held()
             chunks += self._cut_stream()  # not under a grammar after all: end the calls
-            return chunks + self._rescan(block[stream.pos :])
+            self._rescan(block[stream.pos :])
+            return chunks
         if stream.phase == "args":
             chunks += self._deltas(self._pieces(stream.sent, len(block)))
             stream.sent = len(block)
@@ -326,17 +321,20 @@ class ToolCallParser(BlockStream):
         phase = stream.phase
         if phase == "args":
             return self._scan_arguments(stream, block, chunks)
+        if stream.quote is not None:
+            return self._scan_string(stream, block)
         if phase == "tail":
             end = block.find(CLOSE, stream.pos)
-            if end < 0:
+            if end < 0:  # the next piece searches on from here
+                stream.pos = max(stream.pos, len(block) - len(CLOSE) + 1)
                 return False
             chunks += self._end_call(stream, everything=True)
             self.calls += stream.kept
-            self._lead = ""
+            self._lead = []
             self._spoke = False
-            chunks += self._rescan(block[end + len(CLOSE) :])
+            self._rescan(block[end + len(CLOSE) :])
             return True
-        at = _skip(block, stream.pos)
+        at = stream.pos = _skip(block, stream.pos)  # whitespace is read once
         if at >= len(block):
             return False
         char = block[at]
@@ -353,19 +351,7 @@ class ToolCallParser(BlockStream):
         if expected is None:  # a string: a key or the name
             if char != '"':
                 raise _Deviation
-            end = string_end(block, at)
-            if end < 0:
-                return False
-            value = json.loads(block[at:end])
-            if phase == "name_key" and value == "name":
-                stream.phase = "name_colon"
-            elif phase == "name" and value in self._names:
-                stream.name, stream.phase = value, "comma"
-            elif phase == "args_key" and value == "arguments":
-                stream.phase = "args_colon"
-            else:
-                raise _Deviation
-            stream.pos = end
+            stream.quote, stream.q_start, stream.pos = Quote(), at, at + 1
             return True
         if char not in expected:
             raise _Deviation
@@ -390,7 +376,7 @@ class ToolCallParser(BlockStream):
             stream.a_start = stream.sent = at
             stream.braces = Braces()
             stream.phase = "args"
-            self._lead = ""  # a call it is: the whitespace before it opens no message
+            self._lead = []  # a call it is: the whitespace before it opens no message
         elif phase == "call_end":
             stream.kept += 1
             stream.phase = "after_call" if stream.listed else "tail"
@@ -401,11 +387,36 @@ class ToolCallParser(BlockStream):
             stream.phase = "tail"
         return True
 
+    def _scan_string(self, stream: _Stream, block: str) -> bool:
+        """A key or the name, read once however it is split."""
+        assert stream.quote is not None
+        end = stream.quote.end(block, stream.pos)
+        if end is None:
+            stream.pos = len(block)
+            return False
+        try:
+            value = json.loads(block[stream.q_start : end])
+        except ValueError:  # an escape JSON does not have
+            raise _Deviation from None
+        phase = stream.phase
+        if phase == "name_key" and value == "name":
+            stream.phase = "name_colon"
+        elif phase == "name" and value in self._names:
+            stream.name, stream.phase = value, "comma"
+        elif phase == "args_key" and value == "arguments":
+            stream.phase = "args_colon"
+        else:
+            raise _Deviation
+        stream.quote, stream.pos = None, end
+        return True
+
     def _scan_arguments(self, stream: _Stream, block: str, chunks: list[Chunk]) -> bool:
         """Follow the arguments' braces to the `}` that closes them."""
         end = stream.braces.close(block, stream.pos)
         if end is None:
             stream.pos = len(block)
+            if stream.braces.deep:  # nested deeper than a call may be: it ends here
+                raise _Deviation
             return False
         pieces = self._pieces(stream.sent, end)
         stream.sent = end
@@ -438,7 +449,6 @@ class ToolCallParser(BlockStream):
         self._tokens += sum(count for _, count in self._marks)
         self._marks = []
         self.calls += stream.kept
-        self._stream = None
-        self._block = None
-        self._lead = ""
+        self._end_block()
+        self._lead = []
         return chunks
