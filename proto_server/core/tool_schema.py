@@ -27,11 +27,20 @@ MAX_SCHEMA_NODES = 10_000
 #: Characters of each property name a path quotes.
 PATH_KEY_CHARS = 64
 
-#: A path as a linked list, (key, parent): built only when a schema is refused.
-_Trail = tuple[str | int, "_Trail"] | None
+#: A path as a linked list, (key, parent): made into text only when a schema is refused.
+Trail = tuple[str | int, "Trail"] | None
 
 
-def _path(trail: _Trail) -> str:
+def trail_of(keys: Sequence[str | int]) -> Trail:
+    """The trail of a path given as its keys, outermost first."""
+    trail: Trail = None
+    for key in keys:
+        trail = (key, trail)
+    return trail
+
+
+def trail_path(trail: Trail) -> str:
+    """`trail` as a request path, e.g. `tools[0].parameters.properties.a`."""
     keys: list[str | int] = []
     while trail is not None:
         key, trail = trail
@@ -55,20 +64,17 @@ def check_tool_schemas(tools: Sequence[Tool]) -> None:
 def check_schema(schema: Mapping[str, Any], where: Sequence[str | int], code: str) -> None:
     """The same budgets for a schema at `where` (its path's keys) in the request; `code` is the
     error's."""
-    trail: _Trail = None
-    for key in where:
-        trail = (key, trail)
-    _check(schema, trail, code)
+    _check(schema, trail_of(where), code)
 
 
-def _check(schema: Mapping[str, Any], root: _Trail, code: str) -> None:
+def _check(schema: Mapping[str, Any], root: Trail, code: str) -> None:
     """Only containers are visited; their sizes are counted before their children are read."""
     nodes = 1
-    stack: list[tuple[Mapping[str, Any] | list[Any], int, _Trail]] = [(schema, 1, root)]
+    stack: list[tuple[Mapping[str, Any] | list[Any], int, Trail]] = [(schema, 1, root)]
     while stack:
         value, depth, trail = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
-            path = _path(trail)
+            path = trail_path(trail)
             raise ProtocolError(
                 code,
                 f"`{path}` nests deeper than {MAX_SCHEMA_DEPTH} levels inside its schema;"
@@ -79,9 +85,9 @@ def _check(schema: Mapping[str, Any], root: _Trail, code: str) -> None:
         if nodes > MAX_SCHEMA_NODES:
             raise ProtocolError(
                 code,
-                f"`{_path(root)}` holds more than {MAX_SCHEMA_NODES} JSON values; this server "
+                f"`{trail_path(root)}` holds more than {MAX_SCHEMA_NODES} JSON values; this server "
                 "reads at most that many per schema. Simplify the schema.",
-                param=_path(root),
+                param=trail_path(root),
             )
         children = value.items() if isinstance(value, Mapping) else enumerate(value)
         for key, child in children:

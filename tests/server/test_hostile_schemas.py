@@ -24,13 +24,8 @@ from proto_server.engine import default_model
 from proto_server.engine.default_model import (
     _IDENTIFIER as IDENTIFIER,
 )
-from proto_server.engine.default_model import (
-    EXAMPLE_BUDGET,
-    NAME_SEARCH_CHARS,
-    _choose_tool,
-    _Examples,
-    example_value,
-)
+from proto_server.engine.default_model import NAME_SEARCH_CHARS, _choose_tool
+from proto_server.engine.examples import EXAMPLE_BUDGET, SchemaRefused, _Examples, example_value
 from proto_server.engine.limits import GenerationLimits
 from proto_server.server.app import ProtoServer
 from proto_server.testing import connect_checked
@@ -199,10 +194,12 @@ def test_a_ref_cycle_is_cut() -> None:
     assert example_value(definitions) is None  # nothing but a cycle: nothing to say
 
 
-def test_refs_that_double_at_every_level_stop_at_the_budget(
+def test_refs_that_double_at_every_level_are_refused_at_the_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """30 definitions, each requiring two copies of the next: 2^30 values if followed."""
+    """30 definitions, each requiring two copies of the next: 2^30 values if followed. The walk
+    stops at the budget and the schema is refused (before: an instance with parts left out,
+    which the schema does not accept)."""
     defs = {
         f"d{i}": {
             "type": "object",
@@ -213,10 +210,67 @@ def test_refs_that_double_at_every_level_stop_at_the_budget(
     }
     defs["d30"] = {"type": "integer"}
     visits = counted_visits(monkeypatch)
-    value = example_value({"$defs": defs, "$ref": "#/$defs/d0"})
+    with pytest.raises(SchemaRefused) as refused:
+        example_value({"$defs": defs, "$ref": "#/$defs/d0"})
     assert visits[0] <= EXAMPLE_BUDGET + 1  # each visit spends, and the budget ends the walk
-    assert isinstance(value, dict)
-    assert len(orjson.dumps(value)) < 20 * EXAMPLE_BUDGET
+    assert refused.value.keyword == "$ref" and refused.value.param.startswith("$defs.d")
+
+
+# -- a small schema that asks for a huge instance -------------------------------------------
+
+#: The probe: one string property that must be a hundred million characters long.
+HUGE_STRING = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "minLength": 100_000_000}},
+    "required": ["a"],
+}
+
+HUGE_PROBES = {
+    "text.format": (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": HUGE_STRING}}},
+        "invalid_json_schema",
+        "text.format.schema.properties.a.minLength",
+    ),
+    "a tool's parameters": (
+        {"tools": [{"type": "function", "name": "f", "parameters": HUGE_STRING}]},
+        "invalid_tool_schema",
+        "tools[0].parameters.properties.a.minLength",
+    ),
+}
+
+
+@pytest.mark.parametrize("probe", list(HUGE_PROBES))
+async def test_a_tiny_request_asking_a_huge_instance_is_refused_and_the_server_serves_on(
+    start_server: StartServer, probe: str
+) -> None:
+    """Before: the default model built the 100,000,000 characters and streamed them, 4.87 GB
+    resident, nothing sent for a minute, `/healthz` unanswered. Now the Response fails at
+    once with the schema's code, naming the keyword's path, having sent nothing of it."""
+    fields, code, param = HUGE_PROBES[probe]
+    frame = {"type": "response.create", "model": "m", "input": "hi", **fields}
+    assert len(orjson.dumps(frame)) < 256  # the probe that was sent: 254 bytes
+    running = await start_server()
+    with trio.fail_after(DEADLINE_S):
+        async with connect_checked(running.prototype_url) as client:
+            await client.send(frame)
+            events = await client.segment()
+            assert not [e for e in events if e["type"].endswith(".delta")]
+            failed = events[-1]
+            assert failed["type"] == "response.failed", failed
+            error = failed["response"]["error"]
+            assert error["code"] == code and f"`{param}`" in error["message"]
+            assert "100000000" in error["message"] and "--generator" in error["message"]
+            await client.send(create())  # the same connection serves the next request
+            assert (await client.segment())[-1]["type"] == "response.done"
+        async with httpx.AsyncClient() as http:
+            assert (
+                await http.get(f"http://{running.address.host}:{running.address.port}/healthz")
+            ).status_code == 200
+            body = {k: v for k, v in frame.items() if k != "type"}
+            answer = await http.post(f"{running.address.http_url}/responses", json=body)
+    response = answer.json()  # a Response that failed, as OpenAI returns one
+    assert answer.status_code == 200 and response["status"] == "failed"
+    assert response["error"]["code"] == code and not response["output"]
 
 
 # -- finding 8: unusual schemas get a call or text, never a traceback ------------------------

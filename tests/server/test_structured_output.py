@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from proto_server.core.text_format import TextFormat, parse_text_format
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH
-from proto_server.engine.default_model import example_value
+from proto_server.engine.examples import example_value
 from proto_server.wire.errors import ProtocolError
 
 from ..support.helpers import END, StartServer, answers, body, connect, create, in_thread, sse
@@ -255,6 +255,33 @@ async def test_openai_python_responses_parse_gets_an_instance(start_server: Star
     running = await start_server()
     parsed = await in_thread(parse_with_openai, running.address.http_url)
     assert isinstance(parsed, Ticket)
+
+
+class Shipment(pydantic.BaseModel):
+    """Constraints openai-python sends as `pattern`, `exclusiveMinimum` and `multipleOf`."""
+
+    code: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")
+    crates: int = pydantic.Field(gt=0, multiple_of=5)
+    share: float = pydantic.Field(gt=0, lt=1)
+    weight: float = pydantic.Field(ge=0.5, multiple_of=0.25)
+
+
+def parse_shipment_with_openai(http_url: str) -> Any:
+    client = OpenAI(base_url=http_url, api_key="sk-test", max_retries=0)
+    response = client.responses.parse(
+        model="gpt-test", input="book a shipment", text_format=Shipment
+    )
+    return response.output_parsed
+
+
+async def test_openai_python_responses_parse_gets_a_pattern_and_multiples_honoured(
+    start_server: StartServer,
+) -> None:
+    """Before: `code` was "example", `crates` 1 and `share` 1.0, and pydantic refused them."""
+    running = await start_server()
+    parsed = await in_thread(parse_shipment_with_openai, running.address.http_url)
+    assert isinstance(parsed, Shipment)
+    assert parsed.crates % 5 == 0 and 0 < parsed.share < 1
 
 
 def structured_with_langchain(http_url: str) -> Any:
