@@ -438,7 +438,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
         if seq.turn + 1 < len(r.output_tokens):
             turn_of[index] = seq.turn + 1
             if policy == "proto-server":
-                schedulers[placed[index]].suspend(index, now)
+                wake(schedulers[placed[index]].suspend(index, now), now)
                 watch_expiry(placed[index])
             push(now + r.waits_s[seq.turn], _READY, index)
             return

@@ -21,7 +21,12 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
   the fewest admitted tokens per unit of weight goes first (on a tie, the one served longest
   ago); within one, the waiter holding the fewest tokens first (more fit at once, and the
   mean wait is shorter), but the one that has waited longest is passed by at most `bypass`
-  others, then goes next (no waiter starves); `bypass` 0: first come first served.
+  others, then goes next (no waiter starves); `bypass` 0: first come first served;
+- an owner is entitled to its fair share (`fair_level`: the capacity shared max-min fair by
+  weight between the owners that hold or wait): while the owner next in line holds less and
+  its waiter does not fit, owners holding more give suspended places back, as lapses, until it
+  fits, and it goes next (`_reclaim`): else an owner whose tools always come back within the
+  TTL would keep its places for ever.
 
 Sans-IO: no clock (every call that needs the time is given `now`), no awaits. The trio side
 (`server/admission.py`) wakes the rollouts each call returns as admitted.
@@ -42,6 +47,8 @@ import statistics
 from collections.abc import Callable, Hashable, Mapping
 
 import attrs
+
+from proto_server.core.shared_capacity import water_level
 
 
 class State(enum.Enum):
@@ -101,34 +108,37 @@ class Queue:
     in a heap whose stale tuples (a waiter gone, or asked again with other tokens) are
     dropped when they come to its top."""
 
-    def __init__(self, bypass: int) -> None:
+    def __init__(self, bypass: int, wanted: Callable[[int], int]) -> None:
         self.bypass = bypass
         self._fifo: dict[int, Entry] = {}  # by order: insertion-ordered, oldest first
         self._sizes: list[tuple[int, int, Entry]] = []
         #: How many others were admitted past the oldest since it became the oldest.
         self.passed = 0
+        self._wanted = wanted
+        #: What its waiters want reserved, each `wanted(its tokens)`: kept as they come and
+        #: go, as the fair share reads it at every suspension while someone waits.
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._fifo)
 
     def add(self, entry: Entry) -> None:
         self._fifo[entry.order] = entry
+        self.tokens += self._wanted(entry.tokens)
         if self.bypass:
             heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
 
-    def resized(self, entry: Entry) -> None:
-        """A waiter asked again holding other tokens: its place in arrival order stays. The
-        heap is rebuilt when stale tuples outnumber the waiters, so it stays O(waiters)."""
+    def resized(self, entry: Entry, before: int) -> None:
+        """A waiter asked again holding other tokens (`before`: what it held): its place in
+        arrival order stays. The heap is rebuilt when stale tuples outnumber the waiters, so
+        it stays O(waiters)."""
+        self.tokens += self._wanted(entry.tokens) - self._wanted(before)
         if not self.bypass:
             return
         heapq.heappush(self._sizes, (entry.tokens, entry.order, entry))
         if len(self._sizes) > 2 * len(self._fifo) + 16:
             self._sizes = [(e.tokens, e.order, e) for e in self._fifo.values()]
             heapq.heapify(self._sizes)
-
-    def tokens(self, wanted: Callable[[int], int]) -> int:
-        """What its waiters want reserved, each `wanted(its tokens)`."""
-        return sum(wanted(entry.tokens) for entry in self._fifo.values())
 
     def oldest(self) -> Entry:
         return next(iter(self._fifo.values()))
@@ -152,6 +162,7 @@ class Queue:
         elif admitted:
             self.passed += 1
         del self._fifo[entry.order]
+        self.tokens -= self._wanted(entry.tokens)
         if not self._fifo:
             self._sizes.clear()
 
@@ -207,6 +218,8 @@ class Scheduler:
         self.waiting = 0
         #: Suspended rollouts whose place lapsed, since the start.
         self.demotions = 0
+        #: Suspended rollouts whose place was taken back for another owner's fair share.
+        self.reclaims = 0
         #: Tokens other processes sharing the engines hold, as last read (shared admission):
         #: a rollout larger than the room runs alone only if they hold nothing either.
         self.elsewhere = 0
@@ -214,6 +227,10 @@ class Scheduler:
         #: Per owner, when it last had a rollout admitted (by count): between owners of equal
         #: share the one served longest ago goes first (round robin when few rollouts fit).
         self._served: dict[str, int] = {}
+        #: The owner places were taken back for (`_reclaim`), until its next rollout is in:
+        #: it stays next, so the room they leave goes to it, not to the owners who gave it
+        #: (whose share may have dropped below its own) nor back to them.
+        self._claim: str | None = None
         self._admissions = 0
 
     # -- what the server tells it ---------------------------------------------------------------
@@ -240,8 +257,8 @@ class Scheduler:
             self._entries[key] = entry
         elif entry.state is State.WAITING:
             if tokens != entry.tokens:  # its place in the queue is kept
-                entry.tokens = tokens
-                self._queues[entry.owner].resized(entry)
+                before, entry.tokens = entry.tokens, tokens
+                self._queues[entry.owner].resized(entry, before)
             return QUEUED
         entry.tokens = tokens
         if not self.waiting and self._fits(tokens):  # no pressure: no scan, no queue
@@ -253,12 +270,18 @@ class Scheduler:
             admitted=key in woken, resident=False, woken=tuple(k for k in woken if k != key)
         )
 
-    def suspend(self, key: Hashable, now: float) -> None:
-        """`key`'s segment ended: it waits on its client, keeping its place for `ttl_s`."""
+    def suspend(self, key: Hashable, now: float) -> list[Hashable]:
+        """`key`'s segment ended: it waits on its client, keeping its place for `ttl_s`, unless
+        its key holds more than its fair share while another key's waiter wants the room
+        (`_reclaim`); returns who is admitted in the room it leaves."""
         entry = self._entries.get(key)
-        if entry is not None and entry.state is State.STREAMING:
-            entry.state = State.SUSPENDED
-            entry.since = entry.away_since = now
+        if entry is None or entry.state is not State.STREAMING:
+            return []
+        entry.state = State.SUSPENDED
+        entry.since = entry.away_since = now
+        if not self.waiting or not self.share(entry.owner) > min(map(self.share, self._queues)):
+            return []  # no waiter's owner holds less: its place is taken for none (`_reclaim`)
+        return self._pump()
 
     def release(self, key: Hashable) -> list[Hashable]:
         """`key` is gone (closed, cancelled, gave up waiting); returns who is admitted now."""
@@ -294,8 +317,7 @@ class Scheduler:
             if e.state is State.SUSPENDED and e.since + self.ttl <= now
         ]  # fmt: skip
         for entry in lapsed:
-            self._unreserve(entry)
-            entry.state = State.IDLE
+            self._demote(entry)
             self.demotions += 1
         return self._pump() if lapsed else []
 
@@ -327,7 +349,7 @@ class Scheduler:
     @property
     def waiting_tokens(self) -> int:
         """The tokens the waiting rollouts want reserved."""
-        return sum(queue.tokens(self._wanted) for queue in self._queues.values())
+        return sum(queue.tokens for queue in self._queues.values())
 
     def owned(self, owner: str) -> int:
         """The tokens reserved for `owner`'s admitted rollouts (with `growth`, their room to grow
@@ -336,7 +358,22 @@ class Scheduler:
 
     def share(self, owner: str) -> float:
         """`owner`'s admitted tokens per unit of its weight: the lowest is served first."""
-        return self._owned[owner] / self._weights.get(owner, 1.0)
+        return self._owned[owner] / self.weight(owner)
+
+    def weight(self, owner: str) -> float:
+        """`owner`'s weight in the fair share (`--key-weight`; 1 unless given)."""
+        return self._weights.get(owner, 1.0)
+
+    def fair_level(self) -> float:
+        """The fair share, in tokens per unit of weight: the capacity shared max-min fair
+        between the owners that hold or wait, by what each holds plus what its waiters want
+        (weighted water-filling: an owner wanting less than its part leaves the rest to the
+        others). An owner whose `share` is above it holds more than its fair share, below it
+        less; inf: what all want fits."""
+        owners = self._owned.keys() | self._queues.keys()
+        demands = [self._owned[o] + (q.tokens if (q := self._queues.get(o)) else 0) for o in owners]
+        weights = [self.weight(o) for o in owners]
+        return water_level(self.capacity, demands, weights)
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -374,6 +411,11 @@ class Scheduler:
         self._owned[entry.owner] += entry.held
         self.admitted += 1
 
+    def _demote(self, entry: Entry) -> None:
+        """A suspended place goes: the rollout asks again, and waits if there is no room."""
+        self._unreserve(entry)
+        entry.state = State.IDLE
+
     def _unreserve(self, entry: Entry) -> None:
         self.reserved -= entry.held
         self._owned[entry.owner] -= entry.held
@@ -396,7 +438,7 @@ class Scheduler:
         self._order += 1
         queue = self._queues.get(entry.owner)
         if queue is None:
-            queue = self._queues[entry.owner] = Queue(self.bypass)
+            queue = self._queues[entry.owner] = Queue(self.bypass, self._wanted)
         queue.add(entry)
         self.waiting += 1
 
@@ -405,22 +447,78 @@ class Scheduler:
         queue.remove(entry, admitted=admitted)
         if not queue:
             del self._queues[entry.owner]
+            if entry.owner == self._claim:
+                self._claim = None
         self.waiting -= 1
 
     def _pump(self) -> list[Hashable]:
         """Admit waiting rollouts while the next one fits: the owner with the lowest share
         first (on a tie, the one served longest ago), its next in line (`Queue.head`). Strict:
         when that one does not fit, nobody behind it goes (so a large rollout that has been
-        passed `bypass` times is not starved by small ones that keep slipping past it)."""
+        passed `bypass` times is not starved by small ones that keep slipping past it), but
+        the places its owner's fair share entitles it to are taken back (`_reclaim`)."""
         admitted: list[Hashable] = []
         while (owner := self.next_owner()) is not None:
             head = self._queues[owner].head()
             if not self._fits(head.tokens):
+                if self._reclaim(owner, head):
+                    continue  # a place less (it may fit now), or its claim dropped
                 break
+            if owner == self._claim:
+                self._claim = None
             self._dequeue(head, admitted=True)
             self._admit(head)
             admitted.append(head.key)
         return admitted
+
+    def _reclaim(self, owner: str, head: Entry) -> bool:
+        """`owner`'s next waiter `head` does not fit: if `owner` holds less than its fair share
+        (`fair_level`), demote one suspended place of an owner holding more, as a lapse
+        would; returns whether it did. Without this, an owner whose tools always come back
+        within the TTL would keep its places for ever, however many it holds.
+
+        Taken from the owners above their fair share while they are above it (an owner within
+        its share keeps its places), if what they hold past it makes room for `head` once
+        their streaming rollouts have suspended too: a place is never taken in vain. If it
+        does not (`head` is larger than its owner's share: a cache that holds one or two
+        rollouts), and `owner` holds nothing, from every owner that holds anything: the
+        owners take turns, a segment each. The owner holding the most per unit of weight
+        gives first, its longest-suspended place first (the engine's LRU evicts that one
+        first); a streaming rollout gives its place when its segment ends (`suspend`)."""
+        mine = self.share(owner)
+        level = self.fair_level()
+        if not mine < level:  # its share or more: it waits for the room to free itself
+            if owner == self._claim:  # no longer owed: the queue's own order again
+                self._claim = None
+                return True
+            return False
+        wanted = self._wanted(head.tokens)
+        gain = sum(
+            held - self.weight(o) * level for o, held in self._owned.items()
+            if self.share(o) > level
+        )  # fmt: skip
+        if self.capacity - self.reserved + gain >= wanted:
+            above = level
+        elif mine == 0 and (wanted <= self.capacity or not self.elsewhere):
+            above = 0.0  # all that is admitted can go: then it fits, alone if it must
+        else:
+            return False  # its owner's own places first: it waits for them, or for room
+        victims = [
+            e for e in self._entries.values()
+            if e.state is State.SUSPENDED and self.share(e.owner) > above
+        ]  # fmt: skip
+        if not victims:
+            return False  # streaming: each gives its place up when its segment ends
+        victim = max(victims, key=lambda e: (self.share(e.owner), -e.since))
+        self._demote(victim)
+        self.reclaims += 1
+        self._claim = owner
+        return True
+
+    @property
+    def claimant(self) -> str | None:
+        """The owner places were taken back for whose rollout is not in yet: it goes next."""
+        return self._claim
 
     def next_in_line(self, owner: str) -> Hashable | None:
         """The key of `owner`'s waiter that goes next (None: it has none)."""
@@ -428,8 +526,11 @@ class Scheduler:
         return None if queue is None else queue.head().key
 
     def next_owner(self) -> str | None:
-        """The owner whose oldest waiting rollout goes next (None: nobody waits)."""
+        """The owner whose oldest waiting rollout goes next (None: nobody waits): the one
+        places were taken back for until its rollout is in, else the lowest share."""
         if not self._queues:
             return None
+        if self._claim in self._queues:
+            return self._claim
         served = self._served
         return min(self._queues, key=lambda o: (self.share(o), served.get(o, -1)))

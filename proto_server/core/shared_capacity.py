@@ -21,6 +21,7 @@ Sans-IO: the trio side (`server/admission.py`) publishes, reads and sets the cap
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -89,3 +90,20 @@ def water_fill(room: int, demands: Sequence[int]) -> list[int]:
         parts[index] = part
         left -= part
     return parts
+
+
+def water_level(room: float, demands: Sequence[float], weights: Sequence[float]) -> float:
+    """The level of `water_fill`, weighted: `room` shared max-min fair by `demands` gives each
+    demand `d` of weight `w` the part `min(d, w x level)`, the parts adding up to `room`
+    (inf: every demand fits). Unrounded, as admission's fair share between keys compares
+    tokens per unit of weight with it (core/scheduler.py); `water_fill` gives whole parts."""
+    if sum(demands) <= room:
+        return math.inf
+    wanting = sorted(zip(demands, weights, strict=True), key=lambda dw: dw[0] / dw[1])
+    left, weight = float(room), float(sum(weights))
+    for demand, w in wanting:
+        if demand * weight > left * w:  # more than its part at the level the rest gives
+            return left / weight
+        left -= demand
+        weight -= w
+    return math.inf  # not reached: the demands add up to more than the room

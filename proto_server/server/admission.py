@@ -57,6 +57,7 @@ class Admission:
         self._recheck_s = recheck_s
         self._waiters: dict[Hashable, trio.Event] = {}
         self._demotions = 0
+        self._reclaims = 0
         #: Sharing the engines with other processes (`share` runs): the capacity is set there.
         self._shared = False
         self._share_now = trio.Event()
@@ -79,7 +80,7 @@ class Admission:
             metrics.ADMISSION_TTL.set(scheduler.ttl)
             if scheduler.waiting:
                 self._poke()  # a waiter sleeping until a place lapses: it may lapse sooner
-        if answer.resident and not answer.woken:
+        if answer.resident and not answer.woken and scheduler.reclaims == self._reclaims:
             metrics.KV_RESERVED.set(scheduler.reserved)
             return answer
         self._wake(answer.woken)
@@ -130,9 +131,13 @@ class Admission:
         log.info("admission.admitted", extra={"owner": owner, "waited_s": waited})
 
     def suspended(self, key: Hashable) -> None:
-        """`key`'s segment ended; its place is kept for the TTL."""
+        """`key`'s segment ended; its place is kept for the TTL, or given to another key's
+        waiter if its key holds more than its fair share (the scheduler decides)."""
         scheduler = self.scheduler
-        scheduler.suspend(key, trio.current_time())
+        admitted = scheduler.suspend(key, trio.current_time())
+        if admitted or scheduler.reclaims != self._reclaims:
+            self._wake(admitted)
+            self._changed()
         if scheduler.waiting:
             self._poke()  # a new expiry: a waiter that knew of none would sleep past it
 
@@ -255,7 +260,8 @@ class Admission:
 
     def _changed(self) -> None:
         """After an admission, a wait, a release or a demotion: the gauges, and demotions
-        counted and logged (they happen inside the scheduler's calls)."""
+        and places taken back for the fair share counted and logged (they happen inside the
+        scheduler's calls)."""
         scheduler = self.scheduler
         demoted = scheduler.demotions - self._demotions
         if demoted:
@@ -264,6 +270,15 @@ class Admission:
             log.info(
                 "admission.demoted",
                 extra={"rollouts": demoted, "ttl_s": round(scheduler.ttl, 3),
+                       "waiting": scheduler.waiting},
+            )  # fmt: skip
+        reclaimed = scheduler.reclaims - self._reclaims
+        if reclaimed:
+            self._reclaims = scheduler.reclaims
+            metrics.ADMISSION_RECLAIMS.inc(reclaimed)
+            log.info(
+                "admission.reclaimed",
+                extra={"rollouts": reclaimed, "reserved": scheduler.reserved,
                        "waiting": scheduler.waiting},
             )  # fmt: skip
         metrics.ADMISSION_TTL.set(scheduler.ttl)

@@ -183,6 +183,11 @@ ADMISSION_DEMOTIONS = Counter(
     "proto_server_admission_demotions",
     "Suspended rollouts whose kept place lapsed (--admission-ttl) while others waited",
 )
+ADMISSION_RECLAIMS = Counter(
+    "proto_server_admission_reclaims",
+    "Suspended rollouts whose place was taken back for another key's waiter, their key holding "
+    "more than its fair share",
+)
 ADMISSION_WAIT = Histogram(
     "proto_server_admission_wait_seconds", "How long rollouts that had to wait waited",
     buckets=_SLOW,

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import prometheus_client
+import pytest
 import trio
 import trio.testing
 
@@ -21,7 +22,7 @@ from proto_server.engine.base import GeneratorSession
 from proto_server.engine.chunks import Chunk
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.limits import GenerationLimits
-from proto_server.engine.script import parse_script
+from proto_server.engine.script import ScriptedCall, Segment, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.engine.vllm import completion_request, parse_kv_capacity
 from proto_server.server.admission import Admission
@@ -32,6 +33,7 @@ from proto_server.server.store import SQLiteStore, owner_id
 from ..support.helpers import (
     FAST,
     THREE_SEGMENTS,
+    USER,
     CheckpointStore,
     StartServer,
     answers,
@@ -39,8 +41,10 @@ from ..support.helpers import (
     connect,
     create,
     launched_create,
+    prefix_tokens,
     turn,
 )
+from ..support.helpers import tokens as tokens_of  # `tokens` names counts below
 
 
 def sample(name: str) -> float:
@@ -84,6 +88,79 @@ async def test_another_keys_rollout_goes_before_most_of_a_busy_keys_waiting_ones
             nursery.start_soon(post, K2, "k2")
     # k2 holds nothing, nor does k1 once its first ends, but k1 was served last: k2 is next
     assert done.index("k2") == 1, done
+
+
+class Loops:
+    """Key a's rollouts call a tool at every segment, for ever; b's (instructions "b") call
+    one twice, then answer."""
+
+    CALL = Segment(tool_calls=(ScriptedCall(name="exec_command", arguments='{"cmd": "ls"}'),))
+
+    def plan(self, conversation: Conversation, limits: GenerationLimits) -> Segment:
+        if conversation.instructions == "b" and conversation.model_segments >= 2:
+            return Segment(text="done")
+        return self.CALL
+
+
+@pytest.mark.parametrize("loops", [1, 4])
+async def test_a_key_whose_tools_always_come_back_in_time_does_not_starve_another_key(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock, loops: int
+) -> None:
+    """Key k1's loops fill the cache (one loop on a one-token cache, or four on a cache that
+    holds four and a half of them as they start, which they outgrow as they loop) and their
+    tools always come back within --admission-ttl, so no place ever lapses. Key k2's rollout
+    is admitted within one suspension of each of k1's and completes, while k1's loops go on;
+    it used to wait out --admission-timeout."""
+    size = prefix_tokens() + tokens_of([USER])
+    capacity = 1 if loops == 1 else loops * size + size // 2
+    running = await start_server(
+        planner=Loops(),
+        store=CheckpointStore(),
+        api_keys=("k1", "k2"),
+        kv_capacity_tokens=capacity,
+        kv_target_fill=1.0,
+        admission_ttl_s=10,
+        admission_timeout_s=20,
+    )
+    scheduler = running.server.responses.admission.scheduler  # type: ignore[union-attr]
+    turns = [0]  # k1's segments done, all loops together
+
+    async def loop() -> None:
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            await client.send(create())
+            while True:
+                events = await client.segment()
+                assert events[-1]["type"] == "response.done", events[-1]
+                turns[0] += 1
+                await trio.sleep(0.5)  # the tool: well within the TTL
+                await client.send({"type": "response.append", "input": answers(events)})
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for _ in range(loops):
+                nursery.start_soon(loop)
+            await trio.sleep(2)
+            assert (scheduler.admitted, scheduler.waiting) == (1 if loops == 1 else loops, 0)
+            async with connect(
+                running.prototype_url, event_timeout_s=60, Authorization="Bearer k2"
+            ) as client:
+                await client.send(create(instructions="b"))
+                await client.until("response.in_progress")
+                asked = turns[0]
+                events = await client.segment()
+                assert events[-1]["type"] == "response.done", events[-1]  # admitted, in time
+                waited = turns[0] - asked
+                for _ in range(2):
+                    await trio.sleep(0.5)
+                    await client.send({"type": "response.append", "input": answers(events)})
+                    events = await client.until("response.done", "response.completed")
+                assert events[-1]["type"] == "response.completed", events[-1]
+            done = turns[0]
+            await trio.sleep(5)
+            assert turns[0] > done  # k1 goes on
+            nursery.cancel_scope.cancel()
+    assert waited <= loops, waited  # one suspension of each of k1's rollouts at most
+    assert sample("proto_server_admission_reclaims_total") >= 1
 
 
 async def test_a_suspended_rollout_keeps_its_place_for_the_ttl_then_yields_it(

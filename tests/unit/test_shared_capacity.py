@@ -4,12 +4,20 @@ never add up past the capacity; the room goes max-min fair by what each waits fo
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from proto_server.core.scheduler import Scheduler, State
-from proto_server.core.shared_capacity import Load, capacity_for, part_of_room, water_fill
+from proto_server.core.shared_capacity import (
+    Load,
+    capacity_for,
+    part_of_room,
+    water_fill,
+    water_level,
+)
 
 
 def test_when_nobody_waits_the_room_is_shared_in_equal_parts() -> None:
@@ -103,6 +111,30 @@ def test_water_filling_is_max_min_fair(room: int, demands: list[int]) -> None:
         # take the integer division's crumbs, and the room is used but for those crumbs
         assert min(short) >= max(parts) - 1
         assert room - sum(parts) < len(demands)
+
+
+@given(
+    st.integers(0, 10_000),
+    st.lists(st.tuples(st.integers(0, 3_000), st.sampled_from([0.5, 1.0, 2.0, 3.0])), max_size=8),
+)
+def test_the_water_level_is_where_the_weighted_parts_use_the_room_up(
+    room: int, wanted: list[tuple[int, float]]
+) -> None:
+    """The level admission's fair share between keys goes by: each demand gets the least of
+    it and its weight times the level, and those add up to the room; with equal weights it is
+    the level `water_fill`'s parts come to, but for the integer division's crumbs (one notion
+    of fair, for keys and for processes)."""
+    demands, weights = [d for d, _ in wanted], [w for _, w in wanted]
+    level = water_level(room, demands, weights)
+    if sum(demands) <= room:
+        assert level == math.inf
+        return
+    used = sum(min(d, w * level) for d, w in wanted)
+    assert math.isclose(used, room, rel_tol=1e-9, abs_tol=1e-6)
+    if set(weights) == {1.0}:
+        parts = water_fill(room, demands)
+        short = [p for p, d in zip(parts, demands, strict=True) if p < d]
+        assert short and all(abs(p - level) < 1 for p in short)
 
 
 def test_a_rollout_larger_than_the_room_runs_alone_only_when_no_process_holds_anything() -> None:
