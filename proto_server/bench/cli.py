@@ -412,6 +412,28 @@ def _fleet_arguments(group: argparse._ArgumentGroup) -> None:
         help="fleet, proto-server's policy: waiters smallest first, the oldest passed by at "
         "most N (the server's --admission-bypass; 0: first come first served)",
     )
+    group.add_argument(
+        "--thunderagent-interval",
+        type=_rate,
+        default=d.thunder_interval_s,
+        metavar="S",
+        help="fleet, the modelled ThunderAgent: its --scheduler-interval (pause and resume "
+        "every S seconds)",
+    )
+    group.add_argument(
+        "--thunderagent-decay",
+        action="store_true",
+        help="fleet, the modelled ThunderAgent: its --use-acting-token-decay (a program on its "
+        "tool counts 2^-t of its tokens after t s, when resuming)",
+    )
+    group.add_argument(
+        "--continuum-ttl",
+        type=_rate,
+        default=d.continuum_ttl_s,
+        metavar="S",
+        help="fleet, the modelled Continuum: the TTL it pins for until it has seen more than "
+        "100 tool times (its 2 s)",
+    )
 
 
 def _run_fleet(args: argparse.Namespace) -> int:
@@ -443,6 +465,9 @@ def _run_fleet(args: argparse.Namespace) -> int:
         ttl_median=args.ttl_median,
         bypass=args.bypass,
         growth=d.growth if args.admission_growth is None else args.admission_growth,
+        thunder_interval_s=args.thunderagent_interval,
+        thunder_decay=args.thunderagent_decay,
+        continuum_ttl_s=args.continuum_ttl,
         out_dir=args.out,
     )
     return fleet.main(settings)

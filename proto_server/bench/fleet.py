@@ -13,20 +13,28 @@ The same seeded workload (`lognormal` draws with the issue's shapes) runs under 
   (a load balancer in front of stock vLLM);
 - affinity: the server's `Router` (a rollout stays on its replica, new ones go to the least
   loaded), no admission;
+- continuum (modelled): the `Router`, and in each replica Continuum's pins and program order
+  (`fleet_policies.ContinuumPins`);
+- thunderagent (modelled): ThunderAgent's program scheduler in front of stock replicas
+  (`fleet_policies.ThunderAgent`), its ticks, pauses and resumes as events;
 - proto-server: the `Router` and, per replica, the server's `Scheduler` (admission of whole
   rollouts by KV capacity, keep-alive TTL), unchanged.
+
+The two peers are models of their published policies, labelled so wherever a figure is shown;
+what each keeps and leaves out is in its class's docstring.
 
 The core (`simulate`) is sans-IO and deterministic for a seed; `main` prints, writes and plots.
 
 Why one module of this length: `Replica`'s block names and `unbounded_need` share one model of the
 cache (the shared prefix's full blocks are everyone's, the rest a rollout's own, a partial block
 prefilled again), and the ratio printed means something only while they agree. The policies differ
-in a few branches of `simulate`, so all three run on the same replica and event loop, read in one
-place.
+in a few branches of `simulate`, so all of them run on the same replica and event loop, read in
+one place; the peers' own rules live in `fleet_policies`.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -43,6 +51,12 @@ from typing import Any
 import attrs
 
 from proto_server.bench.agents import PUBLISHED_WAIT_RATIO, lognormal, percentile
+from proto_server.bench.fleet_policies import (
+    FORCE_RESUME_S,
+    ContinuumPins,
+    ThunderAgent,
+    continuum_counters,
+)
 from proto_server.bench.report import NO_PLOTS, pyplot
 from proto_server.bench.tables import table
 from proto_server.core.routing import Router
@@ -50,7 +64,11 @@ from proto_server.core.scheduler import Scheduler
 from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.server.config import ServerConfig
 
-POLICIES = ("plain", "affinity", "proto-server")
+CONTINUUM, THUNDERAGENT = "continuum (modelled)", "thunderagent (modelled)"
+POLICIES = ("plain", "affinity", CONTINUUM, THUNDERAGENT, "proto-server")
+RATIOS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "prefilled_tokens")
+#: How much shorter proto-server's mean JCT is to be than the modelled ThunderAgent's.
+THUNDERAGENT_GOAL = 1.3
 PLOTS = ("fleet-jct.png", "fleet-prefilled.png")
 Progress = Callable[[str], None]
 
@@ -94,6 +112,11 @@ class FleetSettings:
     bypass: int = ServerConfig().admission_bypass
     #: The server's --admission-growth: a rollout is admitted for this many times its tokens.
     growth: float = ServerConfig().admission_growth
+    #: ThunderAgent's --scheduler-interval and --use-acting-token-decay (its defaults).
+    thunder_interval_s: float = 5.0
+    thunder_decay: bool = False
+    #: Continuum's TTL until it has seen more than 100 tool times (its fork's 2 s).
+    continuum_ttl_s: float = 2.0
     out_dir: Path = Path("bench-results")
 
     def problems(self) -> list[str]:
@@ -127,6 +150,8 @@ class FleetSettings:
             ("--prefill-rate", self.prefill_rate),
             ("--step-ms", self.step_s),
             ("--ttl-s", self.ttl_s),
+            ("--thunderagent-interval", self.thunder_interval_s),
+            ("--continuum-ttl", self.continuum_ttl_s),
         ):
             if not (0 < value < math.inf):
                 found.append(f"{flag} must be positive and finite, got {value}")
@@ -220,19 +245,27 @@ class EngineSequence:
     held: list[int] = attrs.field(factory=list)
     #: Preempted in the step under way (it runs again from the waiting queue).
     preempted: bool = False
+    #: The rollout's last turn (it ends in no tool call).
+    last: bool = False
+    #: When it was submitted to the replica.
+    asked: float = 0.0
 
 
 class Replica:
-    """An engine replica: waiting and running sequences over a bounded prefix cache."""
+    """An engine replica: waiting and running sequences over a bounded prefix cache; with
+    `pins`, Continuum's engine (its pins, its queue by rollout, its choice of whom to preempt)."""
 
-    def __init__(self, settings: FleetSettings) -> None:
+    def __init__(self, settings: FleetSettings, pins: ContinuumPins | None = None) -> None:
         self.s = settings
+        self.pins = pins
+        self.now = 0.0
         self.block = settings.block_tokens
         self.shared_blocks = settings.shared_tokens // self.block
         self.cache = PrefixCache(block_tokens=self.block, capacity_tokens=settings.cache_tokens)
         self.waiting: collections.deque[EngineSequence] = collections.deque()
         self.running: list[EngineSequence] = []
         self.finishing: list[EngineSequence] = []
+        self._preempted: list[EngineSequence] = []
         self.busy = False
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -242,6 +275,21 @@ class Replica:
         """A block's name: the shared prefix's are everyone's, the rest the rollout's own (its
         sequence only grows, so a block's position names its content)."""
         return -block - 1 if block < self.shared_blocks else rollout * 1_000_000 + block
+
+    def submit(self, seq: EngineSequence, now: float) -> None:
+        """`seq` joins the waiting queue: at its end, or with pins in its rollout's place."""
+        seq.asked = now
+        if self.pins is None:
+            self.waiting.append(seq)
+            return
+        self.pins.arrived(seq.rollout, now)
+        self._queue(seq)
+
+    def _queue(self, seq: EngineSequence) -> None:
+        assert self.pins is not None
+        order = self.pins.order
+        at = bisect.bisect_right(self.waiting, order(seq.rollout), key=lambda s: order(s.rollout))
+        self.waiting.insert(at, seq)
 
     def _admit(self) -> None:
         """Waiting sequences into the running batch while the batch and the free blocks allow
@@ -262,11 +310,17 @@ class Replica:
             self.prompt_tokens += length
             self.cached_tokens += hit * self.block
             self.running.append(seq)
+            if self.pins is not None:
+                waited = self.now - seq.asked
+                self.pins.admitted(seq.rollout, seq.turn, waited, self.now, cache)
 
-    def step(self) -> float:
-        """One engine step: admit, prefill within the budget, decode a token for every sequence
-        past its prefill; returns its modelled duration (its finished sequences are `finishing`
-        until then)."""
+    def step(self, now: float = 0.0) -> float:
+        """One engine step at `now`: admit, prefill within the budget, decode a token for every
+        sequence past its prefill; returns its modelled duration (its finished sequences are
+        `finishing` until then)."""
+        self.now = now
+        if self.pins is not None and self.pins.due(now):
+            self.pins.expire(now, {seq.rollout for seq in self.waiting}, self.cache)
         self._admit()
         budget = self.s.step_tokens
         prefilled = 0
@@ -290,10 +344,9 @@ class Replica:
         if self.finishing:
             done = {id(seq) for seq in self.finishing}
             self.running = [seq for seq in self.running if id(seq) not in done]
-        for seq in self.waiting:
-            if not seq.preempted:
-                break
+        for seq in self._preempted:
             seq.preempted = False
+        self._preempted.clear()
         return self.s.step_s + prefilled / self.s.prefill_rate
 
     def _grow(self, seq: EngineSequence, name: int) -> bool:
@@ -304,12 +357,16 @@ class Replica:
             victims = [s for s in self.running if id(s) not in finishing and not s.preempted]
             if len(victims) < 2:
                 break  # alone, it holds more than the cache (as the prefix cache allows)
-            victim = victims[-1]
+            victim = victims[-1] if self.pins is None else self._continuum_victim(victims)
             self.running.remove(victim)
             self.cache.unpin(victim.held)
             victim.held = []
             victim.preempted = True
-            self.waiting.appendleft(victim)
+            self._preempted.append(victim)
+            if self.pins is None:
+                self.waiting.appendleft(victim)
+            else:
+                self._queue(victim)
             self.preemptions += 1
             if victim is seq:
                 return False
@@ -317,11 +374,22 @@ class Replica:
         seq.held += self.cache.pin([name])
         return True
 
-    def finish(self) -> list[EngineSequence]:
-        """The sequences the last step finished: their blocks are free (cached) again."""
+    def _continuum_victim(self, victims: list[EngineSequence]) -> EngineSequence:
+        """The rollout that arrived last, a last turn only if nothing else runs."""
+        assert self.pins is not None
+        order = self.pins.order
+        return max(victims, key=lambda s: (not s.last, order(s.rollout)))
+
+    def finish(self, now: float = 0.0) -> list[EngineSequence]:
+        """The sequences the last step finished (at `now`): their blocks are free (cached)
+        again, or, with pins, pinned on after a turn that ends in a tool call."""
         done, self.finishing = self.finishing, []
         for seq in done:
-            self.cache.unpin(seq.held)
+            if self.pins is not None and not seq.last:
+                tokens = seq.prompt + seq.output
+                self.pins.finished(seq.rollout, seq.held, tokens, now, self.cache)
+            else:
+                self.cache.unpin(seq.held)
             seq.held = []
         return done
 
@@ -347,13 +415,15 @@ class PolicyRun:
     admission_wait_s: float
     steps: int
     cpu_s: float
+    #: A peer's own counters (ThunderAgent's pauses and resumes, Continuum's pins).
+    counters: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
 
 
-_READY, _STEP, _EXPIRE = 0, 1, 2
+_READY, _STEP, _EXPIRE, _TICK, _TIMEOUT = 0, 1, 2, 3, 4
 
 
 def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) -> PolicyRun:
@@ -362,8 +432,18 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     started = time.process_time()
     count = settings.replicas
-    replicas = [Replica(settings) for _ in range(count)]
+    pins = [
+        ContinuumPins(
+            default_ttl_s=settings.continuum_ttl_s,
+            reload_s_per_token=1 / settings.prefill_rate,
+        )
+        if policy == CONTINUUM
+        else None
+        for _ in range(count)
+    ]
+    replicas = [Replica(settings, pins[r]) for r in range(count)]
     router = Router(count, capacities=[settings.cache_tokens] * count)
+    thunder = ThunderAgent(count, settings.cache_tokens, decay=settings.thunder_decay)
     capacity = max(1, int(settings.cache_tokens * settings.target_fill))
     schedulers = [
         Scheduler(
@@ -384,6 +464,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
     expiries: set[tuple[float, int]] = set()
     admission_wait = 0.0
     steps = 0
+    left = len(rollouts)
     round_robin = itertools.count()
     shared = settings.shared_tokens
 
@@ -396,7 +477,8 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
         r, turn = rollouts[index], turn_of[index]
         replica = replicas[placed[index]]
         prompt = r.prompt(turn, shared)
-        replica.waiting.append(EngineSequence(index, turn, prompt, r.output_tokens[turn]))
+        last = turn + 1 == len(r.output_tokens)
+        replica.submit(EngineSequence(index, turn, prompt, r.output_tokens[turn], last=last), now)
         if not replica.busy:
             replica.busy = True
             push(now, _STEP, placed[index])
@@ -416,8 +498,16 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             placed[index] = next(round_robin) % count
             submit(index, now)
             return
+        if policy == THUNDERAGENT:  # it knows the request's prompt, not yet its answer
+            backend = thunder.request(index, r.prompt(turn, shared), now)
+            if backend is None:
+                push(now + FORCE_RESUME_S, _TIMEOUT, index)
+            else:
+                placed[index] = backend
+                submit(index, now)
+            return
         placed[index] = router.place(index, tokens).replica
-        if policy == "affinity":
+        if policy != "proto-server":
             submit(index, now)
             return
         scheduler = schedulers[placed[index]]
@@ -433,24 +523,31 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             submit(key, now)
 
     def finished(seq: EngineSequence, now: float) -> None:
+        nonlocal left
         index = seq.rollout
         r = rollouts[index]
         if seq.turn + 1 < len(r.output_tokens):
             turn_of[index] = seq.turn + 1
+            if policy == THUNDERAGENT:
+                thunder.finished(index, seq.prompt + seq.output, now)
             if policy == "proto-server":
                 wake(schedulers[placed[index]].suspend(index, now), now)
                 watch_expiry(placed[index])
             push(now + r.waits_s[seq.turn], _READY, index)
             return
         ends[index] = now
-        if policy != "plain":
-            router.release(index)
+        left -= 1
+        router.release(index)
+        if policy == THUNDERAGENT:
+            thunder.release(index)
         if policy == "proto-server":
             wake(schedulers[placed[index]].release(index), now)
             watch_expiry(placed[index])
 
     for r in rollouts:
         push(r.start_s, _READY, r.index)
+    if policy == THUNDERAGENT:
+        push(min(r.start_s for r in rollouts) + settings.thunder_interval_s, _TICK, 0)
     while events:
         now, _, kind, what = heapq.heappop(events)
         if kind == _READY:
@@ -459,13 +556,26 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             expiries.discard((now, what))
             wake(schedulers[what].expire(now), now)
             watch_expiry(what)
+        elif kind == _TICK:
+            for index, backend in thunder.tick(now):
+                placed[index] = backend
+                submit(index, now)
+            if left:
+                push(now + settings.thunder_interval_s, _TICK, 0)
+        elif kind == _TIMEOUT:
+            # The timer of the request now waiting, not of an earlier one since resumed.
+            current = now == asked[what] + FORCE_RESUME_S
+            forced = thunder.timeout(what) if current else None
+            if forced is not None:
+                placed[what] = forced
+                submit(what, now)
         else:
             replica = replicas[what]
-            for seq in replica.finish():
+            for seq in replica.finish(now):
                 finished(seq, now)
             if replica.has_work:
                 steps += 1
-                push(now + replica.step(), _STEP, what)
+                push(now + replica.step(now), _STEP, what)
             else:
                 replica.busy = False
     jct = tuple(ends[r.index] - r.start_s for r in rollouts)
@@ -482,6 +592,13 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
         admission_wait_s=admission_wait,
         steps=steps,
         cpu_s=time.process_time() - started,
+        counters=(
+            thunder.counters()
+            if policy == THUNDERAGENT
+            else continuum_counters([p for p in pins if p is not None])
+            if policy == CONTINUUM
+            else {}
+        ),
     )
 
 
@@ -510,6 +627,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "admission_wait_s_mean": run.admission_wait_s / max(1, len(jct)),
         "engine_steps": run.steps,
         "cpu_s": run.cpu_s,
+        "counters": run.counters,
     }
 
 
@@ -531,11 +649,12 @@ def run_fleet(settings: FleetSettings, progress: Progress) -> dict[str, Any]:
         progress(f"fleet: {policy}: {run.steps:,} modelled engine steps, {run.cpu_s:.1f} s CPU")
         runs.append(run)
     summaries = [summarize(run) for run in runs]
-    plain, proto = summaries[0], summaries[-1]
-    ratios = {
-        key: plain[key] / proto[key] if proto[key] else math.nan
-        for key in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "prefilled_tokens")
-    }
+    by_name = {p["policy"]: p for p in summaries}
+    proto = by_name["proto-server"]
+
+    def over_proto(peer: str) -> dict[str, float]:
+        return {key: by_name[peer][key] / proto[key] if proto[key] else math.nan for key in RATIOS}
+
     return {
         "settings": attrs.asdict(settings, value_serializer=_plain),
         "workload": {
@@ -545,7 +664,9 @@ def run_fleet(settings: FleetSettings, progress: Progress) -> dict[str, Any]:
             "working_set_vs_caches": sum(finals) / (settings.cache_tokens * settings.replicas),
         },
         "policies": summaries,
-        "plain_over_proto_server": ratios,
+        "plain_over_proto_server": over_proto("plain"),
+        "thunderagent_over_proto_server": over_proto(THUNDERAGENT),
+        "continuum_over_proto_server": over_proto(CONTINUUM),
         "jct_s": {run.policy: list(run.jct_s) for run in runs},
     }
 
@@ -598,16 +719,50 @@ def render(data: dict[str, Any]) -> str:
         for p in data["policies"]
     ]
     lines += table(header, rows)
+    lines += ["", *_peer_lines(data["policies"]), ""]
     r = data["plain_over_proto_server"]
+    t = data["thunderagent_over_proto_server"]
+    c = data["continuum_over_proto_server"]
     lines += [
-        "",
-        "plain forwarding / proto-server (above 1: proto-server better): "
-        f"JCT mean {r['jct_mean_s']:.2f}x, p50 {r['jct_p50_s']:.2f}x, p99 {r['jct_p99_s']:.2f}x, "
-        f"makespan {r['makespan_s']:.2f}x, prefilled {r['prefilled_tokens']:.2f}x",
-        f"Goal (issue 19): JCT at least 2x better than plain forwarding: "
+        _ratio_line("plain forwarding / proto-server", r),
+        _ratio_line("thunderagent (modelled) / proto-server", t),
+        _ratio_line("continuum (modelled) / proto-server", c),
+        f"Goal: JCT at least 2x better than plain forwarding: "
         f"{'HOLDS' if r['jct_mean_s'] >= 2 else 'FAILS'} on the mean ({r['jct_mean_s']:.2f}x)",
+        f"Goal: JCT at least {THUNDERAGENT_GOAL}x better than the modelled ThunderAgent policy: "
+        f"{'HOLDS' if t['jct_mean_s'] >= THUNDERAGENT_GOAL else 'FAILS'} on the mean "
+        f"({t['jct_mean_s']:.2f}x)",
     ]
     return "\n".join(lines)
+
+
+def _ratio_line(name: str, r: dict[str, float]) -> str:
+    return (
+        f"{name} (above 1: proto-server better): JCT mean {r['jct_mean_s']:.2f}x, p50 "
+        f"{r['jct_p50_s']:.2f}x, p99 {r['jct_p99_s']:.2f}x, makespan {r['makespan_s']:.2f}x, "
+        f"prefilled {r['prefilled_tokens']:.2f}x"
+    )
+
+
+def _peer_lines(policies: list[dict[str, Any]]) -> list[str]:
+    """What the modelled peers did, by their own counters."""
+    lines = []
+    for p in policies:
+        c = p["counters"]
+        if p["policy"] == THUNDERAGENT:
+            lines.append(
+                f"{THUNDERAGENT}: {c['ticks']:,} scheduler ticks; {c['queued_new']:,} new "
+                f"programs queued; {c['pauses']:,} pauses at tool boundaries "
+                f"({c['paused_after_mark']:,} of them marked while running, {c['marks']:,} "
+                f"marks); {c['resumes']:,} resumes ({c['migrations']:,} to another replica, "
+                f"{c['forced_resumes']:,} forced after 30 min)"
+            )
+        elif p["policy"] == CONTINUUM:
+            lines.append(
+                f"{CONTINUUM}: {c['pins']:,} pins (TTL mean {c['ttl_s_mean']:.1f} s), "
+                f"{c['pins_used']:,} used by the next turn, {c['pins_expired']:,} expired"
+            )
+    return lines
 
 
 def write_files(data: dict[str, Any], directory: Path) -> list[Path] | str:
