@@ -20,7 +20,7 @@ import attrs
 import orjson
 import trio
 
-from proto_server.bench import families, fleet, memory
+from proto_server.bench import families, fleet, memory, probes
 from proto_server.bench.agents import ADMISSION_CHOICES, ENGINES, AgentsSettings
 from proto_server.bench.agents import main as agents_main
 from proto_server.bench.measure import ServerSettings
@@ -77,14 +77,16 @@ def add_parser(
     bench.add_argument(
         "section",
         nargs="?",
-        choices=("all", "streaming", "agents", "fleet", "memory", "families"),
+        choices=("all", "streaming", "agents", "fleet", "memory", "probes", "families"),
         default="all",
         help="what to run: everything, only the streaming measurements (issue 13's figures), "
         "many agents at once on one engine (issue 19's; its flags are under 'agents'), the "
         "scheduler on many modelled replicas in virtual time (its flags under 'fleet'), or peak "
         "RSS per input shape against its memory charge (a server process per shape; the --mb, "
-        "--shapes and --steer-flood flags), or each model family's prompt tokens against vLLM's "
-        "own rendering of the same tool loop (--tokenizer, --rounds)",
+        "--shapes and --steer-flood flags), or hostile requests with a bystander timing how long "
+        "each held the event loop (a server process per case; the --probe-* flags), or each "
+        "model family's prompt tokens against vLLM's own rendering of the same tool loop "
+        "(--tokenizer, --rounds)",
     )
     bench.add_argument(
         "--turns",
@@ -201,6 +203,7 @@ def add_parser(
     _fleet_arguments(bench.add_argument_group(
         "fleet", "bench fleet: many rollouts on modelled replicas, virtual time"))  # fmt: skip
     memory.add_arguments(bench)
+    probes.add_arguments(bench)
     group = bench.add_argument_group("families", "bench families: prompts against vLLM's own")
     group.add_argument(
         "--tokenizer",
@@ -503,6 +506,8 @@ def _run_agents(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.section == "memory":
         return memory.run(args)
+    if args.section == "probes":
+        return probes.run(args)
     if args.section == "families":
         if args.rounds < 1:
             print("proto-server bench families: --rounds must be at least 1", file=sys.stderr)

@@ -14,7 +14,8 @@ all sent at once; the peak RSS against `--max-memory` plus the baseline, and the
 
 Why one module of this length: the shapes and the steer flood are two measurements of one thing,
 peak RSS against what the memory budget charged, and both stand on the same server process
-(`Server`), the same reading of `VmHWM` and the same frames (`frame_of`, `_called`).
+(`Server`), the same reading of `VmHWM` and the same frames (`frame_of`, `called`); `armed`
+and `post` are what `bench probes` (probes.py) sends its shapes with.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -143,12 +144,13 @@ def reset_peak(pid: int) -> bool:
 class Server:
     """A `proto-server serve` subprocess on a free port, its log to a file."""
 
-    def __init__(self, flags: list[str], workdir: Path) -> None:
-        script = workdir / "script.json"
-        script.write_text(json.dumps(SCRIPT))
+    def __init__(self, flags: list[str], workdir: Path, *, script: bool = True) -> None:
+        """`script`: SCRIPT's call then answer; else the built-in default model."""
+        path = workdir / "script.json"
+        path.write_text(json.dumps(SCRIPT))
         self.log = (workdir / "server.log").open("wb")
         command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store",
-                   ":memory:", "--script", str(script), "--no-prefix-cache",
+                   ":memory:", *(["--script", str(path)] if script else []), "--no-prefix-cache",
                    "--log-level", "warning", "--prefill-rate", "1e12", "--decode-rate", "1e6",
                    *flags]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log)
@@ -182,9 +184,9 @@ class Server:
 
 
 @contextmanager
-def server(flags: list[str]) -> Iterator[Server]:
+def server(flags: list[str], *, script: bool = True) -> Iterator[Server]:
     with tempfile.TemporaryDirectory(prefix="proto-bench-memory-") as workdir:
-        running = Server(flags, Path(workdir))
+        running = Server(flags, Path(workdir), script=script)
         try:
             yield running
         finally:
@@ -199,7 +201,7 @@ def _flags(nbytes: int, max_memory_mib: int, connection_mib: int) -> list[str]:
 # -- one shape -----------------------------------------------------------------------------------
 
 
-async def _called(client: WireClient, **fields: Any) -> tuple[str, str]:
+async def called(client: WireClient, **fields: Any) -> tuple[str, str]:
     """A small stored create that ends with a call awaiting output: its id and the call's."""
     await client.send(frame_of("many items", 64) | {"store": True, **fields})
     events = await client.until(*END)
@@ -208,94 +210,108 @@ async def _called(client: WireClient, **fields: Any) -> tuple[str, str]:
     return str(events[0]["response"]["id"]), str(calls[0])
 
 
-async def _post(http: httpx.AsyncClient, url: str, frame: dict[str, Any]) -> str:
-    """POST the create (its `type` dropped) as SSE; the last event's type."""
-    body = orjson.dumps({k: v for k, v in frame.items() if k != "type"} | {"stream": True})
-    last = ""
+def answer_of(kind: str, data: Any) -> str:
+    """`kind` (an event's type, an HTTP status) with what says why: an error's code, an
+    incomplete Response's reason, or the count `input_tokens` answered."""
+    if not isinstance(data, dict):
+        return kind
+    response: dict[str, Any] = data["response"] if isinstance(data.get("response"), dict) else {}
+    error = data.get("error") or response.get("error") or {}
+    why = error.get("code") if isinstance(error, dict) else None
+    why = why or (response.get("incomplete_details") or {}).get("reason")
+    if why is None and isinstance(data.get("input_tokens"), int):
+        why = f"{data['input_tokens']:,} tokens"
+    return f"{kind} {why}" if why else kind
+
+
+async def post(http: httpx.AsyncClient, url: str, body: bytes) -> str:
+    """POST `body`; the answer (`answer_of`): an event stream's last event, else the status and
+    its JSON. Only the closing event is decoded: a long stream costs the client little."""
     headers = {"content-type": "application/json"}
     async with http.stream("POST", url, content=body, headers=headers) as answer:
+        if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+            return answer_of(f"HTTP {answer.status_code}", orjson.loads(await answer.aread()))
+        last, data = "", b"{}"
         async for line in answer.aiter_lines():
-            if line.startswith("data: "):
-                last = orjson.loads(line[6:]).get("type", last)
-        if answer.status_code != 200:
-            return f"HTTP {answer.status_code}"
-    return last
+            if line.startswith("event: "):
+                last = line[7:]
+            elif line.startswith("data: ") and last in END:
+                data = line[6:].encode()
+    return answer_of(last, orjson.loads(data))
+
+
+def body_of(frame: dict[str, Any]) -> bytes:
+    """A create frame as an HTTP body: its `type` dropped, streamed."""
+    return orjson.dumps({k: v for k, v in frame.items() if k != "type"} | {"stream": True})
+
+
+#: Sends the one measured request and waits for its answer (`answer_of`).
+Send = Callable[[], Awaitable[str]]
+
+
+@asynccontextmanager
+async def armed(
+    running: Server, shape: str, transport: str, nbytes: int
+) -> AsyncIterator[tuple[Send, int]]:
+    """A client of `running` warmed up by a small request of `shape` over `transport`, with ONE
+    request of `shape` ready to send, and its size: whoever measures sends it."""
+    warm = max(nbytes // 256, 4096)
+    if transport == "http":
+        url = running.http + "/v1/responses"
+        async with httpx.AsyncClient(timeout=httpx.Timeout(EVENT_TIMEOUT_S)) as http:
+            await post(http, url, body_of(frame_of(shape, warm)))
+            body = body_of(frame_of(shape, nbytes))
+            yield partial(post, http, url, body), len(body)
+        return
+    inject = shape == "big inject"
+    url = running.ws + ("?dialect=prototype" if inject else "")
+    async with connect(url, headers=[BETA] if inject else [], max_message_size=4 * nbytes + MiB,
+                       event_timeout_s=EVENT_TIMEOUT_S) as client:  # fmt: skip
+        target, call_id = "", ""
+        if shape in ("big steer", "big inject"):
+            target, call_id = await called(client)
+            small = frame_of(shape, warm, previous=target)
+            if inject:  # resumes it to its end; the measured inject resumes another
+                small["input"][0]["call_id"] = call_id
+                await client.send(small)
+                await client.until(*END)
+                target, call_id = await called(client)
+            else:  # waits behind the call, as the measured one will
+                await client.send(small)
+                await client.until("response.steer.pending", "response.steer.failed")
+        else:
+            await client.send(frame_of(shape, warm))
+            await client.until(*END)
+        frame = frame_of(shape, nbytes, previous=target)
+        if inject:
+            frame["input"][0]["call_id"] = call_id
+        text = orjson.dumps(frame).decode()
+        del frame
+        ends = (
+            ("response.steer.pending", "response.steer.failed", "error")
+            if shape == "big steer"
+            else END
+        )
+
+        async def send() -> str:
+            await client.send(text)
+            last = (await client.until(*ends))[-1]
+            client.received.clear()
+            return answer_of(str(last["type"]), last)
+
+        yield send, len(text)
 
 
 async def _one(running: Server, shape: str, transport: str, nbytes: int) -> dict[str, Any]:
     """Warm up, reset the peak, send one frame of `shape`, and measure."""
-    warm = max(nbytes // 256, 4096)
-    answer = ""
-
-    async def measured(send: Callable[[], Any]) -> None:
-        nonlocal answer
-        baseline[0] = status_kib(running.pid, "VmRSS")
-        reset[0] = reset_peak(running.pid)
+    async with armed(running, shape, transport, nbytes) as (send, frame_bytes):
+        baseline = status_kib(running.pid, "VmRSS")
+        reset = reset_peak(running.pid)
         answer = await send()
-
-    baseline, reset = [0], [False]
-    frame_bytes = 0
-    if transport == "http":
-        url = running.http + "/v1/responses"
-        timeout = httpx.Timeout(EVENT_TIMEOUT_S)
-        async with httpx.AsyncClient(timeout=timeout) as http:
-            await _post(http, url, frame_of(shape, warm))
-            frame = frame_of(shape, nbytes)
-            frame_bytes = len(orjson.dumps({k: v for k, v in frame.items() if k != "type"}))
-            await measured(partial(_post, http, url, frame))
-            del frame
-    else:
-        inject = shape == "big inject"
-        url = running.ws + ("?dialect=prototype" if inject else "")
-        async with connect(url, headers=[BETA] if inject else [],
-                           max_message_size=4 * nbytes + MiB,
-                           event_timeout_s=EVENT_TIMEOUT_S) as client:  # fmt: skip
-            target, call_id = "", ""
-            if shape in ("big steer", "big inject"):
-                target, call_id = await _called(client)
-                small = frame_of(shape, warm, previous=target)
-                if inject:  # resumes it to its end; the measured inject resumes another
-                    small["input"][0]["call_id"] = call_id
-                    await client.send(small)
-                    await client.until(*END)
-                    target, call_id = await _called(client)
-                else:  # waits behind the call, as the measured one will
-                    await client.send(small)
-                    await client.until("response.steer.pending", "response.steer.failed")
-            else:
-                await client.send(frame_of(shape, warm))
-                await client.until(*END)
-            frame = frame_of(shape, nbytes, previous=target)
-            if inject:
-                frame["input"][0]["call_id"] = call_id
-            text = orjson.dumps(frame).decode()
-            frame_bytes = len(text)
-            del frame
-            ends = (
-                ("response.steer.pending", "response.steer.failed", "error")
-                if shape == "big steer"
-                else END
-            )
-
-            async def send() -> str:
-                await client.send(text)
-                events = await client.until(*ends)
-                return str(events[-1]["type"])
-
-            await measured(send)
-            del text
-    peak = status_kib(running.pid, "VmHWM") - baseline[0]
+    peak = status_kib(running.pid, "VmHWM") - baseline
     charge = await running.budget_peak()
-    return {
-        "shape": shape,
-        "transport": transport,
-        "frame": frame_bytes,
-        "baseline": baseline[0],
-        "peak": peak,
-        "charge": charge,
-        "answer": answer,
-        "peak_reset": reset[0],
-    }
+    return {"shape": shape, "transport": transport, "frame": frame_bytes, "baseline": baseline,
+            "peak": peak, "charge": charge, "answer": answer, "peak_reset": reset}  # fmt: skip
 
 
 def measure_shape(shape: str, transport: str, nbytes: int) -> dict[str, Any]:
@@ -316,7 +332,7 @@ async def _flood(running: Server, lanes: int, steers: int, nbytes: int) -> dict[
     ) as client:
         targets = []
         for lane in range(lanes):
-            targets.append((await _called(client, stream_id=f"l{lane}"))[0])
+            targets.append((await called(client, stream_id=f"l{lane}"))[0])
         baseline = status_kib(running.pid, "VmRSS")
         reset = reset_peak(running.pid)
         answers: Counter[str] = Counter()
@@ -366,7 +382,7 @@ def steer_flood(
 # -- the command ---------------------------------------------------------------------------------
 
 
-def _positive(text: str) -> float:
+def positive(text: str) -> float:
     """A size or a count: positive and finite (nan, inf and 0 are refused, exit 2)."""
     try:
         value = float(text)
@@ -380,9 +396,9 @@ def _positive(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mb",
-        type=_positive,
+        type=positive,
         default=15.0,
-        help="memory: size of each shape's frame, in MB",
+        help="memory, probes: size of each of bench memory's shapes' frame, in MB",
     )
     parser.add_argument(
         "--shapes",
@@ -392,7 +408,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steer-flood",
-        type=_positive,
+        type=positive,
         nargs=3,
         metavar=("LANES", "STEERS", "MB"),
         default=None,

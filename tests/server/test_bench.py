@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from proto_server.bench.memory import TRANSPORTS, MiB
+from proto_server.bench.probes import ProbeSettings
 from proto_server.bench.report import PLOTS
 from proto_server.bench.runner import TRANSPORT_NAMES
 from proto_server.cli import main
@@ -172,3 +173,81 @@ def test_bench_memory_refuses_sizes_and_counts_it_cannot_measure(
     except SystemExit as exited:  # argparse's own refusal
         code = exited.code  # type: ignore[assignment]
     assert code == 2
+
+
+@pytest.mark.slow
+def test_bench_probes_reports_every_case_with_its_bystander(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench probes` at tiny sizes: each case against a server of its own, a row
+    with its answer, its time, the bystander's worst wait and its peak, and a line per goal.
+    Whether a goal holds is not asserted (the loop goal is a timing on a shared machine)."""
+    shapes = "control,references,warm references,min length,min length tool,big steer"
+    args = ["bench", "probes", "--probe-shapes", shapes, "--item-mb", "0.05", "--references",
+            "2,3", "--min-length", "1000", "--mb", "0.05", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) in (0, 1)  # 1: a goal failed
+    out = capsys.readouterr()
+    assert "probes [13/13] big steer over websocket" in out.err
+    data = orjson.loads((tmp_path / "probes.json").read_bytes())
+    rows = {(r["shape"], r["transport"]): r for r in data["cases"]}
+    assert list(rows) == [
+        ("control", "http"), ("control", "websocket"),
+        ("references x2", "http"), ("references x2", "input_tokens"),
+        ("references x3", "http"), ("references x3", "input_tokens"),
+        ("warm references x2", "websocket"), ("warm references x3", "websocket"),
+        ("min length", "http"), ("min length", "websocket"),
+        ("min length tool", "http"), ("min length tool", "websocket"),
+        ("big steer", "websocket"),
+    ]  # fmt: skip
+    for (shape, transport), row in rows.items():
+        assert row["stopped"] is None and not row["refused"], row
+        assert f"{shape:<22} {transport:<12}" in out.out
+        expected = {"input_tokens": "HTTP 200 ", "websocket": "response."}.get(transport, "")
+        assert row["answer"].startswith(expected or "response.completed"), row
+        assert row["frame"] > 0 and row["max_memory"] == 2048 * MiB and row["peak"] is not None
+        assert row["answer_s"] > 0 and row["worst_gap_ms"] >= row["worst_wait_ms"] > 0
+        (run,) = row["runs"]
+        assert run["peak_reset"] and run["probes"] >= 1 and run["failures"] == 0
+    assert rows[("references x3", "input_tokens")]["answer"].endswith(" tokens")
+    assert rows[("big steer", "websocket")]["answer"] == "response.steer.pending"
+    assert [g["goal"].split(":")[0] for g in data["goals"]] == [
+        "the loop never blocked more than 100 ms by one request",
+        "peak RSS within --max-memory plus the baseline for every shape",
+        "references to a big item",
+    ]
+    assert out.out.count("[HOLDS]") + out.out.count("[FAILS]") == 3
+    assert data["settings"]["references"] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--probe-shapes", "nope"],
+        ["--probe-shapes", ""],
+        ["--item-mb", "0"],
+        ["--references", "0"],
+        ["--references", "a,b"],
+        ["--min-length", "1.5"],
+        ["--min-length", "1,2"],
+        ["--probe-timeout", "nan"],
+        ["--probe-repeats", "0"],
+        ["--probe-max-memory", "0"],
+    ],
+)
+def test_bench_probes_refuses_flags_it_cannot_measure_with(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "probes", *flags])
+    assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_bench_probes_cases_follow_the_shapes_and_counts() -> None:
+    settings = ProbeSettings(shapes=("references", "warm references", "huge string"),
+                             references=(100, 1000))  # fmt: skip
+    assert settings.cases() == [
+        ("references", "http", 100), ("references", "input_tokens", 100),
+        ("references", "http", 1000), ("references", "input_tokens", 1000),
+        ("warm references", "websocket", 100), ("warm references", "websocket", 1000),
+        ("huge string", "http", 0), ("huge string", "websocket", 0),
+    ]  # fmt: skip
