@@ -266,9 +266,11 @@ class Conversation:
         tools: Sequence[Tool] = (),
         effort: str | None = None,
         prefix: Sequence[int] | None = None,
+        prefix_nbytes: int | None = None,
     ) -> None:
-        """`prefix`: the tokens of `render_prefix(instructions, tools, effort=effort)`, when
-        rendered already (off the event loop); else rendered here."""
+        """`prefix`: the tokens of `render_prefix(instructions, tools, effort=effort)`, and
+        `prefix_nbytes` their `prefix_bytes`, when counted already (off the event loop); else
+        rendered and counted here."""
         self.renderer = renderer
         self.instructions = instructions
         self.tools: tuple[Tool, ...] = tuple(tools)
@@ -279,7 +281,9 @@ class Conversation:
             prefix = renderer.render_prefix(instructions, self.tools, effort=effort)
         self.tokens = array("I", prefix)
         self.rendered_tokens = len(self.tokens)
-        self._item_bytes = prefix_bytes(instructions, self.tools)
+        if prefix_nbytes is None:
+            prefix_nbytes = prefix_bytes(instructions, self.tools)
+        self._item_bytes = prefix_nbytes
         self.model_segments = 0
         self.tool_outputs = 0
         self.model_output_end = 0

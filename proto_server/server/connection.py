@@ -258,7 +258,11 @@ class Connection:
             async with self._outbox:
                 try:
                     await write_events(
-                        outbox, frames, dialect=self.dialect, observer=self._observer
+                        outbox,
+                        frames,
+                        dialect=self.dialect,
+                        observer=self._observer,
+                        offload=self._offload,
                     )
                 except SendTimeout as stall:
                     self._stalled = stall

@@ -25,7 +25,12 @@ import attrs
 import trio
 
 from proto_server.core.compaction import CompactionKey, check_compactions
-from proto_server.core.conversation import TOKEN_BYTES, Conversation, render_items
+from proto_server.core.conversation import (
+    ITEM_OVERHEAD_BYTES,
+    TOKEN_BYTES,
+    Conversation,
+    render_items,
+)
 from proto_server.core.ids import new_id
 from proto_server.core.reasoning import (
     ENCRYPTED_CONTENT,
@@ -44,6 +49,7 @@ from proto_server.core.references import (
 )
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
+    PreparedInput,
     ToolChoice,
     check_create,
     check_tool_choice,
@@ -228,7 +234,7 @@ class Responses:
         self,
         create: ResponseCreate,
         budget: MemoryBudget,
-        prefix: list[int] | None,
+        prepared: PreparedInput,
         owner: str,
     ) -> Rollout:
         """A cold rollout: a conversation with only the rendered prefix, a fresh session."""
@@ -237,7 +243,8 @@ class Responses:
             instructions=create.instructions,
             tools=create.tools,
             effort=requested_effort(create.reasoning),
-            prefix=prefix,
+            prefix=prepared.prefix,
+            prefix_nbytes=prepared.prefix_nbytes,
         )
         return self._rollout_of(conversation, budget, owner)
 
@@ -317,7 +324,7 @@ class Responses:
                 rollout = None
         budget.check(prepared.nbytes, "This request")
         if rollout is None:
-            rollout = self._new_rollout(create, budget, prepared.prefix, owner)
+            rollout = self._new_rollout(create, budget, prepared, owner)
             rendered_mark = -discarded
             rollout.conversation.extend_rendered(prepared.history)
         else:
@@ -329,11 +336,16 @@ class Responses:
         rollout.account()
         if self.observer is not None:
             self.observer.rendered()
-        response = response_template(
-            create,
-            response_id=response_id or new_id("resp"),
-            created_at=int(time.time()),
-            default_model=self.config.default_model,
+        # echoing a create's tools costs 6 us each: 0.2 s for the 36,000 tools of 4 MB
+        response = await self.offload.run(
+            partial(
+                response_template,
+                create,
+                response_id=response_id or new_id("resp"),
+                created_at=int(time.time()),
+                default_model=self.config.default_model,
+            ),
+            size=size,
         )
         machine = ResponseMachine(
             response=response,
@@ -527,10 +539,14 @@ class Responses:
         self, first_item: int, owner: str, durable: Durable | None
     ) -> Callable[[ResponseMachine], Awaitable[None]]:
         """How an ended `store: true` Response is written: its items from `first_item` on, its
-        stored suspension (if any) deleted in the same transaction."""
+        stored suspension (if any) deleted in the same transaction. Giving each item its id
+        takes a few microseconds an item: for the 100,000 items of a 4 MB request it runs on a
+        preparation thread, not on the event loop."""
 
         async def persist(machine: ResponseMachine) -> None:
-            items = with_ids(machine.conversation.items[first_item:])
+            ended = machine.conversation.items[first_item:]
+            size = ITEM_OVERHEAD_BYTES * len(ended)
+            items = await self.offload.run(with_ids, ended, size=size)
             stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
             ends = durable.ends if durable is not None else None
             await self.store.put(stored, ends_suspension=ends)

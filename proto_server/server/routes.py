@@ -345,6 +345,7 @@ class _Exchange:
                 dialect="http",
                 observer=self.responses.observer,
                 one_response=True,
+                offload=self.responses.offload,
             )
         except SendTimeout as stall:
             log.warning(

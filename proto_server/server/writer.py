@@ -11,18 +11,25 @@ one each. Only the framing differs, so only the framing is the transport's.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Protocol
 
 from proto_server.core.sequence import Sequencer
 from proto_server.server import metrics
 from proto_server.server.observe import ServerObserver
+from proto_server.server.offload import Offload
 from proto_server.server.outbox import Outbox
 from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.events import ServerEvent
+from proto_server.wire.response import Response
 
 #: Most events framed into one socket write (a burst is written in pieces this big).
 WRITE_BATCH = 64
+#: The fewest bytes of JSON a tool or an output item echoed in a Response takes: what its
+#: encoding is charged as, so that a Response echoing thousands of them (36,000 tools in 4 MB,
+#: 80 ms of Python an event) is encoded off the event loop.
+ECHOED_VALUE_BYTES = 64
 
 
 class Transport(Protocol):
@@ -50,11 +57,13 @@ async def write_events(
     dialect: str,
     observer: ServerObserver | None,
     one_response: bool = False,
+    offload: Offload | None = None,
 ) -> None:
     """Write what `outbox` gives until its channel ends; with `one_response` (an SSE stream
     carries one Response), until that Response's terminal event is written.
 
-    Each lane numbers its own events from 0 (the default lane, None, is every HTTP stream's)."""
+    Each lane numbers its own events from 0 (the default lane, None, is every HTTP stream's).
+    An event echoing a large Response is encoded on a worker thread of `offload`."""
     sequencers: dict[str | None, Sequencer] = {}
     while batch := await outbox.batch(WRITE_BATCH):
         sizes = []
@@ -64,7 +73,9 @@ async def write_events(
             sequencer = sequencers.get(lane)
             if sequencer is None:  # lanes are few: the dialect bounds them
                 sequencer = sequencers[lane] = Sequencer()
-            payload = encode_server_event_bytes(outgoing.event, sequencer.next(), lane)
+            encode = partial(encode_server_event_bytes, outgoing.event, sequencer.next(), lane)
+            size = echoed_bytes(outgoing.event)
+            payload = encode() if offload is None else await offload.run(encode, size=size)
             sizes.append(transport.add(outgoing.event, payload))
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 ended = True
@@ -92,3 +103,12 @@ async def discard_events(outbox: Outbox, *, dialect: str, one_response: bool = F
             metrics.ended(outgoing.event, dialect=dialect)
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 return
+
+
+def echoed_bytes(event: ServerEvent) -> int:
+    """The least the Response `event` echoes (if any) takes as JSON, counted by its tools and
+    output items, each a Python step to encode: cheap to count, whatever their size."""
+    response = getattr(event, "response", None)
+    if not isinstance(response, Response):
+        return 0
+    return ECHOED_VALUE_BYTES * (len(response.tools) + len(response.output))

@@ -15,26 +15,39 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 import trio
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from proto_server.core import conversation as conversation_module
 from proto_server.core.conversation import Conversation
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import Segment
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.server import responses as responses_module
+from proto_server.server import writer as writer_module
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.wire.converter import YIELDING_PARSE_BYTES, load_yielding
+from proto_server.wire.response import Response
 
-from ..support.helpers import CheckpointStore, connect, json_values, read_line
+from ..support.helpers import (
+    CheckpointStore,
+    StartServer,
+    connect,
+    json_values,
+    read_line,
+    sse,
+)
 
 #: The most CPU one step of the server's tasks may spend on the event loop's thread while the
 #: big requests are prepared, beyond `TINY_STEPS` times a tiny request's longest step (before
@@ -300,3 +313,58 @@ def test_a_large_frame_is_parsed_as_orjson_would(text: bytes | str) -> None:
             load_yielding(padded)
         return
     assert load_yielding(padded) == expected
+
+
+#: More tools than the loop may echo or count inline (each a Python step: 36,000 in 4 MB).
+ECHOED_TOOLS = [
+    {"type": "function", "name": f"t{i}", "parameters": {"type": "object"}} for i in range(2000)
+]
+
+
+async def test_a_large_response_is_echoed_and_stored_off_the_event_loop(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ends a large stored Response grows with its request and runs on a worker thread,
+    as its decoding and rendering do: its items given their ids to be stored, its tools echoed
+    in the Response, counted for the memory budget, and encoded in each event that echoes
+    them (before: on the event loop, 0.9-3 s for the 4 MB shapes of `bench probes`)."""
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+
+    def watch(module: Any, name: str, large: Callable[..., bool]) -> None:
+        original = getattr(module, name)
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == loop_thread and large(*args, **kwargs):
+                on_loop.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, watched)
+
+    many = len(ECHOED_TOOLS)
+    watch(responses_module, "with_ids", lambda items: len(items) > many)
+    watch(responses_module, "response_template", lambda create, **_: len(create.tools) > many)
+    watch(conversation_module, "prefix_bytes", lambda _, tools: len(tools) > many)
+    watch(writer_module, "encode_server_event_bytes", lambda event, *_: echoed(event) > many)
+    running = await start_server(planner=DefaultModel())
+    create = {
+        "model": "m",
+        "store": True,
+        "tools": [*ECHOED_TOOLS, {"type": "function", "name": "last"}],
+        "input": [{"role": "user", "content": "hi"}] * (2 * many),
+    }
+    async with httpx.AsyncClient(timeout=60) as http:
+        events = await sse(http, f"{running.address.http_url}/responses", create)
+        assert events[-1]["type"] == "response.completed", events[-1]
+        stored = await http.get(
+            f"{running.address.http_url}/responses/{events[-1]['response']['id']}/input_items"
+        )
+    assert stored.status_code == 200
+    assert stored.json()["data"][0]["id"].startswith("msg_")
+    assert on_loop == [], on_loop
+
+
+def echoed(event: Any) -> int:
+    """How many tools the Response `event` carries echoes (0: none)."""
+    response = getattr(event, "response", None)
+    return len(response.tools) if isinstance(response, Response) else 0
