@@ -17,6 +17,7 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
+from proto_server.engine.families import parser_for
 from proto_server.engine.families.base import at_limit
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
 from proto_server.engine.thinking import split_thinking
@@ -116,7 +117,7 @@ class VllmSession:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
         renderer = generator.renderer
         parser = split_thinking(  # a model that thinks, unconstrained, writes `<think>` first
-            syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None),
+            parser_for(syntax, names, max_calls=limits.max_calls, forced=structure is not None),
             thinks=renderer.thinks and structure is None,
             opened=renderer.opens_thinking,
             tags=renderer.think_tags,
