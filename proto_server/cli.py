@@ -34,9 +34,9 @@ from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags
 from proto_server.engine import families
 from proto_server.engine.base import TokenGenerator
-from proto_server.engine.chat_template import TemplateError
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.model_files import INSTALL_HINT, ModelError
+from proto_server.engine.model_renderer import TemplateError
 from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel

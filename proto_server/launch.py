@@ -16,7 +16,7 @@ import attrs
 
 from proto_server.core.ranges import InvalidSetting, at_least, one_of, positive_finite
 from proto_server.core.settings import setting
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
 from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS
 from proto_server.engine.replicas import PROBE_INTERVAL_S
 from proto_server.server.config import MiB

@@ -33,9 +33,10 @@ import attrs
 from proto_server.bench.mistral import mistral_folder, mistral_prompt
 from proto_server.bench.tables import table
 from proto_server.core.conversation import Conversation
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.families import choose
 from proto_server.engine.model_files import ModelError, load_tokenizer, tokenizer_files
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
+from proto_server.engine.renderers import renderer_for
 from proto_server.engine.thinking import OPEN as THINK_OPEN
 from proto_server.wire.items import (
     FunctionCall,
@@ -156,7 +157,7 @@ def render_both(directory: Path, rounds: int) -> Rendering | None:
     if not mistral and not getattr(tokenizer, "chat_template", None):
         return None
     syntax = choose(tokenizer)
-    renderer = syntax.renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    renderer = renderer_for(syntax, tokenizer, cache_bytes=RENDER_CACHE_BYTES)
     items = tool_loop(rounds)
     conversation = Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS)
     conversation.extend(items)
@@ -212,7 +213,7 @@ def held_turns(tokenizer: Any, rounds: int) -> list[HeldTurn] | None:
     what the model wrote (the template's rendering of its message, up to the end-of-turn token
     it wrote last); the next model turn's prompt is proto-server's rendering, item by item.
     None where the template renders no reasoning (there is none to keep warm)."""
-    renderer = choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    renderer = renderer_for(choose(tokenizer), tokenizer, cache_bytes=RENDER_CACHE_BYTES)
     items = reasoning_loop(rounds)
     conversation = Conversation(renderer, instructions=INSTRUCTIONS, tools=TOOLS)
     turns: list[HeldTurn] = []
@@ -269,7 +270,7 @@ def joined_turn(tokenizer: Any) -> JoinedTurn | None:
     template's rendering of the one message, to the end-of-turn token) against the next
     prompt three ways; None where the template does not render such a turn as one message
     ending in `<|im_end|>` (it shows each call apart, or drops the calls of a text)."""
-    renderer = choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    renderer = renderer_for(choose(tokenizer), tokenizer, cache_bytes=RENDER_CACHE_BYTES)
     ask = Message(role="user", content="The tests fail in two files; look at both.")
     thought = Reasoning(content=(ReasoningText(text=_THOUGHT),))
     text = Message(role="assistant", content=_TEXT)

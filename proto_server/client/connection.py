@@ -27,7 +27,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 from proto_server.client.dialects import Dialect, rules
 from proto_server.client.http import HttpWire
 from proto_server.client.rollout import Rollout, wire_json
-from proto_server.client.state import Received, Sent
+from proto_server.client.segment import Received, Sent
 from proto_server.wire.converter import decode_server_event
 from proto_server.wire.events import ServerEvent
 from proto_server.wire.items import Item

@@ -1,7 +1,8 @@
-"""How a rollout shows in a notebook: event tables, the pending calls, where the time went.
+"""How a rollout shows in a notebook: its segments, the pending calls, where the time went.
 
-Times are the client's (trio clock), in milliseconds from the segment's send. GPU time is
-*modelled* (the simulated generator's timing model), never measured, and labelled so.
+A segment's own table is segment.py's. Times are the client's (trio clock), in milliseconds
+from the segment's send. GPU time is *modelled* (the simulated generator's timing model),
+never measured, and labelled so.
 """
 
 from __future__ import annotations
@@ -13,38 +14,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from proto_server.client.state import Received, RolloutState, Segment
-from proto_server.wire.events import (
-    ContentPartAdded,
-    ContentPartDone,
-    ErrorEvent,
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
-    OutputItemAdded,
-    OutputItemDone,
-    OutputTextDelta,
-    OutputTextDone,
-    ReasoningTextDelta,
-    ReasoningTextDone,
-    ServerEvent,
-)
-from proto_server.wire.items import CustomToolCall, FunctionCall, Item, Message, ToolCall
+from proto_server.client.segment import STYLE, Segment, calls_html, ms
+from proto_server.client.state import RolloutState, RolloutTracker
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from proto_server.client.rollout import Rollout
-
-#: Rows shown of a long segment: its head and its tail, the middle summarised.
-HEAD_ROWS = 24
-TAIL_ROWS = 8
-TEXT_CHARS = 80
-
-_STYLE = (
-    "<style>.proto-rollout td,.proto-rollout th{text-align:left;padding:1px 8px;"
-    "font-family:monospace;font-size:12px}.proto-rollout .badge{padding:1px 6px;"
-    "border-radius:4px;color:white}</style>"
-)
 _COLOURS = {
     "streaming": "#1f77b4",
     "suspended": "#ff7f0e",
@@ -55,128 +30,16 @@ _COLOURS = {
 }
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
-
-
-def _short(text: str) -> str:
-    text = text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "…"
-    return escape(repr(text)[1:-1])
-
-
-def _item_label(item: Item) -> str:
-    match item:
-        case FunctionCall(name=name, call_id=call_id) | CustomToolCall(name=name, call_id=call_id):
-            return f"{item.type} {name} {call_id}"
-        case Message(role=role, id=item_id):
-            return f"message {role} {item_id or ''}"
-    return item.type
-
-
-def _describe(event: ServerEvent) -> tuple[str, str]:
-    """(item, text) columns of one event."""
-    match event:
-        case (
-            OutputItemAdded(output_index=index, item=item)
-            | OutputItemDone(output_index=index, item=item)
-        ):
-            text = item.arguments if isinstance(item, FunctionCall) else ""
-            return f"#{index} {_item_label(item)}", text
-        case (
-            OutputTextDelta(output_index=index, delta=text)
-            | ReasoningTextDelta(output_index=index, delta=text)
-            | FunctionCallArgumentsDelta(output_index=index, delta=text)
-        ):
-            return f"#{index}", text
-        case (
-            OutputTextDone(output_index=index, text=text)
-            | ReasoningTextDone(output_index=index, text=text)
-        ):
-            return f"#{index}", text
-        case FunctionCallArgumentsDone(output_index=index, name=name, arguments=text):
-            return f"#{index} {name}", text
-        case ContentPartAdded(output_index=index) | ContentPartDone(output_index=index):
-            return f"#{index}", ""
-        case ErrorEvent(error=error):
-            return error.code, error.message
-    response = getattr(event, "response", None)
-    if response is not None:
-        return response.id, f"status {response.status}"
-    return "", ""
-
-
-def events_html(received: Sequence[Received], *, since: float) -> str:
-    """A table of events: sequence number, time since `since`, type, item, text, bytes."""
-    rows = list(received)
-    hidden = 0
-    if len(rows) > HEAD_ROWS + TAIL_ROWS:
-        hidden = len(rows) - HEAD_ROWS - TAIL_ROWS
-        rows = rows[:HEAD_ROWS] + rows[-TAIL_ROWS:]
-    body = []
-    for position, row in enumerate(rows):
-        if hidden and position == HEAD_ROWS:
-            body.append(f"<tr><td colspan=6>… {hidden} more events …</td></tr>")
-        item, text = _describe(row.event)
-        seq = "" if row.sequence_number is None else str(row.sequence_number)
-        body.append(
-            f"<tr><td>{seq}</td><td>{_ms(row.at - since)}</td>"
-            f"<td>{escape(row.event.type.removeprefix('response.'))}</td>"
-            f"<td>{escape(item)}</td><td>{_short(text)}</td><td>{row.size}</td></tr>"
-        )
-    head = "<tr><th>seq</th><th>t</th><th>type</th><th>item</th><th>text</th><th>bytes</th></tr>"
-    return f"<table>{head}{''.join(body)}</table>"
-
-
-def calls_html(calls: Sequence[ToolCall], title: str = "Pending calls") -> str:
-    """The calls awaiting output: what the client must run and append."""
-    if not calls:
-        return ""
-    rows = "".join(
-        f"<tr><td>{escape(call.call_id)}</td><td>{escape(call.name)}</td>"
-        f"<td>{escape(call.arguments if isinstance(call, FunctionCall) else call.input)}</td></tr>"
-        for call in calls
-    )
-    return (
-        f"<p><b>{escape(title)}</b></p><table><tr><th>call_id</th><th>name</th>"
-        f"<th>arguments</th></tr>{rows}</table>"
-    )
-
-
-def _segment_summary(segment: Segment) -> str:
-    rate = segment.tokens_per_s
-    return (
-        f"segment {segment.index} ({segment.request}) · ended by "
-        f"<code>{escape(segment.end or 'nothing yet')}</code> · {len(segment.events)} events · "
-        f"sent {segment.sent_bytes} B · first event {_ms(segment.time_to_first_event)} · "
-        f"to the end {_ms(segment.time_to_end)} · {segment.output_tokens} tokens out"
-        + (f" ({rate:,.0f}/s seen)" if rate is not None else "")
-    )
-
-
-def segment_html(segment: Segment) -> str:
-    calls = [
-        received.event.item
-        for received in segment.events
-        if isinstance(received.event, OutputItemDone)
-        and isinstance(received.event.item, FunctionCall | CustomToolCall)
-    ]
-    suspended = segment.end in ("response.done", "response.completed") and calls
-    return (
-        f"{_STYLE}<div class='proto-rollout'><p>{_segment_summary(segment)}</p>"
-        f"{events_html(segment.events, since=segment.sent_at)}"
-        f"{calls_html(calls, 'Calls the model made') if suspended else ''}</div>"
-    )
-
-
-def rollout_html(rollout: Rollout) -> str:
+def rollout_html(rollout: RolloutTracker) -> str:
+    """The rollout's table: a row per segment, its usage, its pending calls or its error."""
     state = rollout.state
     badge = f"<span class='badge' style='background:{_COLOURS[state.value]}'>{state.value}</span>"
     usage = rollout.response.usage if rollout.response is not None else None
-    ids = ", ".join(rollout.tracker.response_ids) or "none yet"
+    ids = ", ".join(rollout.response_ids) or "none yet"
     rows = "".join(
         f"<tr><td>{s.index}</td><td>{s.request}</td><td>{escape(s.end or '…')}</td>"
         f"<td>{len(s.events)}</td><td>{s.sent_bytes}</td><td>{s.received_bytes}</td>"
-        f"<td>{_ms(s.time_to_first_event)}</td><td>{_ms(s.time_to_end)}</td>"
+        f"<td>{ms(s.time_to_first_event)}</td><td>{ms(s.time_to_end)}</td>"
         f"<td>{s.input_tokens}</td><td>{s.cached_tokens}</td><td>{s.output_tokens}</td></tr>"
         for s in rollout.segments
     )
@@ -185,9 +48,9 @@ def rollout_html(rollout: Rollout) -> str:
         "<th>sent B</th><th>received B</th><th>first event</th><th>to the end</th>"
         f"<th>input tok</th><th>cached tok</th><th>output tok</th></tr>{rows}</table>"
     )
-    error = rollout.tracker.error
+    error, pending = rollout.error, list(rollout.pending_calls.values())
     return (
-        f"{_STYLE}<div class='proto-rollout'><p>{rollout.dialect} rollout {badge} · "
+        f"{STYLE}<div class='proto-rollout'><p>{rollout.dialect} rollout {badge} · "
         f"response {escape(ids)}"
         + (
             f" · usage: {usage.input_tokens} in ({usage.input_tokens_details.cached_tokens} "
@@ -197,7 +60,7 @@ def rollout_html(rollout: Rollout) -> str:
         )
         + "</p>"
         + table
-        + (calls_html(rollout.pending_calls) if state is RolloutState.SUSPENDED else "")
+        + (calls_html(pending) if state is RolloutState.SUSPENDED else "")
         + (
             f"<p><b>error</b> {escape(error.code)}: {escape(error.message)}</p>"
             if error is not None

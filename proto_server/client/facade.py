@@ -37,7 +37,8 @@ from proto_server.client.connection import Connection, connect
 from proto_server.client.dialects import Dialect
 from proto_server.client.display import Chart, ModelledTime, rollout_html, timing_chart
 from proto_server.client.rollout import Rollout
-from proto_server.client.state import Received, RolloutState, Segment, Sent
+from proto_server.client.segment import Received, Segment, Sent
+from proto_server.client.state import RolloutState
 from proto_server.wire.items import Item, ToolCall, ToolOutput
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -339,4 +340,4 @@ class BlockingRollout:
         return timing_chart(self.rollout.segments, self.client.timing, title=title)
 
     def _repr_html_(self) -> str:
-        return rollout_html(self.rollout)
+        return rollout_html(self.rollout.tracker)

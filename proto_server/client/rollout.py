@@ -19,12 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from proto_server.client.dialects import rules
 from proto_server.client.display import rollout_html
-from proto_server.client.state import (
-    Received,
-    RolloutState,
-    RolloutTracker,
-    Segment,
-)
+from proto_server.client.segment import Received, Segment
+from proto_server.client.state import RolloutState, RolloutTracker
 from proto_server.wire.converter import unstructure
 from proto_server.wire.items import Item, ToolCall, ToolOutput
 from proto_server.wire.response import Response
@@ -166,7 +162,7 @@ class Rollout:
         return f"the rollout ended ({self.state.value}); create a new one."
 
     def _repr_html_(self) -> str:
-        return rollout_html(self)
+        return rollout_html(self.tracker)
 
 
 class _SegmentEvents:

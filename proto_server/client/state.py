@@ -1,9 +1,10 @@
 """What a client knows about one rollout, kept without I/O: state, pending calls, timings.
 
 A *segment* is everything the server streams in answer to one client send (a create, or the
-append that resumes the rollout) up to the next suspension or the end. The tracker is fed the
-sends and the received events with their (client-side) times and keeps the record; the trio
-`Rollout` only moves bytes. Every dialect suspends the same way from the client's point of view:
+append that resumes the rollout) up to the next suspension or the end (segment.py). The
+tracker is fed the sends and the received events with their (client-side) times and keeps the
+record; the trio `Rollout` only moves bytes. Every dialect suspends the same way from the
+client's point of view:
 
 - prototype: `response.done` ends a segment with calls pending; the same Response resumes;
 - launched and HTTP: `response.completed` whose output ends in calls not yet answered is a
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import attrs
 
 from proto_server.client.dialects import Dialect, rules
+from proto_server.client.segment import Received, Segment
 from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.events import (
     ErrorEvent,
@@ -62,84 +61,6 @@ _ENDINGS: Mapping[type[ServerEvent], RolloutState] = {
     ResponseIncomplete: RolloutState.INCOMPLETE,
     ResponseCancelled: RolloutState.CANCELLED,
 }
-
-
-@attrs.frozen
-class Sent:
-    """One client event (WebSocket) or request body (HTTP) as sent: when, and how many bytes."""
-
-    body: Mapping[str, Any]
-    at: float
-    size: int
-
-
-@attrs.frozen
-class Received:
-    """One server event as the client saw it: when (trio clock, seconds) and how many bytes."""
-
-    sequence_number: int | None  # None for an HTTP error body, which has none
-    event: ServerEvent
-    at: float
-    size: int
-
-
-@attrs.define
-class Segment:
-    """One client send and what came back, with the client-side timings."""
-
-    index: int
-    request: str  # "start" (the create) or "resume" (what answered the calls)
-    sent_at: float
-    sent_bytes: int
-    #: When the previous segment ended (None for the first): the gap is the client's own time.
-    previous_end: float | None = None
-    events: list[Received] = attrs.field(factory=list)
-    ended_at: float | None = None
-    response_id: str | None = None
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-
-    @property
-    def end(self) -> str | None:
-        """The type of the event that ended the segment, once it has ended."""
-        return self.events[-1].event.type if self.ended_at is not None else None
-
-    @property
-    def time_to_first_event(self) -> float | None:
-        return self.events[0].at - self.sent_at if self.events else None
-
-    @property
-    def time_to_end(self) -> float | None:
-        """Send to suspension (or to the end of the rollout)."""
-        return None if self.ended_at is None else self.ended_at - self.sent_at
-
-    @property
-    def client_time(self) -> float | None:
-        """What the client spent between the previous suspension and this send (running tools)."""
-        return None if self.previous_end is None else self.sent_at - self.previous_end
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Output tokens over the time from the first event to the end, as the client saw it."""
-        if self.ended_at is None or not self.events:
-            return None
-        seconds = self.ended_at - self.events[0].at
-        return self.output_tokens / seconds if seconds > 0 else None
-
-    @property
-    def received_bytes(self) -> int:
-        return sum(received.size for received in self.events)
-
-    @property
-    def reprocessed_tokens(self) -> int:
-        """Prompt tokens the model had to process again: input not served from a warm cache."""
-        return self.input_tokens - self.cached_tokens
-
-    def _repr_html_(self) -> str:
-        from proto_server.client.display import segment_html  # display imports this module
-
-        return segment_html(self)
 
 
 class OutputsRefused(ValueError):

@@ -39,14 +39,14 @@ from openai_harmony import Message as HarmonyMessage
 
 from proto_server.core.compaction import summary_of
 from proto_server.core.tokenizer import O200K_SHA256, VocabularyError, bundled_vocabulary
-from proto_server.engine.chat_template import (
+from proto_server.engine.families.base import object_arguments
+from proto_server.engine.families.harmony import CONSTRAIN, FUNCTIONS, START
+from proto_server.engine.model_renderer import (
     COMPACTION_PREAMBLE,
     PREFIX,
     RENDER_CACHE_BYTES,
     RenderedMessages,
 )
-from proto_server.engine.families.base import object_arguments
-from proto_server.engine.families.harmony import CONSTRAIN, FUNCTIONS, START
 from proto_server.engine.thinking import TAGS
 from proto_server.wire.items import (
     CustomToolCall,

@@ -30,12 +30,13 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
 from proto_server.engine import families
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
 from proto_server.engine.model_files import load_model
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
+from proto_server.engine.renderers import renderer_for
 from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix
@@ -96,7 +97,7 @@ class LocalGenerator:
         self.choose = choose
         #: The model family's call syntax (`--tool-syntax`; families/).
         self.syntax = families.choose(tokenizer, tool_syntax)
-        self.renderer = self.syntax.renderer(tokenizer, cache_bytes=render_cache_bytes)
+        self.renderer = renderer_for(self.syntax, tokenizer, cache_bytes=render_cache_bytes)
         self.stop_ids = stop_token_ids(model, tokenizer, self.syntax)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -268,8 +269,11 @@ class LocalSession:
         # a model that thinks writes its `<think>` block first
         renderer = generator.renderer
         parser = split_thinking(
-            generator.syntax.parser(
-                self._tool_names, max_calls=limits.max_calls, forced=constraint is not None
+            families.parser_for(
+                generator.syntax,
+                self._tool_names,
+                max_calls=limits.max_calls,
+                forced=constraint is not None,
             ),
             thinks=renderer.thinks and constraint is None,
             opened=renderer.opens_thinking,

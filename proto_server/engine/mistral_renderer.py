@@ -47,15 +47,15 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
 from proto_server.core.compaction import summary_of
 from proto_server.core.render import turn_end
-from proto_server.engine.chat_template import (
+from proto_server.engine.families.base import too_deep
+from proto_server.engine.model_files import PROBE
+from proto_server.engine.model_renderer import (
     COMPACTION_PREAMBLE,
     PREFIX,
     RENDER_CACHE_BYTES,
     RenderedMessages,
     TemplateError,
 )
-from proto_server.engine.families.base import too_deep
-from proto_server.engine.model_files import PROBE
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,

@@ -36,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from proto_server.core.render import Renderer
 from proto_server.core.shared_capacity import Load
-from proto_server.engine.chat_template import ModelRenderer
+from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.engine.replicas import ReplicaState
 from proto_server.server.store import (
     ANONYMOUS,

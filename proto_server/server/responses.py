@@ -67,7 +67,7 @@ from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
 from proto_server.engine.base import GrammarGenerator, SharedGenerator, TokenGenerator
-from proto_server.engine.chat_template import ModelRenderer
+from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
 from proto_server.server.config import ServerConfig

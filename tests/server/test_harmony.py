@@ -340,7 +340,7 @@ def test_reasoning_then_an_answer_on_final_are_read_back_as_both(
 
 
 def test_the_final_channel_streams_as_text_at_once() -> None:
-    parser = HARMONY.parser(["get_weather"])
+    parser = families.parser_for(HARMONY, ["get_weather"])
     assert parser.feed("<|channel|>") == []  # a header: not shown
     assert parser.feed("final") == []
     assert parser.feed("<|message|>") == []
@@ -349,7 +349,7 @@ def test_the_final_channel_streams_as_text_at_once() -> None:
     assert parser.feed(" <|") == [TextDelta(" ", 1)]  # only a possible end token is held
     assert parser.feed("x") == [TextDelta("<|x", 1)]
     assert parser.finish() == ([], 0)
-    thinking = HARMONY.parser([])
+    thinking = families.parser_for(HARMONY, [])
     assert thinking.feed("<|channel|>analysis<|message|>Hm", 4) == [ReasoningDelta("Hm", 4)]
 
 
@@ -379,7 +379,7 @@ def test_what_is_not_harmony_or_no_allowed_call_is_released_as_the_model_text(
 
 
 def test_text_with_no_header_streams_at_once() -> None:
-    parser = HARMONY.parser(["get_weather"])
+    parser = families.parser_for(HARMONY, ["get_weather"])
     assert parser.feed("Hi") == [TextDelta("Hi", 1)]
     assert parser.feed(" you") == [TextDelta(" you", 1)]
 
@@ -396,7 +396,7 @@ def test_no_tool_allowed_makes_a_call_text() -> None:
 def test_a_forced_call_opens_in_the_prompt_and_streams_its_arguments() -> None:
     head = forced_call_head([WEATHER], HARMONY.frame)
     assert head == " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
-    parser = HARMONY.parser(["get_weather"], forced=True)
+    parser = families.parser_for(HARMONY, ["get_weather"], forced=True)
     begin = parser.feed(head, 0)
     assert begin == [ToolCallBegin("get_weather", 0)]  # at once, before any argument
     streamed = [*parser.feed('{"city": ', 3), *parser.feed('"Paris"}', 2)]

@@ -70,7 +70,7 @@ def test_what_is_kept_stays_within_its_bytes(
     """The least recently used go first (the first time, a log line names the flag), and a
     message bigger than the whole cache is rendered but not kept."""
     renderer = ChatTemplateRenderer(tokenizer, cache_bytes=8 * 1024)
-    with caplog.at_level(logging.INFO, logger="proto_server.engine.chat_template"):
+    with caplog.at_level(logging.INFO, logger="proto_server.engine.model_renderer"):
         for n in range(200):
             renderer.render_item(Message(role="user", content=f"message {n} " * 10))
             assert renderer.rendered.nbytes <= 8 * 1024

@@ -29,10 +29,11 @@ import trio
 
 from proto_server.bench.mistral import mistral_folder
 from proto_server.engine import families
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.families import FAMILIES
 from proto_server.engine.families.mistral import MISTRAL_JSON
 from proto_server.engine.model_files import load_tokenizer
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES, TemplateError
+from proto_server.engine.renderers import renderer_for
 from proto_server.engine.vllm import (
     VllmGenerator,
     discover,
@@ -424,4 +425,4 @@ def test_mistral_s_own_chat_template_is_refused_at_start_saying_why(tmp_path: Pa
         syntax = families.choose(tokenizer, families.AUTO)
         assert syntax is MISTRAL_JSON
         with pytest.raises(TemplateError, match="moves the system message into a later message"):
-            syntax.renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+            renderer_for(syntax, tokenizer, cache_bytes=RENDER_CACHE_BYTES)

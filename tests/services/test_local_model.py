@@ -30,12 +30,7 @@ from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation
 from proto_server.core.request import ToolChoice
 from proto_server.engine import families, model_files
-from proto_server.engine.chat_template import (
-    COMPACTION_PREAMBLE,
-    ChatTemplateRenderer,
-    TemplateError,
-    item_message,
-)
+from proto_server.engine.chat_template import ChatTemplateRenderer, item_message
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -47,6 +42,7 @@ from proto_server.engine.chunks import (
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.limits import GenerationLimits, GeneratorError
 from proto_server.engine.local import LocalGenerator, LocalSession, greedy
+from proto_server.engine.model_renderer import COMPACTION_PREAMBLE, TemplateError
 from proto_server.wire.items import (
     FunctionCall,
     FunctionCallOutput,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proto_server.client.display import time_split
-from proto_server.client.state import OutputsRefused, Received, RolloutState, RolloutTracker
+from proto_server.client.segment import Received
+from proto_server.client.state import OutputsRefused, RolloutState, RolloutTracker
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.events import (

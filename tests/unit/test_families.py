@@ -114,7 +114,7 @@ def fed(
 ) -> list[Chunk]:
     """Every chunk the family's parser gives for `pieces` (text, tokens), its leftover tokens
     as a last text chunk with no text."""
-    parser = syntax.parser(tool_names, max_calls=max_calls, forced=forced)
+    parser = families.parser_for(syntax, tool_names, max_calls=max_calls, forced=forced)
     chunks = [chunk for text, tokens in pieces for chunk in parser.feed(text, tokens)]
     held, leftover = parser.finish()
     return [*chunks, *held, TextDelta("", leftover)]
@@ -501,7 +501,7 @@ def test_where_the_template_knows_no_calls_a_turn_is_rendered_as_the_model_wrote
     base = tokenizer.apply_chat_template([probe], tokenize=False)
     whole = tokenizer.apply_chat_template([probe, message], tokenize=False)
     assert turn == list(tokenizer.encode(whole[len(base) :], add_special_tokens=False))
-    parser = syntax.parser(["get_weather"])
+    parser = families.parser_for(syntax, ["get_weather"])
     chunks = parser.feed(text + wrote, 1)
     chunks += parser.finish()[0]
     said = "".join(c.text for c in chunks if isinstance(c, TextDelta))
@@ -605,7 +605,7 @@ def test_a_forced_call_the_limit_cuts_short_is_said_to_be_cut(
     # read only where the limit stopped decoding
     cases = [(short, True)] if syntax is HARMONY else [(short, True), (block, False)]
     for text, cut in cases:
-        parser = syntax.parser(names_offered, forced=True)
+        parser = families.parser_for(syntax, names_offered, forced=True)
         chunks = [c for piece, t in split(text, cuts, [1]) for c in parser.feed(piece, t)]
         held, _ = parser.finish()
         chunks += held
@@ -632,12 +632,12 @@ def streamed_arguments(chunks: Sequence[Chunk]) -> list[str]:
 
 
 def test_text_streams_at_once_and_only_a_possible_opening_is_held() -> None:
-    parser = DEEPSEEK_V3.parser(["f"])
+    parser = families.parser_for(DEEPSEEK_V3, ["f"])
     assert parser.feed("Hello <｜tool") == [TextDelta("Hello ", 1)]
     assert parser.feed("▁calls▁end｜> no") == [TextDelta("<｜tool▁calls▁end｜> no", 1)]
-    llama = LLAMA3_JSON.parser(["f"])
+    llama = families.parser_for(LLAMA3_JSON, ["f"])
     assert llama.feed("The set {1, 2}") == [TextDelta("The set {1, 2}", 1)]  # mid-text: text
-    bare = LLAMA3_JSON.parser(["f"])
+    bare = families.parser_for(LLAMA3_JSON, ["f"])
     assert bare.feed('{"a": 1}') == [TextDelta('{"a": 1}', 1)]  # not a call: released at once
 
 

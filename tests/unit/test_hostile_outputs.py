@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from proto_server.engine import thinking
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import Chunk, ToolCallBegin, ToolCallEnd
-from proto_server.engine.families import base, framed, harmony, hermes, stream
+from proto_server.engine.families import base, framed, harmony, hermes, parser_for, stream
 from proto_server.engine.families.base import (
     MAX_ARGUMENTS_DEPTH,
     WHITESPACE,
@@ -227,7 +227,7 @@ def test_no_output_makes_a_parser_raise_or_lose_a_token(
             assert said == (output if output.strip(WHITESPACE) else "")
         else:  # what came before its calls
             assert output.startswith(said)
-    thinks = ThinkingParser(syntax.parser(["f"]))  # a thinking model's output, the same
+    thinks = ThinkingParser(parser_for(syntax, ["f"]))  # a thinking model's output, the same
     pieces = split("<think>" + output, cuts, tokens)
     chunks = [chunk for text, count in pieces for chunk in thinks.feed(text, count)]
     held, leftover = thinks.finish()
@@ -306,7 +306,7 @@ def test_a_parsers_work_doubles_when_its_hostile_output_doubles(
     for forced in (False, True):
         counts = []
         for n in (300, 600):
-            parser = syntax.parser(["f"], forced=forced)
+            parser = parser_for(syntax, ["f"], forced=forced)
             if shape == "thinking whitespace":
                 parser = ThinkingParser(parser)
             counts.append(work(parser, make(n)))

@@ -35,11 +35,12 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from proto_server.bench.mistral import mistral_folder
 from proto_server.core.conversation import render_items
 from proto_server.engine import families
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES, TemplateError
 from proto_server.engine.chunks import ReasoningDelta
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
 from proto_server.engine.mistral_renderer import THINK_TAGS, MistralRenderer, mistral_call_id
 from proto_server.engine.model_files import load_tokenizer
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES, TemplateError
+from proto_server.engine.renderers import renderer_for
 from proto_server.engine.thinking import split_thinking
 from proto_server.wire.items import (
     FunctionCall,
@@ -66,7 +67,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @functools.cache
 def renderer_of(folder: Path) -> tuple[Any, MistralRenderer]:
     tokenizer = load_tokenizer(folder).tokenizer
-    renderer = families.choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+    renderer = renderer_for(families.choose(tokenizer), tokenizer, cache_bytes=RENDER_CACHE_BYTES)
     assert isinstance(renderer, MistralRenderer)
     return tokenizer, renderer
 
@@ -164,7 +165,7 @@ def test_versions_are_told_apart_and_an_old_one_is_refused_saying_why(
         assert families.choose(tokenizer) is family
     tokenizer = load_tokenizer(folders["v3"]).tokenizer
     with pytest.raises(TemplateError, match=r"tokenizer v3 puts the instructions in the last user"):
-        families.choose(tokenizer).renderer(tokenizer, cache_bytes=RENDER_CACHE_BYTES)
+        renderer_for(families.choose(tokenizer), tokenizer, cache_bytes=RENDER_CACHE_BYTES)
 
 
 def test_a_folder_with_only_tekken_json_is_read(tmp_path: Path) -> None:
@@ -251,7 +252,7 @@ def test_magistral_s_thinking_is_rendered_back_where_the_model_wrote_it(
 def test_magistral_s_thinking_is_read_as_reasoning_as_it_streams(cuts: list[int]) -> None:
     written = f'[THINK]{THOUGHT}[/THINK]Looking.[TOOL_CALLS]get_weather[ARGS]{{"city": "Paris"}}'
     parser = split_thinking(
-        MISTRAL.parser(["get_weather"]), thinks=True, opened=False, tags=THINK_TAGS
+        families.parser_for(MISTRAL, ["get_weather"]), thinks=True, opened=False, tags=THINK_TAGS
     )
     chunks = [c for piece, t in split(written, cuts, [1]) for c in parser.feed(piece, t)]
     held, leftover = parser.finish()

@@ -1,4 +1,5 @@
-"""Model families' tool-call syntaxes (base.py), one module each, and which one a model is.
+"""Model families' tool-call syntaxes (base.py), one module each, which one a model is, and
+the parser that reads its calls (`parser_for`; renderers.py builds its renderer).
 
 A family is recognised by the special tokens of its call syntax in the tokenizer's vocabulary
 (or its chat template's text; gpt-oss by harmony's `<|channel|>` and `<|start|>`; Qwen from
@@ -7,16 +8,19 @@ Hermes, whose `<tool_call>` it shares, by the form its template renders a call i
 uses, and the log says so.
 
 To add a family: a module with a `ToolSyntax` (its `CallFrame`, and what else differs from the
-defaults), listed in `FAMILIES`, with the token that tells it in `detect`.
+defaults: a parser of its own, another `Rendering`), listed in `FAMILIES`, with the token that
+tells it in `detect`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
-from proto_server.engine.families.base import ToolSyntax
+from proto_server.engine.families.base import CallParser, ToolSyntax
 from proto_server.engine.families.deepseek_v3 import CALLS_BEGIN, DEEPSEEK_V3
+from proto_server.engine.families.framed import FramedCallParser
 from proto_server.engine.families.harmony import CHANNEL, HARMONY, START
 from proto_server.engine.families.hermes import HERMES, OPEN
 from proto_server.engine.families.llama3 import HEADER, LLAMA3_JSON
@@ -76,3 +80,17 @@ def choose(tokenizer: Any, wanted: str = AUTO) -> ToolSyntax:
     else:
         log.info("tool_syntax", extra={"tool_syntax": family.name, "chosen_by": token})
     return family
+
+
+def parser_for(
+    syntax: ToolSyntax,
+    tool_names: Collection[str],
+    *,
+    max_calls: int | None = None,
+    forced: bool = False,
+) -> CallParser:
+    """A segment's parser of `syntax`'s calls: the family's own (Hermes', harmony's), else the
+    one that reads its frame."""
+    if syntax.own_parser is not None:
+        return syntax.own_parser(tool_names, max_calls=max_calls, forced=forced)
+    return FramedCallParser(syntax.frame, tool_names, max_calls=max_calls, forced=forced)

@@ -3,23 +3,25 @@
 Each family (Hermes/Qwen, Llama 3.x JSON, Mistral, DeepSeek V3) was tuned on its own call
 syntax. A `ToolSyntax` says, for one family: how tools are offered when the chat template does
 not take them (`describe_tools`), how an earlier call is written when the template does not
-render `tool_calls` (`call_text`), the role a tool's output is shown under, the streaming
-parser of its calls, and the `CallFrame` a grammar writes a forced call in (constraints.py for
-the local model, vLLM's structural tags in vllm/grammar.py), how a conversation becomes tokens
-(`renderer`: the chat template, or gpt-oss's harmony, which has none) and which ids end the
-model's turn (`stop_ids`). A family whose parser also yields reasoning (harmony) adds its own
-chunk kinds to the parser; nothing here assumes calls are the only structure in a model's
-output.
+render `tool_calls` (`call_text`), the role a tool's output is shown under, the `CallFrame` a
+grammar writes a forced call in (constraints.py for the local model, vLLM's structural tags in
+vllm/grammar.py) and which ids end the model's turn (`stop_ids`). It is data: what reads its
+calls (its own parser, or its frame's) and what renders its conversations (`Rendering`) are
+named here and built elsewhere, by the registry (`families.parser_for`) and renderers.py, so
+that a family depends on no parser or renderer that depends on it. A family whose parser also
+yields reasoning (harmony) adds its own chunk kinds to the parser; nothing here assumes calls
+are the only structure in a model's output.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import re
 from collections import defaultdict
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
 
@@ -29,7 +31,6 @@ from proto_server.wire.converter import MAX_JSON_DEPTH
 from proto_server.wire.tools import FunctionTool
 
 if TYPE_CHECKING:
-    from proto_server.engine.chat_template import ModelRenderer
     from proto_server.engine.limits import GenerationLimits
 
 WHITESPACE = " \t\r\n"
@@ -124,6 +125,26 @@ class CallParser(Protocol):
     def feed(self, text: str, tokens: int = 1) -> list[Chunk]: ...
 
     def finish(self) -> tuple[list[Chunk], int]: ...
+
+
+class ParserFactory(Protocol):
+    """A family's own parser class: what the registry builds for a segment."""
+
+    def __call__(
+        self, tool_names: Collection[str], *, max_calls: int | None = ..., forced: bool = ...
+    ) -> CallParser: ...
+
+
+class Rendering(enum.Enum):
+    """What turns a family's conversations into tokens (renderers.py builds it)."""
+
+    #: The model's own chat template (chat_template.py).
+    CHAT_TEMPLATE = "chat_template"
+    #: openai-harmony's: gpt-oss has no chat template (harmony_renderer.py).
+    HARMONY = "harmony"
+    #: mistral-common's where the model's folder holds its `tekken.json`
+    #: (mistral_renderer.py), else the chat template.
+    MISTRAL_COMMON = "mistral_common"
 
 
 def at_limit(chunks: list[Chunk], parser: CallParser) -> list[Chunk]:
@@ -258,6 +279,10 @@ class ToolSyntax:
     #: What a constrained answer (a structured one, no call allowed) opens with, put in the
     #: prompt rather than decoded: where the family writes its answer under a header.
     answer_head: str = ""
+    #: The parser of its calls where it has one of its own; None: its frame's (framed.py).
+    own_parser: ClassVar[ParserFactory | None] = None
+    #: What renders its conversations.
+    rendering: Rendering = Rendering.CHAT_TEMPLATE
 
     def answer_prompt(self, limits: GenerationLimits, tools: Sequence[FunctionTool]) -> str:
         """What a segment's prompt ends with past the generation prompt, so that the model is
@@ -285,20 +310,6 @@ class ToolSyntax:
         if self.frame.separator is None and len(calls) > 1:
             return None
         return self.frame.block([(name, object_arguments(arguments)) for name, arguments in calls])
-
-    def parser(
-        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
-    ) -> CallParser:
-        from proto_server.engine.families.framed import FramedCallParser
-
-        return FramedCallParser(self.frame, tool_names, max_calls=max_calls, forced=forced)
-
-    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
-        """How the family's conversations become tokens: the model's chat template (harmony
-        has none: it renders its own)."""
-        from proto_server.engine.chat_template import ChatTemplateRenderer
-
-        return ChatTemplateRenderer(tokenizer, cache_bytes=cache_bytes, syntax=self)
 
     def stop_ids(self, tokenizer: Any, configured: int | Sequence[int] | None) -> frozenset[int]:
         """The ids that end the model's turn (`tokens.stop_ids`)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proto_server.engine.chunks import (
     Chunk,
@@ -34,13 +34,10 @@ from proto_server.engine.chunks import (
 from proto_server.engine.families.base import (
     Braces,
     CallFrame,
-    CallParser,
+    Rendering,
     ToolSyntax,
     json_object,
 )
-
-if TYPE_CHECKING:
-    from proto_server.engine.harmony_renderer import HarmonyRenderer
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -317,17 +314,8 @@ class Harmony(ToolSyntax):
     frame = FRAME
     #: The answer is a `final` message, as harmony renders it back on the next turn.
     answer_head = f"{CHANNEL}final{MESSAGE}"
-
-    def parser(
-        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
-    ) -> CallParser:
-        return HarmonyParser(tool_names, max_calls=max_calls, forced=forced)
-
-    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> HarmonyRenderer:
-        """openai-harmony's rendering: gpt-oss has no chat template."""
-        from proto_server.engine.harmony_renderer import HarmonyRenderer
-
-        return HarmonyRenderer(cache_bytes=cache_bytes)
+    own_parser = HarmonyParser
+    rendering = Rendering.HARMONY
 
     def stop_ids(self, tokenizer: Any, configured: int | Sequence[int] | None) -> frozenset[int]:
         """Harmony's ends of an assistant's turn (`<|return|>`, `<|call|>`), as the

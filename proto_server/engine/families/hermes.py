@@ -40,7 +40,6 @@ from proto_server.engine.families.base import (
     WHITESPACE,
     Braces,
     CallFrame,
-    CallParser,
     ParsedCall,
     Quote,
     ToolSyntax,
@@ -64,26 +63,6 @@ FRAME = CallFrame(
     separator=", ",
     close="]" + CLOSE,
 )
-
-
-class Hermes(ToolSyntax):
-    """Offered tools through the template where it takes them (Qwen's), else the system prompt
-    of `describe_tools`; calls read by `ToolCallParser`, which also takes Qwen's single object
-    and arguments written as a JSON string."""
-
-    name = "hermes"
-    frame = FRAME
-
-    def stop(self, max_calls: int | None) -> list[str]:
-        return [CLOSE]  # a Qwen block holds one object, without the list's `]`
-
-    def parser(
-        self, tool_names: Collection[str], *, max_calls: int | None = None, forced: bool = False
-    ) -> CallParser:
-        return ToolCallParser(tool_names, max_calls=max_calls, forced=forced)
-
-
-HERMES = Hermes()
 
 
 class _Invalid(Exception):
@@ -452,3 +431,19 @@ class ToolCallParser(BlockStream):
         self._end_block()
         self._lead = []
         return chunks
+
+
+class Hermes(ToolSyntax):
+    """Offered tools through the template where it takes them (Qwen's), else the system prompt
+    of `describe_tools`; calls read by `ToolCallParser`, which also takes Qwen's single object
+    and arguments written as a JSON string."""
+
+    name = "hermes"
+    frame = FRAME
+    own_parser = ToolCallParser
+
+    def stop(self, max_calls: int | None) -> list[str]:
+        return [CLOSE]  # a Qwen block holds one object, without the list's `]`
+
+
+HERMES = Hermes()

@@ -12,30 +12,16 @@ Conversations are rendered by mistral-common where the model's folder has its `t
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from proto_server.engine.families.base import CallFrame, ToolSyntax
-
-if TYPE_CHECKING:
-    from proto_server.engine.chat_template import ModelRenderer
+from proto_server.engine.families.base import CallFrame, Rendering, ToolSyntax
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 
 
 class MistralFamily(ToolSyntax):
-    def renderer(self, tokenizer: Any, *, cache_bytes: int) -> ModelRenderer:
-        """mistral-common's rendering, where the folder the tokenizer was read from holds the
-        model's `tekken.json`; else its chat template's."""
-        folder = getattr(tokenizer, "name_or_path", "")
-        if not folder or not (Path(folder) / "tekken.json").is_file():
-            return super().renderer(tokenizer, cache_bytes=cache_bytes)
-        from proto_server.engine.mistral_renderer import MistralRenderer, mistral_tokenizer
+    """Rendered by mistral-common where it can be (module docstring)."""
 
-        mistral = mistral_tokenizer(Path(folder))
-        assert mistral is not None  # the file is there
-        return MistralRenderer(mistral, tokenizer, cache_bytes=cache_bytes)
+    rendering = Rendering.MISTRAL_COMMON
 
 
 class Mistral(MistralFamily):

@@ -14,9 +14,10 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
-from proto_server.engine.chat_template import RENDER_CACHE_BYTES
 from proto_server.engine.families import AUTO, choose
 from proto_server.engine.model_files import LoadedTokenizer
+from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
+from proto_server.engine.renderers import renderer_for
 from proto_server.engine.vllm.protocol import (
     PROBE_TIMEOUT_S,
     EngineSetupError,
@@ -49,7 +50,7 @@ class VllmGenerator:
         self.tokenizer = tokenizer.tokenizer
         #: The model family's call syntax (`--tool-syntax`; families/).
         self.syntax = choose(self.tokenizer, tool_syntax)
-        self.renderer = self.syntax.renderer(self.tokenizer, cache_bytes=render_cache_bytes)
+        self.renderer = renderer_for(self.syntax, self.tokenizer, cache_bytes=render_cache_bytes)
         self.stop_ids = self.syntax.stop_ids(self.tokenizer, tokenizer.eos_token_id)
         #: What the engine writes for each: the end of the model's turn is no text of its own.
         self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}

@@ -9,7 +9,7 @@ have found cached against what it says it found.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -17,8 +17,10 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
-from proto_server.engine.families.base import at_limit
+from proto_server.engine.families import parser_for
+from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
+from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix
 from proto_server.engine.vllm.grammar import (
@@ -34,6 +36,7 @@ from proto_server.engine.vllm.protocol import (
     EngineError,
     EngineUsage,
     Piece,
+    ServedModel,
     completion_request,
     error_for_exception,
     error_for_status,
@@ -42,17 +45,37 @@ from proto_server.engine.vllm.protocol import (
 )
 from proto_server.wire.tools import function_tools
 
-if TYPE_CHECKING:
-    from proto_server.engine.vllm.generator import VllmGenerator
-
 log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
+
+
+class Engine(Protocol):
+    """What a session reads of the generator that opened it (generator.py's `VllmGenerator`),
+    named here so that the session needs nothing of the module that makes sessions."""
+
+    url: str
+    model: ServedModel
+    tokenizer: Any
+    syntax: ToolSyntax
+    renderer: ModelRenderer
+    max_tokens: int
+    stop_ids: frozenset[int]
+    #: What the engine writes for each stop id.
+    stop_texts: dict[int, str]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client every session of the generator shares."""
+        ...
 
 
 class VllmSession:
     """One rollout on the engine: nothing is held there but what its prefix cache keeps."""
 
     def __init__(
-        self, generator: VllmGenerator, conversation: Conversation, *, cache_salt: str | None
+        self, generator: Engine, conversation: Conversation, *, cache_salt: str | None
     ) -> None:
         self._generator = generator
         self._conversation = conversation
@@ -116,7 +139,7 @@ class VllmSession:
             most = min(most, context - len(prompt))  # longer: the engine refuses it, and says so
         renderer = generator.renderer
         parser = split_thinking(  # a model that thinks, unconstrained, writes `<think>` first
-            syntax.parser(names, max_calls=limits.max_calls, forced=structure is not None),
+            parser_for(syntax, names, max_calls=limits.max_calls, forced=structure is not None),
             thinks=renderer.thinks and structure is None,
             opened=renderer.opens_thinking,
             tags=renderer.think_tags,
