@@ -278,8 +278,6 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         raise Refused(str(exc)) from None
     config = from_flags(ServerConfig, args, api_keys=keys, key_weights=weights)
     retention = from_flags(StoreRetention, args)
-    if config.kv_capacity_from_engine and launch.generator != "vllm":
-        raise Refused("--kv-capacity-from-engine needs --generator vllm")
     if launch.workers > 1 and launch.listen_fd is None:
         return _supervise(args, argv)
     store, shared = _open_store(launch.store, retention)
@@ -363,6 +361,29 @@ def _secret(launch: Launch, shared: PostgresStore | None) -> bytes | None:
     except (OSError, ValueError) as exc:
         raise Refused(f"cannot use the compaction secret: {exc}; pass another "
                       "--compaction-secret-file") from None  # fmt: skip
+
+
+def _engine_capacities(urls: list[str], down: Mapping[int, str]) -> list[int] | None:
+    """Each engine's KV cache in tokens, as its /metrics says at start-up; None, with the
+    reason on stderr, where one does not answer or does not say: admission stays off (the
+    default is a best effort; --kv-capacity-tokens sets the capacity by hand)."""
+    from proto_server.engine.vllm import engine_kv_capacity
+
+    why = None
+    capacities = []
+    if down:
+        why = "not every engine answered at start-up"
+    for url in urls if not down else ():
+        capacity = trio.run(engine_kv_capacity, url)
+        if capacity is None:
+            why = f"the engine at {url} does not report vllm:cache_config_info on its /metrics"
+            break
+        capacities.append(capacity)
+    if why is None:
+        return capacities
+    print(f"proto-server: admission by the engines' KV cache is off: {why}; pass "
+          "--kv-capacity-tokens to set it", file=sys.stderr)  # fmt: skip
+    return None
 
 
 def _admission_between_processes(config: ServerConfig, launch: Launch) -> ServerConfig:
@@ -460,7 +481,7 @@ def _connect_engines(
     """`serve --generator vllm`: the engine, or its replicas (one `--engine-url` each), with
     the settings they imply and what to call them; Refused says what to run or pass."""
     from proto_server.engine.replicas import Replica, ReplicatedGenerator
-    from proto_server.engine.vllm import EngineSetupError, discover_replicas, engine_kv_capacity
+    from proto_server.engine.vllm import EngineSetupError, discover_replicas
     from proto_server.server import metrics
 
     urls = list(launch.engine_url)
@@ -475,22 +496,14 @@ def _connect_engines(
     config = attrs.evolve(config, default_model=model.name)
     capacities = None
     if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
-        if down:
-            raise Refused("--kv-capacity-from-engine needs every engine to answer at start-up; "
-                          "start them, or pass --kv-capacity-tokens")  # fmt: skip
-        capacities = [trio.run(engine_kv_capacity, url) for url in urls]
-        for url, capacity in zip(urls, capacities, strict=True):
-            if capacity is None:
-                raise Refused(f"--kv-capacity-from-engine: the engine at {url} does not report "
-                              "vllm:cache_config_info on its /metrics; pass "
-                              "--kv-capacity-tokens")  # fmt: skip
-        config = attrs.evolve(config, kv_capacity_tokens=sum(c or 0 for c in capacities))
+        capacities = _engine_capacities(urls, down)
+        config = attrs.evolve(config, kv_capacity_tokens=sum(capacities or ()))
     if len(urls) == 1:
         (engine,) = engines
         return engine, config, f"vLLM model {model.name} at {engine.url}"
     replicated = ReplicatedGenerator(
         [Replica(url, engine) for url, engine in zip(urls, engines, strict=True)],
-        capacities=[c or 0 for c in capacities] if capacities else None,
+        capacities=capacities,
         down=list(down),
         probe_interval_s=launch.engine_probe_interval_s,
         observer=metrics.ReplicaMetrics(),

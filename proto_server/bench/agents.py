@@ -501,7 +501,10 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
 
             paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS)
             name = model.name
-            process, proto_url = await start_proto_server(url, settings.answer_tokens)
+            # proto-server's paths without admission (on by default in front of vLLM)
+            process, proto_url = await start_proto_server(
+                url, settings.answer_tokens, ["--no-kv-capacity-from-engine"]
+            )
             stack.push_async_callback(_stop, process)
             # the engine this run started schedules by priority (none given: arrival order)
             admitting = ["--kv-capacity-from-engine"]

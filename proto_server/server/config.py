@@ -174,10 +174,11 @@ class ServerConfig:
         "server admits rollouts by it (see Scheduling); 0: off",
     )
     kv_capacity_from_engine: bool = setting(
-        False,
-        help="vllm: read --kv-capacity-tokens from the engine at start-up (its /metrics: "
-        "vllm:cache_config_info's num_gpu_blocks x block_size); an engine that does not say "
-        "stops the server",
+        True,
+        help="vllm: unless --kv-capacity-tokens is given, admit rollouts by the engines' KV "
+        "cache as they report it at start-up (their /metrics: vllm:cache_config_info's "
+        "num_gpu_blocks x block_size); an engine that does not say, or does not answer, leaves "
+        "admission off and the log says so; --no-kv-capacity-from-engine: no admission by it",
     )
     tool_syntax: str = setting(
         families.AUTO,

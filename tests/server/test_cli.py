@@ -335,15 +335,13 @@ async def test_serve_with_permessage_deflate_compresses_for_a_client_that_offers
         assert await process.wait() == 0
 
 
-def test_a_bad_key_weight_or_an_engine_capacity_without_an_engine_is_refused(
+def test_a_bad_key_weight_or_target_fill_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from proto_server.cli import main
 
     assert main(["serve", "--store", ":memory:", "--key-weight", "k1=2"]) == 2
     assert "--key-weight: expected KEY_ID=WEIGHT" in capsys.readouterr().err
-    assert main(["serve", "--store", ":memory:", "--kv-capacity-from-engine"]) == 2
-    assert "--kv-capacity-from-engine needs --generator vllm" in capsys.readouterr().err
     assert main(["serve", "--store", ":memory:", "--kv-target-fill", "2"]) == 2
     assert "--kv-target-fill: must be between 0.01 and 1" in capsys.readouterr().err
 

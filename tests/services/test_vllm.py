@@ -860,13 +860,19 @@ async def test_engine_connections_bounds_the_requests_on_the_engine(
         assert multi > 2  # side by side: steps that decoded both (64 here; fewer if one is late)
 
 
+@pytest.mark.parametrize(
+    ("flags", "admits"), [((), True), (("--no-kv-capacity-from-engine",), False)]
+)
 async def test_serve_finds_the_engine_model_and_its_tokenizer(
-    nursery: trio.Nursery, vllm_engine: Engine, tmp_path: Any
+    nursery: trio.Nursery, vllm_engine: Engine, flags: tuple[str, ...], admits: bool
 ) -> None:
-    """The CLI: the served model and its tokenizer come from the engine (`root`)."""
+    """The CLI: the served model and its tokenizer come from the engine (`root`), and by
+    default rollouts are admitted by the KV cache the engine reports."""
+    from proto_server.engine.vllm import engine_kv_capacity
+
     command = [
         sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store", ":memory:",
-        "--generator", "vllm", "--engine-url", vllm_engine.url,
+        "--generator", "vllm", "--engine-url", vllm_engine.url, *flags,
     ]  # fmt: skip
     with trio.fail_after(120):
         process: trio.Process = await nursery.start(
@@ -878,7 +884,13 @@ async def test_serve_finds_the_engine_model_and_its_tokenizer(
         root = line.split("listening on ")[1].split(" ")[0].removesuffix("/v1")
         async with httpx.AsyncClient(base_url=root, timeout=10) as http:
             ready = await http.get("/readyz")  # and the signal handlers are installed by now
+            exposition = (await http.get("/metrics")).text
         assert ready.status_code == 200, ready.text
+        said = re.search(r"^proto_server_kv_capacity_tokens (\S+)$", exposition, re.MULTILINE)
+        capacity = await engine_kv_capacity(vllm_engine.url)
+        assert capacity is not None
+        reported = float(said.group(1)) if said else 0.0
+        assert reported == (int(capacity * ServerConfig().kv_target_fill) if admits else 0)
         process.terminate()
         assert await process.wait() == 0
 
