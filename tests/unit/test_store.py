@@ -28,6 +28,7 @@ from proto_server.server.store import (
     sqlite_host,
 )
 from proto_server.wire.converter import converter
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 
 from ..support.helpers import (
@@ -332,6 +333,20 @@ async def test_items_past_a_byte_bound_are_refused_before_they_are_read(
 ) -> None:
     store = SQLiteStore(where if where == ":memory:" else tmp_path / "s.sqlite3")
     await items_read_within(store)
+    await store.aclose()
+
+
+async def test_a_refused_lookup_gives_its_reader_back(tmp_path: Path) -> None:
+    """A refusal is the store's answer, not its fault: the reader process that gave it is
+    reused, so refused requests do not leave a process behind each."""
+    store = SQLiteStore(tmp_path / "s.sqlite3")
+    await store.put(identified("resp_0"))
+    for _ in range(5):
+        with pytest.raises(ProtocolError):
+            await store.items(["a_resp_0"], owner="", max_bytes=1)
+    assert len(store._all_readers) == 1
+    assert await store.items(["a_resp_0"], owner="")
+    assert len(store._all_readers) == 1
     await store.aclose()
 
 

@@ -53,6 +53,7 @@ from proto_server.server.store.records import (
     stored_item_ids,
 )
 from proto_server.server.store.retention import DEFAULT_RETENTION, StoreRetention
+from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Item
 
 T = TypeVar("T")
@@ -307,9 +308,14 @@ class SQLiteStore:
             if reader is None:
                 reader = await self._call(trio.CapacityLimiter(1), what, None, self._connect, False)
                 self._all_readers.append(reader)
-            # a reader whose call failed may still be busy in an abandoned thread: not reused
+            # a reader whose call failed may still be busy in an abandoned thread: not reused;
+            # one that answered with a refusal (a lookup over its bound) is done, and is
             this = reader
-            result = await self._call(trio.CapacityLimiter(1), what, lambda: this, fn, *args)
+            try:
+                result = await self._call(trio.CapacityLimiter(1), what, lambda: this, fn, *args)
+            except ProtocolError:
+                self._readers.append(reader)
+                raise
             self._readers.append(reader)
             return result
 
