@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import orjson
 
 from proto_server.core.tool_schema import Trail, trail_path
-from proto_server.engine.patterns import PatternRefused, matching_string
+from proto_server.engine.patterns import PatternRefused, SearchTime, matching_string
 from proto_server.wire.errors import quoted
 
 _STRINGS_BY_NAME = {
@@ -122,6 +122,7 @@ class _Examples:
         self._values = EXAMPLE_BUDGET
         self._chars = EXAMPLE_CHARS
         self._resolved: dict[str, tuple[Any, Trail]] = {}  # each pointer walked once
+        self._search = SearchTime()  # every pattern's matching together
 
     def _spend(self, trail: Trail, refs: frozenset[str]) -> None:
         self._values -= 1
@@ -368,7 +369,12 @@ class _Examples:
         if isinstance(pattern, str):
             try:
                 text = matching_string(
-                    pattern, seed=text, least=least, most=most, limit=self._chars
+                    pattern,
+                    seed=text,
+                    least=least,
+                    most=most,
+                    limit=self._chars,
+                    time_left=self._search,
                 )
             except PatternRefused as why:
                 raise SchemaRefused(

@@ -31,10 +31,42 @@ MAX_PATTERN_DEPTH = 32
 #: hundred times that, a MemoryError); past it the pattern is refused before it is compiled.
 MAX_PATTERN_SIZE = 20_000
 
-#: Seconds of matching one `pattern` may take, all its candidates together. Python's `re`
-#: backtracks exponentially on some patterns (`(x+x+)+y` against 30 x's: minutes); matching runs
-#: on the `regex` engine, which is faster on most of them and stops at this bound on the rest.
+#: Seconds of matching one schema's `pattern`s may take, every pattern and candidate together.
+#: Python's `re` backtracks exponentially on some patterns (`(x+x+)+y` against 30 x's: minutes);
+#: matching runs on the `regex` engine, which is faster on most of them and stops at this bound
+#: on the rest.
 PATTERN_SEARCH_S = 0.05
+
+
+class SearchTime:
+    """What is left of `PATTERN_SEARCH_S` for one schema: shared by all its patterns, so a
+    schema of a thousand `anyOf` branches costs the bound once, not a thousand times."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = PATTERN_SEARCH_S if seconds is None else seconds
+        self._deadline = time.monotonic() + self.seconds
+        #: The searching done so far, in this thread's CPU time.
+        self._worked = 0.0
+
+    def search(self, compiled: regex.Pattern[str], text: str) -> bool:
+        """Whether `compiled` finds a match in `text` within the bound. A search stopped while
+        the walk's searches had used under half the bound in CPU time (the time went elsewhere:
+        the process descheduled, the GIL held by another thread) is tried once more with what
+        is left of it, so that a busy machine does not refuse a simple pattern."""
+        for attempt in range(2):
+            started = time.thread_time()
+            try:
+                left = self._deadline - time.monotonic()
+                return compiled.search(text, timeout=max(left, 0)) is not None
+            except TimeoutError:
+                pass
+            finally:
+                self._worked += time.thread_time() - started
+            if attempt or self._worked >= self.seconds / 2:
+                break
+            self._deadline = time.monotonic() + self.seconds - self._worked
+        raise PatternRefused(f"matching it took longer than {self.seconds} s (it backtracks badly)")
+
 
 #: Characters tried, in order, as the one a class or `.` stands for: readable ones first.
 _SAMPLES = "aA0x_-. !~@#%&*+,/:;=?^|()[]{}<>$'\"\\\t\n"
@@ -281,7 +313,15 @@ def _write(node: _Node, extra: int, *, exact: bool = False) -> str:
     return node.text
 
 
-def matching_string(pattern: str, *, seed: str, least: int, most: int | None, limit: int) -> str:
+def matching_string(
+    pattern: str,
+    *,
+    seed: str,
+    least: int,
+    most: int | None,
+    limit: int,
+    time_left: SearchTime | None = None,
+) -> str:
     """A string that `pattern` matches (searched for, as JSON Schema does), `least` to `most`
     characters long: `seed` itself when it fits, else one built from the pattern. Raises
     `PatternRefused` for a pattern outside the subset, one whose shortest match is longer than
@@ -301,17 +341,12 @@ def matching_string(pattern: str, *, seed: str, least: int, most: int | None, li
         compiled = regex.compile(pattern)  # what matches, within a time bound
     except (regex.error, RecursionError, OverflowError) as error:
         raise PatternRefused(f"it is not a regular expression ({error})") from None
-    deadline = time.monotonic() + PATTERN_SEARCH_S
+    clock = time_left if time_left is not None else SearchTime()
 
     def fits(text: str) -> bool:
         if not least <= len(text) <= (most if most is not None else len(text)):
             return False
-        try:
-            return compiled.search(text, timeout=max(deadline - time.monotonic(), 0)) is not None
-        except TimeoutError:
-            raise PatternRefused(
-                f"matching it took longer than {PATTERN_SEARCH_S} s (it backtracks badly)"
-            ) from None
+        return clock.search(compiled, text)
 
     if fits(seed):
         return seed

@@ -9,6 +9,7 @@ instance the model does build is checked with `jsonschema`, as a client's valida
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 from typing import Any
 
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto_server.core.tool_schema import trail_of
+from proto_server.engine import patterns
 from proto_server.engine.examples import EXAMPLE_CHARS, SchemaRefused, example_value
 from proto_server.engine.patterns import MAX_PATTERN_CHARS
 
@@ -191,6 +193,57 @@ def test_a_pattern_that_backtracks_badly_is_matched_in_bounded_time_or_refused(
     else:
         # matched on the bounded engine: `re` may take minutes on a string that does not match
         assert len(value) == 40 and regex.search(pattern, value, timeout=5)
+
+
+def test_a_schemas_patterns_share_one_search_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand branches that backtrack badly cost the bound once: after the first is
+    refused for its time, no other search is given any (the reviewer's `anyOf` of 2,500 such
+    branches held the loop 50 ms each, two minutes in all)."""
+    timeouts: list[float] = []
+
+    class Spied:
+        def __init__(self, compiled: Any) -> None:
+            self._compiled = compiled
+
+        def search(self, text: str, *, timeout: float) -> Any:
+            timeouts.append(timeout)
+            return self._compiled.search(text, timeout=timeout)
+
+    compile_ = patterns.regex.compile
+    monkeypatch.setattr(patterns.regex, "compile", lambda p: Spied(compile_(p)))
+    slow = {"type": "string", "pattern": r"^(a|a)*$b", "minLength": 30}
+    schema = {"anyOf": [slow] * 20 + [{"type": "string"}]}
+    assert example_value(schema) == "example"
+    assert len(timeouts) >= 20 and sum(t > 0 for t in timeouts) <= 2
+
+
+@pytest.mark.parametrize(("worked_s", "matched"), [(0.0, True), (1.0, False)])
+def test_a_search_cut_while_its_thread_did_not_run_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, worked_s: float, matched: bool
+) -> None:
+    """On a busy machine a search can reach the bound without working (descheduled, or the
+    GIL elsewhere): tried once more, it is not refused; one that worked that long is."""
+    cpu = iter(itertools.count())
+    monkeypatch.setattr(patterns.time, "thread_time", lambda: next(cpu) * worked_s)
+    first = [True]
+
+    class Starved:
+        def __init__(self, compiled: Any) -> None:
+            self._compiled = compiled
+
+        def search(self, text: str, *, timeout: float) -> Any:
+            if first.pop() if first else False:
+                raise TimeoutError("the bound passed")
+            return self._compiled.search(text, timeout=timeout)
+
+    compile_ = patterns.regex.compile
+    monkeypatch.setattr(patterns.regex, "compile", lambda p: Starved(compile_(p)))
+    schema = {"type": "string", "pattern": "^[a-z]+$"}
+    if matched:
+        assert example_value(schema) == "example"
+    else:
+        with pytest.raises(SchemaRefused, match="longer than"):
+            example_value(schema)
 
 
 def test_a_pattern_meets_the_lengths_or_is_refused() -> None:
