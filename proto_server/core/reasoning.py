@@ -27,9 +27,10 @@ ENCRYPTED_CONTENT = "reasoning.encrypted_content"
 
 #: The values OpenAI's API takes for `reasoning.effort` and `reasoning.summary` (and the older
 #: `reasoning.generate_summary`), each also null; the published schema's effort enum omits
-#: `minimal`, which its descriptions and the SDKs name.
+#: `minimal`, which its descriptions and the SDKs name. A summary of `none` is Codex's own value
+#: (its `model_reasoning_summary` setting), taken as no summary rather than refused.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-REASONING_SUMMARIES = ("auto", "concise", "detailed")
+REASONING_SUMMARIES = ("auto", "concise", "detailed", "none")
 _REASONING_FIELDS = {
     "effort": REASONING_EFFORTS,
     "summary": REASONING_SUMMARIES,
@@ -56,13 +57,14 @@ def check_reasoning(reasoning: Mapping[str, Any] | None) -> None:
 def echoed_reasoning(reasoning: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """`reasoning` as the API echoes it: both `effort` and `summary`, null when not asked
     (Codex sends only one of them; a strict client's parser requires both), the older
-    `generate_summary` read as `summary`, and nothing else the client put there."""
+    `generate_summary` read as `summary`, Codex's `none` as null (the published schema has no
+    such summary), and nothing else the client put there."""
     if reasoning is None:
         return None
     summary = reasoning.get("summary")
     if summary is None:
         summary = reasoning.get("generate_summary")
-    return {"effort": reasoning.get("effort"), "summary": summary}
+    return {"effort": reasoning.get("effort"), "summary": None if summary == "none" else summary}
 
 
 #: Bound into every reasoning seal, so no compaction seal verifies as one (and no other).

@@ -167,6 +167,10 @@ JSON_FORMAT = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
             ("reasoning", {"effort": "minimal", "summary": None}),
         ),
         (
+            {"reasoning": {"effort": "high", "summary": "none"}},
+            ("reasoning", {"effort": "high", "summary": None}),
+        ),
+        (
             {"text": {"format": JSON_FORMAT}},
             ("text", {"format": {**JSON_FORMAT, "description": None, "strict": False}}),
         ),
