@@ -1,11 +1,13 @@
 """A connection past `--max-connections`: answered 503 `server_busy` and closed, unless it is
 a health probe. A liveness probe that a full server refused would have an orchestrator restart
 it for being busy, so up to `--probe-connections` such connections have their request head
-read (`PROBE_WAIT_S`, `PROBE_HEAD_BYTES`) and a `GET /healthz` or `/readyz` is answered;
-every other one is answered at once, before its head is read."""
+read (`PROBE_WAIT_S`, `PROBE_HEAD_BYTES`) and a `GET /healthz` or `/readyz` is answered. One
+more makes the longest-waiting of them give up its place (it is answered 503): a probe sends
+its head at once, so a flood of connections that send nothing cannot hold every place."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import trio
@@ -28,12 +30,12 @@ class Overflow:
     def __init__(self, responses: Responses, shutdown: Shutdown) -> None:
         self._responses = responses
         self._shutdown = shutdown
-        #: Connections whose head is being read for a probe.
-        self._probing = 0
+        #: The head reads of the connections that may be probes, the longest-waiting first.
+        self._reading: collections.deque[trio.CancelScope] = collections.deque()
 
     async def turn_away(self, stream: trio.SocketStream) -> None:
-        """Answer 503, or the probe it sends while fewer than `--probe-connections` are read;
-        then close it (it is never counted as open)."""
+        """Answer the health probe it sends (`_answer_probe`), or 503; then close it (it is
+        never counted as open)."""
         limit = self._responses.config.max_connections
         busy = ProtocolError(
             "server_busy",
@@ -42,16 +44,11 @@ class Overflow:
             status=503,
             error_type="server_error",
         )
-        probing = self._probing < self._responses.config.probe_connections
+        probing = self._responses.config.probe_connections > 0
         log.info("connection.refused", extra={"limit": limit, "probe": probing})
         try:
-            if probing:
-                self._probing += 1
-                try:
-                    if await self._answer_probe(stream):
-                        return
-                finally:
-                    self._probing -= 1
+            if probing and await self._answer_probe(stream):
+                return
             with trio.move_on_after(2 * LINGER_S):  # a client that does not read cannot stay
                 await send_error(stream, busy)
                 await linger(stream)
@@ -64,9 +61,16 @@ class Overflow:
     async def _answer_probe(self, stream: trio.SocketStream) -> bool:
         """Answer the connection's request if it is a health probe; whether it was one."""
         head = None
-        with trio.move_on_after(PROBE_WAIT_S):
-            with contextlib.suppress(BadRequestHead):
+        if len(self._reading) >= self._responses.config.probe_connections:
+            self._reading.popleft().cancel()  # the longest-waiting gives its place up
+        reading = trio.CancelScope(deadline=trio.current_time() + PROBE_WAIT_S)
+        self._reading.append(reading)
+        try:
+            with reading, contextlib.suppress(BadRequestHead):
                 head = await read_request_head(stream, max_bytes=PROBE_HEAD_BYTES)
+        finally:
+            if reading in self._reading:
+                self._reading.remove(reading)
         if head is None or not is_probe(head):
             return False
         with trio.move_on_after(2 * LINGER_S):

@@ -389,6 +389,14 @@ async def exchange_raw(address: BoundAddress, data: bytes) -> bytes:
             return received
 
 
+async def received(stream: trio.SocketStream) -> bytes:
+    """All `stream` brings until the server closes it."""
+    data = b""
+    while chunk := await stream.receive_some():
+        data += chunk
+    return data
+
+
 def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
 
@@ -595,6 +603,26 @@ async def test_health_probes_are_answered_past_the_cap_and_nothing_else_is(
     assert status_of(healthz) == 200 and b'"ok"' in healthz
     assert status_of(readyz) == 200 and b'"ready"' in readyz
     assert status_of(api) == 503 and b"server_busy" in api
+
+
+async def test_connections_that_send_nothing_cannot_hold_every_probes_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The longest-waiting of the connections read for a probe gives its place to a new one,
+    so a probe is answered while idle connections past the cap keep coming."""
+    monkeypatch.setattr(overflow, "PROBE_WAIT_S", 30.0)
+    async with serving(max_connections=1, probe_connections=2) as (_, address):
+        url = f"{address.ws_url}?dialect=prototype"
+        with trio.fail_after(20):
+            async with connect_checked(url):
+                idle = [await trio.open_tcp_stream(address.host, address.port) for _ in range(3)]
+                await trio.testing.wait_all_tasks_blocked(0.05)  # all three are being read
+                healthz = await exchange_raw(address, get("/healthz"))
+                for stream in idle[:2]:  # the two longest-waiting were let go to make room
+                    assert status_of(await received(stream)) == 503
+                for stream in idle:
+                    await stream.aclose()
+    assert status_of(healthz) == 200
 
 
 async def test_without_probe_connections_a_full_server_answers_every_one_503() -> None:
