@@ -12,10 +12,10 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
-import orjson
 
 from proto_server.core.compaction import counts_of, is_compaction
 from proto_server.core.render import Renderer, turn_end
+from proto_server.wire.carried import encoded
 from proto_server.wire.items import (
     CustomToolCall,
     CustomToolCallOutput,
@@ -34,8 +34,9 @@ from proto_server.wire.tools import Tool
 ITEM_OVERHEAD_BYTES = 240
 #: A content part's object and headers.
 PART_OVERHEAD_BYTES = 200
-#: Decoded JSON kept as Python dicts and lists costs about this much per byte of its JSON text.
-RAW_JSON_FACTOR = 14
+#: What a carried item or part holds per byte of its JSON text: its top-level fields decoded, the
+#: rest kept encoded (`wire.carried`).
+RAW_JSON_FACTOR = 2
 #: Tokens are kept in an `array("I")`.
 TOKEN_BYTES = 4
 
@@ -56,7 +57,7 @@ def _content_bytes(content: object) -> int:
     size = 0
     for part in content if isinstance(content, tuple) else ():
         if isinstance(part, UnknownPart):
-            size += RAW_JSON_FACTOR * len(orjson.dumps(part.raw))
+            size += RAW_JSON_FACTOR * len(encoded(part.raw))
         else:
             size += PART_OVERHEAD_BYTES + len(getattr(part, "text", ""))
     return size
@@ -82,7 +83,7 @@ def item_bytes(item: Item) -> int:
             extra += sum(PART_OVERHEAD_BYTES + len(part.text) for part in item.summary)
             return ITEM_OVERHEAD_BYTES + PART_OVERHEAD_BYTES + extra + len(item.text)
         case UnknownItem(raw=raw):
-            return ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(orjson.dumps(raw))
+            return ITEM_OVERHEAD_BYTES + RAW_JSON_FACTOR * len(encoded(raw))
     return ITEM_OVERHEAD_BYTES
 
 
@@ -101,7 +102,7 @@ def decoded_bytes(items: Sequence[Item], *, text: bool) -> int:
         elif isinstance(content, tuple):
             for part in content:
                 if isinstance(part, UnknownPart):
-                    size += RAW_JSON_FACTOR * len(orjson.dumps(part.raw))
+                    size += RAW_JSON_FACTOR * len(encoded(part.raw))
                 else:
                     size += 2 * PART_OVERHEAD_BYTES + sys.getsizeof(getattr(part, "text", ""))
         else:

@@ -14,6 +14,7 @@ import orjson
 
 from proto_server.core.compaction import summary_of
 from proto_server.core.tokenizer import encode_bounded, o200k_base
+from proto_server.wire.carried import encoded
 from proto_server.wire.converter import unstructure
 from proto_server.wire.items import (
     CustomToolCall,
@@ -131,7 +132,7 @@ def item_text(item: Item) -> str:
         case UnknownItem(raw=raw):
             if item.type == "compaction" and (summary := summary_of(item)) is not None:
                 return f"<|compaction|>\n{summary}\n"
-            return f"<|{item.type}|>\n{orjson.dumps(raw).decode()}\n"
+            return f"<|{item.type}|>\n{encoded(raw).decode()}\n"
     raise TypeError(f"not an item: {item!r}")
 
 

@@ -23,6 +23,7 @@ from cattrs import AttributeValidationNote, BaseValidationError, IterableValidat
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
 
+from proto_server.wire.carried import wire_fields
 from proto_server.wire.errors import ProtocolError, SteerRefused, quoted
 from proto_server.wire.events import (
     CLIENT_EVENT_TYPES,
@@ -227,7 +228,7 @@ for options in (PromptCacheOptions, ContextManagement):  # all-optional: "yes" i
         options, _of_object(make_dict_structure_fn(options, converter))
     )
 for carried in (UnknownItem, UnknownPart, UnknownTool):
-    converter.register_unstructure_hook(carried, lambda obj: obj.raw)
+    converter.register_unstructure_hook(carried, lambda obj: wire_fields(obj.raw))
 converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)
 _failed_steer = converter.gen_unstructure_attrs_fromdict(FailedSteer)
 _reasoning = converter.gen_unstructure_attrs_fromdict(Reasoning)
@@ -484,3 +485,9 @@ def decode_server_event(frame: str | bytes) -> tuple[int, ServerEvent]:
 
 def unstructure(value: Any) -> Any:
     return converter.unstructure(value)
+
+
+def as_json(value: Any) -> Any:
+    """`value` as the JSON a client decodes, carried values (`wire.carried`) included: for
+    comparing and showing (`unstructure` keeps them encoded, for orjson to write out)."""
+    return orjson.loads(orjson.dumps(converter.unstructure(value)))

@@ -2,7 +2,7 @@
 
 Known items are typed; anything else a client sends (compaction, future types) is kept
 whole as an `UnknownItem` and carried through untouched, so no client is refused for being newer
-than this server.
+than this server (what nests in it is kept encoded: `wire.carried`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from proto_server.wire.carried import carried
 
 ROLES = frozenset({"user", "system", "developer", "assistant"})
 
@@ -50,7 +52,7 @@ StreamedPart = OutputText | ReasoningText
 class UnknownPart:
     """A content part this server does not interpret (an image, a file, a refusal...)."""
 
-    raw: Mapping[str, Any]
+    raw: Mapping[str, Any] = attrs.field(converter=carried)
 
 
 ContentPart = InputText | OutputText | UnknownPart
@@ -125,7 +127,7 @@ class Reasoning:
 class UnknownItem:
     """An item of a type this server carries but does not interpret (compaction...)."""
 
-    raw: Mapping[str, Any]
+    raw: Mapping[str, Any] = attrs.field(converter=carried)
 
     @property
     def type(self) -> str:

@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from proto_server.wire.carried import carried_or_name
+
 
 @attrs.frozen(kw_only=True)
 class FunctionTool:
@@ -25,7 +27,7 @@ class FunctionTool:
 class UnknownTool:
     """A tool of a type the server does not run; `raw` is echoed back exactly as it came."""
 
-    raw: Mapping[str, Any] | str
+    raw: Mapping[str, Any] | str = attrs.field(converter=carried_or_name)
 
     @property
     def name(self) -> str | None:

@@ -34,7 +34,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 from proto_server.bench.workload import MODEL, Workload, make_workload
 from proto_server.server.store import chain_items, owner_id
 from proto_server.server.store.postgres import PostgresStore
-from proto_server.wire.converter import converter
+from proto_server.wire.converter import as_json
 
 from ..support.helpers import free_port, read_line
 
@@ -380,7 +380,7 @@ async def test_a_killed_process_behind_haproxy_loses_nothing_its_clients_finish_
         # holds every item, in order: nothing the client sent or received was lost
         assert chain is not None
         assert [s.response.id for s in chain] == [t.response["id"] for t in rollout.turns]
-        stored = [_item(converter.unstructure(item)) for item in chain_items(chain)]
+        stored = [_item(as_json(item)) for item in chain_items(chain)]
         assert stored == [_item(item) for item in rollout.conversation]
         # and the final turn read all of it: as many tokens as the whole history sent afresh
         assert fresh.status_code == 200, fresh.text

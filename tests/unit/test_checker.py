@@ -13,7 +13,7 @@ from proto_server.core.render import O200kRenderer
 from proto_server.core.response import ResponseMachine
 from proto_server.core.sequence import Sequencer
 from proto_server.testing import InvariantViolation, StreamChecker, o200k_count
-from proto_server.wire.converter import unstructure
+from proto_server.wire.converter import as_json
 from proto_server.wire.events import ServerEvent
 from proto_server.wire.items import Message
 from proto_server.wire.response import Response
@@ -40,7 +40,7 @@ class Recorder:
 
     def emit(self, events: list[ServerEvent]) -> None:
         for event in events:
-            obj = unstructure(event)
+            obj = as_json(event)
             obj["sequence_number"] = self.sequencer.next()
             self.steps.append(("received", obj))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import orjson
 import pytest
 
 from proto_server.wire.converter import (
+    as_json,
     converter,
     decode_client_event,
     decode_server_event,
@@ -56,7 +58,7 @@ def test_every_captured_client_frame_decodes(capture: str, frame: dict[str, Any]
     assert event.type == frame["type"]
     if isinstance(event, ResponseCreate):
         # tools are carried whole: what comes back out is what went in
-        assert converter.unstructure(event.tools) == frame.get("tools", [])
+        assert as_json(event.tools) == frame.get("tools", [])
         if isinstance(frame["input"], list):
             assert len(event.input) == len(frame["input"])
 
@@ -89,9 +91,27 @@ def test_unknown_items_and_tools_are_carried_untouched() -> None:
     )
     assert isinstance(event, ResponseCreate)
     assert event.input == (UnknownItem(listing),)
-    assert converter.unstructure(event.input[0]) == listing
+    assert as_json(event.input[0]) == listing
     assert event.tools == (UnknownTool(namespace),)
-    assert converter.unstructure(event.tools[0]) == namespace
+    assert as_json(event.tools[0]) == namespace
+
+
+def test_what_nests_in_a_carried_item_is_kept_encoded_not_as_objects_the_collector_scans() -> None:
+    # 200 items of 121 nested containers each: decoded and kept, 24,200 objects that the cyclic
+    # collector would scan for as long as the Response lives
+    deep: object = 1
+    for _ in range(60):
+        deep = {"a": [deep]}
+    listing = {"type": "mcp_list_tools", "id": "mcpl_1", "tools": [deep]}
+    frame = orjson.dumps({"type": "response.create", "input": [listing] * 200})
+    gc.collect()
+    before = len(gc.get_objects())
+    event = decode_client_event(frame)
+    kept = len(gc.get_objects()) - before
+    assert kept < 200 * 4, kept
+    assert isinstance(event, ResponseCreate)
+    assert as_json(event.input[0]) == listing  # and every byte of it goes back out
+    assert orjson.dumps(converter.unstructure(event.input)) == orjson.dumps([listing] * 200)
 
 
 def test_unknown_fields_are_ignored() -> None:

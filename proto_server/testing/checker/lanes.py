@@ -13,7 +13,7 @@ import orjson
 
 from proto_server.testing.checker.invariants import Dialect, InvariantViolation
 from proto_server.testing.checker.stream import StreamChecker
-from proto_server.wire.converter import lane_of, unstructure
+from proto_server.wire.converter import as_json, lane_of
 from proto_server.wire.events import (
     ClientEvent,
     ResponseAppend,
@@ -59,7 +59,7 @@ class LaneChecker:
     def sent(self, frame: Mapping[str, Any] | ClientEvent | str | bytes) -> None:
         obj: Any = frame
         if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject):
-            obj = unstructure(frame)
+            obj = as_json(frame)
         elif isinstance(frame, str | bytes):
             try:
                 obj = orjson.loads(frame)

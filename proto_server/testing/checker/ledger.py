@@ -28,7 +28,7 @@ import orjson
 from proto_server.core.request import check_create, input_items, is_warmup, parse_tool_choice
 from proto_server.testing.checker.invariants import Broken, Dialect
 from proto_server.testing.checker.responses import Responses, error_detail_ok, response_object
-from proto_server.wire.converter import decode_client_event, unstructure
+from proto_server.wire.converter import as_json, decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
@@ -133,7 +133,7 @@ class Ledger:
             if isinstance(frame, bytes):
                 raise ProtocolError("invalid_frame", "binary frame")
             if isinstance(frame, ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject):
-                frame = unstructure(frame)
+                frame = as_json(frame)
             text = frame if isinstance(frame, str) else orjson.dumps(frame).decode()
             record.event = decode_client_event(text)
             record.raw = frame if not isinstance(frame, str) else orjson.loads(frame)

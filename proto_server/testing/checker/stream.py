@@ -23,7 +23,7 @@ from proto_server.testing.checker.responses import (
     Responses,
     response_object,
 )
-from proto_server.wire.converter import unstructure
+from proto_server.wire.converter import as_json
 from proto_server.wire.events import ClientEvent, ResponseCreate
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class StreamChecker:
 
     def received_typed(self, event: Any, sequence_number: int | None = None) -> None:
         """A typed server event (as the state machine returns it, before a writer numbers it)."""
-        obj = unstructure(event)
+        obj = as_json(event)
         obj["sequence_number"] = self.next_sequence if sequence_number is None else sequence_number
         self.received(obj)
 
