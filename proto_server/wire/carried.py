@@ -19,9 +19,12 @@ import orjson
 
 @attrs.frozen
 class RawJSON:
-    """A JSON array or object, encoded; equal to another exactly when their bytes are."""
+    """A JSON array or object, encoded; equal to another exactly when their texts are.
 
-    encoded: bytes
+    Kept as a `str` (ASCII JSON takes a byte a character): orjson's `bytes` keep the
+    capacity its writer grew to, about 2 KiB for even a short value."""
+
+    encoded: str
 
     def value(self) -> Any:
         """The JSON, decoded (a new object each call)."""
@@ -30,10 +33,13 @@ class RawJSON:
 
 def carried(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     """`obj` with each array or object below its top level kept encoded."""
-    return {
-        key: RawJSON(orjson.dumps(value)) if isinstance(value, dict | list | tuple) else value
-        for key, value in obj.items()
-    }
+    return {key: _kept(value) for key, value in obj.items()}
+
+
+def _kept(value: Any) -> Any:
+    if isinstance(value, dict | list | tuple):
+        return RawJSON(orjson.dumps(value).decode())
+    return value
 
 
 def carried_or_name(value: Mapping[str, Any] | str) -> Mapping[str, Any] | str:
