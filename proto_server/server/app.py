@@ -274,8 +274,12 @@ class ProtoServer:
             if head is None:
                 return
             if not head.is_websocket:
-                await serve_http(self.responses, self._http, stream, head)
-            elif (refusal := upgrade_refusal(head)) is not None:
+                head = await serve_http(self.responses, self._http, stream, head)
+                if head is None:
+                    return
+                # an upgrade after HTTP on the same connection: its own handshake deadline
+                deadline = trio.current_time() + self.config.handshake_timeout_s
+            if (refusal := upgrade_refusal(head)) is not None:
                 await send_error(stream, refusal)
             else:
                 await self._serve_websocket(stream, head, deadline)

@@ -99,6 +99,17 @@ async def read_request_head(stream: trio.abc.Stream, *, max_bytes: int) -> Reque
         raise BadRequestHead(f"unexpected {type(event).__name__} before a request")
 
 
+def later_head(request: h11.Request, connection: h11.Connection) -> RequestHead:
+    """A later request of a kept-alive connection, as if it had been the connection's first:
+    clients that pool connections (Node's built-in `WebSocket`, undici) send an upgrade on one
+    that has already served HTTP. h11 keeps no bytes of a head it parsed, so they are written
+    again from what it read (the headers as they were spelled), with what followed them."""
+    lines = [b"%s %s HTTP/%s" % (request.method, request.target, request.http_version)]
+    lines += [name + b": " + value for name, value in request.headers.raw_items()]
+    raw = b"\r\n".join(lines) + b"\r\n\r\n" + connection.trailing_data[0]
+    return RequestHead(request, raw, connection)
+
+
 def upgrade_refusal(head: RequestHead) -> ProtocolError | None:
     """What is wrong with a WebSocket upgrade request (RFC 6455, 4.2.1), or None if nothing.
 

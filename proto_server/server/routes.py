@@ -45,6 +45,7 @@ from proto_server.core.request import input_items
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
 from proto_server.server import metrics
+from proto_server.server.handshake import RequestHead, later_head
 from proto_server.server.http import (
     Shutdown,
     linger,
@@ -76,7 +77,6 @@ from proto_server.wire.items import Item, item_id, listed
 from proto_server.wire.response import Usage
 
 if TYPE_CHECKING:
-    from proto_server.server.handshake import RequestHead
     from proto_server.server.sampling import SamplingLoop
 
 RESPONSES = "/v1/responses/"
@@ -103,14 +103,16 @@ def unauthorized() -> ProtocolError:
 
 async def serve_http(
     responses: Responses, shutdown: Shutdown, stream: trio.abc.Stream, head: RequestHead
-) -> None:
+) -> RequestHead | None:
     """Serve requests on one keep-alive connection until the client is done, or idle for
-    `handshake_timeout_s`; a malformed request is answered 400 and its connection closed."""
+    `handshake_timeout_s`; a malformed request is answered 400 and its connection closed.
+    A later request that asks for a WebSocket is returned unanswered, for the caller to
+    upgrade as it would a first one."""
     conn = head.connection
     request: h11.Request | None = head.request
     budget = responses.connection_budget()
     try:
-        await _serve_requests(responses, shutdown, stream, conn, request, budget)
+        return await _serve_requests(responses, shutdown, stream, conn, request, budget)
     finally:
         budget.close()
 
@@ -143,7 +145,7 @@ async def _serve_requests(
     conn: h11.Connection,
     request: h11.Request | None,
     budget: MemoryBudget,
-) -> None:
+) -> RequestHead | None:
     while request is not None:
         exchange = _Exchange(responses, shutdown, stream, conn, request, budget)
         try:
@@ -151,24 +153,27 @@ async def _serve_requests(
                 await exchange.serve()
             except (ProtocolError, StoreUnavailable) as exc:
                 if conn.our_state is not h11.SEND_RESPONSE:
-                    return  # the answer had begun; nothing sensible can be said now
+                    return None  # the answer had begun; nothing sensible can be said now
                 await send_error(stream, exc, conn)
                 if exc.status == 408:
-                    return  # it stalled; it will not send the rest
+                    return None  # it stalled; it will not send the rest
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 if conn.their_state is h11.SEND_BODY:
                     await linger(stream)  # so it reads the answer, not a reset
-                return
+                return None
             if shutdown.stopped:
-                return
+                return None
             request = None
             with shutdown.idle(responses.config.handshake_timeout_s):
                 request = await next_request(stream, conn)
+            if request is not None and (later := later_head(request, conn)).is_websocket:
+                return later
         except h11.RemoteProtocolError as exc:
             if conn.our_state is h11.SEND_RESPONSE:
                 refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
                 await send_error(stream, refusal, conn)
-            return
+            return None
+    return None
 
 
 class _Exchange:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import orjson
 import pytest
 import trio
@@ -125,3 +126,41 @@ async def test_a_compressed_frame_is_limited_by_its_inflated_size(
             assert closed.value.reason.code == 1009
         async with client(running, deflate=True) as (ws, _):
             assert (await rollout(ws))[-1]["response"]["status"] == "completed"
+
+
+async def _get_kept_alive(stream: trio.abc.Stream, host: str, target: str) -> h11.Response:
+    """One HTTP/1.1 GET answered on `stream`, which stays open for what comes next."""
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(method="GET", target=target, headers=[("host", host)])
+    await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
+    response = None
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some())
+        elif isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            assert (b"connection", b"close") not in response.headers
+            return response
+
+
+@pytest.mark.parametrize("first", ["/healthz", "/v1/models"])
+async def test_an_upgrade_on_a_connection_that_already_served_http_is_a_websocket(
+    start_server: StartServer, first: str
+) -> None:
+    # what Node 22's built-in WebSocket (undici) does with a pooled connection: the SDKs that
+    # need Node 22 send their WebSocket upgrade after an HTTP call on the same socket
+    running = await start_server(THREE_SEGMENTS)
+    address = running.address
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            assert (await _get_kept_alive(stream, address.host, first)).status_code == 200
+            assert (await _get_kept_alive(stream, address.host, "/healthz")).status_code == 200
+            ws = await open_websocket(nursery, stream, address.host, "/v1/responses")
+            events = await rollout(ws)
+            assert events[-1]["response"]["status"] == "completed"
+            await ws.aclose()
+            nursery.cancel_scope.cancel()
