@@ -61,7 +61,7 @@ def o200k_base() -> tiktoken.Encoding:
 
 #: The longest text handed to tiktoken in one call. Its byte-pair merge takes about 48 bytes per
 #: byte of one regex piece, and a run with no whitespace is one piece: one 15 MB string peaked at
-#: 886 MB of RSS in a real server (issue 22). Cut into chunks, any text takes a few MB at a time.
+#: 886 MB of RSS in a real server. Cut into chunks, any text takes a few MB at a time.
 ENCODE_CHUNK = 1 << 16
 
 

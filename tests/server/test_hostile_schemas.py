@@ -1,4 +1,4 @@
-"""Tool schemas and request limits that once stalled or crashed the default model (issue 10).
+"""Tool schemas and request limits that once stalled or crashed the default model.
 
 A schema that repeats or recurses is answered in bounded time or refused at the door with
 `invalid_tool_schema`; an unusual but valid schema gets a call or a text answer, never a

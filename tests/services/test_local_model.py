@@ -484,7 +484,7 @@ async def test_a_launched_warm_up_prefills_and_the_next_turn_reads_nothing_again
     assert usage["input_tokens_details"]["cached_tokens"] == conversation.token_count
 
 
-# -- the request's limits (issue 10) --------------------------------------------------------------
+# -- the request's limits -----------------------------------------------------------------------
 
 
 def decoded(chunks: Sequence[Chunk]) -> int:

@@ -209,7 +209,7 @@ async def test_a_prototype_rollout_forced_twice_then_free_is_served_warm(
 
 async def test_a_forced_call_streams_before_the_segment_ends(start_vllm: StartVllm) -> None:
     """Under structured outputs the call cannot be invalid: its item opens at the arguments and
-    they stream as the engine decodes them, instead of all at the segment's end (issue 11)."""
+    they stream as the engine decodes them, instead of all at the segment's end."""
     served = await start_vllm()
     arrivals: list[tuple[float, dict[str, Any]]] = []
     with trio.fail_after(120):
