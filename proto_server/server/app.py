@@ -21,7 +21,6 @@ import os
 import secrets
 import socket
 from functools import partial
-from typing import Literal
 
 import attrs
 import trio
@@ -31,7 +30,8 @@ from proto_server.core.render import Renderer
 from proto_server.engine.base import SupervisedGenerator, TokenGenerator
 from proto_server.server import metrics
 from proto_server.server.config import ServerConfig
-from proto_server.server.connection import CLOSE_WAIT_S, Connection, Dialect
+from proto_server.server.connection import CLOSE_WAIT_S, Connection
+from proto_server.server.dialects import DIALECTS, multi_agent_beta, select_dialect
 from proto_server.server.handshake import (
     BadRequestHead,
     ReplayStream,
@@ -41,11 +41,8 @@ from proto_server.server.handshake import (
     upgrade_refusal,
 )
 from proto_server.server.http import LINGER_S, Shutdown, error_body, send_error
-from proto_server.server.lanes import MULTI_AGENT_BETA, beta_values
-from proto_server.server.launched import LaunchedDialect
 from proto_server.server.logs import log
 from proto_server.server.overflow import Overflow
-from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.responses import Responses
 from proto_server.server.routes import serve_http, unauthorized
 from proto_server.server.sendtimeout import SendTimeoutStream
@@ -53,31 +50,8 @@ from proto_server.server.store import ResponseStore
 from proto_server.wire.errors import ProtocolError
 
 RESPONSES_PATH = "/v1/responses"
-PROTOTYPE_BETA = "responses_websockets=2026-02-04"
-#: What Codex 0.171 sends: the launched protocol (also what a client with no beta header gets).
-LAUNCHED_BETA = "responses_websockets=2026-02-06"
 #: Codex 0.171 reads the largest frame the server takes from this upgrade-response header.
 MAX_MESSAGE_BYTES_HEADER = b"x-codex-websocket-max-message-bytes"
-DialectName = Literal["prototype", "launched"]
-
-
-def select_dialect(head: RequestHead) -> DialectName:
-    """Prototype if the client opts in: Codex 0.107's beta header, or this project's own opt-in.
-    Anything else is launched: Codex 0.171's `LAUNCHED_BETA`, no header, an unknown beta."""
-    betas = (head.header(b"openai-beta") or "").replace(" ", "").split(",")
-    if PROTOTYPE_BETA in betas:
-        return "prototype"
-    if (head.header(b"x-proto-dialect") or "").lower() == "prototype":
-        return "prototype"
-    _, _, query = head.target.partition("?")
-    if "dialect=prototype" in query.split("&"):
-        return "prototype"
-    return "launched"
-
-
-def multi_agent_beta(head: RequestHead) -> bool:
-    """Whether the client opted into the multi-agent beta (`response.inject`)."""
-    return MULTI_AGENT_BETA in beta_values(head.header(b"openai-beta"))
 
 
 @attrs.frozen
@@ -320,7 +294,11 @@ class ProtoServer:
                 )
                 await _reject(request, nursery, refusal)
                 return
-            dialect_name = select_dialect(head)
+            try:
+                dialect_name = select_dialect(head)
+            except ProtocolError as refusal:
+                await _reject(request, nursery, refusal)
+                return
             ws, deflated = await accept_upgrade(
                 request,
                 extra_headers=[(MAX_MESSAGE_BYTES_HEADER, b"%d" % self.config.max_message_bytes)],
@@ -346,16 +324,9 @@ class ProtoServer:
                     "deflate": deflated,
                 },
             )
-            dialect: Dialect
-            beta = multi_agent_beta(head)
-            if dialect_name == "prototype":
-                dialect = PrototypeDialect(
-                    responses, connection, nursery, owner=owner, multi_agent=beta
-                )
-            else:
-                dialect = LaunchedDialect(
-                    responses, connection, nursery, owner=owner, multi_agent=beta
-                )
+            dialect = DIALECTS[dialect_name](
+                responses, connection, nursery, owner=owner, multi_agent=multi_agent_beta(head)
+            )
             self._websockets.add(connection)
             if self._http.deadline is not None:  # accepted just as the server began to stop
                 connection.shut_down(self._http.deadline)

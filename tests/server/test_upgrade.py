@@ -12,10 +12,11 @@ import h11
 import orjson
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
 from proto_server.bench.transports import CountingStream, open_websocket
-from proto_server.server.app import LAUNCHED_BETA, MAX_MESSAGE_BYTES_HEADER, PROTOTYPE_BETA
+from proto_server.server.app import MAX_MESSAGE_BYTES_HEADER
+from proto_server.server.dialects import LAUNCHED_BETA, PROTOTYPE_BETA
 
 from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, Running, StartServer, connect, types
 
@@ -164,3 +165,30 @@ async def test_an_upgrade_on_a_connection_that_already_served_http_is_a_websocke
             assert events[-1]["response"]["status"] == "completed"
             await ws.aclose()
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("how", "name"),
+    [("query", "prototype"), ("header", "Prototype"), ("query", "launched"), ("header", "nope")],
+)
+async def test_a_dialect_is_picked_by_its_registered_name_and_an_unknown_one_is_refused(
+    start_server: StartServer, how: str, name: str
+) -> None:
+    running = await start_server(THREE_SEGMENTS)
+    url, headers = running.address.ws_url, {}
+    if how == "query":
+        url += f"?dialect={name}"
+    else:
+        headers["X-Proto-Dialect"] = name
+    with trio.fail_after(20):
+        if name == "nope":
+            with pytest.raises(ConnectionRejected) as refused:
+                async with connect(url, **headers):
+                    pass
+            assert refused.value.status_code == 400
+            assert b"launched, prototype" in (refused.value.body or b"")
+            return
+        async with connect(url, **headers) as ws:
+            await ws.send({"type": "response.create", "input": "go", "tools": [EXEC_COMMAND]})
+            ends = "response.done" if name.lower() == "prototype" else "response.completed"
+            assert types(await ws.until(ends))[-1] == ends.removeprefix("response.")
