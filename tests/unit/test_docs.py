@@ -1,7 +1,6 @@
 """The documentation site's promises that need no build: the flag page is generated, and says
-what `serve` takes; the architecture page's transition table is the machine's and every module and
-method it names exists; a long module
-says why it is one.
+what `serve` takes; the architecture page's transition table is the machine's, and every module
+and method it names exists; a long module says why it is one.
 (`mkdocs build --strict`, in .ci/run, checks the links and the nav.)"""
 
 from __future__ import annotations
