@@ -1,10 +1,8 @@
 """`proto-server serve`: run the server with its embedded defaults, or with flags;
 `proto-server bench-local`: warm against cold prefill on the local model.
 
-Why one module of this length: `main` is the one place a `Refused` or an `InvalidSetting` becomes a
-line on stderr and exit status 2, and every command's set-up (the store, the secret, the engines,
-the local model) raises one for it. bench-local and bench-vllm build their generators with serve's
-own `_load_local` and `_connect_vllm`, so they measure the generator serve would run.
+The command line parses, runs and stops: what a server is made of is compose.py's. `main` is
+the one place a `Refused` or an `InvalidSetting` becomes a line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,59 +14,34 @@ import os
 import re
 import shutil
 import signal
-import socket
-import sqlite3
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
-import attrs
 import trio
 
 from proto_server.bench import cli as bench_cli
+from proto_server.compose import Refused, compose
 from proto_server.core import settings
 from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags
-from proto_server.engine import families
-from proto_server.engine.base import TokenGenerator
 from proto_server.engine.default_model import DefaultModel
-from proto_server.engine.model_files import INSTALL_HINT, ModelError
-from proto_server.engine.model_renderer import TemplateError
-from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner, ScriptError, load_script
-from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.engine.simulated import TimingModel
 from proto_server.launch import Launch, LocalModel
 from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import MiB, ServerConfig
+from proto_server.server.config import ServerConfig
 from proto_server.server.logs import configure
-from proto_server.server.secret import load_or_create_secret, secret_path_for_store
-from proto_server.server.store import (
-    ResponseStore,
-    SQLiteStore,
-    StoreError,
-    StoreRetention,
-    is_postgres_url,
-    redact,
-)
+from proto_server.server.store import StoreRetention
 
 E = TypeVar("E", bound=BaseException)
 N = TypeVar("N", int, float)
 
-if TYPE_CHECKING:
-    from proto_server.engine.local import LocalGenerator
-    from proto_server.engine.vllm import ServedModel, VllmGenerator
-    from proto_server.server.store.postgres import PostgresStore
-
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
 LOCAL_BENCH_TURNS = 8
-
-
-class Refused(Exception):
-    """`proto-server` cannot do what it was asked: the message says what to run or pass
-    instead. Raised anywhere below `main`, printed there, exit status 2."""
 
 
 def _checked(kind: type[N], ok: Callable[[N], bool], rule: str) -> Callable[[str], N]:
@@ -280,43 +253,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     retention = from_flags(StoreRetention, args)
     if launch.workers > 1 and launch.listen_fd is None:
         return _supervise(args, argv)
-    store, shared = _open_store(launch.store, retention)
-    secret = _secret(launch, shared)
-    generator: TokenGenerator
-    if launch.generator == "vllm":
-        generator, config, what = _connect_engines(launch, from_flags(LocalModel, args), config)
-    elif launch.generator == "local":
-        local = _load_local(
-            from_flags(LocalModel, args),
-            max_tokens=launch.max_tokens,
-            render_cache_bytes=launch.render_cache_mb * MiB,
-            tool_syntax=config.tool_syntax,
-        )
-        generator, what = local, f"local model {local.name} on {local.device}"
-        config = attrs.evolve(config, default_model=local.name)
-    else:
-        model = f"script {launch.script}" if launch.script else "the built-in default model"
-        cache = PrefixCache(capacity_tokens=launch.prefix_cache_tokens)
-        generator = SimulatedGenerator(
-            planner, timing, prefix_cache=cache if launch.prefix_cache else None
-        )
-        what = f"simulated GPU with {model}"
-    config = _admission_between_processes(config, launch)
-    try:  # a socket the supervisor of --workers bound and passed down
-        listener = None if launch.listen_fd is None else socket.socket(fileno=launch.listen_fd)
-    except OSError as exc:
-        raise Refused(f"--listen-fd {launch.listen_fd} is no socket ({exc.strerror}); it is "
-                      "set by --workers, not by hand") from None  # fmt: skip
-    server = ProtoServer(
-        generator, config, store=store, compaction_secret=secret, listener=listener
+    composed = compose(
+        launch,
+        config,
+        local=from_flags(LocalModel, args),
+        timing=timing,
+        retention=retention,
+        planner=planner,
     )
     # What start-up loaded (a tokenizer, transformers, torch: millions of objects) lives as long
     # as the process; frozen, the cyclic collector stops re-scanning it at every full collection,
     # which was 40% of the server's CPU per turn in front of vLLM.
     gc.freeze()
     try:
-        closers = [getattr(generator, "aclose", None), store.aclose]
-        trio.run(partial(_serve, server, what, [close for close in closers if close is not None]))
+        trio.run(partial(_serve, composed.server, composed.what, composed.closers))
     except OSError as exc:
         print(
             f"proto-server: cannot listen on {config.host}:{config.port}: {exc.strerror}; "
@@ -325,86 +275,6 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         )
         return 1
     return 0
-
-
-def _open_store(
-    location: str, retention: StoreRetention
-) -> tuple[ResponseStore, PostgresStore | None]:
-    """The store `--store` names, and the same store again if it is shared (PostgreSQL)."""
-    try:
-        if is_postgres_url(location):
-            try:
-                from proto_server.server.store.postgres import PostgresStore
-            except ImportError as exc:
-                raise Refused(f"a postgresql:// store needs psycopg ({exc}); "
-                              "pip install 'proto-server[postgresql]'") from None  # fmt: skip
-            shared = PostgresStore(location, retention=retention)
-            return shared, shared
-        if location != ":memory:":
-            Path(location).parent.mkdir(parents=True, exist_ok=True)
-        return SQLiteStore(location, retention=retention), None
-    except (OSError, sqlite3.Error, StoreError) as exc:
-        raise Refused(f"cannot open the store {redact(location)}: {exc}; start it or pass "
-                      "another --store") from None  # fmt: skip
-
-
-def _secret(launch: Launch, shared: PostgresStore | None) -> bytes | None:
-    """The compaction secret: `--compaction-secret-file`, else the file beside the SQLite
-    store, else a shared store's own (None: a new one for this process)."""
-    secret_file = launch.compaction_secret_file or (
-        None if launch.store == ":memory:" or shared else secret_path_for_store(launch.store)
-    )
-    try:
-        if secret_file is None:
-            return shared.secret if shared else None
-        return load_or_create_secret(Path(secret_file))
-    except (OSError, ValueError) as exc:
-        raise Refused(f"cannot use the compaction secret: {exc}; pass another "
-                      "--compaction-secret-file") from None  # fmt: skip
-
-
-def _engine_capacities(urls: list[str], down: Mapping[int, str]) -> list[int] | None:
-    """Each engine's KV cache in tokens, as its /metrics says at start-up; None, with the
-    reason on stderr, where one does not answer or does not say: admission stays off (the
-    default is a best effort; --kv-capacity-tokens sets the capacity by hand)."""
-    from proto_server.engine.vllm import engine_kv_capacity
-
-    why = None
-    capacities = []
-    if down:
-        why = "not every engine answered at start-up"
-    for url in urls if not down else ():
-        capacity = trio.run(engine_kv_capacity, url)
-        if capacity is None:
-            why = f"the engine at {url} does not report vllm:cache_config_info on its /metrics"
-            break
-        capacities.append(capacity)
-    if why is None:
-        return capacities
-    print(f"proto-server: admission by the engines' KV cache is off: {why}; pass "
-          "--kv-capacity-tokens to set it", file=sys.stderr)  # fmt: skip
-    return None
-
-
-def _admission_between_processes(config: ServerConfig, launch: Launch) -> ServerConfig:
-    """Processes admitting against the same engines share the room through the store they
-    share (--admission-shared; --workers N turns it on); workers that share no store
-    (:memory:) each admit against a static 1/N of it."""
-    memory = launch.store == ":memory:"
-    if config.admission_shared:
-        if memory:
-            raise Refused("--admission-shared needs a store the processes share: a --store "
-                          "file or a postgresql:// URL, not :memory:")  # fmt: skip
-        if not config.kv_capacity_tokens:
-            raise Refused("--admission-shared admits by the engines' KV cache: pass "
-                          "--kv-capacity-tokens or --kv-capacity-from-engine")  # fmt: skip
-    if launch.worker_of <= 1 or not config.kv_capacity_tokens:
-        return config
-    if memory:
-        return attrs.evolve(
-            config, kv_capacity_tokens=max(1, config.kv_capacity_tokens // launch.worker_of)
-        )
-    return attrs.evolve(config, admission_shared=True)
 
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
@@ -457,159 +327,16 @@ def _leaves(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
     return found
 
 
-def _load_local(wanted: LocalModel, **options: Any) -> LocalGenerator:
-    """The local model, or Refused saying why it cannot be had."""
-    try:
-        from proto_server.engine.local import LocalGenerator
-    except ImportError as exc:
-        raise Refused(f"the local model needs torch ({exc}); {INSTALL_HINT}") from None
-    print(
-        "proto-server: loading the local model (a GGUF file is converted once, which takes "
-        "a minute; later loads take seconds)...",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        return LocalGenerator.load(wanted.model, threads=wanted.threads, **options)
-    except (ModelError, TemplateError) as exc:
-        raise Refused(str(exc)) from None
-
-
-def _connect_engines(
-    launch: Launch, wanted: LocalModel, config: ServerConfig
-) -> tuple[TokenGenerator, ServerConfig, str]:
-    """`serve --generator vllm`: the engine, or its replicas (one `--engine-url` each), with
-    the settings they imply and what to call them; Refused says what to run or pass."""
-    from proto_server.engine.replicas import Replica, ReplicatedGenerator
-    from proto_server.engine.vllm import EngineSetupError, discover_replicas
-    from proto_server.server import metrics
-
-    urls = list(launch.engine_url)
-    try:
-        model, down = trio.run(discover_replicas, urls, wanted.model)
-    except EngineSetupError as exc:
-        raise Refused(str(exc)) from None
-    for index, problem in down.items():
-        print(f"proto-server: the engine at {urls[index]} does not answer ({problem}); it "
-              "gets work once it does", file=sys.stderr)  # fmt: skip
-    engines = [_connect_vllm(launch, url, model, tool_syntax=config.tool_syntax) for url in urls]
-    config = attrs.evolve(config, default_model=model.name)
-    capacities = None
-    if config.kv_capacity_from_engine and not config.kv_capacity_tokens:
-        capacities = _engine_capacities(urls, down)
-        config = attrs.evolve(config, kv_capacity_tokens=sum(capacities or ()))
-    if len(urls) == 1:
-        (engine,) = engines
-        return engine, config, f"vLLM model {model.name} at {engine.url}"
-    replicated = ReplicatedGenerator(
-        [Replica(url, engine) for url, engine in zip(urls, engines, strict=True)],
-        capacities=capacities,
-        down=list(down),
-        probe_interval_s=launch.engine_probe_interval_s,
-        observer=metrics.ReplicaMetrics(),
-    )
-    return replicated, config, f"vLLM model {model.name} on {len(urls)} engines"
-
-
-def _connect_vllm(
-    launch: Launch, url: str, model: ServedModel | str | None, *, tool_syntax: str = families.AUTO
-) -> VllmGenerator:
-    """The engine at `url`: its model (`model` if known, else the one of that name, or the
-    engine's only one) and tokenizer, or Refused saying what to run or pass."""
-    from proto_server.engine.model_files import load_tokenizer
-    from proto_server.engine.vllm import (
-        EngineSetupError,
-        ServedModel,
-        VllmGenerator,
-        discover,
-        tokenizer_source,
-    )
-
-    try:
-        if not isinstance(model, ServedModel):
-            model = trio.run(discover, url, model)
-        tokenizer = load_tokenizer(tokenizer_source(model, launch.tokenizer))
-        return VllmGenerator(
-            url,
-            model,
-            tokenizer,
-            max_tokens=launch.max_tokens,
-            connections=launch.engine_connections,
-            timeout_s=launch.engine_timeout_s,
-            render_cache_bytes=launch.render_cache_mb * MiB,
-            tool_syntax=tool_syntax,
-        )
-    except (EngineSetupError, ModelError, TemplateError) as exc:
-        raise Refused(str(exc)) from None
-
-
 def _bench_vllm(args: argparse.Namespace) -> int:
-    # the served model's name and tokenizer
-    launch = Launch(generator="vllm", engine_url=(args.engine_url,), tokenizer=args.tokenizer)
-    generator = _connect_vllm(launch, args.engine_url, args.model)
-    from proto_server.bench.vllm import measure, render, summarize, write_files
+    from proto_server.bench.vllm import run
 
-    print(
-        f"{generator.name} on vLLM at {generator.url} (API server pid {args.engine_pid}); "
-        f"{args.turns} turns, tool outputs of {args.tool_output_tokens} tokens on average, "
-        f"at most {args.answer_tokens} tokens decoded a turn; wall-clock times and CPU "
-        "measured on this machine",
-        flush=True,
-    )
-    results = trio.run(
-        partial(
-            measure,
-            engine_url=generator.url,
-            engine_pid=args.engine_pid,
-            model=generator.name,
-            tokenizer=generator.tokenizer,
-            turns=args.turns,
-            tool_output_tokens=args.tool_output_tokens,
-            answer_tokens=args.answer_tokens,
-            nonce=str(os.getpid()),
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    )
-    summary = summarize(results)
-    print(render(results, summary))
-    plots = write_files(results, summary, args.out)
-    print(f"\nJSON: {args.out / 'bench-vllm.json'}")
-    print(plots if isinstance(plots, str) else "Plots: " + ", ".join(map(str, plots)))
-    return 0 if not summary["failed"] else 1
+    return run(args)
 
 
 def _bench_local(args: argparse.Namespace) -> int:
-    generator = _load_local(from_flags(LocalModel, args), max_tokens=args.answer_tokens)
-    from proto_server.bench.local import Turn, measure, table
+    from proto_server.bench.local import run
 
-    print(
-        f"{generator.name} on {generator.device}, {generator.threads} thread(s); "
-        f"{args.turns} turns, {args.tool_output_tokens}-token tool outputs, "
-        f"{args.answer_tokens}-token answers; prefill wall-clock time, measured"
-        + (f", fastest of {args.repeat} runs" if args.repeat > 1 else ""),
-        flush=True,
-    )
-
-    def progress(run: int, turn: Turn) -> None:
-        print(
-            f"run {run + 1}/{args.repeat}, turn {turn.turn}/{args.turns}: "
-            f"warm {turn.warm_seconds * 1e3:.0f} ms, cold {turn.cold_seconds * 1e3:.0f} ms",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    results = trio.run(
-        partial(
-            measure,
-            generator,
-            turns=args.turns,
-            tool_output_tokens=args.tool_output_tokens,
-            repeat=args.repeat,
-            progress=progress,
-        )
-    )
-    print(table(results))
-    return 0
+    return run(args, from_flags(LocalModel, args))
 
 
 async def _serve(

@@ -16,9 +16,11 @@ from typing import Any
 import trio
 
 from proto_server.client.facade import BlockingClient
+from proto_server.compose import simulated
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, parse_script
-from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.engine.simulated import TimingModel
+from proto_server.launch import Launch
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 
@@ -49,5 +51,5 @@ def serving(
     if planner is None:
         planner = parse_script(script) if script is not None else DefaultModel()
     timing = timing or TimingModel()
-    generator = SimulatedGenerator(planner, timing)
+    generator = simulated(planner, timing, Launch(prefix_cache=False))
     return HostedClient(ProtoServer(generator, config or ServerConfig(port=0)), timing)

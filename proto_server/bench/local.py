@@ -9,13 +9,17 @@ same answer, which the table checks.
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import attrs
 import trio
 
+from proto_server.compose import load_local
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import (
     Chunk,
@@ -27,6 +31,7 @@ from proto_server.engine.chunks import (
 )
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession
+from proto_server.launch import LocalModel
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Item, Message, OutputText
 from proto_server.wire.tools import FunctionTool
 
@@ -215,3 +220,36 @@ def table(results: Sequence[Turn]) -> str:
             f"{speedup:.1f}x | |"
         )
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, wanted: LocalModel) -> int:
+    """`proto-server bench-local`: the local model serve would load, warm against cold."""
+    generator = load_local(wanted, max_tokens=args.answer_tokens)
+    print(
+        f"{generator.name} on {generator.device}, {generator.threads} thread(s); "
+        f"{args.turns} turns, {args.tool_output_tokens}-token tool outputs, "
+        f"{args.answer_tokens}-token answers; prefill wall-clock time, measured"
+        + (f", fastest of {args.repeat} runs" if args.repeat > 1 else ""),
+        flush=True,
+    )
+
+    def progress(run: int, turn: Turn) -> None:
+        print(
+            f"run {run + 1}/{args.repeat}, turn {turn.turn}/{args.turns}: "
+            f"warm {turn.warm_seconds * 1e3:.0f} ms, cold {turn.cold_seconds * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    results = trio.run(
+        partial(
+            measure,
+            generator,
+            turns=args.turns,
+            tool_output_tokens=args.tool_output_tokens,
+            repeat=args.repeat,
+            progress=progress,
+        )
+    )
+    print(table(results))
+    return 0

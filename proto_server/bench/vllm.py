@@ -22,10 +22,14 @@ table could drift from the figure measured for it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,8 @@ from proto_server.bench.paths import (
     valid_call,
 )
 from proto_server.bench.report import NO_PLOTS, pyplot
+from proto_server.compose import connect_vllm
+from proto_server.launch import Launch
 
 #: The engine's histograms (`/metrics`): its decode after the first token is their difference.
 E2E, ENGINE_TTFT = "vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds"
@@ -445,3 +451,37 @@ def write_files(
         plt.close(figure)
         written.append(directory / filename)
     return written
+
+
+def run(args: argparse.Namespace) -> int:
+    """`proto-server bench-vllm`: the generator serve would run, measured against vLLM's own."""
+    # the served model's name and tokenizer
+    launch = Launch(generator="vllm", engine_url=(args.engine_url,), tokenizer=args.tokenizer)
+    generator = connect_vllm(launch, args.engine_url, args.model)
+    print(
+        f"{generator.name} on vLLM at {generator.url} (API server pid {args.engine_pid}); "
+        f"{args.turns} turns, tool outputs of {args.tool_output_tokens} tokens on average, "
+        f"at most {args.answer_tokens} tokens decoded a turn; wall-clock times and CPU "
+        "measured on this machine",
+        flush=True,
+    )
+    results = trio.run(
+        partial(
+            measure,
+            engine_url=generator.url,
+            engine_pid=args.engine_pid,
+            model=generator.name,
+            tokenizer=generator.tokenizer,
+            turns=args.turns,
+            tool_output_tokens=args.tool_output_tokens,
+            answer_tokens=args.answer_tokens,
+            nonce=str(os.getpid()),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    )
+    summary = summarize(results)
+    print(render(results, summary))
+    plots = write_files(results, summary, args.out)
+    print(f"\nJSON: {args.out / 'bench-vllm.json'}")
+    print(plots if isinstance(plots, str) else "Plots: " + ", ".join(map(str, plots)))
+    return 0 if not summary["failed"] else 1
