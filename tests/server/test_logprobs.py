@@ -8,6 +8,7 @@ tests/services."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from proto_server.engine.simulated import SimulatedGenerator, modelled_logprob
 from proto_server.engine.vllm.protocol import Piece, parse_sse
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.server.store import SQLiteStore
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Logprob
@@ -354,3 +356,24 @@ async def test_the_openai_sdk_reads_the_logprobs_over_http_and_its_websocket(
     assert [entry.model_dump() for entry in final.logprobs] == said
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert [entry.model_dump() for e in deltas for entry in e.logprobs] == said
+
+
+async def test_a_prototype_response_resumed_from_the_store_keeps_saying_logprobs(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Its connection gone, the suspended Response is rebuilt cold on another one (the store
+    keeps that its create asked for logprobs): the answer after the calls says them too."""
+    running = await start_server(TOOL_THEN_ANSWER, store=SQLiteStore(tmp_path / "s.sqlite3"))
+    with trio.fail_after(20):
+        async with connect(running.prototype_url) as client:
+            await client.send(create(**ASK))
+            first = await client.until("response.done")
+            await client.vanish()
+        await running.server.wait_idle()
+        rid = first[-1]["response"]["id"]
+        async with connect(running.prototype_url) as client:
+            frame = {"type": "response.append", "response_id": rid, "input": answers(first)}
+            await client.send(frame)
+            rest = await client.until("response.completed")
+    assert [t.source for t in running.server.responses.turns] == ["store"]
+    assert_logprobs(ANSWER, message_logprobs(rest))
