@@ -3,7 +3,7 @@
 Frames, not bytes, are what a WebSocket or an SSE stream pays for, so when a connection's writer
 falls behind, consecutive pending deltas of the same item become one delta with the same text
 (DESIGN.md, "Backpressure"). A client that concatenates deltas, as every client must, sees the
-same text; it just gets it in fewer pieces.
+same text (and the same logprobs, where it asked for them); it just gets it in fewer pieces.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ def continues(first: ServerEvent, second: ServerEvent) -> bool:
     """Whether delta `second` goes on with the text of delta `first` (the same item and part)."""
     match first, second:
         case OutputTextDelta(), OutputTextDelta():
-            return (
-                (first.item_id, first.output_index, first.content_index)
-                == (second.item_id, second.output_index, second.content_index)
-                and not first.logprobs
-                and not second.logprobs
+            return (first.item_id, first.output_index, first.content_index) == (
+                second.item_id,
+                second.output_index,
+                second.content_index,
             )
         case FunctionCallArgumentsDelta(), FunctionCallArgumentsDelta():
             return (first.item_id, first.output_index) == (second.item_id, second.output_index)
@@ -42,6 +41,12 @@ def merge_run(first: ServerEvent, rest: Sequence[ServerEvent]) -> ServerEvent:
     for event in rest:
         assert isinstance(event, MERGEABLE)
         texts.append(event.delta)
+    if isinstance(first, OutputTextDelta):  # and each token's logprobs, in order, if asked
+        logprobs = [
+            entry for event in (first, *rest) if isinstance(event, OutputTextDelta)
+            for entry in event.logprobs
+        ]  # fmt: skip
+        return attrs.evolve(first, delta="".join(texts), logprobs=tuple(logprobs))
     return attrs.evolve(first, delta="".join(texts))
 
 

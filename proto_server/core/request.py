@@ -65,8 +65,8 @@ def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, a `text.format` this server
     honours (text_format.py), `tool_choice` naming an offered function, the values of
     `prompt_cache_options`, `reasoning` and `context_management`, `conversation` (refused), a
-    `truncation` the Response can echo. Run when a create is accepted, before anything is
-    built for it."""
+    `top_logprobs` in range, a `truncation` the Response can echo. Run when a create is
+    accepted, before anything is built for it."""
     if create.background:  # on every transport alike: the answer is its own stream
         raise ProtocolError(
             "invalid_field",
@@ -81,11 +81,33 @@ def check_create(create: ResponseCreate) -> None:
     check_reasoning(create.reasoning)
     compaction_threshold(create)
     check_conversation(create)
+    check_top_logprobs(create.top_logprobs)
     if create.truncation not in (None, "auto", "disabled"):
         raise ProtocolError(
             "invalid_field",
             f'`truncation` is {quoted(create.truncation)}; send "auto" or "disabled".',
             param="truncation",
+        )
+
+
+#: What `include` names to get the logprobs of the model's text (`top_logprobs` says how many
+#: of the likeliest tokens each lists).
+LOGPROBS = "message.output_text.logprobs"
+#: The most `top_logprobs` a request may ask for, as OpenAI's API (and vLLM, by default) allow.
+MAX_TOP_LOGPROBS = 20
+
+
+def wants_logprobs(create: ResponseCreate) -> bool:
+    return LOGPROBS in (create.include or ())
+
+
+def check_top_logprobs(value: int | None) -> None:
+    """`top_logprobs` is 0-20, as OpenAI's API takes it."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(
+            "invalid_field",
+            f"`top_logprobs` is {value}; send a whole number from 0 to {MAX_TOP_LOGPROBS}.",
+            param="top_logprobs",
         )
 
 

@@ -93,6 +93,20 @@ class GrammarGenerator(Protocol):
 
 
 @runtime_checkable
+class LogprobGenerator(Protocol):
+    """A generator that can say each sampled token's logprob and the likeliest tokens at its
+    position (`GenerationLimits.top_logprobs`); a request for logprobs from any other is
+    refused when it arrives."""
+
+    @property
+    def says_logprobs(self) -> bool: ...
+
+
+def says_logprobs(generator: object) -> bool:
+    return isinstance(generator, LogprobGenerator) and generator.says_logprobs
+
+
+@runtime_checkable
 class ListedGenerator(Protocol):
     """A generator whose engine lists models of its own (vLLM's `/v1/models`): `GET /v1/models`
     lists those, as the engine describes them."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import attrs
 import trio
 
+from proto_server.wire.items import Logprob
+
 
 @attrs.frozen
 class Rerouted:
@@ -33,6 +35,9 @@ class Prefilled:
 class TextDelta:
     text: str
     tokens: int = 1
+    #: The logprobs of the tokens it carries, when the segment's limits ask for them
+    #: (`GenerationLimits.top_logprobs`); attached by `logprobs.Trail`.
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @attrs.frozen

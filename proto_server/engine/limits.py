@@ -54,13 +54,16 @@ class GenerationLimits:
     text_format: TextFormat | None = None
     #: The engine's scheduling priority (lower first; `--engine-priority`); None: none sent.
     priority: int | None = None
+    #: Logprobs of the sampled tokens, each with this many of the likeliest tokens at its
+    #: position (the request's `top_logprobs`); None: none asked (`include`), none computed.
+    top_logprobs: int | None = None
 
     @classmethod
     def for_response(
-        cls, response: Response, *, output_tokens: int, tool_calls: int
+        cls, response: Response, *, output_tokens: int, tool_calls: int, logprobs: bool = False
     ) -> GenerationLimits:
         """The limits of the next segment of `response`, which already decoded `output_tokens`
-        and made `tool_calls` calls."""
+        and made `tool_calls` calls; `logprobs`: its create asked for them (`include`)."""
         limit, calls = response.max_output_tokens, response.max_tool_calls
         return cls(
             max_output_tokens=None if limit is None else max(limit - output_tokens, 0),
@@ -71,6 +74,7 @@ class GenerationLimits:
             top_p=response.top_p,
             seed=response.seed,
             text_format=parse_text_format(response.text),
+            top_logprobs=response.top_logprobs if logprobs else None,
         )
 
     @property

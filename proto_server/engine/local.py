@@ -34,6 +34,7 @@ from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
+from proto_server.engine.logprobs import TokenPieces, Trail, tokenizer_bytes
 from proto_server.engine.model_files import load_model
 from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
 from proto_server.engine.renderers import renderer_for
@@ -54,6 +55,14 @@ Chooser = Callable[[torch.Tensor, Sequence[int]], int]
 
 def greedy(logits: torch.Tensor, generated: Sequence[int]) -> int:
     return int(logits.argmax())
+
+
+def scored(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The logprob of `token` under `logits` (as the model chose from them: a grammar's mask
+    applied, as vLLM's are), and the `top` likeliest tokens with theirs, likeliest first."""
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0])
+    return float(logprobs[token]), list(zip(map(int, ids.tolist()), values.tolist(), strict=True))
 
 
 class ContextOverflow(GenerationRefused):
@@ -105,6 +114,17 @@ class LocalGenerator:
         self.limiter = trio.CapacityLimiter(1)
         #: Sessions holding a KV cache right now (tests check that every exit path frees it).
         self.live_caches = 0
+        self._pieces: TokenPieces | None = None
+
+    #: Each sampled token's logprob is computed from its step's logits when asked.
+    says_logprobs = True
+
+    @property
+    def pieces(self) -> TokenPieces:
+        """Its tokens as logprobs list them (made on first use)."""
+        if self._pieces is None:
+            self._pieces = TokenPieces(tokenizer_bytes(self.tokenizer))
+        return self._pieces
 
     @property
     def forces_tool_calls(self) -> bool:
@@ -280,6 +300,8 @@ class LocalSession:
             tags=renderer.think_tags,
         )
         text = _Detokenizer(generator.tokenizer)
+        top = limits.top_logprobs
+        trail = Trail()
         generated: list[int] = []
         stop_tokens = 0
         incomplete = None
@@ -298,10 +320,13 @@ class LocalSession:
             if constraint is not None:
                 constraint.consume(token)
             generated.append(token)
-            if token in generator.stop_ids:
+            if token in generator.stop_ids:  # the end of the turn: no text, no logprob
                 stop_tokens = 1
                 break
-            for chunk in parser.feed(text.add(token)):
+            if top is not None:
+                logprob, likeliest = await generator.run(scored, logits, token, top)
+                trail.add([generator.pieces.logprob(token, logprob, likeliest)])
+            for chunk in trail.attach(parser.feed(text.add(token))):
                 await send.send(chunk)
             if parser.called:
                 break
@@ -311,7 +336,7 @@ class LocalSession:
             chunks = at_limit(chunks, parser)
             if parser.called and not parser.cut:  # whole arguments, the frame left open
                 incomplete = None
-        for chunk in chunks:
+        for chunk in trail.attach(chunks):
             await send.send(chunk)
         await send.send(SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete))
 

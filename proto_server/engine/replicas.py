@@ -34,6 +34,7 @@ from proto_server.engine.base import (
     ListedGenerator,
     ProbedGenerator,
     TokenGenerator,
+    says_logprobs,
 )
 from proto_server.engine.chunks import Chunk, Prefilled, Rerouted, hand_over
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits, GeneratorError
@@ -108,6 +109,10 @@ class ReplicatedGenerator:
     @property
     def forces_tool_calls(self) -> bool:
         return all(replica.generator.forces_tool_calls for replica in self.replicas)
+
+    @property
+    def says_logprobs(self) -> bool:
+        return all(says_logprobs(replica.generator) for replica in self.replicas)
 
     def check_text_format(self, form: TextFormat) -> None:
         """A schema is checked as any replica would check it (the same model on each)."""

@@ -39,8 +39,10 @@ from proto_server.engine.chunks import (
     hand_over,
 )
 from proto_server.engine.limits import GenerationLimits
+from proto_server.engine.logprobs import TokenPieces
 from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner, Segment
+from proto_server.wire.items import Logprob
 
 BURST_WINDOW = 100
 
@@ -137,8 +139,8 @@ class _Pacer:
 
 
 @functools.lru_cache(maxsize=32)
-def _pieces(text: str) -> tuple[tuple[str, int], ...]:
-    """`text` as it decodes token by token: (delta, tokens); a split character waits.
+def _pieces(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """`text` as it decodes token by token: (delta, its token ids); a split character waits.
 
     Remembered for the last texts said: a script says the same texts again and again, and
     decoding them is the simulated GPU's work, which would otherwise be counted, token by
@@ -146,27 +148,51 @@ def _pieces(text: str) -> tuple[tuple[str, int], ...]:
     encoding = o200k_base()
     decoder = codecs.getincrementaldecoder("utf-8")()
     pieces = []
-    waiting = 0
+    waiting: list[int] = []
     for token in encoding.encode_ordinary(text):
-        waiting += 1
+        waiting.append(token)
         piece = decoder.decode(encoding.decode_single_token_bytes(token))
         if piece:
-            pieces.append((piece, waiting))
-            waiting = 0
+            pieces.append((piece, tuple(waiting)))
+            waiting = []
     return tuple(pieces)
 
 
-def _chunks(segment: Segment) -> Iterator[tuple[Chunk, int]]:
-    """What the model decodes to say `segment`, chunk by chunk, with the tokens each costs."""
-    for piece, tokens in _pieces(segment.reasoning):
-        yield ReasoningDelta(piece, tokens), tokens
-    for piece, tokens in _pieces(segment.text):
-        yield TextDelta(piece, tokens), tokens
+def _o200k_bytes(token: int) -> bytes:
+    return o200k_base().decode_single_token_bytes(token)
+
+
+#: The simulated model's tokens as the API lists them (its tokenizer is o200k_base).
+_TOKEN_PIECES = TokenPieces(_o200k_bytes)
+
+
+def modelled_logprob(token: int, top: int) -> Logprob:
+    """A modelled logprob of `token`, which the simulated model (greedy) sampled as its
+    likeliest: a probability from 0.5 to 0.99 fixed by the token's id, and below it `top - 1`
+    other tokens sharing what is left, each half the one before. No real distribution: a
+    stand-in of the right shape, the same for the same token every time."""
+    chosen = 0.5 + 0.49 * ((token * 2654435761) % 1000) / 1000
+    others = [(1000 * k + token % 1000, (1 - chosen) / 2**k) for k in range(1, top)]
+    ranked = [(token, math.log(chosen)), *((other, math.log(p)) for other, p in others)]
+    return _TOKEN_PIECES.logprob(token, math.log(chosen), ranked[:top])
+
+
+def _chunks(segment: Segment, top_logprobs: int | None) -> Iterator[tuple[Chunk, int]]:
+    """What the model decodes to say `segment`, chunk by chunk, with the tokens each costs;
+    its text with modelled logprobs when `top_logprobs` asks for them."""
+    for piece, ids in _pieces(segment.reasoning):
+        yield ReasoningDelta(piece, len(ids)), len(ids)
+    for piece, ids in _pieces(segment.text):
+        if top_logprobs is None:
+            yield TextDelta(piece, len(ids)), len(ids)
+        else:
+            logprobs = tuple(modelled_logprob(token, top_logprobs) for token in ids)
+            yield TextDelta(piece, len(ids), logprobs), len(ids)
     for call in segment.tool_calls:
         name_tokens = len(o200k_base().encode_ordinary(call.name))
         yield ToolCallBegin(call.name, name_tokens), name_tokens
-        for piece, tokens in _pieces(call.arguments):
-            yield ToolCallArgumentsDelta(piece, tokens), tokens
+        for piece, ids in _pieces(call.arguments):
+            yield ToolCallArgumentsDelta(piece, len(ids)), len(ids)
         yield ToolCallEnd(), 0
 
 
@@ -253,7 +279,7 @@ class SimulatedSession:
             self._has_spoken = True
             pacer = _Pacer(self._timing)
             budget = math.inf if limits.max_output_tokens is None else limits.max_output_tokens
-            for chunk, tokens in _chunks(segment):
+            for chunk, tokens in _chunks(segment, limits.top_logprobs):
                 if tokens > budget:
                     await send.send(SegmentEnd(incomplete="max_output_tokens"))
                     return
@@ -288,6 +314,9 @@ class SimulatedGenerator:
     def forces_tool_calls(self) -> bool:
         """A script or the default model says whatever the request demands (or says why not)."""
         return True
+
+    #: Its text comes with modelled logprobs when they are asked for (`modelled_logprob`).
+    says_logprobs = True
 
     def open_session(
         self, conversation: Conversation, *, cache_salt: str | None = None

@@ -49,6 +49,7 @@ from proto_server.core.references import (
 )
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
+    LOGPROBS,
     PreparedInput,
     ToolChoice,
     check_create,
@@ -62,11 +63,17 @@ from proto_server.core.request import (
     prepare_input,
     request_bytes,
     response_template,
+    wants_logprobs,
 )
 from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
-from proto_server.engine.base import GrammarGenerator, SharedGenerator, TokenGenerator
+from proto_server.engine.base import (
+    GrammarGenerator,
+    SharedGenerator,
+    TokenGenerator,
+    says_logprobs,
+)
 from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
@@ -186,11 +193,20 @@ class Responses:
     def check_create(self, create: ResponseCreate) -> None:
         """Refuse, when it arrives, a create this server cannot serve: what `check_create`
         refuses, a compaction item this server did not seal, and a forced tool call the
-        generator cannot make, a `text.format` schema its grammar cannot take."""
+        generator cannot make, logprobs it cannot say, a `text.format` schema its grammar
+        cannot take."""
         check_create(create)
         check_compactions(input_items(create), self.compaction_key)
         check_reasonings(input_items(create), self.compaction_key)
         self.check_forcing(parse_tool_choice(create.tool_choice))
+        if wants_logprobs(create) and not says_logprobs(self.generator):
+            raise ProtocolError(
+                "unsupported_logprobs",
+                f"`include` names {LOGPROBS!r}, but this server's generator cannot say its "
+                "tokens' logprobs; remove it from `include` (or serve the simulated, local or "
+                "vllm generator, which can).",
+                param="include",
+            )
         form = parse_text_format(create.text)
         if form is not None and isinstance(self.generator, GrammarGenerator):
             self.generator.check_text_format(form)
@@ -359,6 +375,7 @@ class Responses:
             seal=ReasoningSealer(self.compaction_key)
             if ENCRYPTED_CONTENT in (create.include or ())
             else None,
+            logprobs=wants_logprobs(create),
         )
 
         durable = None

@@ -87,6 +87,7 @@ class Durable:
             segments=machine.segments,
             tool_calls=machine.tool_calls,
             owner=self.owner,
+            logprobs=machine.logprobs,
         )
         await self.store.suspend(record, since=self.written, expected=self.version)
         self.version += 1
@@ -134,6 +135,7 @@ def restored(
         segments=suspended.segments,
         tool_calls=suspended.tool_calls,
         clock=lambda: int(time.time()),
+        logprobs=suspended.logprobs,
     )
 
 

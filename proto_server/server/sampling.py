@@ -435,7 +435,10 @@ class SamplingLoop:
         """What the client's limits leave to the next segment of this Response."""
         machine = self.machine
         limits = GenerationLimits.for_response(
-            machine.template, output_tokens=machine.output_tokens, tool_calls=machine.tool_calls
+            machine.template,
+            output_tokens=machine.output_tokens,
+            tool_calls=machine.tool_calls,
+            logprobs=machine.logprobs,
         )
         return limits if self._priority is None else attrs.evolve(limits, priority=self._priority)
 
@@ -485,8 +488,8 @@ class SamplingLoop:
                 return []
             case ReasoningDelta(text=text, tokens=tokens):
                 return machine.reasoning_delta(text, tokens=tokens)
-            case TextDelta(text=text, tokens=tokens):
-                return machine.text_delta(text, tokens=tokens)
+            case TextDelta(text=text, tokens=tokens, logprobs=logprobs):
+                return machine.text_delta(text, tokens=tokens, logprobs=logprobs)
             case ToolCallBegin(name=name, tokens=tokens):
                 return machine.begin_function_call(name, tokens=tokens)
             case ToolCallArgumentsDelta(delta=delta, tokens=tokens):

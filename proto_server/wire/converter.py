@@ -232,6 +232,18 @@ for carried in (UnknownItem, UnknownPart, UnknownTool):
 converter.register_unstructure_hook_func(lambda t: t == Mapping[str, Any], lambda obj: obj)
 _failed_steer = converter.gen_unstructure_attrs_fromdict(FailedSteer)
 _reasoning = converter.gen_unstructure_attrs_fromdict(Reasoning)
+_output_text = converter.gen_unstructure_attrs_fromdict(OutputText)
+
+
+def _unstructure_output_text(part: OutputText) -> dict[str, Any]:
+    """An output text part carries `logprobs` only when they were asked for (`include`)."""
+    obj: dict[str, Any] = _output_text(part)
+    if obj["logprobs"] is None:
+        del obj["logprobs"]
+    return obj
+
+
+converter.register_unstructure_hook(OutputText, _unstructure_output_text)
 
 
 def _unstructure_reasoning(item: Reasoning) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, NewType
 import attrs
 
 from proto_server.wire.errors import ErrorDetail
-from proto_server.wire.items import Item, StreamedPart
+from proto_server.wire.items import Item, Logprob, StreamedPart
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
@@ -65,8 +65,10 @@ class ResponseCreate:
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     max_tool_calls: NonNegativeInt | None = None
+    #: How many of the likeliest tokens each logprob lists (0-20; `check_create`); echoed.
     top_logprobs: int | None = None
-    #: What the Response should carry besides: `reasoning.encrypted_content` is honoured.
+    #: What the Response should carry besides: `reasoning.encrypted_content` and
+    #: `message.output_text.logprobs` are honoured.
     include: tuple[str, ...] | None = None
     #: Sampling seed, passed to an engine that takes one (the vLLM generator); carried.
     seed: int | None = None
@@ -346,7 +348,8 @@ class OutputTextDelta:
     output_index: int
     content_index: int
     delta: str
-    logprobs: tuple[Any, ...] = ()
+    #: The logprobs of the tokens `delta` holds (empty unless `include` asked for them).
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -356,7 +359,8 @@ class OutputTextDone:
     output_index: int
     content_index: int
     text: str
-    logprobs: tuple[Any, ...] = ()
+    #: The logprobs of every token of `text` (empty unless `include` asked for them).
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

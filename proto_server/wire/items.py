@@ -24,10 +24,34 @@ class InputText:
 
 
 @attrs.frozen(kw_only=True)
+class TopLogprob:
+    """One of the likeliest tokens at a position, as the API spells it: its text, its log
+    probability and its UTF-8 bytes (a token may hold part of a character)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Logprob:
+    """A sampled token's log probability, with the likeliest tokens at its position (as many
+    as `top_logprobs` asked, likeliest first)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class OutputText:
     type: str = "output_text"
     text: str
     annotations: tuple[Any, ...] = ()
+    #: The logprob of each token of `text`, when the request's `include` named
+    #: `message.output_text.logprobs`; None (absent on the wire) otherwise.
+    logprobs: tuple[Logprob, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

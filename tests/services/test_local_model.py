@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ..support.requirements import MODEL_EXTRA, require
@@ -519,3 +520,43 @@ async def test_tool_choice_none_makes_a_written_call_plain_text(tokenizer: Any) 
     assert not [c for c in chunks if isinstance(c, ToolCallBegin)]
     assert "".join(c.text for c in chunks if isinstance(c, TextDelta)) == CALL
     await session.aclose()
+
+
+LOGPROBS_SAID = "Hi \u2014 na\u00efve."
+
+
+async def test_logprobs_are_the_models_own_for_the_tokens_it_said(nursery: trio.Nursery) -> None:
+    """Each text token's logprob and the top 4 are the model's, as one forward pass over the
+    whole sequence (no cache) computes them; a character split over tokens is said exactly by
+    their bytes. The server says them over HTTP."""
+    tokenizer = tiny_tokenizer()
+    script = Scripted(tokenizer, [LOGPROBS_SAID] * 2)
+    generator = make(tokenizer, script)
+    conversation = Conversation(generator.renderer, instructions=INSTRUCTIONS, tools=())
+    conversation.extend([USER])
+    prompt = conversation.turn_prompt(generator.renderer.generation_prompt)
+    chunks = await segment(generator.open_session(conversation), GenerationLimits(top_logprobs=4))
+    said = [entry for chunk in chunks if isinstance(chunk, TextDelta) for entry in chunk.logprobs]
+    sampled = script.segments[0][:-1]  # its end of turn has no logprob
+    assert b"".join(bytes(entry.bytes) for entry in said) == LOGPROBS_SAID.encode()
+    with torch.inference_mode():
+        logits = generator.model(torch.tensor([[*prompt, *sampled]])).logits[0]
+    expected = logits[len(prompt) - 1 : -1].log_softmax(dim=-1, dtype=torch.float32)
+    assert len(said) == len(sampled) == len(expected)
+    for token, entry, row in zip(sampled, said, expected, strict=True):
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        values, ids = row.topk(4)
+        assert [o.bytes for o in entry.top_logprobs] == [
+            generator.pieces(i)[1] for i in ids.tolist()
+        ]
+        assert [o.logprob for o in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    running = await serve(nursery, generator)
+    async with httpx.AsyncClient(base_url=running.address.http_url, timeout=60) as http:
+        answer = await http.post(
+            "/responses",
+            json={"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2},
+        )
+    (part,) = answer.json()["output"][0]["content"]
+    assert part["text"] == LOGPROBS_SAID
+    assert b"".join(bytes(entry["bytes"]) for entry in part["logprobs"]) == LOGPROBS_SAID.encode()
+    assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])

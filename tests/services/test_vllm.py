@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -23,7 +24,10 @@ import jsonschema
 import pytest
 import trio
 
+from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
+from proto_server.engine.chunks import Chunk, TextDelta
+from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.model_files import LoadedTokenizer, load_tokenizer
 from proto_server.engine.vllm import (
     VllmGenerator,
@@ -35,6 +39,7 @@ from proto_server.engine.vllm import (
 )
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 
 from ..support.engine import BLOCK_SIZE, SERVED_NAME, Engine, grammar_accepts
@@ -967,3 +972,80 @@ async def test_admitted_by_the_engines_capacity_with_priorities_a_rollout_is_ser
     assert_warm(segment_usage(events))
     scheduler = served.server.responses.admission.scheduler
     assert scheduler.capacity == int(capacity * 0.9)
+
+
+HELLO = "Say hello to the team in one sentence."
+
+
+async def test_logprobs_are_the_engines_own_for_the_tokens_it_sampled(
+    start_vllm: StartVllm,
+) -> None:
+    """A segment asked for logprobs (greedy) gives each text token the logprob and the top 5
+    the engine computed; they equal the engine's own for those tokens, computed apart (its
+    `prompt_logprobs` of the whole sequence, in one prefill), and the same Response over HTTP
+    and the prototype WebSocket says the same."""
+    served = await start_vllm(max_tokens=12)
+    generator = served.generator
+    conversation = Conversation(generator.renderer, instructions=None, tools=())
+    conversation.extend([Message(role="user", content=HELLO)])
+    prompt = conversation.turn_prompt(generator.renderer.generation_prompt)
+    session = generator.open_session(conversation)
+    limits = GenerationLimits(temperature=0.0, top_logprobs=5)
+    send, receive = trio.open_memory_channel[Chunk](1000)
+    with trio.fail_after(120):
+        async with send:
+            await session.generate(send, limits)
+        chunks = [chunk async for chunk in receive]
+    said = [entry for chunk in chunks if isinstance(chunk, TextDelta) for entry in chunk.logprobs]
+    sampled = session.engine_ids[len(prompt) :]
+    texts = [i for i in sampled if i not in generator.stop_ids]  # the turn's end has no logprob
+    assert said and len(said) == len(texts), (said, sampled)
+    text = "".join(chunk.text for chunk in chunks if isinstance(chunk, TextDelta))
+    assert b"".join(bytes(entry.bytes) for entry in said) == text.encode()
+    async with httpx.AsyncClient(base_url=served.address.http_url, timeout=120) as http:
+        with trio.fail_after(180):
+            async with httpx.AsyncClient(base_url=generator.url, timeout=120) as engine:
+                own = await engine.post(
+                    "/completions",
+                    json={
+                        "model": SERVED_NAME,
+                        "prompt": [*prompt, *texts],
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "prompt_logprobs": 5,
+                    },
+                )
+            assert own.status_code == 200, own.text
+            ask = {
+                "model": SERVED_NAME,
+                "input": HELLO,
+                "temperature": 0,
+                "max_output_tokens": 12,
+                "include": ["message.output_text.logprobs"],
+                "top_logprobs": 5,
+                "store": False,
+            }
+            answer = await http.post("/responses", json=ask)
+            assert answer.status_code == 200, answer.text
+        async with model_connect(served.prototype_url) as client:
+            await client.send({"type": "response.create", **ask})
+            events = await client.until(*TERMINAL)
+    positions = own.json()["choices"][0]["prompt_logprobs"][len(prompt) :]
+    pieces = generator.pieces
+    for token, entry, engine_said in zip(texts, said, positions, strict=True):
+        assert math.isclose(entry.logprob, engine_said[str(token)]["logprob"], abs_tol=1e-3)
+        ranked = sorted(engine_said.items(), key=lambda kv: kv[1]["rank"])
+        top = [(int(i), lp["logprob"]) for i, lp in ranked if lp["rank"] <= 5][:5]
+        assert [other.bytes for other in entry.top_logprobs] == [pieces(i)[1] for i, _ in top]
+        for other, (_, logprob) in zip(entry.top_logprobs, top, strict=True):
+            assert math.isclose(other.logprob, logprob, abs_tol=1e-3)
+    for response in (answer.json(), events[-1]["response"]):
+        (part,) = response["output"][0]["content"]
+        assert part["text"] == text
+        assert len(part["logprobs"]) == len(said)
+        for wire, entry in zip(part["logprobs"], said, strict=True):
+            assert wire["bytes"] == list(entry.bytes)
+            assert math.isclose(wire["logprob"], entry.logprob, abs_tol=1e-4)
+            assert [o["bytes"] for o in wire["top_logprobs"]] == [
+                list(o.bytes) for o in entry.top_logprobs
+            ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import attrs
 import orjson
 import trio
 import trio.lowlevel
@@ -22,6 +23,7 @@ from proto_server.wire.events import (
     OutputTextDone,
     ServerEvent,
 )
+from proto_server.wire.items import Logprob
 
 
 def text(delta: str, item: str = "msg_1", index: int = 0) -> OutputTextDelta:
@@ -43,10 +45,16 @@ def test_deltas_of_one_item_merge_and_nothing_else_does() -> None:
     assert merge_deltas(text("a"), text("b", index=1)) is None
     assert merge_deltas(text("a"), arguments("b")) is None
     assert merge_deltas(text("a"), done()) is None
-    with_logprobs = OutputTextDelta(
-        item_id="msg_1", output_index=0, content_index=0, delta="b", logprobs=({"p": 0.5},)
-    )
-    assert merge_deltas(text("a"), with_logprobs) is None
+
+
+def test_merged_text_deltas_carry_each_tokens_logprobs_in_order() -> None:
+    def said(delta: str) -> OutputTextDelta:
+        logprob = Logprob(token=delta, logprob=-1.0, bytes=tuple(delta.encode()))
+        return attrs.evolve(text(delta), logprobs=(logprob,))
+
+    merged = merge_deltas(said("a"), said("b"))
+    assert isinstance(merged, OutputTextDelta) and merged.delta == "ab"
+    assert [entry.token for entry in merged.logprobs] == ["a", "b"]
 
 
 async def drain(

@@ -28,6 +28,7 @@ from proto_server.wire.events import (
 from proto_server.wire.items import (
     FunctionCall,
     Item,
+    Logprob,
     Message,
     OutputText,
     Reasoning,
@@ -47,10 +48,16 @@ class OpenText:
     item_id: str
     output_index: int
     deltas: list[str] = attrs.field(factory=list)
+    #: The logprobs of its tokens so far, when the client asked for them (`include`).
+    logprobs: list[Logprob] | None = None
 
     def part(self) -> OutputText | ReasoningText:
         text = "".join(self.deltas)
-        return OutputText(text=text) if self.kind == "message" else ReasoningText(text=text)
+        return self.output_text(text) if self.kind == "message" else ReasoningText(text=text)
+
+    def output_text(self, text: str) -> OutputText:
+        logprobs = None if self.logprobs is None else tuple(self.logprobs)
+        return OutputText(text=text, logprobs=logprobs)
 
     def item(self, status: str, *, seal: Callable[[str], str] | None = None) -> Item:
         """The item with the text so far (none while `in_progress`); a finished reasoning
@@ -58,7 +65,7 @@ class OpenText:
         done = status != "in_progress"
         text = "".join(self.deltas)
         if self.kind == "message":
-            content = (OutputText(text=text),) if done else ()
+            content = (self.output_text(text),) if done else ()
             return Message(id=self.item_id, role="assistant", content=content, status=status)
         return Reasoning(
             id=self.item_id,
@@ -90,7 +97,8 @@ class Output:
     """The items of one Response, in order, and the one streaming (`open`), if any.
 
     `new_id(prefix)` names the items (`msg_...`, `fc_...`, `call_...`); `seal(text)` makes a
-    finished reasoning item's `encrypted_content`."""
+    finished reasoning item's `encrypted_content`; `logprobs`: messages' text parts carry the
+    logprobs of their tokens (the client asked for them)."""
 
     def __init__(
         self,
@@ -98,10 +106,12 @@ class Output:
         *,
         new_id: Callable[[str], str],
         seal: Callable[[str], str] | None,
+        logprobs: bool = False,
     ) -> None:
         self.conversation = conversation
         self._new_id = new_id
         self._seal = seal
+        self.logprobs = logprobs
         self.items: list[Item] = []
         self.open: OpenText | OpenCall | None = None
 
@@ -120,9 +130,17 @@ class Output:
             OutputItemDone(output_index=index, item=item),
         ]
 
-    def text(self, kind: TextKind, delta: str, *, after_calls: bool) -> list[ServerEvent]:
+    def text(
+        self,
+        kind: TextKind,
+        delta: str,
+        *,
+        after_calls: bool,
+        logprobs: tuple[Logprob, ...] = (),
+    ) -> list[ServerEvent]:
         """`delta` of `kind`: an item of that kind opens (closing one of the other) and grows.
-        `after_calls`: the segment made calls already, so no text may follow them."""
+        `after_calls`: the segment made calls already, so no text may follow them;
+        `logprobs`: those of `delta`'s tokens (a message's, kept only where they were asked)."""
         if isinstance(self.open, OpenCall):
             raise IllegalTransition(f"{kind} text arrived inside a tool call")
         if after_calls:
@@ -136,7 +154,9 @@ class Output:
         if self.open is None:
             item_id = self._new_id("msg" if kind == "message" else "rs")
             index = len(self.items)
-            self.open = OpenText(kind, item_id, index)
+            self.open = OpenText(
+                kind, item_id, index, logprobs=[] if self.logprobs and kind == "message" else None
+            )
             events.append(OutputItemAdded(output_index=index, item=self.open.item("in_progress")))
             events.append(
                 ContentPartAdded(
@@ -146,10 +166,27 @@ class Output:
         text = self.open
         assert isinstance(text, OpenText)
         text.deltas.append(delta)
-        delta_event = OutputTextDelta if kind == "message" else ReasoningTextDelta
+        if kind == "reasoning":
+            events.append(
+                ReasoningTextDelta(
+                    item_id=text.item_id,
+                    output_index=text.output_index,
+                    content_index=0,
+                    delta=delta,
+                )
+            )
+            return events
+        if text.logprobs is None:
+            logprobs = ()
+        else:
+            text.logprobs += logprobs
         events.append(
-            delta_event(
-                item_id=text.item_id, output_index=text.output_index, content_index=0, delta=delta
+            OutputTextDelta(
+                item_id=text.item_id,
+                output_index=text.output_index,
+                content_index=0,
+                delta=delta,
+                logprobs=logprobs,
             )
         )
         return events
@@ -211,9 +248,20 @@ class Output:
         part = text.part()
         self.finish(item)
         item_id, index = text.item_id, text.output_index
-        done_event = OutputTextDone if text.kind == "message" else ReasoningTextDone
+        if isinstance(part, OutputText):
+            done: ServerEvent = OutputTextDone(
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+                logprobs=part.logprobs or (),
+            )
+        else:
+            done = ReasoningTextDone(
+                item_id=item_id, output_index=index, content_index=0, text=part.text
+            )
         return [
-            done_event(item_id=item_id, output_index=index, content_index=0, text=part.text),
+            done,
             ContentPartDone(item_id=item_id, output_index=index, content_index=0, part=part),
             OutputItemDone(output_index=index, item=item),
         ]

@@ -63,6 +63,7 @@ from proto_server.wire.events import (
 from proto_server.wire.items import (
     FunctionCall,
     Item,
+    Logprob,
     UnknownItem,
 )
 from proto_server.wire.response import Response, Usage
@@ -81,6 +82,7 @@ class ResponseMachine:
         max_pending_steers: int = 8,
         new_id: Callable[[str], str] = ids.new_id,
         seal: Callable[[str], str] | None = None,
+        logprobs: bool = False,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
@@ -90,7 +92,9 @@ class ResponseMachine:
         and it says so (the prototype dialect), none for the multi-agent beta. `new_id(prefix)`
         names the items it makes (`msg_...`, `fc_...`, `call_...`): random unless a test gives
         a counter. `seal(text)`: a finished reasoning item's `encrypted_content` (the client
-        asked for it with `include`); without it the item carries none."""
+        asked for it with `include`); without it the item carries none. `logprobs`: the client
+        asked for them (`include`), so its messages' text carries the logprobs the generator
+        says (none otherwise: no part or event carries them)."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self.completed_at: int | None = None
@@ -102,7 +106,7 @@ class ResponseMachine:
         self.status = Status.IN_PROGRESS
         self._calls = Calls(self.id, self._held)
         self.segments = 0
-        self._items = Output(conversation, new_id=new_id, seal=seal)
+        self._items = Output(conversation, new_id=new_id, seal=seal, logprobs=logprobs)
         self._tokens = Tokens()
         self._tool_calls = 0
         self.error: ErrorDetail | None = None
@@ -128,6 +132,7 @@ class ResponseMachine:
         tool_calls: int,
         clock: Callable[[], int] | None = None,
         new_id: Callable[[str], str] = ids.new_id,
+        logprobs: bool = False,
     ) -> ResponseMachine:
         """A suspended Response rebuilt from its persisted suspension (`response`: its
         snapshot then, `conversation`: its items re-rendered), so that another connection or
@@ -137,7 +142,13 @@ class ResponseMachine:
             response, status="in_progress", output=(), usage=None, error=None,
             incomplete_details=None, completed_at=None,
         )  # fmt: skip
-        machine = cls(response=template, conversation=conversation, clock=clock, new_id=new_id)
+        machine = cls(
+            response=template,
+            conversation=conversation,
+            clock=clock,
+            new_id=new_id,
+            logprobs=logprobs,
+        )
         calls = {item.call_id: item for item in response.output if isinstance(item, FunctionCall)}
         missing = [call_id for call_id in pending if call_id not in calls]
         if missing:
@@ -403,9 +414,17 @@ class ResponseMachine:
 
     # -- what the generator produced -------------------------------------------------------------
 
-    def text_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
-        """The model speaks: an assistant message opens (closing reasoning before it) and grows."""
-        return self._stream_text("message", delta, tokens)
+    @property
+    def logprobs(self) -> bool:
+        """The client asked for logprobs: each segment's generator is asked for them."""
+        return self._items.logprobs
+
+    def text_delta(
+        self, delta: str, *, tokens: int, logprobs: tuple[Logprob, ...] = ()
+    ) -> list[ServerEvent]:
+        """The model speaks: an assistant message opens (closing reasoning before it) and grows;
+        `logprobs`, those of its tokens, are kept where the client asked for them."""
+        return self._stream_text("message", delta, tokens, logprobs)
 
     def reasoning_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
         """The model thinks: a `reasoning` item opens (closing text before it) and grows; its
@@ -414,9 +433,13 @@ class ResponseMachine:
         self._tokens.reasoning += tokens
         return events
 
-    def _stream_text(self, kind: TextKind, delta: str, tokens: int) -> list[ServerEvent]:
+    def _stream_text(
+        self, kind: TextKind, delta: str, tokens: int, logprobs: tuple[Logprob, ...] = ()
+    ) -> list[ServerEvent]:
         self._require_streaming(f"stream {kind} text")
-        events = self._items.text(kind, delta, after_calls=bool(self.pending_calls))
+        events = self._items.text(
+            kind, delta, after_calls=bool(self.pending_calls), logprobs=logprobs
+        )
         self._tokens.output += tokens
         return events
 

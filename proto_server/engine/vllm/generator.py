@@ -15,6 +15,7 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
 from proto_server.engine.families import AUTO, choose
+from proto_server.engine.logprobs import TokenPieces, tokenizer_bytes
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
 from proto_server.engine.renderers import renderer_for
@@ -32,6 +33,8 @@ class VllmGenerator:
 
     #: A forced call is constrained by the engine's structured outputs.
     forces_tool_calls = True
+    #: The engine says each sampled token's logprob and the likeliest others (`logprobs`).
+    says_logprobs = True
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class VllmGenerator:
         self.stop_ids = self.syntax.stop_ids(self.tokenizer, tokenizer.eos_token_id)
         #: What the engine writes for each: the end of the model's turn is no text of its own.
         self.stop_texts = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
+        self.pieces = TokenPieces(tokenizer_bytes(self.tokenizer))
         self.max_tokens = max_tokens
         self.connections = connections
         self.timeout_s = timeout_s

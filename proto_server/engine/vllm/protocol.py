@@ -53,13 +53,48 @@ class ServedModel:
     max_model_len: int | None = None
 
 
+#: A sampled token's logprob, and the likeliest tokens at its position (id, logprob), the
+#: likeliest first: what the engine says of each token when asked (`logprobs`).
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
 @attrs.frozen
 class Piece:
-    """One streamed choice: its text, the ids that made it, and why it stopped, if it did."""
+    """One streamed choice: its text, the ids that made it, and why it stopped, if it did;
+    with the logprob of each of those ids, when they were asked for."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+#: How the engine names a token it is asked to name by id (`return_tokens_as_token_ids`).
+TOKEN_ID = "token_id:"
+
+
+def _token_id(name: str) -> int:
+    if not name.startswith(TOKEN_ID):
+        raise EngineError(ENGINE_ERROR, f"the engine named a token {name!r}, not by its id")
+    return int(name[len(TOKEN_ID) :])
+
+
+def parse_logprobs(value: Any) -> tuple[TokenLogprob, ...]:
+    """A streamed choice's `logprobs` (the completions API's: `token_logprobs` and, per token,
+    `top_logprobs` by `token_id:N`, the sampled token among them), each token's likeliest
+    sorted, likeliest first (the engine lists the sampled token first)."""
+    if not isinstance(value, dict):
+        return ()
+    sampled = value.get("token_logprobs") or []
+    tops = value.get("top_logprobs") or [None] * len(sampled)
+    parsed = []
+    for logprob, top in zip(sampled, tops, strict=True):
+        ranked = sorted(
+            ((_token_id(name), float(other)) for name, other in (top or {}).items()),
+            key=lambda entry: -entry[1],
+        )
+        parsed.append((float(logprob if logprob is not None else "-inf"), tuple(ranked)))
+    return tuple(parsed)
 
 
 @attrs.frozen
@@ -133,6 +168,7 @@ def parse_sse(line: bytes | str) -> Piece | EngineUsage | None:
             choice.get("text") or "",
             tuple(choice.get("token_ids") or ()),
             choice.get("finish_reason"),
+            parse_logprobs(choice.get("logprobs")),
         )
     usage = event.get("usage")
     if isinstance(usage, dict):
@@ -224,7 +260,7 @@ def completion_request(
     and at `stop` (a call block's close, where the family's block has one); `structure`: a
     structural tag the output must follow (`forced_call_format`, `strict_call_format`,
     `answer_format`); `cache_salt`: the tenant's, so the engine's prefix cache keeps tenants
-    apart (vLLM's `cache_salt`)."""
+    apart (vLLM's `cache_salt`); the logprobs the limits ask for, their tokens named by id."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -243,6 +279,9 @@ def completion_request(
     if stop:
         body["stop"] = list(stop)
         body["include_stop_str_in_output"] = True
+    if limits.top_logprobs is not None:
+        body["logprobs"] = limits.top_logprobs
+        body["return_tokens_as_token_ids"] = True
     if structure is not None:
         body["structured_outputs"] = {"structural_tag": json.dumps(structure)}
     if cache_salt is not None:

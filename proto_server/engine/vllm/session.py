@@ -20,6 +20,7 @@ from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
 from proto_server.engine.families import parser_for
 from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
+from proto_server.engine.logprobs import TokenPieces, Trail
 from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix
@@ -43,6 +44,7 @@ from proto_server.engine.vllm.protocol import (
     parse_sse,
     sse_lines,
 )
+from proto_server.wire.items import Logprob
 from proto_server.wire.tools import function_tools
 
 log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
@@ -61,6 +63,8 @@ class Engine(Protocol):
     stop_ids: frozenset[int]
     #: What the engine writes for each stop id.
     stop_texts: dict[int, str]
+    #: The model's tokens as logprobs list them.
+    pieces: TokenPieces
 
     @property
     def name(self) -> str: ...
@@ -158,6 +162,8 @@ class VllmSession:
             structure=structure,
             cache_salt=self._cache_salt,
         )
+        top = limits.top_logprobs
+        trail = Trail()
         generated: list[int] = []
         finish: str | None = None
         usage: EngineUsage | None = None
@@ -189,7 +195,10 @@ class VllmSession:
                         text = event.text
                         if event.token_ids and event.token_ids[-1] in generator.stop_ids:
                             text = text.removesuffix(generator.stop_texts[event.token_ids[-1]])
-                        for chunk in [*chunks, *parser.feed(text, len(event.token_ids))]:
+                        if top is not None:
+                            trail.add(self._logprobs(event, top))
+                        fed = trail.attach(parser.feed(text, len(event.token_ids)))
+                        for chunk in [*chunks, *fed]:
                             await hand_over(send, chunk)
                         chunks = []
         except httpx.HTTPError as exc:
@@ -207,7 +216,7 @@ class VllmSession:
             finish = "stop"  # the turn's end was the last token the limit allowed
         if finish == "length":
             held = at_limit(held, parser)
-        for chunk in held:
+        for chunk in trail.attach(held):
             await send.send(chunk)
         cached = usage.cached_tokens if usage is not None else None
         self._record(prompt, [*prompt, *generated], cached)
@@ -222,6 +231,24 @@ class VllmSession:
                 cached_tokens=cached,
             )
         )
+
+    def _logprobs(self, piece: Piece, top: int) -> list[Logprob]:
+        """The logprobs of `piece`'s tokens but a stop token, each with its `top` likeliest, as
+        the API lists them; refused if the engine did not say them (it was asked)."""
+        if len(piece.logprobs) != len(piece.token_ids):
+            raise EngineError(
+                ENGINE_ERROR,
+                f"the engine said {len(piece.logprobs)} logprobs for {len(piece.token_ids)} "
+                "tokens; it was asked for every token's",
+            )
+        pieces = self._generator.pieces
+        said = [
+            pieces.logprob(token, logprob, likeliest[:top])
+            for token, (logprob, likeliest) in zip(piece.token_ids, piece.logprobs, strict=True)
+        ]
+        if piece.token_ids and piece.token_ids[-1] in self._generator.stop_ids:
+            said.pop()  # the end of the turn, the segment's last token: no text, no logprob
+        return said
 
     def _record(self, prompt: list[int], seen: list[int], cached: int | None) -> None:
         expected = common_prefix(self.engine_ids, prompt)

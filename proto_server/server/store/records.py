@@ -54,6 +54,8 @@ class SuspendedResponse:
     pending: tuple[str, ...] = ()
     segments: int = 0
     tool_calls: int = 0
+    #: Its create asked for logprobs (`include`): its next segments say them too.
+    logprobs: bool = False
     owner: str = ANONYMOUS
     #: Raised by every write and every claim: a writer that is not the latest is fenced off.
     version: int = 1
