@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -19,8 +19,9 @@ from proto_server.core.conversation import (
 from proto_server.core.reasoning import check_reasoning, echoed_reasoning
 from proto_server.core.render import Renderer, requested_effort
 from proto_server.core.text_format import parse_text_format
+from proto_server.core.tool_choice import check_tool_choice
 from proto_server.core.tool_schema import check_tool_schemas
-from proto_server.wire.errors import ProtocolError, quoted, some_of
+from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import (
     CustomToolCall,
@@ -33,32 +34,7 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.options import PromptCacheOptions
 from proto_server.wire.response import Response
-from proto_server.wire.tools import FunctionTool, Tool, UnknownTool, function_tools
-
-
-@attrs.frozen
-class ToolChoice:
-    """`tool_choice` as the model must obey it: `name` set means that function and no other."""
-
-    mode: Literal["auto", "none", "required"] = "auto"
-    name: str | None = None
-
-
-def parse_tool_choice(value: Any) -> ToolChoice:
-    """`auto`, `none`, `required` or `{"type": "function", "name": N}`; other tool types
-    (`custom`, hosted tools) are not run by this server's models, so they mean `auto`."""
-    if value in ("auto", "none", "required"):
-        return ToolChoice(value)
-    if isinstance(value, dict) and value.get("type") != "function":
-        return ToolChoice()
-    if isinstance(value, dict) and isinstance(value.get("name"), str):
-        return ToolChoice("required", value["name"])
-    raise ProtocolError(
-        "invalid_field",
-        '`tool_choice` must be "auto", "none", "required" or {"type": "function", "name": '
-        "NAME}; fix the field and resend the frame.",
-        param="tool_choice",
-    )
+from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
 
 
 def check_create(create: ResponseCreate) -> None:
@@ -209,28 +185,6 @@ def check_conversation(create: ResponseCreate) -> None:
             "Chain with `previous_response_id` (store: true), or send the history in `input`"
         )
     raise ProtocolError("invalid_field", f"`conversation` {problem}.", param="conversation")
-
-
-def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
-    """`value` parsed, if it is a valid `tool_choice` for `tools` (a named one is offered)."""
-    choice = parse_tool_choice(value)
-    name = choice.name
-    offered = [tool.name for tool in function_tools(tools)]
-    if choice.mode == "required" and not offered:
-        raise ProtocolError(
-            "invalid_field",
-            "`tool_choice` demands a call, but the request offers no function tool this server "
-            'can call; offer one, or send "auto".',
-            param="tool_choice",
-        )
-    if name is not None and name not in offered:
-        raise ProtocolError(
-            "invalid_field",
-            f"`tool_choice` names function {quoted(name)}, but the request offers "
-            f"{some_of(offered) if offered else 'no function tools'}; name an offered one.",
-            param="tool_choice",
-        )
-    return choice
 
 
 def input_items(create: ResponseCreate) -> tuple[Item, ...]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import attrs
 
-from proto_server.core.request import ToolChoice, parse_tool_choice
 from proto_server.core.text_format import TextFormat, parse_text_format
+from proto_server.core.tool_choice import ToolChoice, parse_tool_choice
 from proto_server.wire.response import Response
 
 #: The code of a failure that is the engine's absence (not there, or gone mid-stream): with

@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto_server.core.conversation import render_items
-from proto_server.core.request import PROTOTYPE_COMPACTION, check_tool_choice, warmup_field
+from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
 from proto_server.core.response import Mode
+from proto_server.core.tool_choice import check_tool_choice
 from proto_server.server.lanes import (
     EndedResponses,
     LaneNames,

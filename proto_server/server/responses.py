@@ -51,15 +51,12 @@ from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
     LOGPROBS,
     PreparedInput,
-    ToolChoice,
     check_create,
-    check_tool_choice,
     check_tool_outputs,
     compact_turn,
     compaction_threshold,
     input_items,
     is_warmup,
-    parse_tool_choice,
     prepare_input,
     request_bytes,
     response_template,
@@ -68,6 +65,7 @@ from proto_server.core.request import (
 from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.text_format import parse_text_format
+from proto_server.core.tool_choice import ToolChoice, check_tool_choice, parse_tool_choice
 from proto_server.engine.base import (
     GrammarGenerator,
     SharedGenerator,

@@ -18,7 +18,8 @@ import orjson
 import pytest
 import trio
 
-from proto_server.core.request import ToolChoice, check_create, parse_tool_choice
+from proto_server.core.request import check_create
+from proto_server.core.tool_choice import ToolChoice, parse_tool_choice
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, check_tool_schemas
 from proto_server.engine import default_model
 from proto_server.engine.default_model import (

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from proto_server.core.request import ToolChoice
+from proto_server.core.tool_choice import ToolChoice
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.vllm import (
     CONTEXT_LENGTH_EXCEEDED,

@@ -23,8 +23,8 @@ import torch
 import trio
 
 from proto_server.core.conversation import Conversation
-from proto_server.core.request import ToolChoice
 from proto_server.core.text_format import TextFormat
+from proto_server.core.tool_choice import ToolChoice
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,

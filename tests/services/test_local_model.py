@@ -29,7 +29,7 @@ from proto_server.bench.local import Turn, measure, table
 from proto_server.cli import main
 from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation
-from proto_server.core.request import ToolChoice
+from proto_server.core.tool_choice import ToolChoice
 from proto_server.engine import families, model_files
 from proto_server.engine.chat_template import ChatTemplateRenderer, item_message
 from proto_server.engine.chunks import (

@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 import orjson
 
-from proto_server.core.request import check_create, input_items, is_warmup, parse_tool_choice
+from proto_server.core.request import check_create, input_items, is_warmup
+from proto_server.core.tool_choice import parse_tool_choice
 from proto_server.testing.checker.invariants import Broken, Dialect
 from proto_server.testing.checker.responses import Responses, error_detail_ok, response_object
 from proto_server.wire.converter import as_json, decode_client_event
