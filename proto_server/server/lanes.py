@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from proto_server.core.conversation import decoded_bytes, render_items
 from proto_server.core.ids import new_id
@@ -31,6 +31,7 @@ from proto_server.server.memory import MemoryBudget
 from proto_server.server.offload import Offload
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
+from proto_server.server.store import ANONYMOUS
 from proto_server.wire.converter import steer_items
 from proto_server.wire.errors import ProtocolError, SteerRefused, on_lane, quoted
 from proto_server.wire.events import (
@@ -41,6 +42,12 @@ from proto_server.wire.events import (
     ResponseSteer,
     ServerEvent,
 )
+
+if TYPE_CHECKING:
+    import trio
+
+    from proto_server.server.connection import ClientLanes
+    from proto_server.server.responses import Responses
 
 #: The `OpenAI-Beta` value of the multi-agent beta (`client.beta.responses.connect()` users
 #: send it in `extra_headers`; the SDK does not add it by itself).
@@ -277,3 +284,62 @@ async def serve_steer(
         return
     for event in events:  # before any event of the cut it may bring (the channel is FIFO)
         await sink.send(event)
+
+
+class OpenLane(Protocol):
+    """A lane as both dialects keep it: where its events go, and its Response in flight."""
+
+    sink: LaneSink
+    current: SamplingLoop | None
+
+
+L = TypeVar("L", bound=OpenLane)
+
+
+class DialectBase(Generic[L]):
+    """What both WebSocket dialects hold for a connection and serve alike: the lane table
+    (each dialect's own kind of lane, `L`), the lanes' names and the Responses that ended,
+    finding a Response in flight by id, and `response.inject`."""
+
+    def __init__(
+        self,
+        responses: Responses,
+        connection: ClientLanes,
+        nursery: trio.Nursery,
+        *,
+        owner: str = ANONYMOUS,
+        multi_agent: bool = False,
+    ) -> None:
+        self._responses = responses
+        self._connection = connection
+        self._nursery = nursery
+        self._owner = owner
+        #: The connection opted into the multi-agent beta: `response.inject` is served.
+        self._multi_agent = multi_agent
+        self._lanes: dict[str | None, L] = {}
+        self._names = LaneNames(responses.config.max_lanes)
+        self._ended = EndedResponses()
+
+    @property
+    def current(self) -> SamplingLoop | None:
+        """The default lane's Response in flight."""
+        lane = self._lanes.get(None)
+        return lane.current if lane is not None else None
+
+    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
+        """The Response in flight with this id, and its lane's sink."""
+        for lane in self._lanes.values():
+            if lane.current is not None and lane.current.machine.id == response_id:
+                return lane.current, lane.sink
+        return None
+
+    async def _inject(self, inject: ResponseInject, frame_bytes: int) -> None:
+        require_beta(self._multi_agent, "response.inject")
+        await serve_inject(
+            inject,
+            find=self._find,
+            ended=self._ended,
+            lane=self._connection.lane,
+            offload=self._responses.offload,
+            size=frame_bytes,
+        )

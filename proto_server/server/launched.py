@@ -47,12 +47,10 @@ from proto_server.core.render import requested_effort
 from proto_server.core.request import input_items, response_template
 from proto_server.core.response import STEERED, Mode, Status, Steer, steering
 from proto_server.server.lanes import (
-    EndedResponses,
-    LaneNames,
+    DialectBase,
     NotStarted,
     SteerTarget,
     require_beta,
-    serve_inject,
     serve_steer,
 )
 from proto_server.server.logs import log
@@ -215,7 +213,7 @@ class _Lane:
             self._nursery.start_soon(cached[1].aclose)
 
 
-class LaunchedDialect:
+class LaunchedDialect(DialectBase[_Lane]):
     def __init__(
         self,
         responses: Responses,
@@ -225,15 +223,7 @@ class LaunchedDialect:
         owner: str = ANONYMOUS,
         multi_agent: bool = False,
     ) -> None:
-        self._responses = responses
-        self._connection = connection
-        self._owner = owner
-        #: The connection opted into the multi-agent beta: `response.inject` is served.
-        self._multi_agent = multi_agent
-        self._nursery = nursery
-        self._lanes: dict[str | None, _Lane] = {}
-        self._names = LaneNames(responses.config.max_lanes)
-        self._ended = EndedResponses()
+        super().__init__(responses, connection, nursery, owner=owner, multi_agent=multi_agent)
         self._serving = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -246,11 +236,6 @@ class LaunchedDialect:
     def cached(self) -> tuple[str, Rollout] | None:
         lane = self._lanes.get(None)
         return lane.cached if lane is not None else None
-
-    @property
-    def current(self) -> SamplingLoop | None:
-        lane = self._lanes.get(None)
-        return lane.current if lane is not None else None
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -274,15 +259,7 @@ class LaunchedDialect:
                     raise ProtocolError("no_open_response", f"No response is in flight on {where}.")
                 current.cancel()  # its machine refuses one that is ending or ended
             case ResponseInject():
-                require_beta(self._multi_agent, "response.inject")
-                await serve_inject(
-                    event,
-                    find=self._find,
-                    ended=self._ended,
-                    lane=self._connection.lane,
-                    offload=self._responses.offload,
-                    size=frame_bytes,
-                )
+                await self._inject(event, frame_bytes)
             case ResponseSteer():
                 await serve_steer(
                     event,
@@ -349,12 +326,6 @@ class LaunchedDialect:
                 return lane.awaiting, lane.sink
             if any(queued.response_id == response_id for queued in lane.queue):
                 return NotStarted(response_id), lane.sink
-        return None
-
-    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
-        for lane in self._lanes.values():
-            if lane.current is not None and lane.current.machine.id == response_id:
-                return lane.current, lane.sink
         return None
 
     # -- the connection's end -----------------------------------------------------------------

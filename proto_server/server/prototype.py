@@ -23,17 +23,9 @@ from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
 from proto_server.core.response import Mode
 from proto_server.core.tool_choice import check_tool_choice
-from proto_server.server.lanes import (
-    EndedResponses,
-    LaneNames,
-    require_beta,
-    serve_inject,
-    serve_steer,
-)
+from proto_server.server.lanes import DialectBase, serve_steer
 from proto_server.server.outbox import LaneSink
-from proto_server.server.responses import Responses
 from proto_server.server.sampling import SamplingLoop
-from proto_server.server.store import ANONYMOUS
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
@@ -45,9 +37,7 @@ from proto_server.wire.events import (
 )
 
 if TYPE_CHECKING:
-    import trio
-
-    from proto_server.server.connection import ClientLanes
+    pass
 
 
 class _Lane:
@@ -61,31 +51,7 @@ class _Lane:
         self.ended: tuple[str, str] | None = None
 
 
-class PrototypeDialect:
-    def __init__(
-        self,
-        responses: Responses,
-        connection: ClientLanes,
-        nursery: trio.Nursery,
-        *,
-        owner: str = ANONYMOUS,
-        multi_agent: bool = False,
-    ) -> None:
-        self._responses = responses
-        self._connection = connection
-        self._nursery = nursery
-        self._owner = owner
-        self._multi_agent = multi_agent
-        self._lanes: dict[str | None, _Lane] = {}
-        self._names = LaneNames(responses.config.max_lanes)
-        self._ended_ids = EndedResponses()
-
-    @property
-    def current(self) -> SamplingLoop | None:
-        """The default lane's open Response."""
-        lane = self._lanes.get(None)
-        return lane.current if lane is not None else None
-
+class PrototypeDialect(DialectBase[_Lane]):
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
@@ -113,21 +79,13 @@ class PrototypeDialect:
             case ResponseCancel(stream_id=stream_id):
                 self._open_rollout(stream_id, "cancel").cancel()
             case ResponseInject():
-                require_beta(self._multi_agent, "response.inject")
-                await serve_inject(
-                    event,
-                    find=self._find,
-                    ended=self._ended_ids,
-                    lane=self._connection.lane,
-                    offload=self._responses.offload,
-                    size=frame_bytes,
-                )
+                await self._inject(event, frame_bytes)
             case ResponseSteer():
                 # the same Response goes on with the steer's messages (ResponseMachine.steer)
                 await serve_steer(
                     event,
                     find=self._find,
-                    ended=self._ended_ids,
+                    ended=self._ended,
                     lane=self._connection.lane,
                     budget=self._connection.budget,
                 )
@@ -170,12 +128,6 @@ class PrototypeDialect:
         )
         lane.current = loop
         self._nursery.start_soon(self._run, lane, loop)
-
-    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
-        for lane in self._lanes.values():
-            if lane.current is not None and lane.current.machine.id == response_id:
-                return lane.current, lane.sink
-        return None
 
     def _lane(self, stream_id: str | None) -> _Lane:
         lane = self._lanes.get(stream_id)
@@ -247,7 +199,7 @@ class PrototypeDialect:
         try:
             await loop.run_and_close()
         finally:
-            self._ended_ids.add(loop.machine.id, lane.stream_id)
+            self._ended.add(loop.machine.id, lane.stream_id)
             if lane.current is loop:
                 lane.ended = (loop.machine.id, loop.machine.status.value)
                 lane.current = None
