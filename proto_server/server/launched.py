@@ -66,6 +66,7 @@ from proto_server.server.store import (
     history_of,
     previous_response_not_found,
 )
+from proto_server.server.turns import TurnSource
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
@@ -156,6 +157,14 @@ def successor(create: ResponseCreate, previous: str, steers: tuple[Steer, ...]) 
     )
 
 
+@attrs.frozen
+class Warm:
+    """A lane's last completed Response and the rollout that holds it, warm for the next turn."""
+
+    response_id: str
+    rollout: Rollout
+
+
 class _Lane:
     """One lane: its creates in order, the one in flight, its last completed Response warm.
 
@@ -169,7 +178,7 @@ class _Lane:
         self._nursery = nursery
         self.queue: collections.deque[_Queued] = collections.deque()
         self.current: SamplingLoop | None = None
-        self.cached: tuple[str, Rollout] | None = None
+        self.cached: Warm | None = None
         self.serving = False  # its task runs (serving the queue's creates one by one)
         self.preparing = False  # the create at the head is being prepared
         self.awaiting: _Awaiting | None = None
@@ -185,11 +194,11 @@ class _Lane:
     async def keep(self, response_id: str, rollout: Rollout) -> None:
         """`rollout` (of `response_id`, just completed) is the lane's warm state now; the one
         it replaces (a miss, a fork or the store left that in place) goes."""
-        replaced, self.cached = self.cached, (response_id, rollout)
+        replaced, self.cached = self.cached, Warm(response_id, rollout)
         if replaced is not None:
-            await replaced[1].aclose()
+            await replaced.rollout.aclose()
 
-    def take(self) -> tuple[str, Rollout] | None:
+    def take(self) -> Warm | None:
         """The warm rollout, for a turn that now owns it (and closes it, or keeps it again)."""
         cached, self.cached = self.cached, None
         return cached
@@ -198,7 +207,7 @@ class _Lane:
         """Let the warm rollout go (a fresh conversation, or the connection ended)."""
         cached, self.cached = self.cached, None
         if cached is not None:
-            await cached[1].aclose()
+            await cached.rollout.aclose()
 
     def evict(self, reason: str) -> None:
         """A memory budget lets the cached rollout go; a follow-up that names it is served from
@@ -207,10 +216,14 @@ class _Lane:
         if cached is not None:
             log.info(
                 "cache.evicted",
-                extra={"response": cached[0], "reason": reason, "stream_id": self.stream_id},
+                extra={
+                    "response": cached.response_id,
+                    "reason": reason,
+                    "stream_id": self.stream_id,
+                },
             )
-            cached[1].release_budget()
-            self._nursery.start_soon(cached[1].aclose)
+            cached.rollout.release_budget()
+            self._nursery.start_soon(cached.rollout.aclose)
 
 
 class LaunchedDialect(DialectBase[_Lane]):
@@ -233,7 +246,7 @@ class LaunchedDialect(DialectBase[_Lane]):
     # -- the default lane, as before lanes (tests and callers read these) ----------------------
 
     @property
-    def cached(self) -> tuple[str, Rollout] | None:
+    def cached(self) -> Warm | None:
         lane = self._lanes.get(None)
         return lane.cached if lane is not None else None
 
@@ -461,7 +474,7 @@ class LaunchedDialect(DialectBase[_Lane]):
         owner = self._owner
         previous = create.previous_response_id
 
-        async def begin(source: str, **state: Any) -> SamplingLoop:
+        async def begin(source: TurnSource, **state: Any) -> SamplingLoop:
             return await responses.begin(
                 create,
                 lane.sink,
@@ -478,40 +491,44 @@ class LaunchedDialect(DialectBase[_Lane]):
         cached = lane.take()  # whatever happens, this turn takes it
         if previous is None:
             if cached is not None:
-                await cached[1].aclose()
-            return await begin("fresh")
-        if cached is not None and cached[0] == previous:
-            rollout = cached[1]
+                await cached.rollout.aclose()
+            return await begin(TurnSource.FRESH)
+        if cached is not None and cached.response_id == previous:
+            rollout = cached.rollout
             if rollout.serves(
                 create.instructions, create.tools, requested_effort(create.reasoning)
             ):
                 try:
-                    return await begin("cache", rollout=rollout)
+                    return await begin(TurnSource.CACHE, rollout=rollout)
                 except BaseException:
                     await rollout.aclose()  # refused (or cancelled): the state goes with it
                     raise
             # new instructions, tools or effort: the prefix changed, so re-render everything
             history = list(rollout.conversation.items)
             await rollout.aclose()
-            return await begin("rebuilt", history=history)
+            return await begin(TurnSource.REBUILT, history=history)
         lane.cached = cached  # a miss leaves the cache as it was
         if cached is not None:
             budget.idle(lane)
         parent = self._cached_elsewhere(previous, lane)
         if parent is not None:
             # a fork: the parent stays warm on its own lane; this one starts from its items
-            return await begin("fork", history=list(parent.conversation.items))
+            return await begin(TurnSource.FORK, history=list(parent.conversation.items))
         lanes = "the most recent response of a lane of this connection"
         if create.store is False:  # with store: false only what this connection keeps
             raise previous_response_not_found(previous, f"{lanes} (store: false)")
         where = f"{lanes}, nor {STORED}"
         history = await history_of(responses.store, previous, owner=owner, where=where)
-        return await begin("store", history=history)
+        return await begin(TurnSource.STORE, history=history)
 
     def _cached_elsewhere(self, response_id: str, lane: _Lane) -> Rollout | None:
         for other in self._lanes.values():
-            if other is not lane and other.cached is not None and other.cached[0] == response_id:
-                return other.cached[1]
+            if (
+                other is not lane
+                and other.cached is not None
+                and other.cached.response_id == response_id
+            ):
+                return other.cached.rollout
         return None
 
     async def aclose(self) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
+
 from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
 from proto_server.core.response import Mode
@@ -26,6 +28,7 @@ from proto_server.core.tool_choice import check_tool_choice
 from proto_server.server.lanes import DialectBase, serve_steer
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
+from proto_server.server.turns import TurnSource
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
@@ -40,6 +43,14 @@ if TYPE_CHECKING:
     pass
 
 
+@attrs.frozen
+class Ended:
+    """The last Response of a lane, once it ended: enough to say so to an append or a cancel."""
+
+    response_id: str
+    status: str
+
+
 class _Lane:
     """A lane's open Response, or the id and final status of its last one once it ended:
     enough to say so, and nothing of what it held (an idle lane keeps no conversation)."""
@@ -48,7 +59,7 @@ class _Lane:
         self.stream_id = stream_id
         self.sink = sink
         self.current: SamplingLoop | None = None
-        self.ended: tuple[str, str] | None = None
+        self.ended: Ended | None = None
 
 
 class PrototypeDialect(DialectBase[_Lane]):
@@ -151,7 +162,7 @@ class PrototypeDialect(DialectBase[_Lane]):
             )
         raise ProtocolError(
             "no_open_response",
-            f"Response {ended[0]} already ended ({ended[1]}); there is "
+            f"Response {ended.response_id} already ended ({ended.status}); there is "
             f"nothing to {verb}. Start a new Response with response.create.",
         )
 
@@ -186,7 +197,7 @@ class PrototypeDialect(DialectBase[_Lane]):
             create,
             lane.sink,
             budget=self._connection.budget,
-            source="fresh",
+            source=TurnSource.FRESH,
             owner=self._owner,
             mode=Mode.SUSPEND,
             size=frame_bytes,
@@ -201,7 +212,7 @@ class PrototypeDialect(DialectBase[_Lane]):
         finally:
             self._ended.add(loop.machine.id, lane.stream_id)
             if lane.current is loop:
-                lane.ended = (loop.machine.id, loop.machine.status.value)
+                lane.ended = Ended(loop.machine.id, loop.machine.status.value)
                 lane.current = None
 
     async def drain(self) -> None:

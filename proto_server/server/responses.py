@@ -92,7 +92,7 @@ from proto_server.server.store import (
     owner_id,
 )
 from proto_server.server.suspension import Suspensions
-from proto_server.server.turns import TurnRecord
+from proto_server.server.turns import TurnRecord, TurnSource
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseAppend, ResponseCreate
 from proto_server.wire.items import Item
@@ -285,7 +285,7 @@ class Responses:
         events: EventSink,
         *,
         budget: MemoryBudget,
-        source: str,
+        source: TurnSource,
         owner: str = ANONYMOUS,
         rollout: Rollout | None = None,
         history: Sequence[Item] = (),
@@ -332,7 +332,7 @@ class Responses:
                 self.compaction_key,
                 size=size + 1024 * len(items),
             )
-            source = "compacted"
+            source = TurnSource.COMPACTED
             if rollout is not None:
                 await rollout.aclose()  # its state is of a prompt no longer served
                 rollout = None
@@ -497,7 +497,7 @@ class Responses:
                 machine,
                 rollout,
                 events,
-                source="store",
+                source=TurnSource.STORE,
                 rendered_mark=0,  # its whole prompt was rendered again: count it
                 persist=self._persister(0, owner, durable),
                 durable=durable,
@@ -521,7 +521,7 @@ class Responses:
         rollout: Rollout,
         events: EventSink,
         *,
-        source: str,
+        source: TurnSource,
         rendered_mark: int,
         persist: Callable[[ResponseMachine], Awaitable[None]] | None,
         durable: Durable | None,

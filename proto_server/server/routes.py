@@ -69,6 +69,7 @@ from proto_server.server.store import (
     history_of,
 )
 from proto_server.server.storing import TERMINAL_EVENTS
+from proto_server.server.turns import TurnSource
 from proto_server.server.writer import discard_events, write_events
 from proto_server.wire.converter import converter, decode_request_body
 from proto_server.wire.errors import ProtocolError, quoted
@@ -318,7 +319,7 @@ class _Exchange:
             LaneSink(send),
             budget=self.budget,
             history=history,
-            source="store" if history else "fresh",
+            source=TurnSource.STORE if history else TurnSource.FRESH,
             size=len(body),
             owner=self.owner,
         )

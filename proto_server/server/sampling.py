@@ -56,7 +56,7 @@ from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.storing import StoreStep
 from proto_server.server.suspension import IdleWait, Suspensions
-from proto_server.server.turns import FAILOVER, TurnAccount, TurnRecord
+from proto_server.server.turns import TurnAccount, TurnRecord, TurnSource
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.events import ResponseSteerPending, ServerEvent
 from proto_server.wire.items import Item
@@ -76,7 +76,7 @@ class SamplingLoop:
         events: EventSink,
         *,
         chunk_queue: int,
-        source: str,
+        source: TurnSource,
         rendered_mark: int,
         persist: Callable[[ResponseMachine], Awaitable[None]] | None = None,
         on_end: Callable[[TurnRecord], None] | None = None,
@@ -474,7 +474,8 @@ class SamplingLoop:
             machine.report_cached(chunk.cached_tokens)
         match chunk:
             case Rerouted(engine=engine, lost=lost):
-                self._turn.source = FAILOVER  # its warm state was lost with its engine replica
+                # its warm state was lost with its engine replica
+                self._turn.source = TurnSource.FAILOVER
                 log.info(
                     "response.rerouted",
                     extra={"response": machine.id, "engine": engine, "lost": lost},

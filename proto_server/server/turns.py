@@ -3,12 +3,31 @@ bench and the logs read (`response.ended`)."""
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from proto_server.core.response import ResponseMachine
 
-#: A turn's source when its engine replica went down and another prefilled it again.
-FAILOVER = "failover"
+
+class TurnSource(enum.StrEnum):
+    """Where a turn's state came from: what the model had warm, and what had to be prefilled
+    again (`proto_server_turns_total`'s `source` label)."""
+
+    #: Nothing warm: a new conversation, rendered and prefilled whole.
+    FRESH = "fresh"
+    #: The connection's warm rollout: only the new input is rendered.
+    CACHE = "cache"
+    #: A chain read back from the store (another connection's, or an evicted one).
+    STORE = "store"
+    #: The warm rollout's history, rendered again: the instructions, tools or effort changed.
+    REBUILT = "rebuilt"
+    #: A new lane that continues a Response of another lane: its conversation, copied.
+    FORK = "fork"
+    #: The history compacted before the turn (`context_management`).
+    COMPACTED = "compacted"
+    #: Its engine replica went down and another prefilled it again (`Rerouted`).
+    FAILOVER = "failover"
 
 
 @attrs.frozen(kw_only=True)
@@ -16,7 +35,7 @@ class TurnRecord:
     """What one Response cost the server: how much it rendered, and what the model re-read."""
 
     response_id: str
-    source: str  # "fresh", "cache", "store", "rebuilt", "append"; "failover": see `Rerouted`
+    source: TurnSource
     rendered_input_tokens: int
     prompt_tokens: int
     cached_tokens: int
@@ -33,7 +52,7 @@ class TurnAccount:
     """The running account of one Response, times from `arrived_at` (trio's clock)."""
 
     arrived_at: float
-    source: str
+    source: TurnSource
     #: The conversation's rendered tokens when this Response last counted them: what was
     #: rendered past it (its input, appended outputs) is input this Response rendered.
     rendered_mark: int
