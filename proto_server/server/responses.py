@@ -83,7 +83,7 @@ from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.server.outbox import EventSink
 from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollout import Rollout
-from proto_server.server.sampling import SamplingLoop
+from proto_server.server.sampling import LoopSettings, SamplingLoop, TurnStart
 from proto_server.server.store import (
     ANONYMOUS,
     ResponseStore,
@@ -382,10 +382,7 @@ class Responses:
         if response.store and prototype and self.store.suspensions is not None:
             first_output = len(conversation.items)
             durable = Durable(self.store, owner, response.id, first_output=first_output)
-        return self._sampling_loop(
-            machine,
-            rollout,
-            events,
+        turn = TurnStart(
             source=source,
             rendered_mark=rendered_mark,
             persist=self._persister(first_item, owner, durable) if response.store else None,
@@ -393,6 +390,7 @@ class Responses:
             arrived_at=arrived_at,
             warmup=is_warmup(create),
         )
+        return SamplingLoop(machine, rollout, events, self._loop_settings(), turn)
 
     async def resolved(
         self, create: ResponseCreate, history: Sequence[Item], owner: str, budget: MemoryBudget
@@ -493,16 +491,14 @@ class Responses:
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
         rollout = self._rollout_of(conversation, budget, owner)
         try:
-            loop = self._sampling_loop(
-                machine,
-                rollout,
-                events,
+            turn = TurnStart(
                 source=TurnSource.STORE,
                 rendered_mark=0,  # its whole prompt was rendered again: count it
                 persist=self._persister(0, owner, durable),
                 durable=durable,
                 resumed=True,
             )
+            loop = SamplingLoop(machine, rollout, events, self._loop_settings(), turn)
             loop.append(append.input, rendered, tool_choice=append.tool_choice)
         except BaseException:  # refused (the append does not fit its budget): nothing is kept
             await durable.release()
@@ -515,39 +511,17 @@ class Responses:
         )
         return loop
 
-    def _sampling_loop(
-        self,
-        machine: ResponseMachine,
-        rollout: Rollout,
-        events: EventSink,
-        *,
-        source: TurnSource,
-        rendered_mark: int,
-        persist: Callable[[ResponseMachine], Awaitable[None]] | None,
-        durable: Durable | None,
-        arrived_at: float | None = None,
-        warmup: bool = False,
-        resumed: bool = False,
-    ) -> SamplingLoop:
-        """`machine`'s loop on `rollout`, with this process's queue, measures and suspensions."""
-        return SamplingLoop(
-            machine,
-            rollout,
-            events,
-            chunk_queue=self.config.chunk_queue,
-            source=source,
-            rendered_mark=rendered_mark,
-            persist=persist,
+    def _loop_settings(self) -> LoopSettings:
+        """What this process's sampling loops share: its queue, measures and suspensions."""
+        config = self.config
+        return LoopSettings(
+            chunk_queue=config.chunk_queue,
+            suspend_timeout_s=config.suspend_timeout_s,
+            engine_priority=config.engine_priority,
             on_end=self._turn_ended,
             observer=self.observer,
             suspensions=self.suspensions,
-            suspend_timeout_s=self.config.suspend_timeout_s,
-            arrived_at=arrived_at,
-            durable=durable,
-            resumed=resumed,
-            warmup=warmup,
             admission=self.admission,
-            engine_priority=self.config.engine_priority,
         )
 
     def _persister(

@@ -68,50 +68,67 @@ if TYPE_CHECKING:
 SUSPEND_TIMEOUT = "suspend_timeout"
 
 
+@attrs.frozen(kw_only=True)
+class LoopSettings:
+    """What every sampling loop of a process shares, made once (`Responses`): how many chunks
+    a generator may run ahead, how long a suspension may idle, whether segments carry an
+    engine priority, and the process's collaborators (each None where it has none)."""
+
+    chunk_queue: int
+    suspend_timeout_s: float = math.inf
+    #: Send each segment with a priority, resumed rollouts first.
+    engine_priority: bool = False
+    on_end: Callable[[TurnRecord], None] | None = None
+    observer: ServerObserver | None = None
+    suspensions: Suspensions | None = None
+    #: Who says when a segment may go to the engine (None: at once).
+    admission: Admission | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TurnStart:
+    """How one Response's turn began: where its state came from, and how it is kept."""
+
+    source: TurnSource
+    #: The conversation's rendered tokens before this turn's input (what it rendered is after).
+    rendered_mark: int
+    arrived_at: float | None = None
+    persist: Callable[[ResponseMachine], Awaitable[None]] | None = None
+    #: Where a `store: true` prototype Response keeps its suspensions (each is written before
+    #: its `response.done`).
+    durable: Durable | None = None
+    #: Its machine was rebuilt from a stored suspension, so its Response was announced on
+    #: another connection already (no `response.created`).
+    resumed: bool = False
+    #: Its create asked for a warm-up (`is_warmup`): it generates nothing.
+    warmup: bool = False
+
+
 class SamplingLoop:
     def __init__(
         self,
         machine: ResponseMachine,
         rollout: Rollout,
         events: EventSink,
-        *,
-        chunk_queue: int,
-        source: TurnSource,
-        rendered_mark: int,
-        persist: Callable[[ResponseMachine], Awaitable[None]] | None = None,
-        on_end: Callable[[TurnRecord], None] | None = None,
-        observer: ServerObserver | None = None,
-        suspensions: Suspensions | None = None,
-        suspend_timeout_s: float = math.inf,
-        arrived_at: float | None = None,
-        durable: Durable | None = None,
-        resumed: bool = False,
-        warmup: bool = False,
-        admission: Admission | None = None,
-        engine_priority: bool = False,
+        settings: LoopSettings,
+        turn: TurnStart,
     ) -> None:
-        """`durable`: where a `store: true` prototype Response keeps its suspensions (each is
-        written before its `response.done`); `resumed`: `machine` was rebuilt from one, so
-        its Response was announced on another connection already (no `response.created`);
-        `warmup`: its create asked for a warm-up (`is_warmup`), so `run` generates nothing;
-        `admission`: who says when a segment may go to the engine (None: at once);
-        `engine_priority`: send each segment with a priority, resumed rollouts first."""
         self.machine = machine
-        self.durable = durable
-        self._store = StoreStep(persist, durable)
-        self._resumed = resumed
-        self._warmup = warmup
+        self.durable = turn.durable
+        self._store = StoreStep(turn.persist, turn.durable)
+        self._resumed = turn.resumed
+        self._warmup = turn.warmup
         self._turn = TurnAccount(
-            arrived_at=trio.current_time() if arrived_at is None else arrived_at,
-            source=source,
-            rendered_mark=rendered_mark,
+            arrived_at=trio.current_time() if turn.arrived_at is None else turn.arrived_at,
+            source=turn.source,
+            rendered_mark=turn.rendered_mark,
         )
         self.rollout = rollout
         self._events = events
-        self._chunk_queue = chunk_queue
-        self._on_end = on_end
-        self._observer = observer
-        self._wait = IdleWait(self, suspend_timeout_s, suspensions)
+        self._chunk_queue = settings.chunk_queue
+        self._on_end = settings.on_end
+        self._observer = settings.observer
+        self._wait = IdleWait(self, settings.suspend_timeout_s, settings.suspensions)
         self._settled = trio.Event()
         #: The terminal event has been sent: only now may another Response follow on the wire.
         self.ended = False
@@ -121,8 +138,8 @@ class SamplingLoop:
         self._fault: ServerFault | None = None
         self._answered = False  # an inject answered every call; `wake()` resumes
         self._ended = trio.Event()
-        self._admission = admission
-        self._engine_priority = engine_priority
+        self._admission = settings.admission
+        self._engine_priority = settings.engine_priority
         self._priority: int | None = None  # the next segment's, when the engine takes one
         self._admission_scope: trio.CancelScope | None = None
 
