@@ -282,7 +282,7 @@ class ProtoServer:
                 nursery.cancel_scope.cancel()
                 return
             # the key first: without one, a client cannot even tell a valid path from a wrong one
-            owner = self.responses.owner(head.header(b"authorization"))
+            owner = self.responses.tenants.owner(head.header(b"authorization"))
             if owner is None:
                 await _reject(request, nursery, unauthorized())
                 return

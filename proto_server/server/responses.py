@@ -13,9 +13,7 @@ from the one a create is served with.
 
 from __future__ import annotations
 
-import base64
 import collections
-import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -75,6 +73,7 @@ from proto_server.engine.base import (
 from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
+from proto_server.server.auth import Tenants
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
@@ -89,7 +88,6 @@ from proto_server.server.store import (
     ResponseStore,
     SQLiteStore,
     StoredResponse,
-    owner_id,
 )
 from proto_server.server.suspension import Suspensions
 from proto_server.server.turns import TurnRecord, TurnSource
@@ -128,10 +126,8 @@ class Responses:
         secret = compaction_secret or secrets.token_bytes(32)
         #: Seals compaction items; without a kept secret they live as long as this process.
         self.compaction_key = CompactionKey(secret)
-        #: Keys the tenants' cache salts: from the secret, so with a kept one a tenant's salt is
-        #: the same in every worker and after a restart (its prefix stays warm); no tenant can
-        #: guess another's.
-        self._salt_key = hmac.digest(secret, b"proto-server engine cache salt", "sha256")
+        #: Who each request is, and its sessions' cache salt (server/auth.py).
+        self.tenants = Tenants(self.config.api_keys, secret)
         self.suspensions = Suspensions(self.config.max_suspended_rollouts)
         #: Everything the process keeps for its clients, counted (see server/memory.py).
         self.memory = MemoryBudget(
@@ -164,19 +160,6 @@ class Responses:
                 up_share=shared.up_share if shared is not None else None,
                 recheck_s=shared.probe_interval_s if shared is not None else 0,
             )
-
-    def owner(self, authorization: str | None) -> str | None:
-        """Who sends a request with this `Authorization` header: the owner id of its key (keys
-        are tenants), `ANONYMOUS` with auth off, or None if it is refused."""
-        keys = self.config.api_keys
-        if not keys:
-            return ANONYMOUS
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return None  # an empty token never matches, whatever the keys
-        matches = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
-        return owner_id(matches[0]) if matches else None
 
     def connection_budget(self) -> MemoryBudget:
         """The memory budget of one connection, inside the process's."""
@@ -236,14 +219,6 @@ class Responses:
 
     # -- rollouts and Responses ------------------------------------------------------------------
 
-    def cache_salt(self, owner: str) -> str | None:
-        """The salt of `owner`'s sessions on the engine, so tenants (API keys) share no cached
-        prefix; None without auth (one tenant: every session shares)."""
-        if owner == ANONYMOUS:
-            return None
-        digest = hmac.digest(self._salt_key, owner.encode(), "sha256")
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()  # 43 characters
-
     def _new_rollout(
         self,
         create: ResponseCreate,
@@ -268,7 +243,7 @@ class Responses:
         self._on_rollout(1)
         return Rollout(
             conversation,
-            self.generator.open_session(conversation, cache_salt=self.cache_salt(owner)),
+            self.generator.open_session(conversation, cache_salt=self.tenants.cache_salt(owner)),
             budget=budget,
             on_close=self._rollout_closed,
             owner=owner,

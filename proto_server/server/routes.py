@@ -210,7 +210,7 @@ class _Exchange:
         if route == ("GET", "/readyz"):
             await self._ready()
             return
-        owner = self.responses.owner(self.authorization)  # before the route: see app.py
+        owner = self.responses.tenants.owner(self.authorization)  # before the route: see app.py
         if owner is None:
             raise unauthorized()
         self.owner = owner

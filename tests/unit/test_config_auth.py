@@ -20,8 +20,8 @@ def test_server_config_refuses_blank_keys(keys: tuple[str, ...]) -> None:
 def test_an_empty_token_never_matches_and_each_key_is_its_own_owner() -> None:
     keyed = Responses(SimulatedGenerator(DefaultModel()), ServerConfig(api_keys=("k1", "k2")))
     for header in (None, "", "Bearer", "Bearer ", "Bearer   ", "Basic k1", "Bearer k3"):
-        assert keyed.owner(header) is None, header
-    assert keyed.owner("Bearer k1") == owner_id("k1")
-    assert keyed.owner("bearer  k2 ") == owner_id("k2") != owner_id("k1")
+        assert keyed.tenants.owner(header) is None, header
+    assert keyed.tenants.owner("Bearer k1") == owner_id("k1")
+    assert keyed.tenants.owner("bearer  k2 ") == owner_id("k2") != owner_id("k1")
     open_ = Responses(SimulatedGenerator(DefaultModel()), ServerConfig())
-    assert open_.owner(None) == open_.owner("Bearer anything") == ANONYMOUS
+    assert open_.tenants.owner(None) == open_.tenants.owner("Bearer anything") == ANONYMOUS
