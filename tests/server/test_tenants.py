@@ -140,8 +140,9 @@ def test_each_key_has_its_own_unguessable_salt_the_same_in_every_worker() -> Non
     one, again = Responses(gpu := SimulatedGenerator(DefaultModel())), Responses(gpu)
     kept = [Responses(gpu, compaction_secret=b"s" * 32) for _ in range(2)]
     k1, k2 = owner_id("k1"), owner_id("k2")
-    assert kept[0].tenants.cache_salt(k1) == kept[1].tenants.cache_salt(k1) != kept[0].tenants.cache_salt(k2)
-    assert one.tenants.cache_salt(k1) != again.tenants.cache_salt(k1)  # no kept secret: a random one each
-    salt = kept[0].tenants.cache_salt(k1)
+    salts = [responses.tenants.cache_salt for responses in (*kept, one, again)]
+    assert salts[0](k1) == salts[1](k1) != salts[0](k2)
+    assert salts[2](k1) != salts[3](k1)  # no kept secret: a random one each
+    salt = salts[0](k1)
     assert salt is not None and len(salt) == 43 and not set(salt) & set("@/\\\0=")
-    assert kept[0].tenants.cache_salt(ANONYMOUS) is None
+    assert salts[0](ANONYMOUS) is None
