@@ -26,8 +26,27 @@ VIRTUAL_DEADLINE_S = 24 * 3600.0
 VIRTUAL_CLOCKS = {"autojump_clock", "mock_clock"}
 
 
+#: The markers a test must carry to use each of these fixtures: `-m 'not postgres'` (and the
+#: others) must deselect every test that needs what the marker names.
+MARKED_FIXTURES = {
+    "vllm_engine": ("engine", "model"),  # SmolLM2 as the project's loader converts it
+    "postgres": ("postgres",),
+    "pg_url": ("postgres",),
+}
+
+
+def unmarked(item: pytest.Item) -> list[str]:
+    """The markers `item` lacks for the fixtures it asks for."""
+    names = getattr(item, "fixturenames", ())
+    needed = {m for fixture, marks in MARKED_FIXTURES.items() if fixture in names for m in marks}
+    return sorted(m for m in needed if item.get_closest_marker(m) is None)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    lying = [f"{item.nodeid}: {', '.join(lacks)}" for item in items if (lacks := unmarked(item))]
+    if lying:
+        raise pytest.UsageError("tests lacking the markers of their fixtures:\n" + "\n".join(lying))
     for item in items:
         if not isinstance(item, pytest.Function) or item.get_closest_marker("trio") is None:
             continue

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
 from ..support.requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
+
+pytestmark = pytest.mark.model  # the tiny random Llama
 
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import ReasoningDelta, TextDelta, ToolCallBegin

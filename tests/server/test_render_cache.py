@@ -15,6 +15,8 @@ from ..support.requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
 
+pytestmark = pytest.mark.model  # the tiny random Llama
+
 from proto_server.cli import build_parser, main
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer

@@ -39,7 +39,7 @@ from ..support.helpers import (
     launched_create,
     turn,
 )
-from ..support.tinymodel import tiny_tokenizer
+from ..support.requirements import MODEL_EXTRA, require
 
 K1 = {"Authorization": "Bearer k1"}
 K2 = {"Authorization": "Bearer k2"}
@@ -232,9 +232,13 @@ class Recording:
         return self.inner.open_session(conversation, cache_salt=cache_salt)
 
 
+@pytest.mark.model  # a tokenizer of transformers' (the model extra)
 async def test_a_referenced_reply_is_what_the_chat_template_renders(
     nursery: trio.Nursery,
 ) -> None:
+    require("transformers", MODEL_EXTRA)
+    from ..support.tinymodel import tiny_tokenizer
+
     tokenizer = tiny_tokenizer()
     generator = Recording()
     server = ProtoServer(generator, ServerConfig(port=0), renderer=ChatTemplateRenderer(tokenizer))

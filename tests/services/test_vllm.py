@@ -49,7 +49,8 @@ from ..support.helpers import (
 )
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
-pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
+# the engine serves SmolLM2 as the project's loader converts it (transformers: the model extra)
+pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.deadline(400)]
 
 RUN = "exec_command"
 TOOL = {

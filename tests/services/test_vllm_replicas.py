@@ -28,7 +28,8 @@ from ..support.helpers import TERMINAL, model_connect, parse, read_line, value
 from .test_bench_agents import _consistent
 from .test_vllm import ASK, TOOL, assert_warm, calls_of, segment_usage
 
-pytestmark = [pytest.mark.engine, pytest.mark.deadline(900)]
+# the engines serve SmolLM2 as the project's loader converts it (transformers: the model extra)
+pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.deadline(900)]
 
 PROMPTS = "vllm:prompt_tokens_total"
 
