@@ -41,7 +41,7 @@ from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.connection import Dialect
 from proto_server.server.memory import MemoryBudget, MiB
 from proto_server.server.outbox import LaneSink, Outgoing
-from proto_server.server.store import ANONYMOUS, StoredResponse, owner_id, records
+from proto_server.server.store import ANONYMOUS, SQLiteStore, StoredResponse, owner_id, records
 from proto_server.testing.checker import LaneChecker
 from proto_server.testing.client import EVENT_TIMEOUT_S, MAX_MESSAGE_BYTES, WireClient
 from proto_server.testing.client import connect as client_connect
@@ -638,3 +638,10 @@ async def loads_shared(first: Any, second: Any, now: list[float]) -> None:
     assert await second.publish_load("b", Load(0, 0), stale_s=5) == [Load(120, 0, 0, "a")]
     await first.withdraw("a")  # a stops: b shares the room alone at once
     assert await second.publish_load("b", Load(0, 0), stale_s=5) == []
+
+
+async def write_under_way(store: SQLiteStore) -> None:
+    """Until a write of `store` has its turn (its one writer is taken): with the file locked by
+    another process, it is then waiting for the lock, however long the machine took to start it."""
+    while store._write_limiter.statistics().borrowed_tokens == 0:  # noqa: ASYNC110 (a state)
+        await trio.sleep(0.001)

@@ -39,6 +39,7 @@ from ..support.helpers import (
     loads_shared,
     many_ids_and_the_newest_holder,
     stored,
+    write_under_way,
 )
 
 
@@ -217,6 +218,7 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
     path = tmp_path / "store.sqlite3"
     store = SQLiteStore(path, retention=StoreRetention(timeout_s=2))
     await store.put(stored("resp_1"))
+    assert await store.get("resp_1") is not None  # its reader's process is started
     with trio.fail_after(20):
         with Locker(path):
             # SQLite itself gives up, at the timeout: no thread is left behind holding it
@@ -232,7 +234,7 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(blocked_write)
-                await trio.sleep(0.05)  # the write now waits for the lock, for 2 s
+                await write_under_way(store)  # it now waits for the lock, for 2 s
                 assert await store.get("resp_1") is not None
                 assert await store.chain("resp_1") is not None
                 assert not write_failed.is_set()  # the reads did not queue behind the write
