@@ -16,8 +16,9 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import ResponseStore
 
-from .support.helpers import FAST, Running, StartServer, under_deadline
+from .support.deadline import under_deadline
 from .support.published import SchemaNet
+from .support.servers import FAST, Running, StartServer
 
 #: Every async test ends within this many seconds (`@pytest.mark.deadline(s)` for more).
 DEADLINE_S = 120.0
@@ -94,7 +95,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
         *,
         planner: Planner | None = None,
         timing: TimingModel = FAST,
-        store: ResponseStore | None = None,
+        store: ResponseStore | None = None,  # noqa: F811  (not the `store` fixture)
         **config: Any,
     ) -> Running:
         if planner is None:
@@ -110,3 +111,4 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
 
 from .support.engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)
 from .support.postgres import pg_url, postgres  # noqa: E402, F401  (a throwaway PostgreSQL cluster)
+from .support.stores import open_store, store  # noqa: E402, F401  (each kind of persisted store)

@@ -53,8 +53,9 @@ from proto_server.wire.items import (
 from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import Running, body
+from ..support.frames import body
 from ..support.requirements import MODEL_EXTRA, require
+from ..support.servers import Running
 from ..unit.test_families import arguments, calls_of, fed, names, npm_tokenizer, text_of, tokens_of
 
 # its tokenizers come from tests/clients (npm), read by transformers (the model extra)

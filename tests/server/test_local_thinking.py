@@ -24,7 +24,8 @@ from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import ReasoningDelta, TextDelta, ToolCallBegin
 from proto_server.testing import StreamChecker
 
-from ..support.helpers import END, connect, create
+from ..support.clients import END, connect
+from ..support.frames import create
 from ..support.tinymodel import CHATML, Scripted, make, serve, tiny_tokenizer
 
 THOUGHT = "The loop stops one short."

@@ -17,7 +17,9 @@ import pytest
 import trio
 import trio.testing
 
-from ..support.helpers import CheckpointStore, StartServer, read_line, scrape, serve_process
+from ..support.metrics import scrape
+from ..support.servers import StartServer, read_line, serve_process
+from ..support.stores import CheckpointStore
 
 
 class DownStore(CheckpointStore):

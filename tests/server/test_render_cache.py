@@ -22,7 +22,7 @@ from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
 
-from ..support.helpers import scrape, value
+from ..support.metrics import scrape, value
 from ..support.tinymodel import Scripted, make, serve, tiny_tokenizer
 
 HISTORY = [

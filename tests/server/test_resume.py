@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,15 @@ from proto_server.server.store import (
     SuspensionStore,
 )
 from proto_server.server.store.postgres import PostgresStore
+from proto_server.testing import WireClient
 from proto_server.testing.checker import StreamChecker, o200k_count
 from proto_server.wire.items import FunctionCall, Message
 from proto_server.wire.response import Response, Usage
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    StartServer,
-    WireClient,
-    answers,
-    connect,
-    create,
-    serve_process,
-    stored,
-)
+from ..support.clients import connect
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create
+from ..support.servers import StartServer, serve_process
+from ..support.stores import stored
 
 # -- the store ------------------------------------------------------------------------------
 
@@ -68,21 +61,10 @@ def suspension(response_id: str, items: int, *, pending: tuple[str, ...] = ("cal
     )  # fmt: skip
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    if request.param == "sqlite":
-        made: Any = SQLiteStore(tmp_path / "store.sqlite3")
-    else:
-        url = request.getfixturevalue("pg_url")
-        made = await trio.to_thread.run_sync(PostgresStore, url)
-    assert isinstance(made, SuspensionStore)
-    yield made
-    await made.aclose()
-
-
 async def test_a_suspension_comes_back_whole_and_each_write_adds_only_its_new_items(
     store: Any,
 ) -> None:
+    assert isinstance(store, SuspensionStore)
     first = suspension("resp_a", 3)
     await store.suspend(first, since=0, expected=0)
     got = await store.suspended("resp_a", owner="key:a")

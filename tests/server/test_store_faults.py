@@ -22,21 +22,10 @@ import trio
 from proto_server.server.store import SQLiteStore, StoredResponse, StoreRetention, StoreUnavailable
 from proto_server.testing.checker import StreamChecker, o200k_count
 
-from ..support.helpers import (
-    END,
-    Locker,
-    StartServer,
-    answers,
-    body,
-    connect,
-    create,
-    forged,
-    launched_create,
-    serve_process,
-    sse,
-    turn,
-    write_under_way,
-)
+from ..support.clients import END, connect, sse, turn
+from ..support.frames import answers, body, create, forged, launched_create
+from ..support.servers import StartServer, serve_process
+from ..support.stores import Locker, write_under_way
 
 TEXT = {"segments": [{"text": "Done."}]}
 

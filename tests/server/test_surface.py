@@ -28,18 +28,10 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import CustomToolCallOutput, FunctionCall, FunctionCallOutput, Message
 
-from ..support.helpers import (
-    FAST,
-    Running,
-    StartServer,
-    answers,
-    body,
-    connect,
-    in_thread,
-    launched_create,
-    turn,
-)
+from ..support.clients import connect, in_thread, turn
+from ..support.frames import answers, body, launched_create
 from ..support.requirements import MODEL_EXTRA, require
+from ..support.servers import FAST, Running, StartServer
 
 K1 = {"Authorization": "Bearer k1"}
 K2 = {"Authorization": "Bearer k2"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import free_port
+from .servers import free_port
 
 INSTALL = "apt-get install postgresql (the Debian package: initdb, pg_ctl, postgres)"
 
