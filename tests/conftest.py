@@ -16,8 +16,9 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import ResponseStore
 
-from .support.helpers import FAST, Running, StartServer, under_deadline
+from .support.deadline import under_deadline
 from .support.published import SchemaNet
+from .support.servers import FAST, Running, StartServer
 
 #: Every async test ends within this many seconds (`@pytest.mark.deadline(s)` for more).
 DEADLINE_S = 120.0
@@ -26,8 +27,27 @@ VIRTUAL_DEADLINE_S = 24 * 3600.0
 VIRTUAL_CLOCKS = {"autojump_clock", "mock_clock"}
 
 
+#: The markers a test must carry to use each of these fixtures: `-m 'not postgres'` (and the
+#: others) must deselect every test that needs what the marker names.
+MARKED_FIXTURES = {
+    "vllm_engine": ("engine", "model"),  # SmolLM2 as the project's loader converts it
+    "postgres": ("postgres",),
+    "pg_url": ("postgres",),
+}
+
+
+def unmarked(item: pytest.Item) -> list[str]:
+    """The markers `item` lacks for the fixtures it asks for."""
+    names = getattr(item, "fixturenames", ())
+    needed = {m for fixture, marks in MARKED_FIXTURES.items() if fixture in names for m in marks}
+    return sorted(m for m in needed if item.get_closest_marker(m) is None)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    lying = [f"{item.nodeid}: {', '.join(lacks)}" for item in items if (lacks := unmarked(item))]
+    if lying:
+        raise pytest.UsageError("tests lacking the markers of their fixtures:\n" + "\n".join(lying))
     for item in items:
         if not isinstance(item, pytest.Function) or item.get_closest_marker("trio") is None:
             continue
@@ -75,7 +95,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
         *,
         planner: Planner | None = None,
         timing: TimingModel = FAST,
-        store: ResponseStore | None = None,
+        store: ResponseStore | None = None,  # noqa: F811  (not the `store` fixture)
         **config: Any,
     ) -> Running:
         if planner is None:
@@ -91,3 +111,4 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
 
 from .support.engine import vllm_engine  # noqa: E402, F401  (the session's vLLM, for `engine` tests)
 from .support.postgres import pg_url, postgres  # noqa: E402, F401  (a throwaway PostgreSQL cluster)
+from .support.stores import open_store, store  # noqa: E402, F401  (each kind of persisted store)

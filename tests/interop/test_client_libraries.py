@@ -26,8 +26,9 @@ import pydantic
 import pytest
 import trio
 
-from ..support.helpers import StartServer, in_thread
+from ..support.clients import in_thread
 from ..support.requirements import INTEROP_EXTRA, require
+from ..support.servers import StartServer
 
 CLIENTS = Path(__file__).resolve().parents[1] / "clients"
 

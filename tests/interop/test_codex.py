@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from ..support.helpers import Running, StartServer
+from ..support.servers import Running, StartServer
 
 CLIENTS = Path(__file__).resolve().parents[1] / "clients" / "node_modules"
 

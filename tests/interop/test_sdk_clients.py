@@ -12,7 +12,8 @@ import pytest
 import trio
 from openai import OpenAI
 
-from ..support.helpers import StartServer, in_thread
+from ..support.clients import in_thread
+from ..support.servers import StartServer
 
 SHELL = {
     "type": "function",

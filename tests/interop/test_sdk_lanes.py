@@ -25,7 +25,9 @@ from proto_server.engine.simulated import TimingModel
 from proto_server.server.lanes import MULTI_AGENT_BETA
 from proto_server.testing.checker import LaneChecker
 
-from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, in_thread
+from ..support.clients import in_thread
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.servers import StartServer
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete"}
 #: Slow enough that two lanes' Responses overlap in time, fast enough for a test.

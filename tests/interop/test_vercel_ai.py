@@ -17,7 +17,7 @@ import orjson
 import pytest
 import trio
 
-from ..support.helpers import StartServer
+from ..support.servers import StartServer
 
 pytestmark = pytest.mark.npm  # the Vercel AI SDK runs in Node.js from tests/clients
 

@@ -30,21 +30,19 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore, owner_id
 
-from ..support.helpers import (
-    FAST,
+from ..support.clients import connect, turn
+from ..support.frames import (
     THREE_SEGMENTS,
     USER,
-    CheckpointStore,
-    StartServer,
     answers,
     body,
-    connect,
     create,
     launched_create,
     prefix_tokens,
-    turn,
 )
-from ..support.helpers import tokens as tokens_of  # `tokens` names counts below
+from ..support.frames import tokens as tokens_of
+from ..support.servers import FAST, StartServer
+from ..support.stores import CheckpointStore
 
 
 def sample(name: str) -> float:

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import trio
 
-from ..support.helpers import connect, create, read_line
+from ..support.clients import connect
+from ..support.frames import create
+from ..support.servers import read_line
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
@@ -204,7 +206,7 @@ def test_a_store_url_other_than_postgresql_is_refused_and_creates_nothing(
 def test_a_postgresql_store_that_does_not_answer_stops_start_up_and_hides_the_password(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from ..support.helpers import free_port
+    from ..support.servers import free_port
 
     url = f"postgresql://proto:s3cret@127.0.0.1:{free_port()}/proto"
     err = serve_refusal(capsys, "--store-timeout", "1", store=url)

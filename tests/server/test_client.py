@@ -18,7 +18,8 @@ from proto_server.client.state import OutputsRefused
 from proto_server.engine.simulated import TimingModel
 from proto_server.wire.events import ErrorEvent, OutputTextDelta, ResponseCancelled
 
-from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.servers import StartServer
 
 
 async def test_a_prototype_rollout_steps_segment_by_segment_in_one_response(

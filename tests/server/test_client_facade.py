@@ -19,7 +19,8 @@ from proto_server.client.state import RolloutState
 from proto_server.engine.simulated import TimingModel
 from proto_server.hosted import serving
 
-from ..support.helpers import EXEC_COMMAND, FAST, THREE_SEGMENTS
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.servers import FAST
 
 
 def trio_threads() -> list[threading.Thread]:

@@ -23,20 +23,18 @@ from proto_server.core.render import item_text
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import FunctionCall, Item, Message, UnknownItem
 
-from ..support.helpers import (
+from ..support.clients import connect, turn
+from ..support.frames import (
     THREE_SEGMENTS,
-    StartServer,
     answers,
     body,
-    connect,
     create,
     forged,
     launched_create,
     prefix_tokens,
-    read_line,
     tokens,
-    turn,
 )
+from ..support.servers import StartServer, read_line
 
 KEY = CompactionKey(b"k" * 32)
 HISTORY: list[Item] = [

@@ -25,22 +25,19 @@ from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.items import UnknownItem
 
-from ..support.helpers import (
+from ..support.clients import connect, in_thread, parse_sse, turn
+from ..support.frames import (
     EXEC_COMMAND,
     THREE_SEGMENTS,
     USER,
-    StartServer,
     answers,
     body,
-    connect,
     create,
-    in_thread,
     launched_create,
-    parse_sse,
     prefix_tokens,
     tokens,
-    turn,
 )
+from ..support.servers import StartServer
 
 COMPACT_AT = 50  # tokens: every prompt of these tests is longer
 NEVER = 1_000_000

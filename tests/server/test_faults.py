@@ -29,17 +29,10 @@ from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.testing import WireClient, connect_checked, o200k_count
 
-from ..support.helpers import (
-    THREE_SEGMENTS,
-    CheckpointStore,
-    RecordingGenerator,
-    Running,
-    StartServer,
-    answers,
-    create,
-    read_line,
-    server_tasks,
-)
+from ..support.frames import THREE_SEGMENTS, answers, create
+from ..support.generators import RecordingGenerator
+from ..support.servers import Running, StartServer, read_line, server_tasks
+from ..support.stores import CheckpointStore
 
 LS = {"name": "exec_command", "arguments": {"cmd": "ls"}}
 ONE_CALL = {"segments": [{"text": "Let me look.", "tool_calls": [LS]}, {"text": "done"}]}

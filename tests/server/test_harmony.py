@@ -30,7 +30,6 @@ from proto_server.core.render import O200kRenderer
 from proto_server.core.tokenizer import VocabularyError
 from proto_server.engine import families
 from proto_server.engine.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallBegin
-from proto_server.engine.constraints import Guide
 from proto_server.engine.families.harmony import HARMONY
 from proto_server.engine.harmony_renderer import (
     ENCODINGS_BASE,
@@ -54,10 +53,13 @@ from proto_server.wire.items import (
 from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import Running, body
+from ..support.frames import body
+from ..support.requirements import MODEL_EXTRA, require
+from ..support.servers import Running
 from ..unit.test_families import arguments, calls_of, fed, names, npm_tokenizer, text_of, tokens_of
 
-pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+# its tokenizers come from tests/clients (npm), read by transformers (the model extra)
+pytestmark = [pytest.mark.npm, pytest.mark.model]
 
 WEATHER = FunctionTool(
     name="get_weather",
@@ -409,6 +411,9 @@ def test_a_forced_call_opens_in_the_prompt_and_streams_its_arguments() -> None:
 def test_the_forced_call_grammar_accepts_the_call_harmony_renders() -> None:
     """llguidance (the local model's grammar) over the real tokenizer takes the call as
     harmony writes it after `<|start|>assistant`, then the end of the turn."""
+    require("llguidance", MODEL_EXTRA)
+    from proto_server.engine.constraints import Guide
+
     tokenizer = npm_tokenizer("gptoss")
     stops = sorted(HARMONY.stop_ids(tokenizer, None))
     guide = Guide(tokenizer, vocab_size=len(tokenizer), stop_ids=stops)

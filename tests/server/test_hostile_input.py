@@ -43,18 +43,10 @@ from proto_server.wire.converter import MAX_JSON_DEPTH, decode_client_event, enc
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ResponseCreated
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    FAST,
-    THREE_SEGMENTS,
-    CheckpointStore,
-    answers,
-    connect,
-    create,
-    json_values,
-    quiet,
-    read_all,
-)
+from ..support.clients import connect, read_all
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create, json_values
+from ..support.servers import FAST, quiet
+from ..support.stores import CheckpointStore
 
 DECODER_CODES = {"invalid_json", "invalid_field", "unknown_event_type"}
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -35,7 +35,8 @@ from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, StartServer, answers, create
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create
+from ..support.servers import StartServer
 
 DEADLINE_S = 10
 

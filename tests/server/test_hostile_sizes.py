@@ -40,14 +40,10 @@ from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.wire.converter import YIELDING_PARSE_BYTES, load_yielding
 from proto_server.wire.response import Response
 
-from ..support.helpers import (
-    CheckpointStore,
-    StartServer,
-    connect,
-    json_values,
-    read_line,
-    sse,
-)
+from ..support.clients import connect, sse
+from ..support.frames import json_values
+from ..support.servers import StartServer, read_line
+from ..support.stores import CheckpointStore
 
 #: The most CPU one step of the server's tasks may spend on the event loop's thread while the
 #: big requests are prepared, beyond `TINY_STEPS` times a tiny request's longest step (before

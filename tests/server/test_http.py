@@ -19,19 +19,10 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 
-from ..support.helpers import (
-    FAST,
-    THREE_SEGMENTS,
-    USER,
-    CheckpointStore,
-    StartServer,
-    answers,
-    body,
-    connect,
-    launched_create,
-    sse,
-    turn,
-)
+from ..support.clients import connect, sse, turn
+from ..support.frames import THREE_SEGMENTS, USER, answers, body, launched_create
+from ..support.servers import FAST, StartServer
+from ..support.stores import CheckpointStore
 
 IDS = {
     "id", "item_id", "call_id", "previous_response_id", "created_at", "completed_at",

@@ -15,22 +15,12 @@ from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.testing import WireClient
 
-from ..support.helpers import (
-    BETA,
-    END,
-    FAST,
-    THREE_SEGMENTS,
-    Checked,
-    CheckpointStore,
-    StartServer,
-    WireClient,
-    answers,
-    connect,
-    create,
-    launched_create,
-    until_lane,
-)
+from ..support.clients import BETA, END, Checked, connect, until_lane
+from ..support.frames import THREE_SEGMENTS, answers, create, launched_create
+from ..support.servers import FAST, StartServer
+from ..support.stores import CheckpointStore
 
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
 TWO_WORDS = {"segments": [{"text": "one two"}]}

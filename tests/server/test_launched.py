@@ -12,18 +12,17 @@ from trio_websocket import ConnectionClosed, ConnectionRejected
 
 from proto_server.engine.simulated import TimingModel
 
-from ..support.helpers import (
+from ..support.clients import connect, turn
+from ..support.frames import (
     EXEC_COMMAND,
     THREE_SEGMENTS,
     USER,
-    StartServer,
     answers,
-    connect,
     launched_create,
     prefix_tokens,
     tokens,
-    turn,
 )
+from ..support.servers import StartServer
 
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=20)
 

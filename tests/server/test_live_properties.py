@@ -23,7 +23,10 @@ from proto_server.server.config import ServerConfig
 from proto_server.testing import LaneChecker, StreamChecker, WireClient, connect_checked
 from proto_server.testing.schema import wire_schema
 
-from ..support.helpers import EXEC_COMMAND, FAST, CheckpointStore, quiet, read_all
+from ..support.clients import read_all
+from ..support.frames import EXEC_COMMAND
+from ..support.servers import FAST, quiet
+from ..support.stores import CheckpointStore
 
 READ_FILE = {**EXEC_COMMAND, "name": "read_file"}
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
 from ..support.requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
 
+pytestmark = pytest.mark.model  # the tiny random Llama
+
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.chunks import ReasoningDelta, TextDelta, ToolCallBegin
 from proto_server.testing import StreamChecker
 
-from ..support.helpers import END, connect, create
+from ..support.clients import END, connect
+from ..support.frames import create
 from ..support.tinymodel import CHATML, Scripted, make, serve, tiny_tokenizer
 
 THOUGHT = "The loop stops one short."

@@ -25,15 +25,9 @@ from proto_server.wire.converter import decode_client_event, steer_items
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ResponseSteer
 
-from ..support.helpers import (
-    THREE_SEGMENTS,
-    USER,
-    StartServer,
-    connect,
-    create,
-    launched_create,
-    turn,
-)
+from ..support.clients import connect, turn
+from ..support.frames import THREE_SEGMENTS, USER, create, launched_create
+from ..support.servers import StartServer
 
 # -- the estimate ----------------------------------------------------------------------------------
 

@@ -12,15 +12,10 @@ from typing import Any
 import httpx
 import trio
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    StartServer,
-    connect,
-    read_line,
-    scrape,
-    value,
-)
+from ..support.clients import connect
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.metrics import scrape, value
+from ..support.servers import StartServer, read_line
 
 
 async def test_a_rollout_moves_the_numbers_it_should(start_server: StartServer) -> None:

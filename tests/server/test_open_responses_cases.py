@@ -19,7 +19,8 @@ import trio
 
 from proto_server.testing.schema import wire_schema
 
-from ..support.helpers import StartServer, connect, parse_sse
+from ..support.clients import connect, parse_sse
+from ..support.servers import StartServer
 
 SCHEMA = wire_schema()
 WEATHER = {

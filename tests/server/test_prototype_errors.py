@@ -14,18 +14,12 @@ import trio.testing
 from trio_websocket import ConnectionClosed
 
 from proto_server.engine.simulated import TimingModel
+from proto_server.testing import WireClient
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    RecordingGenerator,
-    StartServer,
-    WireClient,
-    answers,
-    connect,
-    create,
-    server_tasks,
-)
+from ..support.clients import connect
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create
+from ..support.generators import RecordingGenerator
+from ..support.servers import StartServer, server_tasks
 
 #: Slow enough that a segment is surely still streaming while the test acts.
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=5)

@@ -13,17 +13,9 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCallOutput, Item, Message
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    USER,
-    StartServer,
-    answers,
-    collapse,
-    connect,
-    create,
-    types,
-)
+from ..support.clients import collapse, connect, types
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, USER, answers, create
+from ..support.servers import StartServer
 
 TEXT_ITEM = ["output_item.added", "content_part.added"]
 TEXT_ITEM_END = ["output_text.done", "content_part.done", "output_item.done"]

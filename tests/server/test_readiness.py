@@ -15,8 +15,11 @@ import httpx
 import orjson
 import pytest
 import trio
+import trio.testing
 
-from ..support.helpers import CheckpointStore, StartServer, read_line, scrape, serve_process
+from ..support.metrics import scrape
+from ..support.servers import StartServer, read_line, serve_process
+from ..support.stores import CheckpointStore
 
 
 class DownStore(CheckpointStore):
@@ -50,10 +53,13 @@ async def test_a_store_that_does_not_answer_makes_the_server_unready_not_dead(
 
 
 async def test_a_draining_server_is_unready_at_once_and_accepts_until_its_delay_is_over(
-    start_server: StartServer, nursery: trio.Nursery
+    start_server: StartServer, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
+    """On the virtual clock: the delay lasts while a client is served, however slow the
+    machine, and the port closes once it is over (a store without a thread, which the clock
+    would jump past)."""
     delay = 3.0
-    running = await start_server(drain_delay_s=delay, shutdown_grace_s=1)
+    running = await start_server(drain_delay_s=delay, shutdown_grace_s=1, store=CheckpointStore())
     root = running.address.http_url.removesuffix("/v1")
     with trio.fail_after(15):
         async with httpx.AsyncClient(base_url=root) as http:
@@ -61,18 +67,18 @@ async def test_a_draining_server_is_unready_at_once_and_accepts_until_its_delay_
             started = trio.current_time()
             stopped = trio.Event()
 
-            async def stop() -> None:
-                await running.server.shutdown()
+            async def stop(task_status: trio.TaskStatus[None]) -> None:
+                await running.server.shutdown(task_status=task_status)
                 stopped.set()
 
-            nursery.start_soon(stop)
-            await trio.sleep(0.1)
+            await nursery.start(stop)  # started once /readyz says 503
             unready = await http.get("/readyz")
         # a new connection is still accepted and served while the delay lasts
         async with httpx.AsyncClient(base_url=root) as fresh:
             served = await fresh.post("/v1/responses", json={"model": "m", "input": "hi"})
             alive = await fresh.get("/healthz")
         assert not stopped.is_set()  # served while the delay lasted
+        assert trio.current_time() - started < delay
         await stopped.wait()
         assert trio.current_time() - started >= delay
         with pytest.raises(OSError):  # the port is closed now

@@ -34,7 +34,9 @@ from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Item, Reasoning, ReasoningText
 from proto_server.wire.response import Response
 
-from ..support.helpers import END, StartServer, body, collapse, connect, create, sse, types
+from ..support.clients import END, collapse, connect, sse, types
+from ..support.frames import body, create
+from ..support.servers import StartServer
 
 THOUGHT = "The loop stops one short of the end; check range()."
 THINKING = {

@@ -11,12 +11,10 @@ body naming a 4 MB item 100 times was refused after 12.5 s, the event loop block
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
-import pytest
 import trio
 
 from proto_server.core.conversation import item_bytes
@@ -26,20 +24,13 @@ from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.memory import MiB
-from proto_server.server.store import ResponseStore, SQLiteStore
-from proto_server.server.store.postgres import PostgresStore
+from proto_server.server.store import ResponseStore
 from proto_server.wire.items import Item
 
-from ..support.helpers import (
-    END,
-    FAST,
-    Running,
-    body,
-    connect,
-    counting_decodes,
-    launched_create,
-    turn,
-)
+from ..support.clients import END, connect, turn
+from ..support.frames import body, launched_create
+from ..support.servers import FAST, Running
+from ..support.stores import counting_decodes
 
 #: The large item: tokenizing it costs tens of milliseconds, a hundred of it seconds.
 BIG_TEXT = "word " * (64 * 1024 // 5)
@@ -69,18 +60,6 @@ async def serve(
         store=store,
     )
     return Running(server, await nursery.start(server.serve)), renderer
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ResponseStore]:
-    """A store on disk. Requested before `nursery`, it is closed after the server stopped."""
-    if request.param == "sqlite":
-        opened: ResponseStore = SQLiteStore(tmp_path / "store.sqlite3")
-    else:
-        url = request.getfixturevalue("pg_url")
-        opened = await trio.to_thread.run_sync(PostgresStore, url)
-    yield opened
-    await opened.aclose()
 
 
 def references(item_id: str, times: int) -> list[dict[str, Any]]:

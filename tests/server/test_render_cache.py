@@ -15,12 +15,14 @@ from ..support.requirements import MODEL_EXTRA, require
 
 require("torch", MODEL_EXTRA)
 
+pytestmark = pytest.mark.model  # the tiny random Llama
+
 from proto_server.cli import build_parser, main
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message, OutputText
 
-from ..support.helpers import scrape, value
+from ..support.metrics import scrape, value
 from ..support.tinymodel import Scripted, make, serve, tiny_tokenizer
 
 HISTORY = [

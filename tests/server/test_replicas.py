@@ -36,7 +36,10 @@ from proto_server.server.config import ServerConfig
 from proto_server.testing import connect_checked
 from proto_server.wire.items import FunctionCallOutput
 
-from ..support.helpers import FAST, answers, conversation, create, parse, value
+from ..support.frames import answers, create
+from ..support.generators import conversation
+from ..support.metrics import parse, value
+from ..support.servers import FAST
 
 SCRIPT = parse_script(
     {

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 import trio
 
 from proto_server.engine.simulated import TimingModel
+from proto_server.server import resume
 from proto_server.server.config import MiB
 from proto_server.server.store import (
     SQLiteStore,
@@ -27,21 +27,15 @@ from proto_server.server.store import (
     SuspensionStore,
 )
 from proto_server.server.store.postgres import PostgresStore
+from proto_server.testing import WireClient
 from proto_server.testing.checker import StreamChecker, o200k_count
 from proto_server.wire.items import FunctionCall, Message
 from proto_server.wire.response import Response, Usage
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    StartServer,
-    WireClient,
-    answers,
-    connect,
-    create,
-    serve_process,
-    stored,
-)
+from ..support.clients import connect
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create
+from ..support.servers import StartServer, serve_process
+from ..support.stores import stored
 
 # -- the store ------------------------------------------------------------------------------
 
@@ -67,21 +61,10 @@ def suspension(response_id: str, items: int, *, pending: tuple[str, ...] = ("cal
     )  # fmt: skip
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    if request.param == "sqlite":
-        made: Any = SQLiteStore(tmp_path / "store.sqlite3")
-    else:
-        url = request.getfixturevalue("pg_url")
-        made = await trio.to_thread.run_sync(PostgresStore, url)
-    assert isinstance(made, SuspensionStore)
-    yield made
-    await made.aclose()
-
-
 async def test_a_suspension_comes_back_whole_and_each_write_adds_only_its_new_items(
     store: Any,
 ) -> None:
+    assert isinstance(store, SuspensionStore)
     first = suspension("resp_a", 3)
     await store.suspend(first, since=0, expected=0)
     got = await store.suspended("resp_a", owner="key:a")
@@ -250,14 +233,27 @@ async def exchange(client: WireClient, checker: StreamChecker, frame: dict[str, 
     return events
 
 
+class StoppedWall:
+    """The wall clock claims are stamped with (the store's) and judged by (resume.py's),
+    stopped: a claim is as old as the test makes it, however slow the machine is meanwhile."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+
 async def test_a_resumed_response_whose_holder_died_is_resumed_again_once_its_claim_lapses(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The process that resumed a Response dies mid-segment (played here by a claim that no
     server holds): the next resume is refused while the claim is fresh, and takes it over once
     --suspend-timeout has passed since the claim."""
-    store = SQLiteStore(tmp_path / "s.sqlite3")
-    running = await start_server(THREE_SEGMENTS, store=store, suspend_timeout_s=1)
+    wall = StoppedWall()
+    monkeypatch.setattr(resume, "time", wall)
+    store = SQLiteStore(tmp_path / "s.sqlite3", clock=wall.time)
+    running = await start_server(THREE_SEGMENTS, store=store, suspend_timeout_s=60)
     url = running.prototype_url
     with trio.fail_after(20):
         first = checked()
@@ -270,12 +266,13 @@ async def test_a_resumed_response_whose_holder_died_is_resumed_again_once_its_cl
         found = await store.suspended(rid)
         assert found is not None
         assert await store.claim(rid, owner=found.owner, version=found.version)  # it died
+        wall.now += 60  # as old as --suspend-timeout: still fresh
         frame = {"type": "response.append", "response_id": rid, "input": outputs}
         async with connect(url) as client:
             refused = await exchange(client, checked(done), frame)
         assert refused[-1]["error"]["code"] == "response_already_resumed"
         assert "--suspend-timeout" in refused[-1]["error"]["message"]
-        await trio.sleep(1.2)  # past the timeout since the claim: it has lapsed
+        wall.now += 1  # past the timeout since the claim: it has lapsed
         again = checked(done)
         async with connect(url) as client:
             resumed = await exchange(client, again, frame)

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import trio
 
-from proto_server.testing import InvariantViolation, StreamChecker
+from proto_server.testing import InvariantViolation, StreamChecker, WireClient
 from proto_server.testing.schema import (
     EXTENSION_EVENTS,
     SPEC_PATH,
@@ -23,15 +23,10 @@ from proto_server.testing.schema import (
     wire_schema,
 )
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    THREE_SEGMENTS,
-    StartServer,
-    WireClient,
-    connect,
-    parse_sse,
-)
+from ..support.clients import connect, parse_sse
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
 from ..support.published import SchemaNet
+from ..support.servers import StartServer
 
 SCHEMA = wire_schema()
 SCHEMA_DOCUMENT: Any = orjson.loads(SPEC_PATH.read_bytes())

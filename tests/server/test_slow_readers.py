@@ -17,7 +17,8 @@ from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessa
 
 from proto_server.server import metrics
 
-from ..support.helpers import CheckpointStore, Running, StartServer
+from ..support.servers import Running, StartServer
+from ..support.stores import CheckpointStore
 
 TIMEOUT_S = 30.0
 #: Far more than the kernel buffers of both ends hold, so a client that stops reading stalls it.

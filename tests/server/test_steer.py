@@ -21,18 +21,10 @@ from proto_server.server.store import (
     SuspensionLost,
 )
 
-from ..support.helpers import (
-    BETA,
-    END,
-    THREE_SEGMENTS,
-    Checked,
-    CheckpointStore,
-    StartServer,
-    answers,
-    connect,
-    create,
-    launched_create,
-)
+from ..support.clients import BETA, END, Checked, connect
+from ..support.frames import THREE_SEGMENTS, answers, create, launched_create
+from ..support.servers import StartServer
+from ..support.stores import CheckpointStore
 
 SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
 #: A long first answer (about 1 s at SLOW), then what the model says once steered.

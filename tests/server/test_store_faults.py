@@ -22,41 +22,33 @@ import trio
 from proto_server.server.store import SQLiteStore, StoredResponse, StoreRetention, StoreUnavailable
 from proto_server.testing.checker import StreamChecker, o200k_count
 
-from ..support.helpers import (
-    END,
-    Locker,
-    StartServer,
-    answers,
-    body,
-    connect,
-    create,
-    forged,
-    launched_create,
-    serve_process,
-    sse,
-    turn,
-)
+from ..support.clients import END, connect, sse, turn
+from ..support.frames import answers, body, create, forged, launched_create
+from ..support.servers import StartServer, serve_process
+from ..support.stores import Locker, write_under_way
 
 TEXT = {"segments": [{"text": "Done."}]}
 
 
-async def locked_store_server(start_server: StartServer, tmp_path: Path) -> tuple[str, str, Path]:
-    path = tmp_path / "responses.sqlite3"
-    running = await start_server(
-        TEXT, store=SQLiteStore(path, retention=StoreRetention(timeout_s=2))
-    )
-    return running.address.ws_url, running.address.http_url, path
+async def locked_store_server(
+    start_server: StartServer, tmp_path: Path
+) -> tuple[str, str, SQLiteStore]:
+    store = SQLiteStore(tmp_path / "responses.sqlite3", retention=StoreRetention(timeout_s=2))
+    running = await start_server(TEXT, store=store)
+    return running.address.ws_url, running.address.http_url, store
 
 
 async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    ws_url, http_url, path = await locked_store_server(start_server, tmp_path)
+    ws_url, http_url, store = await locked_store_server(start_server, tmp_path)
     with trio.fail_after(10):
         async with connect(ws_url) as client, httpx.AsyncClient() as http:
             kept = await turn(client, launched_create(store=True, tools=[]))
             assert kept[-1]["type"] == "response.completed"
-            with Locker(path):
+            kept_url = f"{http_url}/responses/{kept[-1]['response']['id']}"
+            assert (await http.get(kept_url)).status_code == 200  # its reader's process started
+            with Locker(Path(store.path)):
                 await client.send(launched_create(store=True, tools=[]))
                 heard: list[dict[str, Any]] = []
                 async with trio.open_nursery() as nursery:
@@ -65,8 +57,8 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
                         heard.extend(await client.until("response.completed", "response.failed"))
 
                     nursery.start_soon(hear_the_end)
-                    await trio.sleep(0.1)  # its write now waits 2 s for the lock
-                    got = await http.get(f"{http_url}/responses/{kept[-1]['response']['id']}")
+                    await write_under_way(store)  # its write now waits 2 s for the lock
+                    got = await http.get(kept_url)
                     assert got.status_code == 200
                     assert not heard  # the read did not queue behind the blocked write
                 failed = heard
@@ -90,10 +82,10 @@ async def test_a_locked_store_fails_the_websocket_response_not_the_connection(
 async def test_a_locked_store_ends_an_sse_stream_with_response_failed(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    _, http_url, path = await locked_store_server(start_server, tmp_path)
+    _, http_url, store = await locked_store_server(start_server, tmp_path)
     with trio.fail_after(10):
         async with httpx.AsyncClient() as http:
-            with Locker(path):
+            with Locker(Path(store.path)):
                 events = await sse(http, f"{http_url}/responses", body(store=True, tools=[]))
                 as_json = await http.post(f"{http_url}/responses", json=body(store=True))
                 health = await http.get(f"{http_url.removesuffix('/v1')}/healthz")

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,21 +17,13 @@ import trio
 
 from proto_server.engine.simulated import TimingModel
 from proto_server.server.store import SQLiteStore, StoreRetention
-from proto_server.server.store.postgres import PostgresStore
+from proto_server.testing import WireClient
 
-from ..support.helpers import (
-    THREE_SEGMENTS,
-    USER,
-    Running,
-    StartServer,
-    WireClient,
-    answers,
-    connect,
-    create,
-    launched_create,
-    until_lane,
-)
+from ..support.clients import connect, until_lane
+from ..support.frames import THREE_SEGMENTS, USER, answers, create, launched_create
 from ..support.postgres import Cluster
+from ..support.servers import Running, StartServer
+from ..support.stores import OpenStore
 
 #: A call, then an answer: a prototype Response suspends once, then completes.
 CALL_THEN_TEXT = {
@@ -54,23 +45,18 @@ class Outage:
     down: Callable[[], Awaitable[None]]
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def outage(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Outage]:
+@pytest.fixture
+async def outage(request: pytest.FixtureRequest, open_store: OpenStore) -> AsyncIterator[Outage]:
     """Requested before `start_server`, it is closed after the server stopped."""
-    retention = StoreRetention(timeout_s=TIMEOUT_S)
-    if request.param == "sqlite":
-        path = tmp_path / "store.sqlite3"
+    store = await open_store(retention=StoreRetention(timeout_s=TIMEOUT_S))
+    if isinstance(store, SQLiteStore):
 
         async def delete() -> None:
-            os.remove(path)
+            os.remove(store.path)
 
-        sqlite = SQLiteStore(path, retention=retention)
-        yield Outage(sqlite, delete)
-        await sqlite.aclose()
+        yield Outage(store, delete)
         return
     cluster: Cluster = request.getfixturevalue("postgres")
-    url = request.getfixturevalue("pg_url")
-    store = await trio.to_thread.run_sync(lambda: PostgresStore(url, retention=retention))
     stopped = False
 
     async def stop() -> None:
@@ -83,7 +69,6 @@ async def outage(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
     finally:
         if stopped:  # the session's cluster serves the tests after this one
             await trio.to_thread.run_sync(cluster.start)
-        await store.aclose()
 
 
 class Heard(logging.Handler):

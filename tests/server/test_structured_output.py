@@ -27,7 +27,9 @@ from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH
 from proto_server.engine.examples import example_value
 from proto_server.wire.errors import ProtocolError
 
-from ..support.helpers import END, StartServer, answers, body, connect, create, in_thread, sse
+from ..support.clients import END, connect, in_thread, sse
+from ..support.frames import answers, body, create
+from ..support.servers import StartServer
 
 #: What a strict schema from openai-python looks like: every property required, no others,
 #: nested models under `$defs`.

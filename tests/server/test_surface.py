@@ -28,18 +28,10 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import CustomToolCallOutput, FunctionCall, FunctionCallOutput, Message
 
-from ..support.helpers import (
-    FAST,
-    Running,
-    StartServer,
-    answers,
-    body,
-    connect,
-    in_thread,
-    launched_create,
-    turn,
-)
-from ..support.tinymodel import tiny_tokenizer
+from ..support.clients import connect, in_thread, turn
+from ..support.frames import answers, body, launched_create
+from ..support.requirements import MODEL_EXTRA, require
+from ..support.servers import FAST, Running, StartServer
 
 K1 = {"Authorization": "Bearer k1"}
 K2 = {"Authorization": "Bearer k2"}
@@ -232,9 +224,13 @@ class Recording:
         return self.inner.open_session(conversation, cache_salt=cache_salt)
 
 
+@pytest.mark.model  # a tokenizer of transformers' (the model extra)
 async def test_a_referenced_reply_is_what_the_chat_template_renders(
     nursery: trio.Nursery,
 ) -> None:
+    require("transformers", MODEL_EXTRA)
+    from ..support.tinymodel import tiny_tokenizer
+
     tokenizer = tiny_tokenizer()
     generator = Recording()
     server = ProtoServer(generator, ServerConfig(port=0), renderer=ChatTemplateRenderer(tokenizer))

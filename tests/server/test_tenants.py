@@ -18,16 +18,9 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.responses import Responses
 from proto_server.server.store import ANONYMOUS, SQLiteStore, owner_id
 
-from ..support.helpers import (
-    FAST,
-    THREE_SEGMENTS,
-    StartServer,
-    answers,
-    body,
-    connect,
-    launched_create,
-    turn,
-)
+from ..support.clients import connect, turn
+from ..support.frames import THREE_SEGMENTS, answers, body, launched_create
+from ..support.servers import FAST, StartServer
 
 K1 = {"Authorization": "Bearer k1"}
 K2 = {"Authorization": "Bearer k2"}

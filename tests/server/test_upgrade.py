@@ -18,7 +18,9 @@ from proto_server.bench.transports import CountingStream, open_websocket
 from proto_server.server.app import MAX_MESSAGE_BYTES_HEADER
 from proto_server.server.dialects import LAUNCHED_BETA, PROTOTYPE_BETA
 
-from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS, Running, StartServer, connect, types
+from ..support.clients import connect, types
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.servers import Running, StartServer
 
 LONG_TEXT = {"segments": [{"text": "the same words again " * 400}]}
 

@@ -37,7 +37,9 @@ from proto_server.engine.vllm import (
 )
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, StartServer, connect, free_port
+from ..support.clients import connect
+from ..support.frames import EXEC_COMMAND
+from ..support.servers import StartServer, free_port
 
 URL = "http://127.0.0.1:9/v1"
 TOOLS = (

@@ -9,14 +9,11 @@ from trio_websocket import ConnectionRejected
 
 from proto_server.testing.client import EventTimeout, connect_checked
 
-from ..support.helpers import (
-    THREE_SEGMENTS,
-    CheckpointStore,
-    StartServer,
-    connect,
-    create,
-    under_deadline,
-)
+from ..support.clients import connect
+from ..support.deadline import under_deadline
+from ..support.frames import THREE_SEGMENTS, create
+from ..support.servers import StartServer
+from ..support.stores import CheckpointStore
 
 
 async def test_a_wait_for_an_event_that_never_comes_fails_naming_it(

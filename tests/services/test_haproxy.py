@@ -36,7 +36,7 @@ from proto_server.server.store import chain_items, owner_id
 from proto_server.server.store.postgres import PostgresStore
 from proto_server.wire.converter import as_json
 
-from ..support.helpers import free_port, read_line
+from ..support.servers import free_port, read_line
 
 pytestmark = [pytest.mark.proxy, pytest.mark.postgres, pytest.mark.deadline(240)]
 

@@ -47,7 +47,7 @@ from proto_server.wire.items import FunctionCall, Item, Message
 from proto_server.wire.tools import FunctionTool
 
 from ..server.test_structured_output import SCHEMAS as SMALL_SCHEMAS
-from ..support.helpers import END, TERMINAL, model_connect
+from ..support.clients import END, TERMINAL, model_connect
 from ..support.tinymodel import (
     INSTRUCTIONS,
     NO_LIMITS,

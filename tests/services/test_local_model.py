@@ -53,7 +53,9 @@ from proto_server.wire.items import (
 )
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, collapse, model_connect, read_line, types
+from ..support.clients import collapse, model_connect, types
+from ..support.frames import EXEC_COMMAND
+from ..support.servers import read_line
 from ..support.tinymodel import (
     CHATML,
     INSTRUCTIONS,

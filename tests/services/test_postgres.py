@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator
 from functools import partial
 
-import attrs
 import httpx
 import psycopg
 import pytest
@@ -21,101 +20,17 @@ from proto_server.server.store import (
     StoreError,
     StoreRetention,
     StoreUnavailable,
-    chain_items,
-    owner_id,
     put_row,
     sql,
 )
 from proto_server.server.store.postgres import SCHEMA_VERSION, PostgresStore, _Postgres
 
-from ..support.helpers import (
-    connect,
-    identified,
-    items_and_deletion,
-    items_read_within,
-    loads_shared,
-    many_ids_and_the_newest_holder,
-    read_line,
-    stored,
-)
+from ..support.clients import connect
 from ..support.postgres import Cluster
+from ..support.servers import read_line
+from ..support.stores import identified, stored
 
 pytestmark = pytest.mark.postgres
-
-
-async def test_a_chain_comes_back_in_order_and_a_broken_one_is_a_miss(pg_url: str) -> None:
-    store = PostgresStore(pg_url)
-    for response_id, previous in [("resp_1", None), ("resp_2", "resp_1"), ("resp_3", "resp_2")]:
-        await store.put(stored(response_id, previous, text=f"t {response_id}"))
-    chain = await store.chain("resp_3")
-    assert chain is not None and [s.response.id for s in chain] == ["resp_1", "resp_2", "resp_3"]
-    assert chain_items(chain)[1].content == "t resp_1"  # type: ignore[union-attr]
-    assert await store.get("resp_2") == chain[1]
-    assert await store.chain("resp_unknown") is None
-    await store.put(stored("resp_9", "resp_8"))  # its previous was never stored
-    assert await store.chain("resp_9") is None
-    await store.aclose()
-
-
-async def test_retention_by_count_and_by_age(pg_url: str) -> None:
-    now = [1000.0]
-    retention = StoreRetention(max_responses=2, max_age_s=100)
-    store = PostgresStore(pg_url, retention=retention, clock=lambda: now[0])
-    for i in range(3):
-        await store.put(stored(f"resp_{i}"))
-        now[0] += 1
-    assert await store.count() == 2
-    assert await store.get("resp_0") is None
-    now[0] += 1000
-    await store.put(stored("resp_new"))
-    assert await store.count() == 1
-    await store.aclose()
-
-
-async def test_a_response_belongs_to_its_owner(pg_url: str) -> None:
-    store = PostgresStore(pg_url)
-    await store.put(attrs.evolve(stored("resp_1"), owner=owner_id("k1")))
-    await store.put(attrs.evolve(stored("resp_2", "resp_1"), owner=owner_id("k1")))
-    assert await store.get("resp_1", owner=owner_id("k1")) is not None
-    assert await store.get("resp_1", owner=owner_id("k2")) is None
-    assert await store.get("resp_1") is None
-    assert await store.chain("resp_2", owner=owner_id("k2")) is None
-    chain = await store.chain("resp_2", owner=owner_id("k1"))
-    assert chain is not None and len(chain) == 2
-    await store.aclose()
-
-
-async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_response(
-    pg_url: str,
-) -> None:
-    store = PostgresStore(pg_url)
-    await items_and_deletion(store)
-    await store.aclose()
-
-
-async def test_processes_sharing_the_database_see_each_others_loads_until_one_goes(
-    pg_url: str,
-) -> None:
-    now = [1000.0]
-    first = PostgresStore(pg_url, clock=lambda: now[0])
-    second = PostgresStore(pg_url, clock=lambda: now[0])
-    await loads_shared(first, second, now)
-    await first.aclose()
-    await second.aclose()
-
-
-async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins(
-    pg_url: str,
-) -> None:
-    store = PostgresStore(pg_url)
-    await many_ids_and_the_newest_holder(store)
-    await store.aclose()
-
-
-async def test_items_past_a_byte_bound_are_refused_before_they_are_read(pg_url: str) -> None:
-    store = PostgresStore(pg_url)
-    await items_read_within(store)
-    await store.aclose()
 
 
 def test_a_write_that_comes_to_its_commit_past_its_deadline_is_rolled_back(pg_url: str) -> None:

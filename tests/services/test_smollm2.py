@@ -29,7 +29,8 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 
-from ..support.helpers import EXEC_COMMAND, TERMINAL, model_connect
+from ..support.clients import TERMINAL, model_connect
+from ..support.frames import EXEC_COMMAND
 
 pytestmark = [pytest.mark.model, pytest.mark.deadline(240)]  # a model on a busy CPU
 

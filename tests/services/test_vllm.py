@@ -42,19 +42,14 @@ from proto_server.server.config import ServerConfig
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 
+from ..support.clients import TERMINAL, Checked, in_thread, model_connect, sse
 from ..support.engine import BLOCK_SIZE, SERVED_NAME, Engine, grammar_accepts
-from ..support.helpers import (
-    TERMINAL,
-    Checked,
-    in_thread,
-    launched_create,
-    model_connect,
-    read_line,
-    sse,
-)
+from ..support.frames import launched_create
+from ..support.servers import read_line
 
 # its own deadlines (up to 300 s, for a busy CPU decoding) name what each test waits for
-pytestmark = [pytest.mark.engine, pytest.mark.deadline(400)]
+# the engine serves SmolLM2 as the project's loader converts it (transformers: the model extra)
+pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.deadline(400)]
 
 RUN = "exec_command"
 TOOL = {

@@ -23,12 +23,15 @@ from proto_server.bench.agents import SPREAD
 from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
+from ..support.clients import TERMINAL, model_connect
 from ..support.engine import Engine, running
-from ..support.helpers import TERMINAL, model_connect, parse, read_line, value
+from ..support.metrics import parse, value
+from ..support.servers import read_line
 from .test_bench_agents import _consistent
 from .test_vllm import ASK, TOOL, assert_warm, calls_of, segment_usage
 
-pytestmark = [pytest.mark.engine, pytest.mark.deadline(900)]
+# the engines serve SmolLM2 as the project's loader converts it (transformers: the model extra)
+pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.deadline(900)]
 
 PROMPTS = "vllm:prompt_tokens_total"
 

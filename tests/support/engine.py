@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .helpers import free_port
+from .servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "PROTO_SERVER_VLLM_PYTHON"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import free_port
+from .servers import free_port
 
 INSTALL = "apt-get install postgresql (the Debian package: initdb, pg_ctl, postgres)"
 
@@ -90,8 +90,11 @@ def postgres() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def pg_url(postgres: Cluster) -> str:
-    """A new, empty database of the session's cluster, for one test."""
+def pg_url(postgres: Cluster, request: pytest.FixtureRequest) -> str:
+    """A new, empty database of the session's cluster, for one test (marked `postgres`, as
+    `-m 'not postgres'` needs: asked for by `getfixturevalue` too, which collection cannot see)."""
+    if request.node.get_closest_marker("postgres") is None:
+        pytest.fail(f"{request.node.nodeid} uses PostgreSQL without the postgres marker")
     import uuid
 
     import psycopg

@@ -27,7 +27,7 @@ from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.wire.items import FunctionCall, Item, Message, OutputText
 
-from .helpers import Running
+from .servers import Running
 
 CHATML = (
     "{% for message in messages %}"

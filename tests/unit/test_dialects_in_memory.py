@@ -4,6 +4,10 @@ test_launched.py), and the refusals it raises, which the connection would send a
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import orjson
 import pytest
 import trio
 import trio.testing
@@ -11,21 +15,53 @@ import trio.testing
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
 from proto_server.server.config import ServerConfig
+from proto_server.server.connection import Dialect
 from proto_server.server.launched import LaunchedDialect
+from proto_server.server.memory import MemoryBudget, MiB
+from proto_server.server.outbox import LaneSink, Outgoing
 from proto_server.server.prototype import PrototypeDialect
 from proto_server.server.responses import Responses
+from proto_server.wire.converter import decode_client_event, encode_server_event_bytes
 from proto_server.wire.errors import ProtocolError
 
-from ..support.helpers import (
-    FAST,
-    THREE_SEGMENTS,
-    InMemoryLanes,
-    answers,
-    collapse,
-    create,
-    launched_create,
-    types,
-)
+from ..support.clients import collapse, types
+from ..support.frames import THREE_SEGMENTS, answers, create, launched_create
+from ..support.servers import FAST
+
+
+class InMemoryLanes:
+    """A connection's lanes with no socket behind them (`ClientLanes`): `deliver` hands a
+    dialect a frame as the connection's reader does, `until` reads back what it sent, as the
+    JSON the writer would send (numbered per lane)."""
+
+    def __init__(self, budget_bytes: int = 64 * MiB) -> None:
+        self.budget = MemoryBudget(budget_bytes, flag="--max-connection-memory", name="connection")
+        self._send, self._receive = trio.open_memory_channel[Outgoing](math.inf)
+        self._numbers: dict[str | None, int] = {}
+
+    def lane(self, stream_id: str | None) -> LaneSink:
+        return LaneSink(self._send, stream_id)
+
+    async def deliver(self, dialect: Dialect, frame: dict[str, Any]) -> None:
+        """`frame` decoded and handled; what the dialect refuses is raised, not sent."""
+        text = orjson.dumps(frame).decode()
+        await dialect.handle(decode_client_event(text), len(text))
+
+    async def until(self, *kinds: str) -> list[dict[str, Any]]:
+        """What was sent, up to and with the first event of one of `kinds`."""
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] not in kinds:
+            outgoing = await self._receive.receive()
+            number = self._numbers.get(outgoing.stream_id, 0)
+            self._numbers[outgoing.stream_id] = number + 1
+            payload = encode_server_event_bytes(outgoing.event, number, outgoing.stream_id)
+            events.append(orjson.loads(payload))
+        return events
+
+    def pending(self) -> int:
+        """How many events were sent and not read yet."""
+        return self._receive.statistics().current_buffer_used
+
 
 TEXT_ITEM = ["output_item.added", "content_part.added", "output_text.delta*"]
 TEXT_ITEM_END = ["output_text.done", "content_part.done", "output_item.done"]

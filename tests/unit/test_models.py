@@ -15,7 +15,7 @@ from proto_server.wire.converter import converter
 from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 from proto_server.wire.tools import Tool
 
-from ..support.helpers import EXEC_COMMAND, THREE_SEGMENTS
+from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS
 
 NO_LIMITS = GenerationLimits()
 

@@ -13,7 +13,7 @@ from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.wire.items import FunctionCall, FunctionCallOutput
 
-from ..support.helpers import conversation, run_segment
+from ..support.generators import conversation, run_segment
 
 PREFILL = 10_000.0
 DECODE = 1_000.0

@@ -19,80 +19,22 @@ import trio
 from proto_server.server.store import (
     SCHEMA_VERSION,
     SQLiteStore,
-    StoredResponse,
     StoreRetention,
     StoreUnavailable,
-    chain_items,
     owner_id,
     put_row,
     sqlite_host,
 )
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.items import FunctionCall, FunctionCallOutput, Message
 
-from ..support.helpers import (
-    Locker,
-    identified,
-    items_and_deletion,
-    items_read_within,
-    loads_shared,
-    many_ids_and_the_newest_holder,
-    stored,
-)
-
-
-async def test_a_chain_comes_back_in_order() -> None:
-    store = SQLiteStore()
-    call = FunctionCall(id="fc_1", call_id="call_1", name="f", arguments="{}", status="completed")
-    await store.put(
-        StoredResponse(
-            response=stored("resp_1").response, items=(Message(role="user", content="a"), call)
-        )
-    )
-    await store.put(
-        StoredResponse(
-            response=stored("resp_2", "resp_1").response,
-            items=(FunctionCallOutput(call_id="call_1", output="ok"),),
-        )
-    )
-    chain = await store.chain("resp_2")
-    assert chain is not None
-    assert [s.response.id for s in chain] == ["resp_1", "resp_2"]
-    assert chain_items(chain) == [
-        Message(role="user", content="a"), call, FunctionCallOutput(call_id="call_1", output="ok")
-    ]  # fmt: skip
-    assert await store.get("resp_1") == chain[0]
-    assert await store.chain("resp_unknown") is None
-    await store.aclose()
-
-
-async def test_a_broken_chain_is_a_miss() -> None:
-    store = SQLiteStore()
-    await store.put(stored("resp_2", "resp_1"))
-    assert await store.chain("resp_2") is None
-
-
-async def test_retention_by_count_and_by_age() -> None:
-    now = [1000.0]
-    store = SQLiteStore(
-        retention=StoreRetention(max_responses=2, max_age_s=100), clock=lambda: now[0]
-    )
-    for i in range(3):
-        await store.put(stored(f"resp_{i}"))
-        now[0] += 1
-    assert store.count() == 2
-    assert await store.get("resp_0") is None
-    now[0] += 1000
-    await store.put(stored("resp_new"))
-    assert store.count() == 1
-
+from ..support.stores import Locker, identified, stored, write_under_way
 
 WRITER = """
 import sys, trio
 from proto_server.server.store import SQLiteStore
 sys.path.insert(0, {tests!r})
-from helpers import stored
+from stores import stored
 
 async def main():
     store = SQLiteStore({path!r})
@@ -139,18 +81,6 @@ async def test_a_crash_in_the_middle_of_writes_corrupts_nothing(tmp_path: Path) 
 def test_an_unusable_path_fails_loudly(bad: str) -> None:
     with pytest.raises(sqlite3.OperationalError):
         SQLiteStore(bad)
-
-
-async def test_a_response_belongs_to_its_owner() -> None:
-    store = SQLiteStore()
-    await store.put(attrs.evolve(stored("resp_1"), owner=owner_id("k1")))
-    await store.put(attrs.evolve(stored("resp_2", "resp_1"), owner=owner_id("k1")))
-    assert await store.get("resp_1", owner=owner_id("k1")) is not None
-    assert await store.get("resp_1", owner=owner_id("k2")) is None
-    assert await store.get("resp_1") is None  # the anonymous owner is an owner like any other
-    chain = await store.chain("resp_2", owner=owner_id("k1"))
-    assert chain is not None and len(chain) == 2
-    assert await store.chain("resp_2", owner=owner_id("k2")) is None
 
 
 OLD_SCHEMA = """
@@ -217,6 +147,7 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
     path = tmp_path / "store.sqlite3"
     store = SQLiteStore(path, retention=StoreRetention(timeout_s=2))
     await store.put(stored("resp_1"))
+    assert await store.get("resp_1") is not None  # its reader's process is started
     with trio.fail_after(20):
         with Locker(path):
             # SQLite itself gives up, at the timeout: no thread is left behind holding it
@@ -232,7 +163,7 @@ async def test_a_locked_store_fails_writes_in_time_and_reads_do_not_wait(tmp_pat
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(blocked_write)
-                await trio.sleep(0.05)  # the write now waits for the lock, for 2 s
+                await write_under_way(store)  # it now waits for the lock, for 2 s
                 assert await store.get("resp_1") is not None
                 assert await store.chain("resp_1") is not None
                 assert not write_failed.is_set()  # the reads did not queue behind the write
@@ -284,12 +215,6 @@ async def test_a_failing_store_raises_its_typed_error(tmp_path: Path) -> None:
             await store.get("resp_1")
 
 
-async def test_items_are_found_by_id_for_their_owner_and_deleted_with_their_response() -> None:
-    store = SQLiteStore(":memory:")
-    await items_and_deletion(store)
-    await store.aclose()
-
-
 async def test_a_pruned_response_takes_its_items_ids_with_it(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.sqlite3", retention=StoreRetention(max_responses=2))
     for i in range(3):
@@ -321,21 +246,6 @@ async def test_a_file_from_before_the_item_index_gets_its_items_ids(tmp_path: Pa
     await migrated.aclose()
 
 
-async def test_many_ids_are_looked_up_a_batch_at_a_time_and_the_newest_holder_wins() -> None:
-    store = SQLiteStore(":memory:")
-    await many_ids_and_the_newest_holder(store)
-    await store.aclose()
-
-
-@pytest.mark.parametrize("where", [":memory:", "file"])
-async def test_items_past_a_byte_bound_are_refused_before_they_are_read(
-    where: str, tmp_path: Path
-) -> None:
-    store = SQLiteStore(where if where == ":memory:" else tmp_path / "s.sqlite3")
-    await items_read_within(store)
-    await store.aclose()
-
-
 async def test_a_refused_lookup_gives_its_reader_back(tmp_path: Path) -> None:
     """A refusal is the store's answer, not its fault: the reader process that gave it is
     reused, so refused requests do not leave a process behind each."""
@@ -348,15 +258,3 @@ async def test_a_refused_lookup_gives_its_reader_back(tmp_path: Path) -> None:
     assert await store.items(["a_resp_0"], owner="")
     assert len(store._all_readers) == 1
     await store.aclose()
-
-
-async def test_processes_sharing_a_file_see_each_others_loads_until_one_goes(
-    tmp_path: Path,
-) -> None:
-    now = [1000.0]
-    path = tmp_path / "s.sqlite3"
-    first = SQLiteStore(path, clock=lambda: now[0])
-    second = SQLiteStore(path, clock=lambda: now[0])
-    await loads_shared(first, second, now)
-    await first.aclose()
-    await second.aclose()

@@ -28,7 +28,8 @@ from proto_server.wire.tools import FunctionTool
 
 from .test_families import npm_tokenizer
 
-pytestmark = pytest.mark.npm  # its tokenizer comes from tests/clients (npm)
+# its tokenizer comes from tests/clients (npm), read by transformers (the model extra)
+pytestmark = [pytest.mark.npm, pytest.mark.model]
 
 WEATHER = FunctionTool(
     name="get_weather",
