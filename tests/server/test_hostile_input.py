@@ -39,9 +39,10 @@ from proto_server.server.handshake import (
     upgrade_refusal,
 )
 from proto_server.testing import WireClient, connect_checked
-from proto_server.wire.converter import MAX_JSON_DEPTH, decode_client_event, encode_server_event
+from proto_server.wire.converter import decode_client_event, encode_server_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ResponseCreated
+from proto_server.wire.json_text import MAX_JSON_DEPTH
 
 from ..support.clients import connect, read_all
 from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS, answers, create, json_values

@@ -37,7 +37,7 @@ from proto_server.server import writer as writer_module
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.server.offload import INLINE_BYTES, Offload
-from proto_server.wire.converter import YIELDING_PARSE_BYTES, load_yielding
+from proto_server.wire.json_text import YIELDING_PARSE_BYTES, load_yielding
 from proto_server.wire.response import Response
 
 from ..support.clients import connect, sse

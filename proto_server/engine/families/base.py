@@ -27,7 +27,7 @@ import attrs
 
 from proto_server.engine.chunks import Chunk, ToolCallArgumentsDelta, ToolCallBegin, ToolCallEnd
 from proto_server.engine.tokens import stop_ids
-from proto_server.wire.converter import MAX_JSON_DEPTH
+from proto_server.wire.json_text import MAX_JSON_DEPTH
 from proto_server.wire.tools import FunctionTool
 
 if TYPE_CHECKING:
