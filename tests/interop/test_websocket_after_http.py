@@ -12,7 +12,7 @@ import orjson
 import pytest
 import trio
 
-from ..support.helpers import StartServer
+from ..support.servers import StartServer
 
 pytestmark = pytest.mark.npm
 

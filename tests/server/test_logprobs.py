@@ -30,18 +30,9 @@ from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Logprob
 
-from ..support.helpers import (
-    EXEC_COMMAND,
-    FAST,
-    StartServer,
-    answers,
-    body,
-    connect,
-    create,
-    in_thread,
-    launched_create,
-    sse,
-)
+from ..support.clients import connect, in_thread, sse
+from ..support.frames import EXEC_COMMAND, answers, body, create, launched_create
+from ..support.servers import FAST, StartServer
 
 #: Non-ASCII on purpose: a token may hold part of a character, and `bytes` says which.
 ANSWER = "Fixed: the loop was off by one — naïve."
