@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from proto_server.core.response.trace import Sampled
+from proto_server.core.trace import Sampled
 from proto_server.wire.items import Logprob
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from proto_server.core.response.trace import Sampled
+from proto_server.core.trace import Sampled
 from proto_server.engine.chunks import (
     Chunk,
     ReasoningDelta,

@@ -25,9 +25,9 @@ import trio
 from proto_server.core.conversation import Conversation
 from proto_server.core.ranges import between, positive
 from proto_server.core.render import Renderer
-from proto_server.core.response.trace import Sampled
 from proto_server.core.settings import setting
 from proto_server.core.tokenizer import o200k_base
+from proto_server.core.trace import Sampled
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,

@@ -23,8 +23,8 @@ import httpx
 import trio
 
 from proto_server.core.request import LOGPROBS, TOKEN_IDS
-from proto_server.core.response.trace import Sampled
 from proto_server.core.tokenizer import o200k_base
+from proto_server.core.trace import Sampled
 from proto_server.engine.chunks import (
     ReasoningDelta,
     SegmentEnd,

@@ -10,8 +10,8 @@ from typing import Literal
 import attrs
 
 from proto_server.core.conversation import Conversation
-from proto_server.core.response.trace import Sampled, SegmentTokens, Trace, token_fields
 from proto_server.core.response.transitions import IllegalTransition
+from proto_server.core.trace import Sampled, SegmentTokens, Trace, token_fields
 from proto_server.wire.events import (
     CompactionCompacting,
     ContentPartAdded,
@@ -109,7 +109,7 @@ class Output:
     `new_id(prefix)` names the items (`msg_...`, `fc_...`, `call_...`); `seal(text)` makes a
     finished reasoning item's `encrypted_content`; `logprobs`: messages' text parts carry the
     logprobs of their tokens (the client asked for them); `token_ids`: every item the model
-    makes carries its token ids once done (`trace.py`; the client asked for them)."""
+    makes carries its token ids once done (`core/trace.py`; the client asked for them)."""
 
     def __init__(
         self,

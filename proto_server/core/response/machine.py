@@ -45,9 +45,9 @@ from proto_server.core.response.items import OpenCall, OpenText, Output, TextKin
 from proto_server.core.response.mode import Mode
 from proto_server.core.response.status import Status
 from proto_server.core.response.steering import STEERED, STEERING, Queue, Steer, Steering
-from proto_server.core.response.trace import Sampled
 from proto_server.core.response.transitions import Event, IllegalTransition
 from proto_server.core.response.usage import Tokens
+from proto_server.core.trace import Sampled
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
     RequiredInput,
@@ -97,7 +97,7 @@ class ResponseMachine:
         asked for it with `include`); without it the item carries none. `logprobs`: the client
         asked for them (`include`), so its messages' text carries the logprobs the generator
         says (none otherwise: no part or event carries them). `token_ids`: likewise, every item
-        the model makes carries its token ids once done (`trace.py`)."""
+        the model makes carries its token ids once done (`core/trace.py`)."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self.completed_at: int | None = None

@@ -10,9 +10,15 @@ prompt extends the last one's prompt and ids, as a trainer reading them as one s
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import attrs
+
+#: What a token field holds per id or logprob: its slot in a tuple, and, for what was sampled,
+#: the int or float object the slot points to (a prompt's ids are mostly shared with the item
+#: before it, so only the slot is counted).
+SLOT_BYTES = 8
+NUMBER_BYTES = 32
 
 
 class TokenFields(TypedDict, total=False):
@@ -76,3 +82,13 @@ class SegmentTokens:
         if trace is not None:
             trace.ids += sampled.ids
             trace.logprobs += sampled.logprobs
+
+
+def token_field_bytes(item: Any) -> int:
+    """What an item's token fields hold in memory, for budgets (none where it has none)."""
+    ids = getattr(item, "generation_token_ids", None)
+    if ids is None:
+        return 0
+    prompt = getattr(item, "prompt_token_ids", None) or ()
+    logprobs = getattr(item, "generation_log_probs", None) or ()
+    return SLOT_BYTES * len(prompt) + (SLOT_BYTES + NUMBER_BYTES) * (len(ids) + len(logprobs))
