@@ -15,6 +15,7 @@ import attrs
 
 from proto_server.core.compaction import counts_of, is_compaction
 from proto_server.core.render import Renderer, turn_end
+from proto_server.core.trace import token_field_bytes
 from proto_server.wire.carried import encoded
 from proto_server.wire.items import (
     CustomToolCall,
@@ -65,7 +66,11 @@ def _content_bytes(content: object) -> int:
 
 def item_bytes(item: Item) -> int:
     """About how much memory `item` holds once decoded (not its tokens): for budgets, so an
-    estimate that errs on the high side, computed in one cheap pass."""
+    estimate that errs on the high side, computed in one cheap pass; its token fields too."""
+    return _item_bytes(item) + token_field_bytes(item)
+
+
+def _item_bytes(item: Item) -> int:
     match item:
         case Message(content=content):
             return ITEM_OVERHEAD_BYTES + _content_bytes(content)

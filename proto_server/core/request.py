@@ -77,6 +77,15 @@ def wants_logprobs(create: ResponseCreate) -> bool:
     return LOGPROBS in (create.include or ())
 
 
+#: What `include` names to get each output item's token ids and their logprobs (this server's
+#: extension, named as OpenAI names `include` values; the fields are NeMo Gym's).
+TOKEN_IDS = "output.token_ids"
+
+
+def wants_token_ids(create: ResponseCreate) -> bool:
+    return TOKEN_IDS in (create.include or ())
+
+
 def check_top_logprobs(value: int | None) -> None:
     """`top_logprobs` is 0-20, as OpenAI's API takes it."""
     if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import trio
 
+from proto_server.core.trace import Sampled
 from proto_server.wire.items import Logprob
 
 
@@ -29,6 +30,9 @@ class Prefilled:
 
     prompt_tokens: int
     cached_tokens: int
+    #: The ids of the whole prompt the engine was sent (cached part included), when the
+    #: segment's limits ask for them (`GenerationLimits.token_ids`).
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @attrs.frozen
@@ -38,6 +42,7 @@ class TextDelta:
     #: The logprobs of the tokens it carries, when the segment's limits ask for them
     #: (`GenerationLimits.top_logprobs`); attached by `logprobs.Trail`.
     logprobs: tuple[Logprob, ...] = ()
+    sampled: Sampled | None = None
 
 
 @attrs.frozen
@@ -47,18 +52,21 @@ class ReasoningDelta:
 
     text: str
     tokens: int = 1
+    sampled: Sampled | None = None
 
 
 @attrs.frozen
 class ToolCallBegin:
     name: str
     tokens: int = 0
+    sampled: Sampled | None = None
 
 
 @attrs.frozen
 class ToolCallArgumentsDelta:
     delta: str
     tokens: int = 1
+    sampled: Sampled | None = None
 
 
 @attrs.frozen
@@ -70,11 +78,13 @@ class ToolCallEnd:
 class SegmentEnd:
     """The model stopped. `tokens` it decoded that no other chunk carried (its stop token);
     `incomplete` names why the Response cannot go on (e.g. `max_output_tokens`);
-    `cached_tokens`, if set, replaces `Prefilled`'s count: an engine reports it at the end."""
+    `cached_tokens`, if set, replaces `Prefilled`'s count: an engine reports it at the end;
+    `sampled`: the ids of its `tokens`, where the limits ask for them."""
 
     tokens: int = 0
     incomplete: str | None = None
     cached_tokens: int | None = None
+    sampled: Sampled | None = None
 
 
 Chunk = (

@@ -57,13 +57,23 @@ class GenerationLimits:
     #: Logprobs of the sampled tokens, each with this many of the likeliest tokens at its
     #: position (the request's `top_logprobs`); None: none asked (`include`), none computed.
     top_logprobs: int | None = None
+    #: The ids of the prompt and of every sampled token, with each token's logprob, on the
+    #: chunks (`Prefilled.prompt_ids`, `Sampled`): the request's `include` asked for them.
+    token_ids: bool = False
 
     @classmethod
     def for_response(
-        cls, response: Response, *, output_tokens: int, tool_calls: int, logprobs: bool = False
+        cls,
+        response: Response,
+        *,
+        output_tokens: int,
+        tool_calls: int,
+        logprobs: bool = False,
+        token_ids: bool = False,
     ) -> GenerationLimits:
         """The limits of the next segment of `response`, which already decoded `output_tokens`
-        and made `tool_calls` calls; `logprobs`: its create asked for them (`include`)."""
+        and made `tool_calls` calls; `logprobs`, `token_ids`: its create asked for them
+        (`include`)."""
         limit, calls = response.max_output_tokens, response.max_tool_calls
         return cls(
             max_output_tokens=None if limit is None else max(limit - output_tokens, 0),
@@ -75,7 +85,17 @@ class GenerationLimits:
             seed=response.seed,
             text_format=parse_text_format(response.text),
             top_logprobs=response.top_logprobs if logprobs else None,
+            token_ids=token_ids,
         )
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """How many of the likeliest tokens an engine is asked to list beside each sampled
+        token's logprob: `top_logprobs`, or none beside it where only ids were asked (their
+        logprobs come with them); None: no logprob asked."""
+        if self.top_logprobs is not None:
+            return self.top_logprobs
+        return 0 if self.token_ids else None
 
     @property
     def max_calls(self) -> int | None:

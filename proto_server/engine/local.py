@@ -221,7 +221,7 @@ class LocalSession:
         if head:
             prompt += generator.tokenizer.encode(head, add_special_tokens=False)
         keep, logits = await self._extend(prompt)
-        await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=keep))
+        await send.send(Prefilled(len(prompt), keep, tuple(prompt) if limits.token_ids else None))
         await self._decode(logits, send, limits, constraint, head)
 
     async def _constraint(self, limits: GenerationLimits) -> Constraint | None:
@@ -301,7 +301,7 @@ class LocalSession:
         )
         text = _Detokenizer(generator.tokenizer)
         top = limits.top_logprobs
-        trail = Trail()
+        trail = Trail(ids=limits.token_ids)
         generated: list[int] = []
         stop_tokens = 0
         incomplete = None
@@ -320,12 +320,17 @@ class LocalSession:
             if constraint is not None:
                 constraint.consume(token)
             generated.append(token)
-            if token in generator.stop_ids:  # the end of the turn: no text, no logprob
+            ended = token in generator.stop_ids  # the end of the turn: no text, no API entry
+            if limits.engine_logprobs is not None:
+                logprob, likeliest = await generator.run(
+                    scored, logits, token, 0 if ended else limits.engine_logprobs
+                )
+                said = top is not None and not ended
+                entry = generator.pieces.logprob(token, logprob, likeliest) if said else None
+                trail.add(token, logprob, entry)
+            if ended:
                 stop_tokens = 1
                 break
-            if top is not None:
-                logprob, likeliest = await generator.run(scored, logits, token, top)
-                trail.add([generator.pieces.logprob(token, logprob, likeliest)])
             for chunk in trail.attach(parser.feed(text.add(token))):
                 await send.send(chunk)
             if parser.called:
@@ -338,7 +343,9 @@ class LocalSession:
                 incomplete = None
         for chunk in trail.attach(chunks):
             await send.send(chunk)
-        await send.send(SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete))
+        await send.send(
+            SegmentEnd(tokens=leftover + stop_tokens, incomplete=incomplete, sampled=trail.rest())
+        )
 
     def _rewind(self, keep: int) -> int:
         """Drop the cache past its first `keep` tokens; return how many it still holds."""

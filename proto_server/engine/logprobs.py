@@ -1,11 +1,14 @@
-"""Logprobs as the API lists them, from what a generator knows of each token it sampled.
+"""Logprobs and token ids as the API lists them, from what a generator knows of each token it
+sampled.
 
-A generator asked for them (`GenerationLimits.top_logprobs`) says each sampled token's logprob,
-in the order it sampled the tokens, into a `Trail`. The family's parser turns the text into
-chunks that each carry a count of the tokens they hold (every token is carried by exactly one
-chunk, or by the segment's end: `CallParser`), so the trail gives each chunk the logprobs of
-its own tokens, in order: a `TextDelta` keeps them (they go out with its text); the others drop
-theirs (the API lists logprobs of output text only, none of reasoning or of a call's arguments).
+A generator asked for them (`GenerationLimits.top_logprobs`, `.token_ids`) says each sampled
+token (its id, its logprob, its API entry) in the order it sampled them, into a `Trail`. The
+family's parser turns the text into chunks that each carry a count of the tokens they hold
+(every token is carried by exactly one chunk, or by the segment's end: `CallParser`), so the
+trail gives each chunk its own tokens, in order: a `TextDelta` keeps their API entries (they go
+out with its text; the API lists logprobs of output text only, none of reasoning or of a call's
+arguments), and every chunk their ids and logprobs (`Sampled`) where ids were asked; what no
+chunk took is the segment end's (`Trail.rest`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from typing import Any
 
 import attrs
 
-from proto_server.engine.chunks import Chunk, TextDelta
+from proto_server.core.trace import Sampled
+from proto_server.engine.chunks import (
+    Chunk,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallBegin,
+)
 from proto_server.wire.items import Logprob, TopLogprob
 
 #: What a logprob of minus infinity (a token a grammar forbids) is said as: JSON has no
@@ -97,27 +107,50 @@ def tokenizer_bytes(tokenizer: Any) -> Callable[[int], bytes]:
     return bytes_of
 
 
+#: The chunks that carry tokens of an item, and so their ids (`Sampled`).
+SAMPLED = (TextDelta, ReasoningDelta, ToolCallBegin, ToolCallArgumentsDelta)
+
+
 class Trail:
-    """The logprobs of the tokens sampled and not yet handed to a chunk, in order."""
+    """The tokens sampled and not yet handed to a chunk, in order. `ids`: each chunk gets its
+    tokens' ids and logprobs (`Sampled`) too."""
 
-    def __init__(self) -> None:
-        self._waiting: deque[Logprob] = deque()
+    def __init__(self, *, ids: bool = False) -> None:
+        self.ids = ids
+        #: (id, logprob, API entry: None for a token with no text, or where none was asked).
+        self._waiting: deque[tuple[int, float, Logprob | None]] = deque()
 
-    def add(self, entries: Iterable[Logprob]) -> None:
-        self._waiting.extend(entries)
+    def add(self, token: int, logprob: float, entry: Logprob | None = None) -> None:
+        self._waiting.append((token, logprob, entry))
 
     def attach(self, chunks: Iterable[Chunk]) -> list[Chunk]:
-        """`chunks`, each text delta with the logprobs of the tokens it carries."""
+        """`chunks`, each text delta with the logprobs of the tokens it carries, and each chunk
+        with their ids (`Sampled`) where they were asked."""
         attached = []
         for chunk in chunks:
-            tokens = getattr(chunk, "tokens", 0)
-            taken = tuple(self._take(tokens))
-            if isinstance(chunk, TextDelta) and taken:
-                chunk = attrs.evolve(chunk, logprobs=taken)
+            taken = self._take(getattr(chunk, "tokens", 0))
+            if isinstance(chunk, TextDelta):
+                entries = tuple(entry for _, _, entry in taken if entry is not None)
+                if entries:
+                    chunk = attrs.evolve(chunk, logprobs=entries)
+            if self.ids and isinstance(chunk, SAMPLED):
+                chunk = attrs.evolve(chunk, sampled=_sampled(taken))
             attached.append(chunk)
         return attached
 
-    def _take(self, count: int) -> Iterable[Logprob]:
+    def rest(self) -> Sampled | None:
+        """What no chunk took (the end of the turn, what the parser held): the segment end's;
+        None where ids were not asked."""
+        taken = self._take(len(self._waiting))
+        return _sampled(taken) if self.ids else None
+
+    def _take(self, count: int) -> list[tuple[int, float, Logprob | None]]:
         waiting = self._waiting
-        for _ in range(min(count, len(waiting))):
-            yield waiting.popleft()
+        return [waiting.popleft() for _ in range(min(count, len(waiting)))]
+
+
+def _sampled(taken: Sequence[tuple[int, float, Logprob | None]]) -> Sampled:
+    return Sampled(
+        ids=tuple(token for token, _, _ in taken),
+        logprobs=tuple(said(logprob) for _, logprob, _ in taken),
+    )

@@ -27,6 +27,7 @@ from proto_server.core.ranges import between, positive
 from proto_server.core.render import Renderer
 from proto_server.core.settings import setting
 from proto_server.core.tokenizer import o200k_base
+from proto_server.core.trace import Sampled
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -171,28 +172,43 @@ def modelled_logprob(token: int, top: int) -> Logprob:
     likeliest: a probability from 0.5 to 0.99 fixed by the token's id, and below it `top - 1`
     other tokens sharing what is left, each half the one before. No real distribution: a
     stand-in of the right shape, the same for the same token every time."""
-    chosen = 0.5 + 0.49 * ((token * 2654435761) % 1000) / 1000
+    chosen = _chosen(token)
     others = [(1000 * k + token % 1000, (1 - chosen) / 2**k) for k in range(1, top)]
     ranked = [(token, math.log(chosen)), *((other, math.log(p)) for other, p in others)]
     return _TOKEN_PIECES.logprob(token, math.log(chosen), ranked[:top])
 
 
-def _chunks(segment: Segment, top_logprobs: int | None) -> Iterator[tuple[Chunk, int]]:
+def _chosen(token: int) -> float:
+    """The modelled probability of `token` where the simulated model samples it."""
+    return 0.5 + 0.49 * ((token * 2654435761) % 1000) / 1000
+
+
+def modelled_sampled(ids: tuple[int, ...]) -> Sampled:
+    """`ids` with their modelled logprobs (`modelled_logprob`'s)."""
+    return Sampled(ids, tuple(math.log(_chosen(token)) for token in ids))
+
+
+def _chunks(segment: Segment, limits: GenerationLimits) -> Iterator[tuple[Chunk, int]]:
     """What the model decodes to say `segment`, chunk by chunk, with the tokens each costs;
-    its text with modelled logprobs when `top_logprobs` asks for them."""
+    its text with modelled logprobs when `top_logprobs` asks for them, and each chunk with its
+    modelled ids (o200k_base's of its text; a call's syntax is modelled as its name's tokens,
+    and no end of turn is) where `token_ids` asks for them."""
+    top, traced = limits.top_logprobs, limits.token_ids
     for piece, ids in _pieces(segment.reasoning):
-        yield ReasoningDelta(piece, len(ids)), len(ids)
+        yield ReasoningDelta(piece, len(ids), modelled_sampled(ids) if traced else None), len(ids)
     for piece, ids in _pieces(segment.text):
-        if top_logprobs is None:
-            yield TextDelta(piece, len(ids)), len(ids)
-        else:
-            logprobs = tuple(modelled_logprob(token, top_logprobs) for token in ids)
-            yield TextDelta(piece, len(ids), logprobs), len(ids)
+        logprobs = () if top is None else tuple(modelled_logprob(token, top) for token in ids)
+        sampled = modelled_sampled(ids) if traced else None
+        yield TextDelta(piece, len(ids), logprobs, sampled), len(ids)
     for call in segment.tool_calls:
-        name_tokens = len(o200k_base().encode_ordinary(call.name))
-        yield ToolCallBegin(call.name, name_tokens), name_tokens
+        name_ids = tuple(o200k_base().encode_ordinary(call.name))
+        yield (
+            ToolCallBegin(call.name, len(name_ids), modelled_sampled(name_ids) if traced else None),
+            len(name_ids),
+        )
         for piece, ids in _pieces(call.arguments):
-            yield ToolCallArgumentsDelta(piece, len(ids)), len(ids)
+            sampled = modelled_sampled(ids) if traced else None
+            yield ToolCallArgumentsDelta(piece, len(ids), sampled), len(ids)
         yield ToolCallEnd(), 0
 
 
@@ -275,11 +291,14 @@ class SimulatedSession:
         cache, hashes = self._prefix_cache, self._hashes
         running = cache.pin(list(hashes.hashes)) if cache is not None and hashes is not None else []
         try:
+            if limits.token_ids:
+                prompt_ids = tuple(self._conversation.tokens)
+                prefilled = attrs.evolve(prefilled, prompt_ids=prompt_ids)
             await send.send(prefilled)
             self._has_spoken = True
             pacer = _Pacer(self._timing)
             budget = math.inf if limits.max_output_tokens is None else limits.max_output_tokens
-            for chunk, tokens in _chunks(segment, limits.top_logprobs):
+            for chunk, tokens in _chunks(segment, limits):
                 if tokens > budget:
                     await send.send(SegmentEnd(incomplete="max_output_tokens"))
                     return

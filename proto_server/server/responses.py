@@ -48,6 +48,7 @@ from proto_server.core.references import (
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
     LOGPROBS,
+    TOKEN_IDS,
     PreparedInput,
     check_create,
     check_tool_outputs,
@@ -59,6 +60,7 @@ from proto_server.core.request import (
     request_bytes,
     response_template,
     wants_logprobs,
+    wants_token_ids,
 )
 from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
@@ -174,20 +176,24 @@ class Responses:
     def check_create(self, create: ResponseCreate) -> None:
         """Refuse, when it arrives, a create this server cannot serve: what `check_create`
         refuses, a compaction item this server did not seal, and a forced tool call the
-        generator cannot make, logprobs it cannot say, a `text.format` schema its grammar
-        cannot take."""
+        generator cannot make, logprobs or token ids it cannot say, a `text.format` schema its
+        grammar cannot take."""
         check_create(create)
         check_compactions(input_items(create), self.compaction_key)
         check_reasonings(input_items(create), self.compaction_key)
         self.check_forcing(parse_tool_choice(create.tool_choice))
-        if wants_logprobs(create) and not says_logprobs(self.generator):
-            raise ProtocolError(
-                "unsupported_logprobs",
-                f"`include` names {LOGPROBS!r}, but this server's generator cannot say its "
-                "tokens' logprobs; remove it from `include` (or serve the simulated, local or "
-                "vllm generator, which can).",
-                param="include",
-            )
+        for wanted, name, code in (
+            (wants_logprobs, LOGPROBS, "unsupported_logprobs"),
+            (wants_token_ids, TOKEN_IDS, "unsupported_token_ids"),
+        ):
+            if wanted(create) and not says_logprobs(self.generator):
+                raise ProtocolError(
+                    code,
+                    f"`include` names {name!r}, but this server's generator cannot say its "
+                    "tokens' ids and logprobs; remove it from `include` (or serve the "
+                    "simulated, local or vllm generator, which can).",
+                    param="include",
+                )
         form = parse_text_format(create.text)
         if form is not None and isinstance(self.generator, GrammarGenerator):
             self.generator.check_text_format(form)
@@ -349,6 +355,7 @@ class Responses:
             if ENCRYPTED_CONTENT in (create.include or ())
             else None,
             logprobs=wants_logprobs(create),
+            token_ids=wants_token_ids(create),
         )
 
         durable = None

@@ -88,6 +88,7 @@ class Durable:
             tool_calls=machine.tool_calls,
             owner=self.owner,
             logprobs=machine.logprobs,
+            token_ids=machine.token_ids,
         )
         await self.store.suspend(record, since=self.written, expected=self.version)
         self.version += 1
@@ -136,6 +137,7 @@ def restored(
         tool_calls=suspended.tool_calls,
         clock=lambda: int(time.time()),
         logprobs=suspended.logprobs,
+        token_ids=suspended.token_ids,
     )
 
 

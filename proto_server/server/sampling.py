@@ -456,6 +456,7 @@ class SamplingLoop:
             output_tokens=machine.output_tokens,
             tool_calls=machine.tool_calls,
             logprobs=machine.logprobs,
+            token_ids=machine.token_ids,
         )
         return limits if self._priority is None else attrs.evolve(limits, priority=self._priority)
 
@@ -498,26 +499,26 @@ class SamplingLoop:
                     extra={"response": machine.id, "engine": engine, "lost": lost},
                 )
                 return []
-            case Prefilled(prompt_tokens=prompt, cached_tokens=cached):
+            case Prefilled(prompt_tokens=prompt, cached_tokens=cached, prompt_ids=ids):
                 rendered = self._count_rendered()
                 if self._observer is not None:
                     self._observer.prefilled(rendered=rendered, prompt=prompt, cached=cached)
-                machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached)
+                machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached, prompt_ids=ids)
                 return []
-            case ReasoningDelta(text=text, tokens=tokens):
-                return machine.reasoning_delta(text, tokens=tokens)
-            case TextDelta(text=text, tokens=tokens, logprobs=logprobs):
-                return machine.text_delta(text, tokens=tokens, logprobs=logprobs)
-            case ToolCallBegin(name=name, tokens=tokens):
-                return machine.begin_function_call(name, tokens=tokens)
-            case ToolCallArgumentsDelta(delta=delta, tokens=tokens):
-                return machine.function_call_arguments_delta(delta, tokens=tokens)
+            case ReasoningDelta(text=text, tokens=tokens, sampled=sampled):
+                return machine.reasoning_delta(text, tokens=tokens, sampled=sampled)
+            case TextDelta(text=text, tokens=tokens, logprobs=logprobs, sampled=sampled):
+                return machine.text_delta(text, tokens=tokens, logprobs=logprobs, sampled=sampled)
+            case ToolCallBegin(name=name, tokens=tokens, sampled=sampled):
+                return machine.begin_function_call(name, tokens=tokens, sampled=sampled)
+            case ToolCallArgumentsDelta(delta=delta, tokens=tokens, sampled=sampled):
+                return machine.function_call_arguments_delta(delta, tokens=tokens, sampled=sampled)
             case ToolCallEnd():
                 return machine.end_function_call()
-            case SegmentEnd(tokens=tokens, incomplete=None):
-                return machine.end_segment(tokens=tokens)
-            case SegmentEnd(tokens=tokens, incomplete=str(reason)):
-                return machine.make_incomplete(reason, tokens=tokens)
+            case SegmentEnd(tokens=tokens, incomplete=None, sampled=sampled):
+                return machine.end_segment(tokens=tokens, sampled=sampled)
+            case SegmentEnd(tokens=tokens, incomplete=str(reason), sampled=sampled):
+                return machine.make_incomplete(reason, tokens=tokens, sampled=sampled)
         raise IllegalTransition(f"unknown chunk {chunk!r}")
 
     async def _emit(self, events: list[ServerEvent]) -> None:

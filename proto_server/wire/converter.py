@@ -36,8 +36,10 @@ from proto_server.wire.events import (
 )
 from proto_server.wire.items import (
     ITEM_TYPES,
+    TOKEN_FIELDS,
     Content,
     ContentPart,
+    FunctionCall,
     InputText,
     Item,
     Message,
@@ -186,6 +188,16 @@ def _structure_array(value: Any, kind: Any) -> tuple[Any, ...]:
     return tuple(items)
 
 
+def _structure_numbers(value: Any, kind: Any) -> tuple[Any, ...]:
+    """An array of integers (token ids, bytes) or numbers (logprobs): a long one, as a client
+    sends token fields back, checked in one pass; one with a wrong element, element by
+    element (`_structure_array`), to say which."""
+    accepted = (int,) if get_args(kind)[0] is int else (int, float)
+    if isinstance(value, list) and all(type(element) in accepted for element in value):
+        return tuple(value) if accepted == (int,) else tuple(map(float, value))
+    return _structure_array(value, kind)
+
+
 def _structure_input(value: Any, _: Any) -> str | tuple[Item, ...]:
     if isinstance(value, str):
         return value
@@ -219,6 +231,9 @@ converter.register_structure_hook_func(lambda t: t == StreamedPart, _structure_s
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_structure_hook_func(lambda t: t == Item, _structure_item)
 converter.register_structure_hook_func(_is_array_type, _structure_array)
+converter.register_structure_hook_func(
+    lambda t: t in (tuple[int, ...], tuple[float, ...]), _structure_numbers
+)
 converter.register_structure_hook_func(lambda t: t == tuple[Item, ...], _structure_items)
 converter.register_structure_hook_func(lambda t: t == str | tuple[Item, ...], _structure_input)
 converter.register_structure_hook_func(lambda t: t == Tool, _structure_tool)
@@ -243,6 +258,22 @@ def _unstructure_output_text(part: OutputText) -> dict[str, Any]:
 
 
 converter.register_unstructure_hook(OutputText, _unstructure_output_text)
+_message = converter.gen_unstructure_attrs_fromdict(Message)
+_function_call = converter.gen_unstructure_attrs_fromdict(FunctionCall)
+
+
+def _without_token_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """An item carries its token fields only when they were asked for (`include`)."""
+    if obj["generation_token_ids"] is None:
+        for name in TOKEN_FIELDS:
+            del obj[name]
+    return obj
+
+
+converter.register_unstructure_hook(Message, lambda item: _without_token_fields(_message(item)))
+converter.register_unstructure_hook(
+    FunctionCall, lambda item: _without_token_fields(_function_call(item))
+)
 
 
 def _unstructure_reasoning(item: Reasoning) -> dict[str, Any]:

@@ -83,6 +83,11 @@ ContentPart = InputText | OutputText | UnknownPart
 Content = str | tuple[ContentPart, ...]
 
 
+#: The names of the token fields an output item carries when `include` asks for them (NeMo
+#: Gym's): `TOKEN_FIELDS` of the item classes below, absent on the wire while None.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
 @attrs.frozen(kw_only=True)
 class Message:
     type: str = "message"
@@ -90,6 +95,13 @@ class Message:
     role: str
     content: Content
     status: str | None = None
+    #: What the model had read before this item's first token (the segment's prompt as the
+    #: engine was sent it, then what it returned earlier in the segment): `output.token_ids`.
+    prompt_token_ids: tuple[int, ...] | None = None
+    #: The ids the engine returned for this item, every one, as it returned them.
+    generation_token_ids: tuple[int, ...] | None = None
+    #: The logprob of each of `generation_token_ids`.
+    generation_log_probs: tuple[float, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -100,6 +112,10 @@ class FunctionCall:
     name: str
     arguments: str
     status: str | None = None
+    #: As `Message`'s (`output.token_ids`): the call's syntax is its tokens too.
+    prompt_token_ids: tuple[int, ...] | None = None
+    generation_token_ids: tuple[int, ...] | None = None
+    generation_log_probs: tuple[float, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -141,6 +157,10 @@ class Reasoning:
     content: tuple[ReasoningText, ...] | None = None
     encrypted_content: str | None = None
     status: str | None = None
+    #: As `Message`'s (`output.token_ids`).
+    prompt_token_ids: tuple[int, ...] | None = None
+    generation_token_ids: tuple[int, ...] | None = None
+    generation_log_probs: tuple[float, ...] | None = None
 
     @property
     def text(self) -> str:

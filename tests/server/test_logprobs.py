@@ -257,7 +257,8 @@ def test_the_trail_gives_each_text_delta_the_logprobs_of_its_own_tokens() -> Non
     """Tokens a call or the segment's end carries take theirs with them: the text after them
     gets its own."""
     trail = Trail()
-    trail.add(entry(t) for t in range(65, 75))
+    for t in range(65, 75):
+        trail.add(t, -t / 100, entry(t))
     chunks = trail.attach(
         [
             TextDelta("AB", 2),

@@ -562,3 +562,48 @@ async def test_logprobs_are_the_models_own_for_the_tokens_it_said(nursery: trio.
     assert part["text"] == LOGPROBS_SAID
     assert b"".join(bytes(entry["bytes"]) for entry in part["logprobs"]) == LOGPROBS_SAID.encode()
     assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+
+
+async def test_token_ids_are_the_ids_the_model_read_and_sampled(
+    nursery: trio.Nursery, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`output.token_ids` over the prototype dialect: a message then a call, then the answer.
+    Each segment's first item's prompt is exactly what the model was sent, the items' ids in
+    order exactly what it sampled (the answer's end of turn included), and each logprob the
+    model's own for its token, as one forward pass over the whole sequence computes it."""
+    sent: list[list[int]] = []
+    extend = LocalSession._extend
+
+    async def recorded(session: LocalSession, prompt: list[int]) -> Any:
+        sent.append(list(prompt))
+        return await extend(session, prompt)
+
+    monkeypatch.setattr(LocalSession, "_extend", recorded)
+    script = Scripted(tokenizer, ["Let me look.\n" + CALL, "Fixed: off by one."])
+    generator = make(tokenizer, script)
+    running = await serve(nursery, generator)
+    async with model_connect(running.prototype_url) as client:
+        await client.send({**create(), "include": ["output.token_ids"]})
+        first = await client.segment()
+        calls = [e for e in first if e.get("item", {}).get("type") == "function_call"]
+        await client.send(answer(calls))
+        second = await client.segment()
+    output = second[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["message", "function_call", "message"]
+    segments = [output[:2], output[2:]]
+    assert len(sent) == 2
+    for items, prompt, sampled in zip(segments, sent, script.segments, strict=True):
+        assert items[0]["prompt_token_ids"] == prompt
+        generated: list[int] = []
+        for item in items:
+            assert item["prompt_token_ids"] == prompt + generated
+            generated += item["generation_token_ids"]
+        assert generated == sampled[: len(generated)]
+        with torch.inference_mode():
+            logits = generator.model(torch.tensor([[*prompt, *generated]])).logits[0]
+        rows = logits[len(prompt) - 1 : -1].log_softmax(dim=-1, dtype=torch.float32)
+        expected = [float(row[token]) for row, token in zip(rows, generated, strict=True)]
+        said = [p for item in items for p in item["generation_log_probs"]]
+        assert said == pytest.approx(expected, abs=TOLERANCE)
+    assert sum(len(i["generation_token_ids"]) for i in segments[1]) == len(script.segments[1])
+    assert segments[1][-1]["generation_token_ids"][-1] == tokenizer.eos_token_id

@@ -37,6 +37,7 @@ from proto_server.engine.vllm import (
     forced_call_head,
     strict_call_format,
 )
+from proto_server.engine.vllm.protocol import parse_sse
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
 from proto_server.wire.items import Message
@@ -1044,3 +1045,62 @@ async def test_logprobs_are_the_engines_own_for_the_tokens_it_sampled(
             assert [o["bytes"] for o in wire["top_logprobs"]] == [
                 list(o.bytes) for o in entry.top_logprobs
             ]
+
+
+class EngineSaid:
+    """What the engine itself streamed back, per request: the prompt ids it says it was sent
+    and the ids it returned (`return_token_ids`), read from its raw stream."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[list[int], list[int]]] = []
+
+    def parse(self, line: bytes | str) -> Any:
+        text = line.decode() if isinstance(line, bytes) else line
+        if text.startswith("data: {"):
+            for choice in json.loads(text.removeprefix("data: ")).get("choices") or ():
+                if choice.get("prompt_token_ids") is not None:
+                    self.requests.append((choice["prompt_token_ids"], []))
+                self.requests[-1][1].extend(choice.get("token_ids") or ())
+        return parse_sse(line)
+
+
+async def test_token_ids_are_what_the_engine_was_sent_and_returned(
+    start_vllm: StartVllm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prototype rollout (a forced call, then a free answer) with `output.token_ids`: each
+    segment's first item's prompt is the prompt vLLM says it was sent, and the items' ids, in
+    order, are exactly what it returned, but for what follows a call (no item's); each item's
+    prompt is the one before it and its ids; the logprobs are one per id."""
+    said = EngineSaid()
+    monkeypatch.setattr("proto_server.engine.vllm.session.parse_sse", said.parse)
+    served = await start_vllm(max_tokens=16)
+    create = {"type": "response.create", "input": ASK, "tools": [TOOL], "tool_choice": "required",
+              "temperature": 0, "include": ["output.token_ids"]}  # fmt: skip
+    with trio.fail_after(240):
+        async with model_connect(served.prototype_url) as client:
+            await client.send(create)
+            first = await client.until("response.done", *TERMINAL)
+            assert first[-1]["type"] == "response.done"
+            outputs = [{"type": "function_call_output", "call_id": c["call_id"], "output": "ok"}
+                       for c in calls_of(first)]  # fmt: skip
+            await client.send({"type": "response.append", "input": outputs, "tool_choice": "none"})
+            rest = await client.until(*TERMINAL)
+    output = rest[-1]["response"]["output"]
+    done = [e["item"] for e in [*first, *rest] if e["type"] == "response.output_item.done"]
+    assert output == done
+    segments = [output[: len(first[-1]["response"]["output"])]]
+    segments.append(output[len(segments[0]) :])
+    assert len(said.requests) == len(segments) == 2
+    for items, (prompt, returned) in zip(segments, said.requests, strict=True):
+        assert items and items[0]["prompt_token_ids"] == prompt
+        generated: list[int] = []
+        for item in items:
+            assert item["prompt_token_ids"] == prompt + generated
+            assert len(item["generation_log_probs"]) == len(item["generation_token_ids"])
+            assert all(p <= 0 for p in item["generation_log_probs"])
+            generated += item["generation_token_ids"]
+        assert returned[: len(generated)] == generated
+        if items[-1]["type"] != "function_call":  # after a call: no item's (the turn's end)
+            assert returned == generated
+    assert segments[0][-1]["type"] == "function_call"
+    assert said.requests[1][0][: len(said.requests[0][0])] == said.requests[0][0]

@@ -11,6 +11,7 @@ import attrs
 
 from proto_server.core.conversation import Conversation
 from proto_server.core.response.transitions import IllegalTransition
+from proto_server.core.trace import Sampled, SegmentTokens, Trace, token_fields
 from proto_server.wire.events import (
     CompactionCompacting,
     ContentPartAdded,
@@ -50,6 +51,8 @@ class OpenText:
     deltas: list[str] = attrs.field(factory=list)
     #: The logprobs of its tokens so far, when the client asked for them (`include`).
     logprobs: list[Logprob] | None = None
+    #: Its token ids so far, when the client asked for them (`include`).
+    trace: Trace | None = None
 
     def part(self) -> OutputText | ReasoningText:
         text = "".join(self.deltas)
@@ -64,14 +67,18 @@ class OpenText:
         item carries its `seal` when the client asked for it."""
         done = status != "in_progress"
         text = "".join(self.deltas)
+        tokens = token_fields(self.trace, status)
         if self.kind == "message":
             content = (self.output_text(text),) if done else ()
-            return Message(id=self.item_id, role="assistant", content=content, status=status)
+            return Message(
+                id=self.item_id, role="assistant", content=content, status=status, **tokens
+            )
         return Reasoning(
             id=self.item_id,
             content=(ReasoningText(text=text),) if done else (),
             encrypted_content=seal(text) if seal is not None and done else None,
             status=status,
+            **tokens,
         )
 
 
@@ -82,14 +89,17 @@ class OpenCall:
     call_id: str
     name: str
     deltas: list[str] = attrs.field(factory=list)
+    trace: Trace | None = None
 
     def item(self, status: str) -> FunctionCall:
+        """The call so far; once done, with its token ids where they were asked."""
         return FunctionCall(
             id=self.item_id,
             call_id=self.call_id,
             name=self.name,
             arguments="".join(self.deltas),
             status=status,
+            **token_fields(self.trace, status),
         )
 
 
@@ -98,7 +108,8 @@ class Output:
 
     `new_id(prefix)` names the items (`msg_...`, `fc_...`, `call_...`); `seal(text)` makes a
     finished reasoning item's `encrypted_content`; `logprobs`: messages' text parts carry the
-    logprobs of their tokens (the client asked for them)."""
+    logprobs of their tokens (the client asked for them); `token_ids`: every item the model
+    makes carries its token ids once done (`core/trace.py`; the client asked for them)."""
 
     def __init__(
         self,
@@ -107,11 +118,14 @@ class Output:
         new_id: Callable[[str], str],
         seal: Callable[[str], str] | None,
         logprobs: bool = False,
+        token_ids: bool = False,
     ) -> None:
         self.conversation = conversation
         self._new_id = new_id
         self._seal = seal
         self.logprobs = logprobs
+        self.token_ids = token_ids
+        self._segment = SegmentTokens()
         self.items: list[Item] = []
         self.open: OpenText | OpenCall | None = None
 
@@ -130,6 +144,20 @@ class Output:
             OutputItemDone(output_index=index, item=item),
         ]
 
+    def begin_segment(self, prompt_ids: tuple[int, ...] | None) -> None:
+        """A segment begins on a prompt of `prompt_ids` (those the engine was sent)."""
+        if self.token_ids:
+            self._segment.begin(prompt_ids)
+
+    def _trace(self) -> Trace | None:
+        return self._segment.open() if self.token_ids else None
+
+    def end_segment(self, sampled: Sampled | None) -> None:
+        """The segment's last tokens, which no chunk carried (the end of the turn): the text
+        item still open, if one is, takes them; after a call they are no item's."""
+        text = self.open
+        self._segment.add(text.trace if isinstance(text, OpenText) else None, sampled)
+
     def text(
         self,
         kind: TextKind,
@@ -137,10 +165,12 @@ class Output:
         *,
         after_calls: bool,
         logprobs: tuple[Logprob, ...] = (),
+        sampled: Sampled | None = None,
     ) -> list[ServerEvent]:
         """`delta` of `kind`: an item of that kind opens (closing one of the other) and grows.
         `after_calls`: the segment made calls already, so no text may follow them;
-        `logprobs`: those of `delta`'s tokens (a message's, kept only where they were asked)."""
+        `logprobs`: those of `delta`'s tokens (a message's, kept only where they were asked);
+        `sampled`: their ids (kept where they were asked)."""
         if isinstance(self.open, OpenCall):
             raise IllegalTransition(f"{kind} text arrived inside a tool call")
         if after_calls:
@@ -155,7 +185,11 @@ class Output:
             item_id = self._new_id("msg" if kind == "message" else "rs")
             index = len(self.items)
             self.open = OpenText(
-                kind, item_id, index, logprobs=[] if self.logprobs and kind == "message" else None
+                kind,
+                item_id,
+                index,
+                logprobs=[] if self.logprobs and kind == "message" else None,
+                trace=self._trace(),
             )
             events.append(OutputItemAdded(output_index=index, item=self.open.item("in_progress")))
             events.append(
@@ -166,6 +200,7 @@ class Output:
         text = self.open
         assert isinstance(text, OpenText)
         text.deltas.append(delta)
+        self._segment.add(text.trace, sampled)
         if kind == "reasoning":
             events.append(
                 ReasoningTextDelta(
@@ -191,11 +226,15 @@ class Output:
         )
         return events
 
-    def begin_call(self, name: str) -> list[ServerEvent]:
+    def begin_call(self, name: str, sampled: Sampled | None = None) -> list[ServerEvent]:
+        """A call to `name` opens (closing text before it); `sampled`: the ids that opened it."""
         if self.in_call:
             raise IllegalTransition("a tool call began inside another")
         events = self.close_text()
-        call = OpenCall(self._new_id("fc"), len(self.items), self._new_id("call"), name)
+        call = OpenCall(
+            self._new_id("fc"), len(self.items), self._new_id("call"), name, trace=self._trace()
+        )
+        self._segment.add(call.trace, sampled)
         self.open = call
         item = FunctionCall(
             id=call.item_id, call_id=call.call_id, name=name, arguments="", status="in_progress"
@@ -209,9 +248,10 @@ class Output:
             raise IllegalTransition("no tool call is open")
         return self.open
 
-    def arguments(self, delta: str) -> list[ServerEvent]:
+    def arguments(self, delta: str, sampled: Sampled | None = None) -> list[ServerEvent]:
         call = self.call()
         call.deltas.append(delta)
+        self._segment.add(call.trace, sampled)
         return [
             FunctionCallArgumentsDelta(
                 item_id=call.item_id, output_index=call.output_index, delta=delta

@@ -47,6 +47,7 @@ from proto_server.core.response.status import Status
 from proto_server.core.response.steering import STEERED, STEERING, Queue, Steer, Steering
 from proto_server.core.response.transitions import Event, IllegalTransition
 from proto_server.core.response.usage import Tokens
+from proto_server.core.trace import Sampled
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
     RequiredInput,
@@ -83,6 +84,7 @@ class ResponseMachine:
         new_id: Callable[[str], str] = ids.new_id,
         seal: Callable[[str], str] | None = None,
         logprobs: bool = False,
+        token_ids: bool = False,
     ) -> None:
         """`clock` (unix seconds) stamps `completed_at`; without one a Response completes at
         its `created_at`, so the machine stays deterministic where no clock is given.
@@ -94,7 +96,8 @@ class ResponseMachine:
         a counter. `seal(text)`: a finished reasoning item's `encrypted_content` (the client
         asked for it with `include`); without it the item carries none. `logprobs`: the client
         asked for them (`include`), so its messages' text carries the logprobs the generator
-        says (none otherwise: no part or event carries them)."""
+        says (none otherwise: no part or event carries them). `token_ids`: likewise, every item
+        the model makes carries its token ids once done (`core/trace.py`)."""
         self.id = response.id
         self._clock = clock or (lambda: response.created_at)
         self.completed_at: int | None = None
@@ -106,7 +109,9 @@ class ResponseMachine:
         self.status = Status.IN_PROGRESS
         self._calls = Calls(self.id, self._held)
         self.segments = 0
-        self._items = Output(conversation, new_id=new_id, seal=seal, logprobs=logprobs)
+        self._items = Output(
+            conversation, new_id=new_id, seal=seal, logprobs=logprobs, token_ids=token_ids
+        )
         self._tokens = Tokens()
         self._tool_calls = 0
         self.error: ErrorDetail | None = None
@@ -133,6 +138,7 @@ class ResponseMachine:
         clock: Callable[[], int] | None = None,
         new_id: Callable[[str], str] = ids.new_id,
         logprobs: bool = False,
+        token_ids: bool = False,
     ) -> ResponseMachine:
         """A suspended Response rebuilt from its persisted suspension (`response`: its
         snapshot then, `conversation`: its items re-rendered), so that another connection or
@@ -148,6 +154,7 @@ class ResponseMachine:
             clock=clock,
             new_id=new_id,
             logprobs=logprobs,
+            token_ids=token_ids,
         )
         calls = {item.call_id: item for item in response.output if isinstance(item, FunctionCall)}
         missing = [call_id for call_id in pending if call_id not in calls]
@@ -245,9 +252,13 @@ class ResponseMachine:
             events += self._items.compaction(item)
         return events
 
-    def begin_segment(self, *, prompt_tokens: int, cached_tokens: int) -> None:
-        """The generator prefilled a prompt of which `cached_tokens` were already warm."""
+    def begin_segment(
+        self, *, prompt_tokens: int, cached_tokens: int, prompt_ids: tuple[int, ...] | None = None
+    ) -> None:
+        """The generator prefilled a prompt of which `cached_tokens` were already warm;
+        `prompt_ids`: its ids, where the client asked for them."""
         self._require_streaming("begin a segment")
+        self._items.begin_segment(prompt_ids)
         self.segment_open = True
         self.segments += 1
         self._tokens.begin_segment(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
@@ -257,9 +268,9 @@ class ResponseMachine:
         """The engine said, once the segment ended, how much of its prompt it had cached."""
         self._tokens.report_cached(cached_tokens)
 
-    def end_segment(self, *, tokens: int = 0) -> list[ServerEvent]:
-        """The model stopped (its last `tokens` carried no output): suspend if it called tools
-        (prototype), otherwise complete.
+    def end_segment(self, *, tokens: int = 0, sampled: Sampled | None = None) -> list[ServerEvent]:
+        """The model stopped (its last `tokens`, `sampled` their ids, carried no output):
+        suspend if it called tools (prototype), otherwise complete.
 
         In the launched dialect (`Mode.SUCCESSOR`) a Response always completes;
         its tool calls are answered by the next `response.create`.
@@ -269,6 +280,7 @@ class ResponseMachine:
             raise IllegalTransition("a segment ended inside a tool call")
         self._tokens.output += tokens
         self.segment_open = False
+        self._items.end_segment(sampled)
         events = self._items.close_text()
         if self.pending_calls and self.mode is not Mode.SUCCESSOR:
             self._move(Event.SUSPEND)
@@ -301,8 +313,11 @@ class ResponseMachine:
         failed = self._fail_steers("successor_creation_failed", "it could not be stored")
         return [ResponseFailed(response=self.snapshot()), *failed]
 
-    def make_incomplete(self, reason: str, *, tokens: int = 0) -> list[ServerEvent]:
+    def make_incomplete(
+        self, reason: str, *, tokens: int = 0, sampled: Sampled | None = None
+    ) -> list[ServerEvent]:
         self._move(Event.MAKE_INCOMPLETE)
+        self._items.end_segment(sampled)
         events = self._items.abandon()
         self._tokens.output += tokens
         self.incomplete_reason = reason
@@ -419,39 +434,61 @@ class ResponseMachine:
         """The client asked for logprobs: each segment's generator is asked for them."""
         return self._items.logprobs
 
+    @property
+    def token_ids(self) -> bool:
+        """The client asked for token ids: each segment's generator is asked for them."""
+        return self._items.token_ids
+
     def text_delta(
-        self, delta: str, *, tokens: int, logprobs: tuple[Logprob, ...] = ()
+        self,
+        delta: str,
+        *,
+        tokens: int,
+        logprobs: tuple[Logprob, ...] = (),
+        sampled: Sampled | None = None,
     ) -> list[ServerEvent]:
         """The model speaks: an assistant message opens (closing reasoning before it) and grows;
-        `logprobs`, those of its tokens, are kept where the client asked for them."""
-        return self._stream_text("message", delta, tokens, logprobs)
+        `logprobs`, those of its tokens, and `sampled`, their ids, are kept where the client
+        asked for them."""
+        return self._stream_text("message", delta, tokens, logprobs, sampled)
 
-    def reasoning_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
+    def reasoning_delta(
+        self, delta: str, *, tokens: int, sampled: Sampled | None = None
+    ) -> list[ServerEvent]:
         """The model thinks: a `reasoning` item opens (closing text before it) and grows; its
         tokens are reasoning tokens too."""
-        events = self._stream_text("reasoning", delta, tokens)
+        events = self._stream_text("reasoning", delta, tokens, (), sampled)
         self._tokens.reasoning += tokens
         return events
 
     def _stream_text(
-        self, kind: TextKind, delta: str, tokens: int, logprobs: tuple[Logprob, ...] = ()
+        self,
+        kind: TextKind,
+        delta: str,
+        tokens: int,
+        logprobs: tuple[Logprob, ...] = (),
+        sampled: Sampled | None = None,
     ) -> list[ServerEvent]:
         self._require_streaming(f"stream {kind} text")
         events = self._items.text(
-            kind, delta, after_calls=bool(self.pending_calls), logprobs=logprobs
+            kind, delta, after_calls=bool(self.pending_calls), logprobs=logprobs, sampled=sampled
         )
         self._tokens.output += tokens
         return events
 
-    def begin_function_call(self, name: str, *, tokens: int = 0) -> list[ServerEvent]:
+    def begin_function_call(
+        self, name: str, *, tokens: int = 0, sampled: Sampled | None = None
+    ) -> list[ServerEvent]:
         self._require_streaming("call a tool")
-        events = self._items.begin_call(name)
+        events = self._items.begin_call(name, sampled)
         self._tokens.output += tokens
         return events
 
-    def function_call_arguments_delta(self, delta: str, *, tokens: int) -> list[ServerEvent]:
+    def function_call_arguments_delta(
+        self, delta: str, *, tokens: int, sampled: Sampled | None = None
+    ) -> list[ServerEvent]:
         self._require_streaming("stream tool-call arguments")
-        events = self._items.arguments(delta)
+        events = self._items.arguments(delta, sampled)
         self._tokens.output += tokens
         return events
 

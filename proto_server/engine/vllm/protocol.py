@@ -279,8 +279,8 @@ def completion_request(
     if stop:
         body["stop"] = list(stop)
         body["include_stop_str_in_output"] = True
-    if limits.top_logprobs is not None:
-        body["logprobs"] = limits.top_logprobs
+    if limits.engine_logprobs is not None:
+        body["logprobs"] = limits.engine_logprobs
         body["return_tokens_as_token_ids"] = True
     if structure is not None:
         body["structured_outputs"] = {"structural_tag": json.dumps(structure)}

@@ -44,7 +44,6 @@ from proto_server.engine.vllm.protocol import (
     parse_sse,
     sse_lines,
 )
-from proto_server.wire.items import Logprob
 from proto_server.wire.tools import function_tools
 
 log = logging.getLogger("proto_server.engine.vllm")  # the server's structured log lines
@@ -148,8 +147,9 @@ class VllmSession:
             opened=renderer.opens_thinking,
             tags=renderer.think_tags,
         )
+        prompt_ids = tuple(prompt) if limits.token_ids else None
         if most <= 0:
-            await send.send(Prefilled(prompt_tokens=len(prompt), cached_tokens=0))
+            await send.send(Prefilled(len(prompt), 0, prompt_ids))
             await send.send(SegmentEnd(incomplete="max_output_tokens"))
             return
         body = completion_request(
@@ -162,8 +162,7 @@ class VllmSession:
             structure=structure,
             cache_salt=self._cache_salt,
         )
-        top = limits.top_logprobs
-        trail = Trail()
+        trail = Trail(ids=limits.token_ids)
         generated: list[int] = []
         finish: str | None = None
         usage: EngineUsage | None = None
@@ -187,16 +186,14 @@ class VllmSession:
                     elif isinstance(event, Piece):
                         if not prefilled:  # the engine has the prompt: the first piece came
                             prefilled = True
-                            await hand_over(
-                                send, Prefilled(prompt_tokens=len(prompt), cached_tokens=0)
-                            )
+                            await hand_over(send, Prefilled(len(prompt), 0, prompt_ids))
                         generated.extend(event.token_ids)
                         finish = event.finish_reason or finish
                         text = event.text
                         if event.token_ids and event.token_ids[-1] in generator.stop_ids:
                             text = text.removesuffix(generator.stop_texts[event.token_ids[-1]])
-                        if top is not None:
-                            trail.add(self._logprobs(event, top))
+                        if limits.engine_logprobs is not None:
+                            self._sampled(trail, event, limits.top_logprobs)
                         fed = trail.attach(parser.feed(text, len(event.token_ids)))
                         for chunk in [*chunks, *fed]:
                             await hand_over(send, chunk)
@@ -229,12 +226,14 @@ class VllmSession:
                 if finish == "length" and (parser.cut or not parser.called)
                 else None,
                 cached_tokens=cached,
+                sampled=trail.rest(),
             )
         )
 
-    def _logprobs(self, piece: Piece, top: int) -> list[Logprob]:
-        """The logprobs of `piece`'s tokens but a stop token, each with its `top` likeliest, as
-        the API lists them; refused if the engine did not say them (it was asked)."""
+    def _sampled(self, trail: Trail, piece: Piece, top: int | None) -> None:
+        """`piece`'s tokens into `trail`: each one's id and logprob, and, where `top` asks,
+        its API entry with its `top` likeliest (none for a stop token: it has no text);
+        refused if the engine did not say them (it was asked)."""
         if len(piece.logprobs) != len(piece.token_ids):
             raise EngineError(
                 ENGINE_ERROR,
@@ -242,13 +241,15 @@ class VllmSession:
                 "tokens; it was asked for every token's",
             )
         pieces = self._generator.pieces
-        said = [
-            pieces.logprob(token, logprob, likeliest[:top])
-            for token, (logprob, likeliest) in zip(piece.token_ids, piece.logprobs, strict=True)
-        ]
-        if piece.token_ids and piece.token_ids[-1] in self._generator.stop_ids:
-            said.pop()  # the end of the turn, the segment's last token: no text, no logprob
-        return said
+        last = len(piece.token_ids) - 1
+        ended = last >= 0 and piece.token_ids[last] in self._generator.stop_ids
+        for at, (token, (logprob, likeliest)) in enumerate(
+            zip(piece.token_ids, piece.logprobs, strict=True)
+        ):
+            # the end of the turn, the segment's last token: no text, no API entry
+            said = top is not None and not (ended and at == last)
+            entry = pieces.logprob(token, logprob, likeliest[:top]) if said else None
+            trail.add(token, logprob, entry)
 
     def _record(self, prompt: list[int], seen: list[int], cached: int | None) -> None:
         expected = common_prefix(self.engine_ids, prompt)

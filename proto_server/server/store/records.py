@@ -56,6 +56,8 @@ class SuspendedResponse:
     tool_calls: int = 0
     #: Its create asked for logprobs (`include`): its next segments say them too.
     logprobs: bool = False
+    #: Its create asked for token ids (`include`): its next segments' items carry them too.
+    token_ids: bool = False
     owner: str = ANONYMOUS
     #: Raised by every write and every claim: a writer that is not the latest is fenced off.
     version: int = 1
