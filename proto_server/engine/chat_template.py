@@ -24,7 +24,7 @@ Rendering a message through the template and the tokenizer costs about a millise
 stateless client resends its whole history every turn: the tokens of the messages rendered
 last are kept (`RenderedMessages`, model_renderer.py), so such a turn renders only what is new.
 
-Why one module of this length: every rendering is cut at the boundaries the probes found when the
+Every rendering is cut at the boundaries the probes found when the
 renderer was built (`_base`, `_user_block`, `_thought_probe`), so the probes and the cuts that rely
 on them are read together.
 """

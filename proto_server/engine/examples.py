@@ -12,7 +12,7 @@ Building is bounded before anything is allocated: `EXAMPLE_BUDGET` values of wor
 item's size times `minItems`) before it is built, since the default model builds and streams the
 instance on the event loop and a 254-byte schema may ask for a hundred million characters.
 
-Why one module of this length: one walk over a schema, whose every keyword spends the same two
+One walk over a schema, whose every keyword spends the same two
 budgets and refuses in the same terms; a `pattern` is read apart, in patterns.py.
 """
 

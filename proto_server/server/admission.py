@@ -21,7 +21,8 @@ from collections.abc import Callable, Hashable, Iterable
 
 import trio
 
-from proto_server.core.scheduler import Request, Scheduler, State
+from proto_server.core.admission_queue import Request, State
+from proto_server.core.scheduler import Scheduler
 from proto_server.core.shared_capacity import Load, capacity_for
 from proto_server.server import metrics
 from proto_server.server.logs import log

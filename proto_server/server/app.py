@@ -41,10 +41,11 @@ from proto_server.server.handshake import (
     upgrade_refusal,
 )
 from proto_server.server.http import LINGER_S, Shutdown, error_body, send_error
+from proto_server.server.keepalive import serve_http
 from proto_server.server.logs import log
 from proto_server.server.overflow import Overflow
 from proto_server.server.responses import Responses
-from proto_server.server.routes import serve_http, unauthorized
+from proto_server.server.routes import unauthorized
 from proto_server.server.sendtimeout import SendTimeoutStream
 from proto_server.server.store import ResponseStore
 from proto_server.wire.errors import ProtocolError

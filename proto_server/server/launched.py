@@ -23,14 +23,14 @@ and a successor with the same settings, `previous_response_id` the steered one a
 messages as input, goes first in its lane's queue, served from the warm rollout (its
 `response.created` commits the steers). A steer that comes too late to cut the Response
 starts the successor after its completion all the same. A Response that completed with calls
-awaiting output keeps its steers pending (`_Awaiting`) for the create that answers them: they
+awaiting output keeps its steers pending (`Awaiting`) for the create that answers them: they
 follow that create's input; a create on the lane that does not continue it returns them.
 
-Why one module of this length: a lane's queue, its warm rollout and the steers waiting on its last
-Response are one state that each turn takes and hands on (`_serve_turn` takes the cache, `_follow`
-queues the successor or parks the steers). `_Lane` closes the warm rollout and only the dialect's
-turns take and keep it; split, who owns the rollout and who hands it on would be read in two
-places.
+A lane's queue, its warm rollout and the steers waiting on its last Response are one state that
+each turn takes and hands on (`_serve_turn` takes the cache, `_follow` queues the successor or
+parks the steers); `_Lane` closes the warm rollout, and only the dialect's turns take and keep
+it. The steers held for a continuing create, and the successor of a steered Response, are
+launched_steers.py's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import trio
 from proto_server.core.ids import new_id
 from proto_server.core.render import requested_effort
 from proto_server.core.request import input_items, response_template
-from proto_server.core.response import STEERED, Mode, Status, Steer, steering
+from proto_server.core.response import STEERED, Mode, Status, Steer
 from proto_server.server.lanes import (
     DialectBase,
     NotStarted,
@@ -53,8 +53,8 @@ from proto_server.server.lanes import (
     require_beta,
     serve_steer,
 )
+from proto_server.server.launched_steers import Awaiting, successor
 from proto_server.server.logs import log
-from proto_server.server.memory import MemoryBudget
 from proto_server.server.outbox import LaneSink
 from proto_server.server.responses import Responses
 from proto_server.server.rollout import Rollout
@@ -70,7 +70,6 @@ from proto_server.server.turns import TurnSource
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import (
     ClientEvent,
-    RequiredInput,
     ResponseAppend,
     ResponseCancel,
     ResponseCreate,
@@ -79,9 +78,6 @@ from proto_server.wire.events import (
     ResponseInject,
     ResponseQueued,
     ResponseSteer,
-    ResponseSteerAccepted,
-    ResponseSteerPending,
-    ServerEvent,
 )
 
 if TYPE_CHECKING:
@@ -99,62 +95,6 @@ class _Queued:
     response_id: str | None
     #: A steered Response's successor: the steers its `response.created` commits.
     steers: tuple[Steer, ...] = ()
-
-
-class _Awaiting:
-    """A lane's last Response completed with calls awaiting output: steers for it wait here
-    (`response.steer.pending`) for the create that continues it with the outputs.
-
-    What they hold is charged to the connection's budget from the moment they wait here
-    (`serve_steer` checked that each fits) until `release`: taken by that create, or failed."""
-
-    def __init__(
-        self,
-        response_id: str,
-        required: tuple[RequiredInput, ...],
-        steers: list[Steer],
-        limit: int,
-        budget: MemoryBudget,
-    ) -> None:
-        self.response_id = response_id
-        self.required = required
-        self.steers = steers
-        self._limit = limit
-        self._budget = budget
-        self._charged = sum(steer.nbytes for steer in steers)
-        budget.charge(self._charged)
-
-    def release(self) -> tuple[Steer, ...]:
-        """The steers, no longer counted here (once: a second call finds none)."""
-        steers, self.steers = tuple(self.steers), []
-        self._budget.charge(-self._charged)
-        self._charged = 0
-        return steers
-
-    def steer(self, steer: Steer) -> list[ServerEvent]:
-        steering.refuse_if_full(
-            self.response_id, len(self.steers), self._limit, then="continue it first"
-        )
-        self.steers.append(steer)
-        self._budget.charge(steer.nbytes)
-        self._charged += steer.nbytes
-        ref = steer.ref
-        return [
-            ResponseSteerAccepted(steer=ref),
-            ResponseSteerPending(required_input=self.required, steer=ref),
-        ]
-
-
-def successor(create: ResponseCreate, previous: str, steers: tuple[Steer, ...]) -> ResponseCreate:
-    """The create a steered Response's successor answers: the same settings, chained to it,
-    the steers' messages as its input (a warm-up's successor generates)."""
-    return attrs.evolve(
-        create,
-        input=tuple(item for steer in steers for item in steer.items),
-        previous_response_id=previous,
-        generate=None,
-        prompt_cache_options=None,
-    )
 
 
 @attrs.frozen
@@ -181,7 +121,7 @@ class _Lane:
         self.cached: Warm | None = None
         self.serving = False  # its task runs (serving the queue's creates one by one)
         self.preparing = False  # the create at the head is being prepared
-        self.awaiting: _Awaiting | None = None
+        self.awaiting: Awaiting | None = None
 
     @property
     def busy(self) -> bool:
@@ -458,7 +398,7 @@ class LaunchedDialect(DialectBase[_Lane]):
         if machine.status is Status.COMPLETED and machine.pending_calls:
             limit = self._responses.config.max_pending_steers
             required = machine.required_input()
-            lane.awaiting = _Awaiting(machine.id, required, list(steers), limit, budget)
+            lane.awaiting = Awaiting(machine.id, required, list(steers), limit, budget)
         elif steers:
             waiting = sum(steer.nbytes for steer in steers)  # released as its turn begins
             budget.charge(waiting)

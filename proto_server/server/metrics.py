@@ -13,7 +13,7 @@ suspensions and evictions (suspension.py, memory.py), store calls and the state 
 file (`TimedStore`), what the chat-template renderer's cache did (`rendered`, after each
 render: the engine's renderer keeps its own counts, taken from here).
 
-Why one module of this length: the series are declared once, module-level, and each gauge's
+The series are declared once, module-level, and each gauge's
 `multiprocess_mode` must agree with how `exposition` and `worker_gone` add up the workers' files,
 so declaration, merge and scrape are read together. `TimedStore` is here as the one place the
 store's two series are counted.

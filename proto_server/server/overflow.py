@@ -14,9 +14,9 @@ import trio
 
 from proto_server.server.handshake import BadRequestHead, read_request_head
 from proto_server.server.http import LINGER_S, Shutdown, linger, send_error
+from proto_server.server.keepalive import is_probe, serve_probe
 from proto_server.server.logs import log
 from proto_server.server.responses import Responses
-from proto_server.server.routes import is_probe, serve_probe
 from proto_server.wire.errors import ProtocolError
 
 #: What a connection past `--max-connections` may take to show it is a health probe.

@@ -18,12 +18,10 @@ again; `previous_response_id` is served from the persisted store, which answers 
 with only its own responses. Connections are kept alive; a store that cannot answer is a 503
 (`store_unavailable`) and the connection stays open.
 
-The h11 plumbing they stand on is http.py; the SSE framing, sse.py. Each route is a method of
-one `_Exchange` (a request and its answer), so the module is as long as the API is wide.
-
-Why one module of this length: `serve` is the route table, and every route reads the same
-`_Exchange` (its owner once authorized, its body limit, the connection's budget). Split by route,
-the table and what each route may assume of its request would be read in different places.
+The h11 plumbing they stand on is http.py; the SSE framing, sse.py; a connection's requests one
+after another, keepalive.py. Each route is a method of one `Exchange` (a request and its
+answer: its owner once authorized, its body limit, the connection's budget), and `serve` is
+the route table.
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ from proto_server.core.request import input_items
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
 from proto_server.server import metrics
-from proto_server.server.handshake import RequestHead, later_head
 from proto_server.server.http import (
     Shutdown,
-    linger,
-    next_request,
     read_body,
     send_error,
     send_json,
@@ -64,7 +59,6 @@ from proto_server.server.store import (
     ANONYMOUS,
     ProbedStore,
     StoredResponse,
-    StoreUnavailable,
     chain_items,
     history_of,
 )
@@ -102,82 +96,7 @@ def unauthorized() -> ProtocolError:
     )
 
 
-async def serve_http(
-    responses: Responses, shutdown: Shutdown, stream: trio.abc.Stream, head: RequestHead
-) -> RequestHead | None:
-    """Serve requests on one keep-alive connection until the client is done, or idle for
-    `handshake_timeout_s`; a malformed request is answered 400 and its connection closed.
-    A later request that asks for a WebSocket is returned unanswered, for the caller to
-    upgrade as it would a first one."""
-    conn = head.connection
-    request: h11.Request | None = head.request
-    budget = responses.connection_budget()
-    try:
-        return await _serve_requests(responses, shutdown, stream, conn, request, budget)
-    finally:
-        budget.close()
-
-
-#: The routes every connection may use, past `--max-connections` too: a liveness or readiness
-#: probe answered 503 by a full server would have it restarted for being busy.
-PROBES = frozenset({("GET", "/healthz"), ("GET", "/readyz")})
-
-
-def is_probe(head: RequestHead) -> bool:
-    route = (head.request.method.decode(), head.path.rstrip("/"))
-    return not head.is_websocket and route in PROBES
-
-
-async def serve_probe(
-    responses: Responses, shutdown: Shutdown, stream: trio.abc.Stream, head: RequestHead
-) -> None:
-    """Answer one probe (`is_probe`) and nothing after it on this connection."""
-    budget = responses.connection_budget()
-    try:
-        await _Exchange(responses, shutdown, stream, head.connection, head.request, budget).serve()
-    finally:
-        budget.close()
-
-
-async def _serve_requests(
-    responses: Responses,
-    shutdown: Shutdown,
-    stream: trio.abc.Stream,
-    conn: h11.Connection,
-    request: h11.Request | None,
-    budget: MemoryBudget,
-) -> RequestHead | None:
-    while request is not None:
-        exchange = _Exchange(responses, shutdown, stream, conn, request, budget)
-        try:
-            try:
-                await exchange.serve()
-            except (ProtocolError, StoreUnavailable) as exc:
-                if conn.our_state is not h11.SEND_RESPONSE:
-                    return None  # the answer had begun; nothing sensible can be said now
-                await send_error(stream, exc, conn)
-                if exc.status == 408:
-                    return None  # it stalled; it will not send the rest
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                if conn.their_state is h11.SEND_BODY:
-                    await linger(stream)  # so it reads the answer, not a reset
-                return None
-            if shutdown.stopped:
-                return None
-            request = None
-            with shutdown.idle(responses.config.handshake_timeout_s):
-                request = await next_request(stream, conn)
-            if request is not None and (later := later_head(request, conn)).is_websocket:
-                return later
-        except h11.RemoteProtocolError as exc:
-            if conn.our_state is h11.SEND_RESPONSE:
-                refusal = ProtocolError("bad_request", f"Malformed HTTP request: {exc}.")
-                await send_error(stream, refusal, conn)
-            return None
-    return None
-
-
-class _Exchange:
+class Exchange:
     def __init__(
         self,
         responses: Responses,

@@ -28,7 +28,7 @@ Five overlays on the published document, each explicit here and in docs/checker.
 
 Needs the `jsonschema` package (the dev extra), imported only when a `WireSchema` is built.
 
-Why one module of this length: the overlays are the whole list of where this project departs from
+The overlays are the whole list of where this project departs from
 the published document, and `_overlaid` and `WireSchema` apply them to the document the validators
 are built from. In one file, each departure listed sits beside the code that applies it.
 """

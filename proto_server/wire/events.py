@@ -3,7 +3,7 @@
 Server events carry no `sequence_number`: the connection's writer stamps it as it encodes, so the
 numbers follow the order in which frames really leave, whoever produced the events.
 
-Why one module of this length: the events are one closed set, and `CLIENT_EVENT_TYPES`,
+The events are one closed set, and `CLIENT_EVENT_TYPES`,
 `SERVER_EVENT_TYPES` and the unions list every class the converter decodes and the writer encodes.
 Beside the classes, a new event and its entry are written together.
 """

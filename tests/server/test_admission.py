@@ -16,8 +16,9 @@ import trio
 import trio.testing
 
 from proto_server.cli import key_weights
+from proto_server.core.admission_queue import State
 from proto_server.core.conversation import Conversation
-from proto_server.core.scheduler import Scheduler, State
+from proto_server.core.scheduler import Scheduler
 from proto_server.engine.base import GeneratorSession
 from proto_server.engine.chunks import Chunk
 from proto_server.engine.default_model import DefaultModel

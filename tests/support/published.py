@@ -62,7 +62,7 @@ class SchemaNet:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         add_frame = connection.WebSocketTransport.add
         add_block = sse.SSETransport.add
-        exchange_json = routes._Exchange._json
+        exchange_json = routes.Exchange._json
         error_body = http.error_body
 
         def websocket_event(transport: Any, event: Any, payload: bytes) -> int:
@@ -85,7 +85,7 @@ class SchemaNet:
 
         monkeypatch.setattr(connection.WebSocketTransport, "add", websocket_event)
         monkeypatch.setattr(sse.SSETransport, "add", sse_event)
-        monkeypatch.setattr(routes._Exchange, "_json", json_body)
+        monkeypatch.setattr(routes.Exchange, "_json", json_body)
         monkeypatch.setattr(http, "error_body", checked_error_body)
         monkeypatch.setattr(app, "error_body", checked_error_body)
 

@@ -98,8 +98,9 @@ def test_the_tests_readme_names_every_test_module() -> None:
     assert not missing, f"add {missing} to tests/README.md's table"
 
 
-#: A module longer than this says at its top why it is one module (docs/architecture.md).
-LONG_MODULE_LINES = 420
+#: A module longer than this says at its top why it is one module, until it is given a structure
+#: (the goal: none is, and none has to say why).
+LONG_MODULE_LINES = 500
 
 
 def test_a_long_module_says_at_its_top_why_it_is_one() -> None:

@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from proto_server.core.scheduler import Scheduler, State
+from proto_server.core.admission_queue import State
+from proto_server.core.scheduler import Scheduler
 
 TTL = 10.0
 

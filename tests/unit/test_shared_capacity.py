@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from proto_server.core.scheduler import Scheduler, State
+from proto_server.core.admission_queue import State
+from proto_server.core.scheduler import Scheduler
 from proto_server.core.shared_capacity import (
     Load,
     capacity_for,

@@ -17,7 +17,7 @@ at the arguments' `{` and their text piece by piece, with the same chunks, texts
 held path would give at the close (the last piece of each call waits for the `,` or `]` after it,
 which decides whether the tokens after the arguments go to it or to the next call's begin).
 
-Why one module of this length: the held path (`parse_calls`, `_scan_block`) and the streamed one
+The held path (`parse_calls`, `_scan_block`) and the streamed one
 (`_scan_stream`) must turn a block into the same chunks, texts and tokens, and both work on
 `ToolCallParser`'s token marks. One file is where that promise can be checked by reading.
 """

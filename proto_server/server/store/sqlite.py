@@ -3,7 +3,7 @@ file in a child process (sqlite_host.py), so a fault of its memory mapping kills
 not the server. Blocking calls run in worker threads, writes one at a time, reads on
 connections of their own.
 
-Why one module of this length: `_call` is the one place every failure of the store becomes a
+`_call` is the one place every failure of the store becomes a
 `StoreUnavailable` (a timeout, a lock, a dead child process, a lost file), and the connections are
 what it sees fail (`_Child` rebuilds sqlite3's errors with the `sqlite_errorname` that `_call`
 reads). Apart, the failures and what they become would be read in two files.

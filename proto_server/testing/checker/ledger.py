@@ -11,10 +11,10 @@ The ledger also holds the answers that are events of their own: `response.queued
 that waits its turn, `response.inject.created` / `.failed`, and a steer's `accepted`,
 `pending` and `failed` (with the accepted steers until they are committed or returned).
 
-Why one module of this length: what a frame may earn (`sent`, `_answers`, `_judge`) and the events
-that settle it (`error`, `created`, `inject_failed`, `steer_failed`...) read and widen the same
-`Frame` records. Split, the codes a frame may earn could drift from the codes its answers are
-matched by.
+What a frame may earn in a state of the server (`View`, the codes, `judge`) is answers.py's;
+the ledger keeps the `Frame` records that its answers (`error`, `created`, `inject_failed`,
+`steer_failed`...) settle, so the codes a frame may earn and those its answers are matched by
+are read from one place.
 """
 
 from __future__ import annotations
@@ -25,8 +25,16 @@ from typing import Any
 import attrs
 import orjson
 
-from proto_server.core.request import check_create, input_items, is_warmup
-from proto_server.core.tool_choice import parse_tool_choice
+from proto_server.testing.checker.answers import (
+    INJECT_ERRORS,
+    RESUME_ERRORS,
+    STEER_CODES,
+    View,
+    carries_compaction,
+    forces_a_call,
+    judge,
+    refusal,
+)
 from proto_server.testing.checker.invariants import Broken, Dialect
 from proto_server.testing.checker.responses import Responses, error_detail_ok, response_object
 from proto_server.wire.converter import as_json, decode_client_event
@@ -39,43 +47,7 @@ from proto_server.wire.events import (
     ResponseInject,
     ResponseSteer,
 )
-from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
-
-#: The `error` codes an append that names its Response (`response_id`) may earn as well: the
-#: store decides whether a Response suspended on another connection can be resumed here, and
-#: its history, rebuilt, and the append must fit this connection's and the process's memory.
-RESUME_ERRORS = frozenset(
-    {"response_not_found", "response_already_completed", "response_already_resumed",
-     "store_unavailable", "connection_memory_limit", "server_busy"}
-)  # fmt: skip
-#: The `error` codes a `response.inject` may earn (its other answers are its own events).
-INJECT_ERRORS = frozenset(
-    {"unknown_call_id", "duplicate_call_id", "invalid_field", "unknown_event_type"}
-)
-#: The codes of `response.steer.failed` (openai-python 3.57's `ResponseSteerErrorCode`).
-STEER_CODES = frozenset(
-    {
-        "response_not_found",
-        "invalid_input",
-        "steering_not_supported",
-        "too_many_pending_steers",
-        "response_already_completed",
-        "response_not_active",
-        "successor_creation_failed",
-        # this server's own: a steer that does not fit a memory budget gets its code
-        "connection_memory_limit",
-        "server_busy",
-    }
-)
-
-
-@attrs.frozen
-class View:
-    """What the server's state looked like to a frame: enough to know how it must answer."""
-
-    phase: str  # none | streaming | suspended | ending
-    pending: frozenset[str] = frozenset()
-    answered: frozenset[str] = frozenset()
+from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput
 
 
 @attrs.define
@@ -491,7 +463,7 @@ class Ledger:
         if isinstance(event, ResponseInject):
             return True, INJECT_ERRORS  # its effect is its own event: inject.created or .failed
         if self.dialect == "prototype":
-            code = _judge(event, view)
+            code = judge(event, view)
             codes = {code} if code else set()
             if isinstance(event, ResponseAppend) and event.response_id is not None:
                 if view.phase in ("none", "suspended"):
@@ -500,91 +472,25 @@ class Ledger:
                     codes.discard("no_open_response")  # it names one: the store is asked
             if view.phase == "streaming" and not isinstance(event, ResponseCreate):
                 codes.add("no_open_response")  # it may have ended, its terminal event not out yet
-            if code is None and _forces_a_call(event):
+            if code is None and forces_a_call(event):
                 codes.add("unsupported_tool_choice")
-            if code is None and _carries_compaction(event):
+            if code is None and carries_compaction(event):
                 codes.add("invalid_field")
             return code is None, frozenset(codes)
         if isinstance(event, ResponseCreate):
-            refusal = _refusal(event)
-            if event.background or refusal:
-                return False, frozenset({refusal or "invalid_field"})
+            refused = refusal(event)
+            if event.background or refused:
+                return False, frozenset({refused or "invalid_field"})
             # served when its turn comes: its chain may be gone, the queue may be full
             codes = {"concurrent_request"}
-            if _forces_a_call(event):
+            if forces_a_call(event):
                 codes.add("unsupported_tool_choice")
             if event.previous_response_id is not None:
                 # the chain may be gone, another key's, or the store unable to answer
                 codes |= {"previous_response_not_found", "store_unavailable"}
-            if _carries_compaction(event):
+            if carries_compaction(event):
                 codes.add("invalid_field")
             return True, frozenset(codes)
         if isinstance(event, ResponseAppend):
             return False, frozenset({"unknown_event_type"})
         return view.phase != "none", frozenset({"no_open_response"})
-
-
-def _judge(event: ClientEvent, view: View) -> str | None:
-    """The prototype dialect: the one error code `event` earns in `view`, or None."""
-    if isinstance(event, ResponseCreate):
-        if view.phase != "none":
-            return "concurrent_request"
-        if event.previous_response_id is not None or is_warmup(event):
-            return "invalid_field"
-        if event.context_management:
-            return "invalid_field"
-        return "invalid_field" if event.background else _refusal(event)
-    if view.phase in ("none", "ending"):
-        return "no_open_response"
-    if isinstance(event, ResponseCancel):
-        return None
-    if view.phase != "suspended":
-        return "response_in_progress"
-    assert isinstance(event, ResponseAppend)
-    if not event.input:
-        return "invalid_field"
-    answering: set[str] = set()
-    message = False
-    for item in event.input:
-        if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
-            if item.call_id in answering or item.call_id in view.answered:
-                return "duplicate_call_id"
-            if item.call_id not in view.pending:
-                return "unknown_call_id"
-            answering.add(item.call_id)
-        elif isinstance(item, Message) and item.role != "assistant":
-            message = True
-        else:
-            return "invalid_field"
-    if message and view.pending - answering:
-        return "missing_tool_output"
-    return None
-
-
-def _forces_a_call(event: ClientEvent) -> bool:
-    """A create whose tool_choice forces a call: a server whose model cannot force one (a local
-    model without a fast tokenizer, which llguidance needs) refuses it with
-    `unsupported_tool_choice`, another serves it."""
-    return (
-        isinstance(event, ResponseCreate)
-        and _refusal(event) is None
-        and (parse_tool_choice(event.tool_choice).mode == "required")
-    )
-
-
-def _carries_compaction(event: ClientEvent) -> bool:
-    """A create with a compaction item: only the server that sealed it can tell whether it is
-    genuine, and refuses it (`invalid_field`) if not."""
-    return isinstance(event, ResponseCreate) and any(
-        isinstance(item, UnknownItem) and item.type == "compaction" for item in input_items(event)
-    )
-
-
-def _refusal(create: ResponseCreate) -> str | None:
-    """The code of the error a create earns beyond its decoding (`check_create`, as the server
-    runs it), or None."""
-    try:
-        check_create(create)
-    except ProtocolError as exc:
-        return exc.detail.code
-    return None

@@ -7,7 +7,7 @@ equal their deltas (invariant 3), suspensions follow calls (4), call ids are nev
 usage only grows and adds up (6), and every snapshot matches what streamed. It knows nothing of
 what the client sent: whether an event answers a frame is the ledger's to say.
 
-Why one module of this length: the item events build the `Item` and `Response` records that the
+The item events build the `Item` and `Response` records that the
 snapshot and usage checks compare with, and a snapshot must repeat exactly what the deltas built.
 So what builds the records and what checks against them (invariants 3 to 6) are read together.
 """
