@@ -39,15 +39,9 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 from proto_server.wire.items import TOKEN_FIELDS
 
-from ..support.helpers import (
-    StartServer,
-    answers,
-    body,
-    connect,
-    create,
-    launched_create,
-    sse,
-)
+from ..support.clients import connect, sse
+from ..support.frames import answers, body, create, launched_create
+from ..support.servers import StartServer
 from .test_logprobs import Blind
 
 THOUGHT = "The loop is off by one — naïvely so."
