@@ -14,8 +14,8 @@ WebSocket (`previous_response_id`, `store: false`) and, on a real vLLM, the peer
 `/v1/responses` with the whole history, vLLM's `/v1/chat/completions` alone (the client keeps and
 resends the messages, as an agent library does) and, given the URL of one the user started,
 ThunderAgent (or any proxy that schedules programs by a `program_id` sent with chat completions)
-in front of the same engine (the clients are `bench.paths`'). On the simulated GPU (the default)
-only proto-server's paths run and the engine's time is modelled.
+in front of the same engine (the clients are `bench.paths`' and `bench.chat`'s). On the
+simulated GPU (the default) only proto-server's paths run and the engine's time is modelled.
 
 Per path: makespan, the prompt tokens prefilled (each turn's `input_tokens - cached_tokens`)
 against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 over every
@@ -51,13 +51,12 @@ import attrs
 import httpx
 import trio
 
+from proto_server.bench.chat import CHAT, PROGRAMS, open_chat
 from proto_server.bench.paths import (
     ASK,
-    CHAT,
     INSTRUCTIONS,
     LAUNCHED,
     PATH_FAILURES,
-    PROGRAMS,
     PROTOTYPE,
     STATELESS,
     Items,
@@ -346,8 +345,10 @@ async def _rollout(
     record: Callable[[AgentTurn], None],
 ) -> None:
     """One rollout through one path: the tool's waits are the client's own sleeps."""
-    opened = open_path(target.dialect(path), target.url(path), target.engine_url,
-                       target.model, instructions, target.answer_tokens)  # fmt: skip
+    dialect = target.dialect(path)
+    opener = open_chat if dialect in (CHAT, PROGRAMS) else open_path
+    opened = opener(dialect, target.url(path), target.engine_url, target.model, instructions,
+                    target.answer_tokens)  # fmt: skip
     async with opened as send:
         new: Items = [{"role": "user", "content": f"{agent.context}\n\n{ASK}"}]
         last = len(agent.outputs) + 1

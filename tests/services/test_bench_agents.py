@@ -37,7 +37,8 @@ from proto_server.bench.agents import (
     summarize,
     unbounded_need,
 )
-from proto_server.bench.paths import CHAT, LAUNCHED, PROGRAMS, PROTOTYPE, STATELESS
+from proto_server.bench.chat import CHAT, PROGRAMS
+from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
 from ..support.engine import Engine
@@ -209,7 +210,7 @@ def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
 
 @pytest.mark.engine
 @pytest.mark.deadline(400)
-def test_agents_on_a_real_engine_measure_all_three_paths(
+def test_agents_on_a_real_engine_measure_every_path(
     vllm_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The admitting server runs two workers, sharing the engine's room through a store file."""
@@ -220,7 +221,7 @@ def test_agents_on_a_real_engine_measure_all_three_paths(
     assert main(args) == 0
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
     assert [p["path"] for p in data["paths"]] == [
-        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS, CHAT
     ]  # fmt: skip
     for path in data["paths"]:
         _consistent(path, rollouts=2, turns=2)
