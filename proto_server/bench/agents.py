@@ -10,13 +10,17 @@ defaults keep their ratio, scaled down to a 1 s median for a small machine.
 
 The same workload runs through each path, one path after the other, on the same engine:
 proto-server's prototype WebSocket (one Response, suspended at each call), its launched
-WebSocket (`previous_response_id`, `store: false`) and, on a real vLLM, vLLM's own
-`/v1/responses` with the whole history (the clients are `bench.paths`'). On the simulated GPU
-(the default) only proto-server's paths run and the engine's time is modelled.
+WebSocket (`previous_response_id`, `store: false`) and, on a real vLLM, the peers: vLLM's own
+`/v1/responses` with the whole history, vLLM's `/v1/chat/completions` alone (the client keeps and
+resends the messages, as an agent library does) and, given the URL of one the user started,
+ThunderAgent (or any proxy that schedules programs by a `program_id` sent with chat completions)
+in front of the same engine (the clients are `bench.paths`' and `bench.chat`'s). On the
+simulated GPU (the default) only proto-server's paths run and the engine's time is modelled.
 
 Per path: makespan, the prompt tokens prefilled (each turn's `input_tokens - cached_tokens`)
-against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 (the client's
-first output event after its request) and the engine's preemptions (`/metrics`).
+against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 over every
+turn and p50/p90 over the turns after a tool (the client's first output event after its request)
+and the engine's preemptions (`/metrics`).
 
 Why one module of this length: the workload, each path's run and the report share the records
 `Agent`, `AgentTurn` and `PathRun`. The paths' names (`ADMITTED`, `SPREAD`) are made by
@@ -47,6 +51,7 @@ import attrs
 import httpx
 import trio
 
+from proto_server.bench.chat import CHAT, PROGRAMS, open_chat
 from proto_server.bench.paths import (
     ASK,
     INSTRUCTIONS,
@@ -128,6 +133,9 @@ class AgentsSettings:
     kv_target_fill: float | None = None
     #: The admitting server's `--admission-growth` (None: its own).
     admission_growth: float | None = None
+    #: A ThunderAgent the user started in front of the first engine (its root, or its /v1):
+    #: adds the chat-completions path with a `program_id` per rollout through it.
+    thunderagent_url: str = ""
 
     @property
     def admits(self) -> str:
@@ -155,6 +163,8 @@ class AgentsSettings:
             found.append("--engines must be at least 1, and more than 1 needs --engine vllm")
         elif self.engines > 1 and self.engine_urls:
             found.append("--engines starts engines: give it or --engine-url, not both")
+        if self.thunderagent_url and self.engine != "vllm":
+            found.append("--thunderagent-url needs --engine vllm (it fronts a vLLM engine)")
         if self.admission_ttl_s is not None and not self.admission_ttl_s > 0:
             found.append(f"--admission-ttl must be positive, got {self.admission_ttl_s}")
         learned = self.admission_ttl_median
@@ -276,10 +286,14 @@ class Target:
     #: The proto-server in front of every engine, and its path's name (`SPREAD`).
     spread_url: str = ""
     spread: str = ""
+    #: The program-scheduling proxy's base (ending in /v1), for `PROGRAMS`.
+    programs_url: str = ""
 
     def url(self, path: str) -> str:
         if self.spread and path == self.spread:
             return self.spread_url
+        if path == PROGRAMS:
+            return self.programs_url
         return self.admitted_url if path.endswith(ADMITTED) else self.proto_url
 
     def dialect(self, path: str) -> str:
@@ -331,8 +345,10 @@ async def _rollout(
     record: Callable[[AgentTurn], None],
 ) -> None:
     """One rollout through one path: the tool's waits are the client's own sleeps."""
-    opened = open_path(target.dialect(path), target.url(path), target.engine_url,
-                       target.model, instructions, target.answer_tokens)  # fmt: skip
+    dialect = target.dialect(path)
+    opener = open_chat if dialect in (CHAT, PROGRAMS) else open_path
+    opened = opener(dialect, target.url(path), target.engine_url, target.model, instructions,
+                    target.answer_tokens)  # fmt: skip
     async with opened as send:
         new: Items = [{"role": "user", "content": f"{agent.context}\n\n{ASK}"}]
         last = len(agent.outputs) + 1
@@ -499,7 +515,9 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             def count(text: str) -> int:
                 return len(tokenizer.encode(text, add_special_tokens=False))
 
-            paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS)
+            paths: tuple[str, ...] = (PROTOTYPE, LAUNCHED, STATELESS, CHAT)
+            if settings.thunderagent_url:
+                paths += (PROGRAMS,)
             name = model.name
             # proto-server's paths without admission (on by default in front of vLLM)
             process, proto_url = await start_proto_server(
@@ -569,8 +587,9 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             last = max(i for i, p in enumerate(paths) if p.startswith(LAUNCHED))
             paths = (*paths[: last + 1], spread, *paths[last + 1 :])
         agents = make_agents(settings, count, nonce)
+        programs = settings.thunderagent_url.rstrip("/").removesuffix("/v1")
         target = Target(proto_url, url, name, settings.answer_tokens, admitted_url,
-                        spread_url, spread)  # fmt: skip
+                        spread_url, spread, programs and programs + "/v1")  # fmt: skip
         runs = []
         for index, path in enumerate(paths, 1):
             progress(f"[{index}/{len(paths)}] {path}: {len(agents)} rollouts x "
@@ -668,6 +687,7 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
     cached = sum(t.cached_tokens for t in turns)
     need = unbounded_need(turns)
     ttfts = [t.ttft_s for t in turns]
+    after_tool = [t.ttft_s for t in turns if t.turn > 1]
     by_turn: dict[int, list[float]] = {}
     for t in turns:
         share = t.cached_tokens / t.input_tokens if t.input_tokens else 0.0
@@ -688,6 +708,8 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
         "cached_share": cached / prompt if prompt else math.nan,
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_after_tool_p50_s": percentile(after_tool, 0.5),
+        "ttft_after_tool_p90_s": percentile(after_tool, 0.9),
         "cached_share_per_turn": {str(k): statistics.mean(v) for k, v in sorted(by_turn.items())},
         "engine": run.engine,
         "preemptions": run.engine.get("preemptions"),
@@ -741,7 +763,8 @@ def against_vllm(
     cache = settings.gpu_blocks * BLOCK_SIZE
     judged = {}
     for p in paths:
-        if p is vllm or p["failed"] or p["path"].startswith(LAUNCHED + " on "):
+        peer = p["path"] in (CHAT, PROGRAMS) or p["path"].startswith(LAUNCHED + " on ")
+        if p is vllm or p["failed"] or peer:
             continue
         pressure = p["working_set_tokens"] / cache
         ratios = {"prefilled_vs_unbounded": p["prefilled_vs_unbounded"],
@@ -790,7 +813,8 @@ def render(data: dict[str, Any]) -> str:
         "",
     ]
     header = ["path", "makespan s", "prompt", "prefilled", "unbounded need", "prefilled/need",
-              "cached share", "TTFT p50 s", "TTFT p99 s", "preemptions"]  # fmt: skip
+              "cached share", "TTFT p50 / p99 s", "after a tool p50 / p90 s",
+              "preemptions"]  # fmt: skip
     rows = []
     for p in data["paths"]:
         pre = p["preemptions"]
@@ -798,7 +822,8 @@ def render(data: dict[str, Any]) -> str:
             p["path"] + (" (FAILED)" if p["failed"] else ""), f"{p['makespan_s']:.1f}",
             str(p["input_tokens"]), str(p["prefilled_tokens"]), str(p["unbounded_need_tokens"]),
             f"{p['prefilled_vs_unbounded']:.2f}x", f"{p['cached_share']:.0%}",
-            f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p99_s']:.2f}",
+            f"{p['ttft_p50_s']:.2f} / {p['ttft_p99_s']:.2f}",
+            f"{p['ttft_after_tool_p50_s']:.2f} / {p['ttft_after_tool_p90_s']:.2f}",
             "n/a" if pre is None else f"{pre:.0f}",
         ])  # fmt: skip
     lines += table(header, rows)

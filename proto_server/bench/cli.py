@@ -299,6 +299,12 @@ def _agents_arguments(group: argparse._ArgumentGroup) -> None:
         "engine's room through a store file (--admission-shared)",
     )  # fmt: skip
     group.add_argument(
+        "--thunderagent-url", default=defaults.thunderagent_url, metavar="URL",
+        help="agents, --engine vllm: a ThunderAgent you started in front of the first engine "
+        "(thunderagent --backends ENGINE --router tr --metrics), or any proxy that takes a "
+        "program_id with chat completions and POST /programs/release: adds its path",
+    )  # fmt: skip
+    group.add_argument(
         "--vllm-python", default=defaults.vllm_python, metavar="PATH",
         help="agents, --engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
@@ -499,6 +505,7 @@ def _run_agents(args: argparse.Namespace) -> int:
         admission_ttl_median=args.admission_ttl_median,
         admission_workers=args.admission_workers,
         kv_target_fill=args.kv_target_fill,
+        thunderagent_url=args.thunderagent_url,
     )
     return agents_main(settings)
 

@@ -1,4 +1,5 @@
-"""The paths an agent loop takes to one engine, as clients: proto-server's three, vLLM's two.
+"""The paths an agent loop takes to one engine, as clients: proto-server's three, vLLM's two
+(its chat completions, and a program-scheduling proxy's, are `bench.chat`'s).
 
 proto-server's prototype WebSocket (one Response, suspended on each call and appended to), its
 launched WebSocket (turns chained by `previous_response_id`) and its stateless HTTP (the whole

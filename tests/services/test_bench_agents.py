@@ -5,13 +5,19 @@ Timings are not asserted (a shared, noisy machine); docs/benchmarks.md shows a r
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import h11
+import httpx
 import orjson
 import pytest
+import trio
 
 from proto_server.bench.agents import (
     ADMITTED,
@@ -19,14 +25,19 @@ from proto_server.bench.agents import (
     SPREAD,
     AgentsSettings,
     AgentTurn,
+    PathRun,
+    Target,
     against_vllm,
     lognormal,
     make_agents,
     past_need,
     percentile,
+    run_path,
     spread_vs_one,
+    summarize,
     unbounded_need,
 )
+from proto_server.bench.chat import CHAT, PROGRAMS
 from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
@@ -200,7 +211,7 @@ def test_admission_on_the_simulated_gpu_needs_its_cache_bounded(
 @pytest.mark.engine
 @pytest.mark.model  # the engine's SmolLM2, converted by transformers
 @pytest.mark.deadline(400)
-def test_agents_on_a_real_engine_measure_all_three_paths(
+def test_agents_on_a_real_engine_measure_every_path(
     vllm_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The admitting server runs two workers, sharing the engine's room through a store file."""
@@ -211,7 +222,7 @@ def test_agents_on_a_real_engine_measure_all_three_paths(
     assert main(args) == 0
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
     assert [p["path"] for p in data["paths"]] == [
-        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS
+        PROTOTYPE, PROTOTYPE + ADMITTED, LAUNCHED, LAUNCHED + ADMITTED, STATELESS, CHAT
     ]  # fmt: skip
     for path in data["paths"]:
         _consistent(path, rollouts=2, turns=2)
@@ -275,3 +286,124 @@ def test_each_of_our_paths_is_judged_by_issue_19s_goals_only_under_pressure() ->
     assert roomy is not None and set(roomy[ours["path"]]["holds"].values()) == {None}  # no pressure
     assert against_vllm([ours], tight) is None  # nothing to hold it against
     assert against_vllm([ours, vllm], AgentsSettings(engine="vllm")) is None  # cache unbounded
+
+
+def test_ttft_after_a_tool_counts_only_the_turns_that_follow_one() -> None:
+    def turn(rollout: int, number: int, ttft: float) -> AgentTurn:
+        return AgentTurn("p", rollout, number, 100 * number, 0, 10, ttft, ttft, 0.0)
+
+    turns = [turn(r, 1, 9.0 + r) for r in range(2)]  # the first turns: no tool before them
+    turns += [turn(r, t, 0.1 * (t + 3 * r)) for r in range(2) for t in (2, 3, 4)]
+    summary = summarize(PathRun("p", tuple(turns), 12.0, {}), modelled=False)
+    assert summary["ttft_after_tool_p50_s"] == pytest.approx(0.4)  # of 0.2 .. 0.7 (six)
+    assert summary["ttft_after_tool_p90_s"] == pytest.approx(0.7)
+    assert summary["ttft_p99_s"] == 10.0  # every turn's
+
+
+def test_bench_agents_takes_a_program_proxy_only_in_front_of_vllm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--thunderagent-url", "http://127.0.0.1:9/"]) == 2
+    assert "--thunderagent-url needs --engine vllm" in capsys.readouterr().err
+
+
+class RecordingProxy:
+    """A stand-in for a proxy that schedules programs (ThunderAgent's API) in front of a real
+    engine: it keeps each chat-completions body and each release it got, and forwards the body
+    to the engine without its `program_id`, as ThunderAgent does."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.engine_url = engine_url
+        self.bodies: list[dict[str, Any]] = []
+        self.released: list[str] = []
+        self.order: list[str] = []  # each program's requests and release, as they came
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER)
+
+        async def next_event() -> Any:
+            while (event := connection.next_event()) is h11.NEED_DATA:
+                connection.receive_data(await stream.receive_some(65536))
+            return event
+
+        async def send(event: Any) -> None:
+            await stream.send_all(connection.send(event) or b"")
+
+        request, body = await next_event(), b""
+        while not isinstance(event := await next_event(), h11.EndOfMessage):
+            body += event.data
+        headers = [("connection", "close")]
+        if request.target == b"/programs/release":
+            program = json.loads(body)["program_id"]
+            self.released.append(program)
+            self.order.append(f"release {program}")
+            answer = json.dumps({"program_id": program, "released": True}).encode()
+            await send(h11.Response(status_code=200, headers=[
+                *headers, ("content-type", "application/json"),
+                ("content-length", str(len(answer)))]))  # fmt: skip
+            await send(h11.Data(data=answer))
+        else:
+            assert request.target == b"/v1/chat/completions"
+            payload = json.loads(body)
+            self.bodies.append(payload)
+            self.order.append(f"request {payload.get('program_id')}")
+            forwarded = {k: v for k, v in payload.items() if k != "program_id"}
+            async with (
+                httpx.AsyncClient(timeout=120) as http,
+                http.stream(
+                    "POST", f"{self.engine_url}/chat/completions", json=forwarded
+                ) as answered,  # fmt: skip
+            ):
+                await send(h11.Response(status_code=answered.status_code, headers=[
+                    *headers, ("content-type", answered.headers["content-type"]),
+                    ("transfer-encoding", "chunked")]))  # fmt: skip
+                async for part in answered.aiter_raw():
+                    await send(h11.Data(data=part))
+        await send(h11.EndOfMessage())
+        await stream.aclose()
+
+
+@pytest.mark.engine
+async def test_the_chat_completions_paths_resend_the_history_and_a_proxy_gets_each_program(
+    vllm_engine: Engine, nursery: trio.Nursery
+) -> None:
+    """vLLM's chat completions alone, and the same through a proxy of ThunderAgent's kind (a
+    recording one on 127.0.0.1): each rollout's turns resend its whole history with the model's
+    calls and the tools' outputs, and through the proxy carry one `program_id` per rollout,
+    released once after its last turn."""
+    proxy = RecordingProxy(vllm_engine.url)
+    listeners = await nursery.start(partial(trio.serve_tcp, proxy.serve, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    target = Target("", vllm_engine.url, "smollm2", 16, programs_url=f"http://127.0.0.1:{port}/v1")
+    settings = AgentsSettings(rollouts=2, turns=3, context_tokens=80, output_tokens=(30.0, 40.0),
+                              wait_s=(0.01, 0.02))  # fmt: skip
+    agents = make_agents(settings, lambda text: len(text.split()), "n")
+    async with httpx.AsyncClient(base_url=vllm_engine.url.removesuffix("/v1")) as engine:
+        runs = {path: await run_path(path, target, agents, "n", [engine], lambda line: None)
+                for path in (CHAT, PROGRAMS)}  # fmt: skip
+    for run in runs.values():
+        summary = summarize(run, modelled=False)
+        _consistent(summary, rollouts=2, turns=3)
+        assert summary["ttft_after_tool_p50_s"] <= summary["ttft_after_tool_p90_s"]
+        assert run.engine["finished"] >= 6  # the engine counted every turn
+        # each turn after the first resends the rollout's history: its prefix is found cached
+        assert all(t.cached_tokens > 0 for t in run.turns if t.turn > 1)
+    # only the proxy's path went through it: 2 programs of 3 turns, each released once, last
+    programs = [body["program_id"] for body in proxy.bodies]
+    assert len(programs) == 6 and len(set(programs)) == 2
+    assert sorted(proxy.released) == sorted(set(programs))
+    for program in set(programs):
+        mine = [entry for entry in proxy.order if entry.endswith(program)]
+        assert mine == [f"request {program}"] * 3 + [f"release {program}"]
+        bodies = [body for body in proxy.bodies if body["program_id"] == program]
+        system = bodies[0]["messages"][0]
+        assert system["role"] == "system" and f"[n {PROGRAMS}]" in system["content"]  # salted
+        for before, after in itertools.pairwise(bodies):
+            sent = after["messages"]
+            assert sent[: len(before["messages"])] == before["messages"]  # the history, whole
+            said, tool = sent[len(before["messages"]) :]
+            assert said["role"] == "assistant" and len(said["tool_calls"]) == 1
+            assert tool == {"role": "tool", "tool_call_id": said["tool_calls"][0]["id"],
+                            "content": tool["content"]}  # fmt: skip
+            assert tool["content"] in {o for a in agents for o in a.outputs}
+        assert [b["tool_choice"] for b in bodies] == ["required", "required", "none"]

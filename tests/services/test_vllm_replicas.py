@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from proto_server.bench.agents import SPREAD
+from proto_server.bench.chat import CHAT
 from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
@@ -131,7 +132,7 @@ def test_the_agents_bench_runs_the_launched_path_on_two_engines_beside_one(
     assert main(args) == 0
     data = orjson.loads((tmp_path / "agents.json").read_bytes())
     spread = LAUNCHED + SPREAD.format(2)
-    assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED, spread, STATELESS]
+    assert [p["path"] for p in data["paths"]] == [PROTOTYPE, LAUNCHED, spread, STATELESS, CHAT]
     for path in data["paths"]:
         _consistent(path, rollouts=2, turns=2)
     on_both = next(p for p in data["paths"] if p["path"] == spread)
