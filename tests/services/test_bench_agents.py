@@ -364,6 +364,7 @@ class RecordingProxy:
 
 
 @pytest.mark.engine
+@pytest.mark.model  # the engine's SmolLM2, converted by transformers
 async def test_the_chat_completions_paths_resend_the_history_and_a_proxy_gets_each_program(
     vllm_engine: Engine, nursery: trio.Nursery
 ) -> None:
