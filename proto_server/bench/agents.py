@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
@@ -165,6 +166,12 @@ class AgentsSettings:
             found.append("--engines starts engines: give it or --engine-url, not both")
         if self.thunderagent_url and self.engine != "vllm":
             found.append("--thunderagent-url needs --engine vllm (it fronts a vLLM engine)")
+        proxy = urlsplit(self.thunderagent_url)
+        if self.thunderagent_url and (proxy.scheme not in ("http", "https") or not proxy.hostname):
+            found.append(
+                "--thunderagent-url must be the proxy's root, e.g. http://127.0.0.1:8710, got "
+                f"{self.thunderagent_url!r}"
+            )
         if self.admission_ttl_s is not None and not self.admission_ttl_s > 0:
             found.append(f"--admission-ttl must be positive, got {self.admission_ttl_s}")
         learned = self.admission_ttl_median

@@ -172,6 +172,14 @@ def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:8710", "http://"])
+def test_bench_agents_refuses_a_proxy_url_it_cannot_reach(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "agents", "--engine", "vllm", "--thunderagent-url", url]) == 2
+    assert "--thunderagent-url must be the proxy's root" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("growth", ["0.5", "101"])
 def test_bench_agents_refuses_a_growth_the_server_would(
     growth: str, capsys: pytest.CaptureFixture[str]
