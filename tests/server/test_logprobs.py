@@ -30,7 +30,7 @@ from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import Logprob
 
-from ..support.clients import connect, in_thread, sse
+from ..support.clients import connect, in_thread, resumed_elsewhere, sse
 from ..support.frames import EXEC_COMMAND, answers, body, create, launched_create
 from ..support.servers import FAST, StartServer
 
@@ -357,15 +357,6 @@ async def test_a_prototype_response_resumed_from_the_store_keeps_saying_logprobs
     keeps that its create asked for logprobs): the answer after the calls says them too."""
     running = await start_server(TOOL_THEN_ANSWER, store=SQLiteStore(tmp_path / "s.sqlite3"))
     with trio.fail_after(20):
-        async with connect(running.prototype_url) as client:
-            await client.send(create(**ASK))
-            first = await client.until("response.done")
-            await client.vanish()
-        await running.server.wait_idle()
-        rid = first[-1]["response"]["id"]
-        async with connect(running.prototype_url) as client:
-            frame = {"type": "response.append", "response_id": rid, "input": answers(first)}
-            await client.send(frame)
-            rest = await client.until("response.completed")
+        _, rest = await resumed_elsewhere(running, create(**ASK))
     assert [t.source for t in running.server.responses.turns] == ["store"]
     assert_logprobs(ANSWER, message_logprobs(rest))

@@ -39,7 +39,7 @@ from proto_server.server.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 from proto_server.wire.items import TOKEN_FIELDS
 
-from ..support.clients import connect, sse
+from ..support.clients import connect, resumed_elsewhere, sse
 from ..support.frames import answers, body, create, launched_create
 from ..support.servers import StartServer
 from .test_logprobs import Blind
@@ -201,16 +201,7 @@ async def test_a_rollout_resumed_from_the_store_keeps_its_items_ids(
     is the whole conversation the second segment was sent."""
     running = await start_server(TOOL_THEN_ANSWER, store=SQLiteStore(tmp_path / "s.sqlite3"))
     with trio.fail_after(20):
-        async with connect(running.prototype_url) as client:
-            await client.send(create(**ASK))
-            first = await client.until("response.done")
-            await client.vanish()
-        await running.server.wait_idle()
-        rid = first[-1]["response"]["id"]
-        async with connect(running.prototype_url) as client:
-            frame = {"type": "response.append", "response_id": rid, "input": answers(first)}
-            await client.send(frame)
-            rest = await client.until("response.completed")
+        first, rest = await resumed_elsewhere(running, create(**ASK))
     assert [t.source for t in running.server.responses.turns] == ["store"]
     output = rest[-1]["response"]["output"]
     assert output[:3] == first[-1]["response"]["output"] == done_items(first)

@@ -145,3 +145,24 @@ def collapse(names: list[str]) -> list[str]:
         else:
             out.append(name)
     return out
+
+
+async def resumed_elsewhere(
+    running: Any, frame: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Create a prototype Response with `frame`, leave at its suspension without a word, then
+    answer its calls from a new connection (a resume from the store): what each connection saw,
+    the first up to `response.done`, the second up to `response.completed`."""
+    from .frames import answers
+
+    async with connect(running.prototype_url) as client:
+        await client.send(frame)
+        first = await client.until("response.done")
+        await client.vanish()
+    await running.server.wait_idle()
+    response_id = first[-1]["response"]["id"]
+    async with connect(running.prototype_url) as client:
+        append = {"type": "response.append", "response_id": response_id, "input": answers(first)}
+        await client.send(append)
+        rest = await client.until("response.completed")
+    return first, rest
