@@ -22,6 +22,7 @@ from proto_server.server.outbox import Outbox
 from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.events import ServerEvent
+from proto_server.wire.items import TOKEN_FIELDS
 from proto_server.wire.response import Response
 
 #: Most events framed into one socket write (a burst is written in pieces this big).
@@ -107,8 +108,20 @@ async def discard_events(outbox: Outbox, *, dialect: str, one_response: bool = F
 
 def echoed_bytes(event: ServerEvent) -> int:
     """The least the Response `event` echoes (if any) takes as JSON, counted by its tools and
-    output items, each a Python step to encode: cheap to count, whatever their size."""
+    output items, each a Python step to encode, and by the token ids its items carry (when a
+    client asked for them, every item holds its whole prompt's): cheap to count, whatever
+    their size."""
+    item = getattr(event, "item", None)
     response = getattr(event, "response", None)
-    if not isinstance(response, Response):
-        return 0
-    return ECHOED_VALUE_BYTES * (len(response.tools) + len(response.output))
+    if isinstance(response, Response):
+        size = ECHOED_VALUE_BYTES * (len(response.tools) + len(response.output))
+        return size + sum(_token_bytes(output) for output in response.output)
+    return _token_bytes(item) if item is not None else 0
+
+
+#: What one token id or logprob takes as JSON, about (the ids of a 200,000 vocabulary).
+TOKEN_JSON_BYTES = 8
+
+
+def _token_bytes(item: object) -> int:
+    return TOKEN_JSON_BYTES * sum(len(getattr(item, name, None) or ()) for name in TOKEN_FIELDS)

@@ -19,10 +19,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
-from proto_server.core.request import LOGPROBS, TOKEN_IDS
+from proto_server.core.request import LOGPROBS, TOKEN_IDS, response_template
 from proto_server.core.tokenizer import o200k_base
 from proto_server.core.trace import Sampled
 from proto_server.engine.chunks import (
@@ -36,8 +37,11 @@ from proto_server.engine.chunks import (
 from proto_server.engine.logprobs import Trail
 from proto_server.server.app import ProtoServer
 from proto_server.server.config import ServerConfig
+from proto_server.server.offload import INLINE_BYTES
 from proto_server.server.store import SQLiteStore
-from proto_server.wire.items import TOKEN_FIELDS
+from proto_server.server.writer import echoed_bytes
+from proto_server.wire.events import OutputItemDone, ResponseCompleted, ResponseCreate
+from proto_server.wire.items import TOKEN_FIELDS, Message
 
 from ..support.clients import connect, resumed_elsewhere, sse
 from ..support.frames import answers, body, create, launched_create
@@ -277,3 +281,21 @@ def test_the_trail_gives_each_chunk_the_ids_it_carries_and_the_end_the_rest() ->
     assert trail.rest() == Sampled((8, 9), (-0.8, -0.9))
     assert not Trail().attach([TextDelta("x", 1)])[0].sampled  # not asked: none
     assert SegmentEnd().sampled is None
+
+
+def test_an_item_carrying_a_long_prompt_is_encoded_off_the_event_loop() -> None:
+    # with token ids every item holds its whole prompt's: 100,000 ids are a 700 KB frame,
+    # which the writer must count as such, not as one small item
+    prompt = tuple(range(100_000))
+    item = Message(role="assistant", content="ok", id="msg_1", prompt_token_ids=prompt,
+                   generation_token_ids=(1,), generation_log_probs=(-0.5,))  # fmt: skip
+    done = OutputItemDone(output_index=0, item=item)
+    assert echoed_bytes(done) > INLINE_BYTES
+    assert echoed_bytes(attrs.evolve(done, item=attrs.evolve(item, prompt_token_ids=(1,)))) < (
+        INLINE_BYTES
+    )
+    template = response_template(
+        ResponseCreate(input="hi"), response_id="r", created_at=0, default_model="m"
+    )
+    completed = ResponseCompleted(response=attrs.evolve(template, output=(item,)))
+    assert echoed_bytes(completed) > INLINE_BYTES
