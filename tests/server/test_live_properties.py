@@ -160,6 +160,11 @@ async def drive(url: str, script_actions: list[Action]) -> int:
     script={"segments": [{"text": "hello there"}]},
     plan=[Action("create", wait=False), Action("cancel")],
 )
+@example(  # a cancel that ends the Response, then an append it refuses while it ends
+    script={"segments": [{"text": "hi"}]},
+    plan=[Action("create", wait=False, tools=False), Action("cancel", wait=False),
+          Action("answer_unknown")],
+)  # fmt: skip
 @example(  # an answer sent before the calls it answers have all streamed
     script={"segments": [{"tool_calls": [{"name": "exec_command"}] * 2}, {"text": "ok"}]},
     plan=[Action("create", wait=False), Action("answer_all", wait=False), Action("answer_all")],

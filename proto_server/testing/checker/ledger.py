@@ -65,6 +65,7 @@ class Frame:
     raw: Any = None  # the frame as a JSON value (what an inject.failed must return)
     queued_as: str | None = None  # the id its response.queued announced
     silent: bool = False  # its effect may have been an end that said otherwise (unstored)
+    refused_with: str | None = None  # the code of the error taken as its answer
 
     def describe(self) -> str:
         return f"frame #{self.number} ({self.kind})"
@@ -213,12 +214,29 @@ class Ledger:
         if cancel_frame is not None:
             asked = self.frames[cancel_frame]
         else:
-            found = self.first(self._may_cancel)
+            found = self.first(self._may_cancel) or self._cancel_taken_as_refused()
             if found is None:
                 raise Broken(7, "a Response was cancelled that no response.cancel asked for")
             asked = found
             asked.outcome = "accepted"
         self.confirm(asked.number + 1)
+
+    def _cancel_taken_as_refused(self) -> Frame | None:
+        """A cancel whose acceptance says nothing until the Response ends: an error that a
+        later frame earned (an append refused `no_open_response` while the cancel ends the
+        Response) was matched to it, the oldest that might have earned that code. The cancel
+        took effect after all, and that later frame was the one refused."""
+        for frame in self.frames:
+            code = frame.refused_with
+            if frame.kind != "response.cancel" or frame.outcome != "refused" or code is None:
+                continue
+            later = next((f for f in self.unanswered() if f.number > frame.number
+                          and code in f.codes), None)  # fmt: skip
+            if later is not None and frame.can_accept:
+                later.outcome, later.refused_with = "refused", code
+                frame.refused_with = None
+                return frame
+        return None
 
     def unstored(self, cancel_frame: int | None) -> None:
         """A Response failed because the store could not take its end: a cancel accepted
@@ -264,6 +282,7 @@ class Ledger:
             )
             raise Broken(7, f"error {code!r} answers no frame ({waiting or 'none is unanswered'})")
         frame.outcome = "refused"
+        frame.refused_with = code
         self.confirm(frame.number)
         current = self.model.current
         if code == "no_open_response" and current is not None and not current.terminal:
