@@ -1,6 +1,7 @@
 """What a client frame may earn: the codes of each kind of answer, the state of the server a
-frame met (`View`), and the one code the prototype dialect gives a frame in a state (`judge`).
-The ledger (ledger.py) keeps each frame's possible answers with these."""
+frame met (`View`), the one code the prototype dialect gives a frame in a state (`judge`), and
+whether a frame may be accepted and which codes it may earn in a state (`answers`) or in any
+(`possible`). The ledger (ledger.py) keeps each frame's possible answers with these."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import attrs
 
 from proto_server.core.request import check_create, input_items, is_warmup
 from proto_server.core.tool_choice import parse_tool_choice
+from proto_server.testing.checker.invariants import Dialect
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.events import ClientEvent, ResponseAppend, ResponseCancel, ResponseCreate
+from proto_server.wire.events import (
+    ClientEvent,
+    ResponseAppend,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseInject,
+    ResponseSteer,
+)
 from proto_server.wire.items import CustomToolCallOutput, FunctionCallOutput, Message, UnknownItem
 
 #: The `error` codes an append that names its Response (`response_id`) may earn as well: the
@@ -113,3 +122,67 @@ def refusal(create: ResponseCreate) -> str | None:
     except ProtocolError as exc:
         return exc.detail.code
     return None
+
+
+def possible(event: ClientEvent, dialect: Dialect) -> tuple[bool, frozenset[str]]:
+    """Every answer `event` could earn in some state of the connection: for a frame sent
+    while an earlier frame's effect is unknown."""
+    mentioned = frozenset(
+        item.call_id
+        for item in (event.input if isinstance(event, ResponseAppend) else ())
+        if isinstance(item, FunctionCallOutput | CustomToolCallOutput)
+    )
+    views = [
+        View("none"),
+        View("streaming"),
+        View("ending"),
+        View("suspended", pending=mentioned),
+        View("suspended", pending=mentioned | {"call_elsewhere"}),
+        View("suspended", answered=mentioned),
+        View("suspended"),
+    ]
+    accept, codes = False, frozenset[str]()
+    for view in views:
+        may_accept, may_earn = answers(event, view, dialect)
+        accept, codes = accept or may_accept, codes | may_earn
+    return accept, codes
+
+
+def answers(event: ClientEvent, view: View, dialect: Dialect) -> tuple[bool, frozenset[str]]:
+    """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
+    if isinstance(event, ResponseSteer):
+        return False, frozenset()  # answered by its own events (the ledger's `sent`)
+    if isinstance(event, ResponseInject):
+        return True, INJECT_ERRORS  # its effect is its own event: inject.created or .failed
+    if dialect == "prototype":
+        code = judge(event, view)
+        codes = {code} if code else set()
+        if isinstance(event, ResponseAppend) and event.response_id is not None:
+            if view.phase in ("none", "suspended"):
+                codes |= RESUME_ERRORS  # resumed from the store, or not
+            if view.phase == "none":
+                codes.discard("no_open_response")  # it names one: the store is asked
+        if view.phase == "streaming" and not isinstance(event, ResponseCreate):
+            codes.add("no_open_response")  # it may have ended, its terminal event not out yet
+        if code is None and forces_a_call(event):
+            codes.add("unsupported_tool_choice")
+        if code is None and carries_compaction(event):
+            codes.add("invalid_field")
+        return code is None, frozenset(codes)
+    if isinstance(event, ResponseCreate):
+        refused = refusal(event)
+        if event.background or refused:
+            return False, frozenset({refused or "invalid_field"})
+        # served when its turn comes: its chain may be gone, the queue may be full
+        codes = {"concurrent_request"}
+        if forces_a_call(event):
+            codes.add("unsupported_tool_choice")
+        if event.previous_response_id is not None:
+            # the chain may be gone, another key's, or the store unable to answer
+            codes |= {"previous_response_not_found", "store_unavailable"}
+        if carries_compaction(event):
+            codes.add("invalid_field")
+        return True, frozenset(codes)
+    if isinstance(event, ResponseAppend):
+        return False, frozenset({"unknown_event_type"})
+    return view.phase != "none", frozenset({"no_open_response"})

@@ -25,16 +25,7 @@ from typing import Any
 import attrs
 import orjson
 
-from proto_server.testing.checker.answers import (
-    INJECT_ERRORS,
-    RESUME_ERRORS,
-    STEER_CODES,
-    View,
-    carries_compaction,
-    forces_a_call,
-    judge,
-    refusal,
-)
+from proto_server.testing.checker.answers import RESUME_ERRORS, STEER_CODES, View, answers, possible
 from proto_server.testing.checker.invariants import Broken, Dialect
 from proto_server.testing.checker.responses import Responses, error_detail_ok, response_object
 from proto_server.wire.converter import as_json, decode_client_event
@@ -121,11 +112,11 @@ class Ledger:
             return  # answered by its own events, whatever the state: accepted or failed
         if any(f.outcome is None and (f.can_accept or f.wild) for f in self.frames[:-1]):
             record.wild = True
-            record.can_accept, codes = self._possible(record.event)
+            record.can_accept, codes = possible(record.event, self.dialect)
             record.codes = set(codes)
             return
         view = self.view()
-        accept, codes = self._answers(record.event, view)
+        accept, codes = answers(record.event, view, self.dialect)
         record.can_accept = accept
         record.codes = set(codes)
         if accept and not codes and view.phase in ("none", "suspended"):
@@ -164,7 +155,7 @@ class Ledger:
         """An append in doubt that the server, as it is now, would accept."""
         if not (isinstance(frame.event, ResponseAppend) and frame.can_accept):
             return False
-        accept, codes = self._answers(frame.event, self.view())
+        accept, codes = answers(frame.event, self.view(), self.dialect)
         return accept and not codes - RESUME_ERRORS
 
     def confirm(self, before: int) -> None:
@@ -178,7 +169,7 @@ class Ledger:
         for frame in self.unanswered():
             if frame.wild or frame.event is None:
                 continue
-            accept, codes = self._answers(frame.event, view)
+            accept, codes = answers(frame.event, view, self.dialect)
             frame.can_accept |= accept
             frame.codes |= codes
 
@@ -450,66 +441,3 @@ class Ledger:
         """A steer may still wait at the end: for the outputs its Response waits on."""
         r = self.model.by_id.get(steer.response_id)
         return r is not None and bool(r.pending) and r.phase in ("suspended", "completed")
-
-    # -- judging a frame -------------------------------------------------------------------------
-
-    def _possible(self, event: ClientEvent) -> tuple[bool, frozenset[str]]:
-        """Every answer `event` could earn in some state of the connection."""
-        mentioned = frozenset(
-            item.call_id
-            for item in (event.input if isinstance(event, ResponseAppend) else ())
-            if isinstance(item, FunctionCallOutput | CustomToolCallOutput)
-        )
-        views = [
-            View("none"),
-            View("streaming"),
-            View("ending"),
-            View("suspended", pending=mentioned),
-            View("suspended", pending=mentioned | {"call_elsewhere"}),
-            View("suspended", answered=mentioned),
-            View("suspended"),
-        ]
-        accept, codes = False, frozenset[str]()
-        for view in views:
-            may_accept, may_earn = self._answers(event, view)
-            accept, codes = accept or may_accept, codes | may_earn
-        return accept, codes
-
-    def _answers(self, event: ClientEvent, view: View) -> tuple[bool, frozenset[str]]:
-        """Whether `event` may be accepted in `view`, and the error codes it may earn there."""
-        if isinstance(event, ResponseSteer):
-            return False, frozenset()  # answered by its own events (`sent`)
-        if isinstance(event, ResponseInject):
-            return True, INJECT_ERRORS  # its effect is its own event: inject.created or .failed
-        if self.dialect == "prototype":
-            code = judge(event, view)
-            codes = {code} if code else set()
-            if isinstance(event, ResponseAppend) and event.response_id is not None:
-                if view.phase in ("none", "suspended"):
-                    codes |= RESUME_ERRORS  # resumed from the store, or not
-                if view.phase == "none":
-                    codes.discard("no_open_response")  # it names one: the store is asked
-            if view.phase == "streaming" and not isinstance(event, ResponseCreate):
-                codes.add("no_open_response")  # it may have ended, its terminal event not out yet
-            if code is None and forces_a_call(event):
-                codes.add("unsupported_tool_choice")
-            if code is None and carries_compaction(event):
-                codes.add("invalid_field")
-            return code is None, frozenset(codes)
-        if isinstance(event, ResponseCreate):
-            refused = refusal(event)
-            if event.background or refused:
-                return False, frozenset({refused or "invalid_field"})
-            # served when its turn comes: its chain may be gone, the queue may be full
-            codes = {"concurrent_request"}
-            if forces_a_call(event):
-                codes.add("unsupported_tool_choice")
-            if event.previous_response_id is not None:
-                # the chain may be gone, another key's, or the store unable to answer
-                codes |= {"previous_response_not_found", "store_unavailable"}
-            if carries_compaction(event):
-                codes.add("invalid_field")
-            return True, frozenset(codes)
-        if isinstance(event, ResponseAppend):
-            return False, frozenset({"unknown_event_type"})
-        return view.phase != "none", frozenset({"no_open_response"})
