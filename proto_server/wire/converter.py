@@ -50,7 +50,15 @@ from proto_server.wire.items import (
     UnknownItem,
     UnknownPart,
 )
-from proto_server.wire.json_text import load, refuse_deep
+from proto_server.wire.json_text import (
+    in_pieces,
+    let_go,
+    list_in_pieces,
+    load,
+    long_list,
+    opened,
+    refuse_deep,
+)
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
 
@@ -371,7 +379,15 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
             "invalid_json",
             f"The frame is not valid JSON ({exc}); send one JSON object per text frame.",
         ) from None
-    refuse_deep(frame, obj, "The frame")
+    containers = opened(frame)
+    try:
+        return _client_event(containers, obj)
+    finally:
+        let_go(obj, containers)
+
+
+def _client_event(containers: int, obj: Any) -> ClientEvent:
+    refuse_deep(containers, obj, "The frame")
     if not isinstance(obj, dict):
         raise ProtocolError(
             "invalid_json",
@@ -406,13 +422,17 @@ def decode_request_body(body: bytes, cls: type[T]) -> T:
         raise ProtocolError(
             "invalid_json", f"The request body is not valid JSON ({exc}); send a JSON object."
         ) from None
-    refuse_deep(body, obj, "The request body")
-    if not isinstance(obj, dict):
-        raise ProtocolError(
-            "invalid_json", f"The request body is JSON {_json_kind(obj)}; send a JSON object."
-        )
-    obj.pop("type", None)
-    return _structure_or_refuse(obj, cls)
+    containers = opened(body)
+    try:
+        refuse_deep(containers, obj, "The request body")
+        if not isinstance(obj, dict):
+            raise ProtocolError(
+                "invalid_json", f"The request body is JSON {_json_kind(obj)}; send a JSON object."
+            )
+        obj.pop("type", None)
+        return _structure_or_refuse(obj, cls)
+    finally:
+        let_go(obj, containers)
 
 
 def encode_server_event(
@@ -431,6 +451,17 @@ def encode_server_event_bytes(
     obj["sequence_number"] = sequence_number
     if stream_id is not None:
         obj["stream_id"] = stream_id
+    in_pieces(obj, levels=2)
+    return orjson.dumps(obj)
+
+
+def encode_json_bytes(value: Any) -> bytes:
+    """A wire value (a Response, a list of items) as UTF-8 JSON, its long lists encoded an
+    entry at a time (`in_pieces`)."""
+    obj = converter.unstructure(value)
+    if isinstance(obj, list | tuple):
+        return list_in_pieces(obj) if long_list(obj) else orjson.dumps(obj)
+    in_pieces(obj, levels=1)
     return orjson.dumps(obj)
 
 

@@ -7,19 +7,33 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 
+from proto_server.core.request import response_template
+from proto_server.wire import converter as wire_converter
+from proto_server.wire import json_text
 from proto_server.wire.converter import (
     as_json,
     converter,
     decode_client_event,
     decode_server_event,
+    encode_json_bytes,
     encode_server_event,
+    encode_server_event_bytes,
 )
 from proto_server.wire.errors import ErrorDetail, ProtocolError
-from proto_server.wire.events import ErrorEvent, ResponseAppend, ResponseCreate
+from proto_server.wire.events import (
+    ErrorEvent,
+    ResponseAppend,
+    ResponseCompleted,
+    ResponseCreate,
+    ResponseCreated,
+    ResponseInject,
+)
 from proto_server.wire.items import FunctionCallOutput, Message, UnknownItem
+from proto_server.wire.json_text import MAX_JSON_DEPTH
 from proto_server.wire.tools import FunctionTool, UnknownTool
 
 CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "captures"
@@ -112,6 +126,94 @@ def test_what_nests_in_a_carried_item_is_kept_encoded_not_as_objects_the_collect
     assert isinstance(event, ResponseCreate)
     assert as_json(event.input[0]) == listing  # and every byte of it goes back out
     assert orjson.dumps(converter.unstructure(event.input)) == orjson.dumps([listing] * 200)
+
+
+def _nested(depth: int) -> Any:
+    """A JSON value nesting `depth` containers."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("walked", [False, True])
+@pytest.mark.parametrize("wide", [1, 1_000])
+def test_depth_is_judged_exactly_however_wide_the_containers_are(
+    wide: int, walked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a frame, `input`, an item, `x`: 3 levels above what the item's `x` nests; a frame of
+    # millions of containers is walked (so that no one C call spans it), as this one is here
+    if walked:
+        monkeypatch.setattr(json_text, "LET_GO_CONTAINERS", 0)
+
+    def frame(depth: int) -> bytes:
+        items = [{"type": "reasoning_trace", "x": 1}] * (wide - 1)
+        last = {"type": "reasoning_trace", "x": _nested(depth)}
+        return orjson.dumps({"type": "response.create", "input": [*items, last]})
+
+    assert isinstance(decode_client_event(frame(MAX_JSON_DEPTH - 3)), ResponseCreate)
+    with pytest.raises(ProtocolError) as refused:
+        decode_client_event(frame(MAX_JSON_DEPTH - 2))
+    assert refused.value.detail.code == "invalid_json"
+    assert str(MAX_JSON_DEPTH) in refused.value.detail.message
+
+
+def test_a_large_frame_decodes_to_what_it_said_when_its_parse_tree_is_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame of many containers has its parse tree emptied container by container once it is
+    decoded (so that no one C call frees millions of them); what the event kept of it is kept
+    whole."""
+    monkeypatch.setattr(json_text, "LET_GO_CONTAINERS", 100)  # as if this frame had millions
+    parameters = {"type": "object", "properties": {"a": {"type": "array", "items": [{}]}}}
+    tools = [{"type": "function", "name": f"f{i}", "parameters": parameters} for i in range(50)]
+    schema = {"type": "object", "properties": {"k": {"enum": [[1, {"x": [2]}]]}}}
+    body = {
+        "model": "m",
+        "metadata": {"k": "v"},
+        "tools": tools,
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
+        "input": [
+            {"type": "mcp_list_tools", "id": "mcpl_1", "tools": [{"a": [{"b": [1, 2]}]}]},
+            *({"role": "user", "content": [{"type": "input_text", "text": "hi"}]},) * 200,
+        ],
+    }
+    frame = orjson.dumps({"type": "response.create", **body})
+    inject = orjson.dumps({"type": "response.inject", "response_id": "r", "input": body["input"]})
+    event, injected = decode_client_event(frame), decode_client_event(inject)
+    assert isinstance(injected, ResponseInject)
+    assert list(injected.raw_input) == body["input"]  # returned as sent, were it refused
+    monkeypatch.setattr(wire_converter, "let_go", lambda tree, containers: None)
+    assert orjson.dumps(converter.unstructure(event)) == orjson.dumps(
+        converter.unstructure(decode_client_event(frame))
+    )
+    assert as_json(event.tools[0])["parameters"] == parameters
+
+
+def test_an_event_echoing_many_tools_and_items_is_encoded_as_in_one_call() -> None:
+    """Long lists are encoded an entry at a time (no one C call over a 15 MB Response), and the
+    bytes are those one call writes."""
+    create = decode_client_event(
+        orjson.dumps(
+            {
+                "type": "response.create",
+                "tools": [
+                    {"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
+                    for i in range(200)
+                ],
+                "metadata": {"k": "v"},
+            }
+        )
+    )
+    assert isinstance(create, ResponseCreate)
+    template = response_template(create, response_id="r", created_at=0, default_model="m")
+    said = tuple(Message(role="assistant", content=f"line {i}") for i in range(100))
+    response = attrs.evolve(template, output=said)
+    for event in (ResponseCreated(response=template), ResponseCompleted(response=response)):
+        whole = converter.unstructure(event) | {"sequence_number": 7, "stream_id": "lane"}
+        assert encode_server_event_bytes(event, 7, "lane") == orjson.dumps(whole)
+    for value in (response, said, said[:3], ()):  # as a JSON body, and as a store writes them
+        assert encode_json_bytes(value) == orjson.dumps(converter.unstructure(value))
 
 
 def test_unknown_fields_are_ignored() -> None:
