@@ -33,7 +33,7 @@ from proto_server.wire.tools import Tool
 class Renderer(Protocol):
     def render_prefix(
         self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
-    ) -> list[int]:
+    ) -> Sequence[int]:
         """What opens the conversation: the instructions and the tools, and the requested
         reasoning `effort` where the model's format says it there (harmony's system message;
         other renderers ignore it)."""
@@ -141,7 +141,10 @@ def prefix_text(instructions: str | None, tools: Sequence[Tool]) -> str:
     if instructions:
         parts.append(f"<|system|>\n{instructions}\n")
     if tools:
-        parts.append(f"<|tools|>\n{orjson.dumps(unstructure(tuple(tools))).decode()}\n")
+        # a tool at a time, as one JSON array: in one call, orjson held the GIL for 185 ms
+        # over the 134,000 tools of a 15 MB request
+        listed = ",".join(orjson.dumps(unstructure(tool)).decode() for tool in tools)
+        parts.append(f"<|tools|>\n[{listed}]\n")
     return "".join(parts)
 
 
@@ -153,8 +156,8 @@ class O200kRenderer:
 
     def render_prefix(
         self, instructions: str | None, tools: Sequence[Tool], *, effort: str | None = None
-    ) -> list[int]:
-        return list(encode_bounded(self._encoding, prefix_text(instructions, tools)))
+    ) -> Sequence[int]:
+        return encode_bounded(self._encoding, prefix_text(instructions, tools))
 
     def prefix_effort(self, effort: str | None) -> str | None:
         return None

@@ -268,6 +268,9 @@ class SimulatedSession:
             self._meter.bookkeeping(time.perf_counter() - started)
 
     async def prefill(self) -> Prefilled:
+        # a step of its own: the cache's bookkeeping for a prompt of millions of tokens takes
+        # tens of milliseconds, and so may the planner's before it
+        await trio.lowlevel.checkpoint()
         prompt = self._conversation.token_count
         cached = min(self._consult_cache(self._cached()), prompt)
         seconds = self._timing.prefill_seconds(prompt - cached)

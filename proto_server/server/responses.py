@@ -286,7 +286,7 @@ class Responses:
         """
         arrived_at = trio.current_time()
         known = rollout.conversation.items if rollout is not None else history
-        create, expanded = await self.resolved(create, known, owner, budget)
+        create, expanded = await self.resolved(create, known, owner, budget, size=size)
         size += expanded.nbytes
         # rendering peaks as decoding does (`proto-server bench memory`): room is held for it
         with self.memory.reserve(PREPARING_FACTOR * size, _what(expanded)):
@@ -375,7 +375,13 @@ class Responses:
         return SamplingLoop(machine, rollout, events, self._loop_settings(), turn)
 
     async def resolved(
-        self, create: ResponseCreate, history: Sequence[Item], owner: str, budget: MemoryBudget
+        self,
+        create: ResponseCreate,
+        history: Sequence[Item],
+        owner: str,
+        budget: MemoryBudget,
+        *,
+        size: int,
     ) -> tuple[ResponseCreate, Expansion]:
         """`create` with its `item_reference`s replaced by the items they name (from `history`,
         the conversation it continues, else from what `owner` stored), its tool outputs each
@@ -385,25 +391,35 @@ class Responses:
         With what its references expand to, measured and bounded before anything is rendered
         or unsealed: past `--max-message-bytes`, or past what `budget` (the connection's) has
         room for, refused whatever the request's own size. What the store reads to find them is
-        bounded by `--max-message-bytes` too, before it is read."""
+        bounded by `--max-message-bytes` too, before it is read. Each pass over the items runs
+        off the event loop when `size` (the request's bytes) is large."""
         items = input_items(create)
-        wanted = references(items)
+        # each pass below walks every item: a large request's run off the loop
+        wanted = await self.offload.run(references, items, size=size)
         expanded = Expansion()
         if wanted:
-            found = find_in(history, list(wanted))
+            found = await self.offload.run(find_in, history, list(wanted), size=size)
             elsewhere = [named for named in wanted if named not in found]
             if elsewhere:
                 found |= await self.store.items(
                     elsewhere, owner=owner, max_bytes=self.config.max_message_bytes
                 )
-            expanded = expansion(items, found)
+            expanded = await self.offload.run(expansion, items, found, size=size)
             check_expansion(expanded, self.config.max_message_bytes)
             budget.check(expanded.nbytes, _what(expanded))  # what its conversation will hold
-            items = resolve(items, found)
-        check_tool_outputs(history, items)
-        if (unsealed := replayed(items, self.compaction_key)) is not items or wanted:
+            items = await self.offload.run(resolve, items, found, size=size)
+        unsealed = await self.offload.run(
+            self._answering, history, items, size=size + expanded.nbytes
+        )
+        if unsealed is not items or wanted:
             create = attrs.evolve(create, input=unsealed)
         return create, expanded
+
+    def _answering(self, history: Sequence[Item], items: tuple[Item, ...]) -> tuple[Item, ...]:
+        """`items`, each tool output answering a call of `history` (else refused), its sealed
+        reasoning items unsealed."""
+        check_tool_outputs(history, items)
+        return replayed(items, self.compaction_key)
 
     async def input_tokens(
         self,
@@ -418,7 +434,7 @@ class Responses:
         rendered as `begin` renders it (references resolved, bounded and charged as `begin`
         bounds and charges them), with the chat template's generation prompt where the model
         has one."""
-        create, expanded = await self.resolved(create, history, owner, budget)
+        create, expanded = await self.resolved(create, history, owner, budget, size=size)
         size += expanded.nbytes
         with self.memory.reserve(PREPARING_FACTOR * size, _what(expanded)):
             prepared = await self.offload.run(
@@ -450,18 +466,12 @@ class Responses:
         assert response_id is not None
         timeout = self.config.suspend_timeout_s
         found, idle = await claimable(self.store, response_id, owner=owner, timeout_s=timeout)
-        prefix, history = await self.offload.run(
+        conversation, history = await self.offload.run(
             rebuild, self.renderer, found, size=size + 1024 * len(found.items)
         )
         budget.check(
-            history.nbytes + TOKEN_BYTES * (len(prefix) + len(history.tokens)), "This resume"
-        )
-        conversation = Conversation(
-            self.renderer,
-            instructions=found.instructions,
-            tools=found.tools,
-            effort=requested_effort(found.response.reasoning),
-            prefix=prefix,
+            history.nbytes + TOKEN_BYTES * (len(conversation.tokens) + len(history.tokens)),
+            "This resume",
         )
         machine = restored(found, conversation, history)
         machine.check_append(append.input)

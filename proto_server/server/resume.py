@@ -115,12 +115,17 @@ def output_of(suspended: SuspendedResponse) -> tuple[Item, ...]:
     return tuple(item for item in suspended.items[suspended.first_output :] if is_model_item(item))
 
 
-def rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[list[int], RenderedItems]:
-    """Render a suspension's prompt again: the cold path, O(history); pure, for a thread."""
-    # the effort is the one its Response echoes (`reasoning`), as it was created with
-    effort = requested_effort(suspended.response.reasoning)
-    prefix = renderer.render_prefix(suspended.instructions, suspended.tools, effort=effort)
-    return prefix, render_items(renderer, suspended.items)
+def rebuild(renderer: Renderer, suspended: SuspendedResponse) -> tuple[Conversation, RenderedItems]:
+    """A suspension's conversation, its prefix rendered again, and its history rendered (for
+    `restored` to append): the cold path, O(history); pure, for a thread."""
+    conversation = Conversation(
+        renderer,
+        instructions=suspended.instructions,
+        tools=suspended.tools,
+        # the effort is the one its Response echoes (`reasoning`), as it was created with
+        effort=requested_effort(suspended.response.reasoning),
+    )
+    return conversation, render_items(renderer, suspended.items)
 
 
 def restored(

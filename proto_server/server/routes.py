@@ -27,6 +27,7 @@ the route table.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -37,7 +38,7 @@ import trio
 from proto_server.core.compaction import check_compactions, compact
 from proto_server.core.conversation import Conversation, counted
 from proto_server.core.ids import new_id
-from proto_server.core.paging import page, parse_page_query
+from proto_server.core.paging import PageQuery, page, parse_page_query
 from proto_server.core.render import Renderer
 from proto_server.core.request import input_items
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
@@ -64,12 +65,17 @@ from proto_server.server.store import (
 )
 from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.server.turns import TurnSource
-from proto_server.server.writer import discard_events, write_events
-from proto_server.wire.converter import converter, decode_request_body
+from proto_server.server.writer import (
+    ECHOED_VALUE_BYTES,
+    discard_events,
+    response_bytes,
+    write_events,
+)
+from proto_server.wire.converter import converter, decode_request_body, encode_json_bytes
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item, item_id, listed
-from proto_server.wire.response import Usage
+from proto_server.wire.response import Response, Usage
 
 if TYPE_CHECKING:
     from proto_server.server.sampling import SamplingLoop
@@ -301,7 +307,8 @@ class Exchange:
         if not isinstance(final, TERMINAL_EVENTS):
             return
         started = time.perf_counter()
-        size = await self._json(200, converter.unstructure(final.response))
+        # echoing a large Response (its tools, its output) is work for a worker thread
+        size = await self._response_json(final.response)
         metrics.sent(final, dialect="http", transport="json", size=size,
                      seconds=time.perf_counter() - started)  # fmt: skip
         if self.responses.observer is not None:
@@ -331,9 +338,18 @@ class Exchange:
             raise _not_stored(response_id)
         return stored
 
+    async def _response_json(self, response: Response) -> int:
+        """Answer with `response` as JSON; the bytes it took. Echoing a large one (its tools,
+        its output) is work for a worker thread."""
+        encoded = await self.responses.offload.run(
+            encode_json_bytes, response, size=response_bytes(response)
+        )
+        await send_json(self.stream, self.conn, 200, encoded)
+        return len(encoded)
+
     async def _retrieve(self, response_id: str) -> None:
         stored = await self._stored(response_id)
-        await self._json(200, converter.unstructure(stored.response))
+        await self._response_json(stored.response)
 
     async def _input_items(self, response_id: str) -> None:
         """What the Response was given as input: the items of the chain it continued (their
@@ -341,13 +357,10 @@ class Exchange:
         query = parse_page_query(self.query)
         stored = await self._stored(response_id)
         chain = await self.responses.store.chain(response_id, owner=self.owner)
-        outputs = {item_id(item) for item in stored.response.output}
-        items = [
-            converter.unstructure(listed(item))
-            for item in chain_items(chain or [stored])
-            if item_id(item) not in outputs
-        ]
-        await self._json(200, page(items, query))
+        given = chain or [stored]
+        size = ECHOED_VALUE_BYTES * sum(len(one.items) for one in given)
+        listing = await self.responses.offload.run(input_listing, stored, given, query, size=size)
+        await send_json(self.stream, self.conn, 200, listing)
 
     async def _delete(self, response_id: str) -> None:
         if not await self.responses.store.delete(response_id, owner=self.owner):
@@ -454,3 +467,17 @@ def _count_tokens(
     conversation = Conversation(renderer, instructions=instructions)
     conversation.extend(items)
     return conversation.token_count, Conversation(renderer).extend(output)
+
+
+def input_listing(
+    stored: StoredResponse, chain: Sequence[StoredResponse], query: PageQuery
+) -> bytes:
+    """The page `query` asks for of the items `stored` was given (`chain`: the Responses it
+    continued, and itself), as JSON."""
+    outputs = {item_id(item) for item in stored.response.output}
+    items = [
+        converter.unstructure(listed(item))
+        for item in chain_items(chain)
+        if item_id(item) not in outputs
+    ]
+    return orjson.dumps(page(items, query))

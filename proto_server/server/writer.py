@@ -114,9 +114,14 @@ def echoed_bytes(event: ServerEvent) -> int:
     item = getattr(event, "item", None)
     response = getattr(event, "response", None)
     if isinstance(response, Response):
-        size = ECHOED_VALUE_BYTES * (len(response.tools) + len(response.output))
-        return size + sum(_token_bytes(output) for output in response.output)
+        return response_bytes(response)
     return _token_bytes(item) if item is not None else 0
+
+
+def response_bytes(response: Response) -> int:
+    """The least `response` takes as JSON (`echoed_bytes`)."""
+    size = ECHOED_VALUE_BYTES * (len(response.tools) + len(response.output))
+    return size + sum(_token_bytes(output) for output in response.output)
 
 
 #: What one token id or logprob takes as JSON, about (the ids of a 200,000 vocabulary).

@@ -29,6 +29,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
 
+from proto_server.server.pieces import WHOLE_PIECE_BYTES, send_pieces
 from proto_server.server.sendtimeout import SendTimeout
 
 _NEEDED = (
@@ -48,12 +49,16 @@ def batched(ws: WebSocketConnection) -> bool:
 
 def text_frame(payload: bytes) -> bytes:
     """One unfragmented, unmasked text frame carrying `payload` (UTF-8), as a server sends it."""
-    size = len(payload)
+    return frame_header(len(payload)) + payload
+
+
+def frame_header(size: int) -> bytes:
+    """The header of an unfragmented, unmasked text frame of `size` bytes."""
     if size < 126:
-        return _SHORT.pack(_TEXT_FIN, size) + payload
+        return _SHORT.pack(_TEXT_FIN, size)
     if size < 65536:
-        return _MEDIUM.pack(_TEXT_FIN, 126, size) + payload
-    return _LONG.pack(_TEXT_FIN, 127, size) + payload
+        return _MEDIUM.pack(_TEXT_FIN, 126, size)
+    return _LONG.pack(_TEXT_FIN, 127, size)
 
 
 class FrameWriter:
@@ -79,8 +84,10 @@ class FrameWriter:
         elif self._compressed or self._inner._wsproto.state is not ConnectionState.OPEN:
             # wsproto raises as trio-websocket's own send would on a closing connection
             self._frames.append(self._inner._wsproto.send(TextMessage(data=payload.decode())))
-        else:
+        elif len(payload) < WHOLE_PIECE_BYTES:
             self._frames.append(text_frame(payload))
+        else:  # written as it is, not copied behind its header (`pieces`)
+            self._frames += (frame_header(len(payload)), payload)
 
     async def flush(self) -> None:
         """Write what was added, in order; `ConnectionClosed` as `ws.send_message` raises it."""
@@ -90,7 +97,7 @@ class FrameWriter:
                 await self._ws.send_message(text)
             return
         inner = self._inner
-        data, self._frames = b"".join(self._frames), []
+        frames, self._frames = self._frames, []
         if inner._close_reason:
             raise ConnectionClosed(inner._close_reason)
         lock: trio.StrictFIFOLock = inner._stream_lock
@@ -99,7 +106,7 @@ class FrameWriter:
         except trio.WouldBlock:
             await lock.acquire()
         try:
-            await inner._stream.send_all(data)
+            await send_pieces(inner._stream, frames)
         except SendTimeout:
             raise  # the socket is still open: the connection ends it, and says why
         except (trio.BrokenResourceError, trio.ClosedResourceError):

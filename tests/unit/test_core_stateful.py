@@ -469,7 +469,7 @@ class Connection(RuleBasedStateMachine):
         if m is None:
             return
         conversation = m.conversation
-        fresh = RENDERER.render_prefix(conversation.instructions, conversation.tools)
+        fresh = list(RENDERER.render_prefix(conversation.instructions, conversation.tools))
         for item in conversation.items:
             fresh += RENDERER.render_item(item)
         assert list(conversation.tokens) == fresh
