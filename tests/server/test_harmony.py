@@ -289,8 +289,8 @@ def test_a_resumed_suspension_is_rebuilt_with_the_effort_its_response_was_create
         instructions="Be brief.",
         tools=(WEATHER,),
     )  # fmt: skip
-    prefix, _ = rebuild(HarmonyRenderer(), suspended)
-    assert "\nReasoning: high\n" in tokenizer.decode(prefix)
+    conversation, _ = rebuild(HarmonyRenderer(), suspended)
+    assert "\nReasoning: high\n" in tokenizer.decode(list(conversation.tokens))
 
 
 # -- what harmony renders, the parser reads ------------------------------------------------------
