@@ -50,6 +50,8 @@ FREEZE_OBJECTS = 50_000
 SWITCH_INTERVAL_S = 0.0005
 
 _running = 0
+#: A preparation raised while the collector was paused: nothing made meanwhile is frozen.
+_failed = False
 _running_lock = threading.Lock()
 _default_interval = sys.getswitchinterval()
 
@@ -59,26 +61,35 @@ def _in_background(fn: Callable[..., T], *args: object) -> T:
 
     The cyclic garbage collector is paused meanwhile (reference counting goes on): decoding a
     large request allocates a million objects, none in a cycle, and the collector would scan
-    the whole heap each time it grew by a quarter, holding the GIL for 100-300 ms a time. What
-    was made meanwhile, past `FREEZE_OBJECTS`, is then frozen out of the collector: its first
-    pass over 400,000 objects of a 15 MB request held the GIL 50-130 ms, and each older
-    generation's as long again. Frozen objects are still freed by reference counting when
-    their Response lets them go; only a cycle among them would be kept, and the server makes
-    next to none (its collections find tens of objects). And the GIL changes hands every 0.5 ms
+    the whole heap each time it grew by a quarter, holding the GIL for 100-300 ms a time. Once
+    no preparation runs, the heap's young objects (what they made, past `FREEZE_OBJECTS`, and
+    the little else made meanwhile) are frozen out of the collector: its first pass over the
+    400,000 objects of a 15 MB request held the GIL 50-130 ms, and each older generation's as
+    long again. Frozen objects are still freed by reference counting when their Response lets
+    them go; only a cycle among them would be kept, and the server makes next to none (its
+    collections find tens of objects). Nothing is frozen when a preparation raised: its
+    traceback may hold a cycle. And the GIL changes hands every 0.5 ms
     instead of every 5 ms, so the loop waits that long at most each time it wants it back.
     """
-    global _running
+    global _running, _failed
     with _running_lock:
         _running += 1
         gc.disable()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+    returned = False
     try:
-        return fn(*args)
+        result = fn(*args)
+        returned = True
+        return result
     finally:
         with _running_lock:
             _running -= 1
+            _failed = _failed or not returned
             if not _running:
                 sys.setswitchinterval(_default_interval)
-                if gc.get_count()[0] > FREEZE_OBJECTS:
+                # a preparation that raised may have left a cycle (a traceback's frames and
+                # what they hold): that is the collector's to free, not to freeze
+                if not _failed and gc.get_count()[0] > FREEZE_OBJECTS:
                     gc.freeze()
+                _failed = False
                 gc.enable()

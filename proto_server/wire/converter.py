@@ -17,7 +17,7 @@ from typing import Any, TypeVar, get_args, get_origin
 
 import attrs
 import orjson
-from cattrs import AttributeValidationNote, BaseValidationError, IterableValidationNote
+from cattrs import BaseValidationError
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
 
@@ -60,19 +60,12 @@ from proto_server.wire.json_text import (
     refuse_deep,
 )
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
+from proto_server.wire.refusals import InvalidStreamId, InvalidValue, locate, refusal
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
 
 T = TypeVar("T")
 
 converter = make_converter(forbid_extra_keys=False)
-
-
-class InvalidValue(ValueError):
-    """A value of the wrong shape; the converter adds where it was."""
-
-
-class InvalidStreamId(InvalidValue):
-    """A `stream_id` the SDKs would not send: refused as `invalid_stream_id`."""
 
 
 #: What a lane may be called (the SDK's session helper checks the same before it sends).
@@ -320,7 +313,7 @@ def steer_items(value: Any) -> tuple[Item, ...]:
     try:
         items = _structure_items(value, None)
     except (BaseValidationError, InvalidValue) as exc:
-        path, leaf = _locate(exc) if isinstance(exc, BaseValidationError) else ("", exc)
+        path, leaf = locate(exc) if isinstance(exc, BaseValidationError) else ("", exc)
         where = f"`input{path}`" if path.startswith("[") else "`input`"
         raise SteerRefused("invalid_input", f"{where} is not a valid item ({leaf}).") from None
     for index, item in enumerate(items):
@@ -334,40 +327,22 @@ def steer_items(value: Any) -> tuple[Item, ...]:
     return items
 
 
-def _locate(exc: BaseException, path: str = "") -> tuple[str, BaseException]:
-    """Follow cattrs' validation notes down to the first leaf error and the path to it."""
-    if not isinstance(exc, BaseValidationError):
-        return path, exc
-    inner = exc.exceptions[0]
-    for note in getattr(inner, "__notes__", ()):
-        if isinstance(note, AttributeValidationNote):
-            path = f"{path}.{note.name}" if path else note.name
-            break
-        if isinstance(note, IterableValidationNote):
-            path = f"{path}[{note.index}]"
-            break
-    return _locate(inner, path)
-
-
 def _structure_or_refuse(obj: Mapping[str, Any], cls: type[T]) -> T:
     try:
         return converter.structure(obj, cls)
     except BaseValidationError as exc:
-        path, leaf = _locate(exc)
-        code = "invalid_field"
-        if isinstance(leaf, KeyError):
-            message = "is required but missing"
-        elif isinstance(leaf, InvalidStreamId):
-            code, message = "invalid_stream_id", str(leaf)
-        elif isinstance(leaf, InvalidValue):
-            message = str(leaf)
-        else:
-            message = f"is not valid ({leaf})"
-        error = ProtocolError(
-            code, f"`{path}` {message}; fix the field and resend the frame.", param=path or None
-        )
-        error.stream_id = lane_of(obj)
-        raise error from None
+        path, code, message = refusal(exc)
+    # raised here, not in the `except`: cattrs' error and its traceback (whose frames hold the
+    # parsed request) would be this one's context, and this frame's locals hold them: a cycle
+    # that only a full collection frees
+    error = ProtocolError(
+        code, f"`{path}` {message}; fix the field and resend the frame.", param=path or None
+    )
+    error.stream_id = lane_of(obj)
+    try:
+        raise error
+    finally:
+        del error
 
 
 def decode_client_event(frame: str | bytes) -> ClientEvent:
@@ -453,6 +428,16 @@ def encode_server_event_bytes(
         obj["stream_id"] = stream_id
     in_pieces(obj, levels=2)
     return orjson.dumps(obj)
+
+
+def decode_stored(data: bytes, cls: Any, **fields: Any) -> Any:
+    """What the server stored, as `cls` (with `fields` set): a large text parsed so that the
+    GIL changes hands, and its parse tree let go of a piece at a time (`let_go`)."""
+    obj = load(data)
+    try:
+        return converter.structure(obj | fields if fields else obj, cls)
+    finally:
+        let_go(obj, opened(data))
 
 
 def encode_json_bytes(value: Any) -> bytes:

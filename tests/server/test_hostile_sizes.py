@@ -273,6 +273,22 @@ async def test_what_a_large_preparation_made_is_frozen_out_of_the_collector() ->
     del small
 
 
+async def test_nothing_is_frozen_when_a_preparation_raised() -> None:
+    """A refused request's traceback may hold a cycle (its frames, the parsed request): frozen,
+    the collector could never free it, and a client could repeat it until memory ran out."""
+    offload = Offload(threads=1)
+    frozen = gc.get_freeze_count()
+
+    def refused() -> None:
+        made = [_Made(n) for n in range(2 * FREEZE_OBJECTS)]
+        raise ValueError(f"refused after making {len(made)}")
+
+    with pytest.raises(ValueError, match="refused"):
+        await offload.run(refused, size=INLINE_BYTES + 1)
+    assert gc.get_freeze_count() == frozen
+    assert gc.isenabled()
+
+
 async def test_a_cancelled_preparation_returns_at_once() -> None:
     """A stopping server does not wait for a thread still tokenizing a huge input."""
     offload = Offload(threads=1)

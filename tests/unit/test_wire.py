@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 from pathlib import Path
@@ -214,6 +215,22 @@ def test_an_event_echoing_many_tools_and_items_is_encoded_as_in_one_call() -> No
         assert encode_server_event_bytes(event, 7, "lane") == orjson.dumps(whole)
     for value in (response, said, said[:3], ()):  # as a JSON body, and as a store writes them
         assert encode_json_bytes(value) == orjson.dumps(converter.unstructure(value))
+
+
+def test_a_refused_frame_leaves_no_cycle_holding_what_was_parsed() -> None:
+    """Its error's traceback held the frame that held the error: a cycle that kept the whole
+    parsed request alive until a full collection."""
+    frame = orjson.dumps(
+        {"type": "response.create", "input": [{"role": "user", "content": "hi"}] * 100 + [{}]}
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        with contextlib.suppress(ProtocolError):
+            decode_client_event(frame)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_unknown_fields_are_ignored() -> None:
