@@ -47,6 +47,7 @@ from proto_server.engine.model_renderer import (
     ChatMessage,
     RenderedMessages,
     TemplateError,
+    prefix_key,
 )
 from proto_server.engine.thinking import CLOSE as THINK_CLOSE
 from proto_server.engine.thinking import OPEN as THINK_OPEN
@@ -275,7 +276,7 @@ class ChatTemplateRenderer:
         """The conversation's start as the template offers `tools`: what it renders before a
         user message, with the instructions as the system message if there are any."""
         specs = [_template_tool(tool) for tool in tools]
-        key = (PREFIX, json.dumps([instructions, specs]))
+        key = prefix_key(instructions, specs=specs)
         tokens = self.rendered.get(key)
         if tokens is None:
             system = [{"role": "system", "content": instructions}] if instructions else []

@@ -43,9 +43,9 @@ from proto_server.engine.families.base import object_arguments
 from proto_server.engine.families.harmony import CONSTRAIN, FUNCTIONS, START
 from proto_server.engine.model_renderer import (
     COMPACTION_PREAMBLE,
-    PREFIX,
     RENDER_CACHE_BYTES,
     RenderedMessages,
+    prefix_key,
 )
 from proto_server.engine.thinking import TAGS
 from proto_server.wire.items import (
@@ -147,7 +147,7 @@ class HarmonyRenderer:
             for tool in offered
         ]
         level = EFFORTS.get(effort) if effort is not None else None
-        key = (PREFIX, json.dumps([instructions, specs, level and level.value]))
+        key = prefix_key(instructions, level and level.value, specs=specs)
         tokens = self.rendered.get(key)
         if tokens is None:
             system = SystemContent.new()

@@ -51,10 +51,10 @@ from proto_server.engine.families.base import too_deep
 from proto_server.engine.model_files import PROBE
 from proto_server.engine.model_renderer import (
     COMPACTION_PREAMBLE,
-    PREFIX,
     RENDER_CACHE_BYTES,
     RenderedMessages,
     TemplateError,
+    prefix_key,
 )
 from proto_server.wire.items import (
     CustomToolCall,
@@ -179,7 +179,7 @@ class MistralRenderer:
             (tool.name, tool.description or "", dict(tool.parameters or {"type": "object"}))
             for tool in offered
         ]
-        key = (PREFIX, json.dumps([instructions, specs]))
+        key = prefix_key(instructions, specs=specs)
         tokens = self.rendered.get(key)
         if tokens is None:
             opening = list(self._instruct.start())

@@ -76,6 +76,18 @@ def _within(obj: Any, depth: int, *, walk: bool) -> bool:
 LET_GO_CONTAINERS = 250_000
 
 
+def _only_ours() -> int:
+    """What `sys.getrefcount` says of a container held only by the local it was popped into,
+    as `let_go` pops them: 2 up to Python 3.13, 1 where locals are borrowed (3.14)."""
+    stack: list[Any] = [[]]
+    pop, references = stack.pop, sys.getrefcount
+    container = pop()
+    return references(container)
+
+
+_ONLY_OURS = _only_ours()
+
+
 def let_go(tree: Any, containers: int) -> None:
     """Let go of a parse tree its caller is done with; one of more than `LET_GO_CONTAINERS`
     (as `opened` counted them) is first emptied container by container, where nothing else
@@ -93,8 +105,7 @@ def let_go(tree: Any, containers: int) -> None:
     while stack:
         container = pop()
         kind = type(container)
-        # 2: `container`, and getrefcount's argument
-        if (kind is dict or kind is list) and references(container) == 2:
+        if (kind is dict or kind is list) and references(container) == _ONLY_OURS:
             extend(container.values() if kind is dict else container)
             container.clear()
 
@@ -166,6 +177,7 @@ def in_pieces(obj: dict[str, Any], *, levels: int) -> None:
     held the GIL for 90 ms over a Response echoing the 134,000 tools of a 15 MB request."""
     for key, value in obj.items():
         if isinstance(value, dict) and levels > 1:
+            obj[key] = value = dict(value)  # a copy: the one unstructured may be a live value
             in_pieces(value, levels=levels - 1)
         elif isinstance(value, list) and long_list(value):
             obj[key] = orjson.Fragment(list_in_pieces(value))

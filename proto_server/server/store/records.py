@@ -11,8 +11,9 @@ import orjson
 
 from proto_server.core.references import check_stored
 from proto_server.server.store.sql import PutRow
-from proto_server.wire.converter import converter, encode_json_bytes
+from proto_server.wire.converter import converter, decode_stored, encode_json_bytes
 from proto_server.wire.items import Item, item_id
+from proto_server.wire.json_text import in_pieces
 from proto_server.wire.response import Response
 from proto_server.wire.tools import Tool
 
@@ -71,11 +72,12 @@ def encode_suspended(suspended: SuspendedResponse) -> bytes:
     state = converter.unstructure(attrs.evolve(suspended, items=()))
     for name in ("items", "owner", "version", "claimed", "stored_at"):
         state.pop(name, None)
+    in_pieces(state, levels=2)  # its tools, and its Response's
     return orjson.dumps(state)
 
 
 def encode_items(items: Sequence[Item]) -> bytes:
-    return orjson.dumps(converter.unstructure(tuple(items)))
+    return encode_json_bytes(tuple(items))
 
 
 def decode_suspended(
@@ -84,8 +86,8 @@ def decode_suspended(
 ) -> SuspendedResponse:  # fmt: skip
     items: list[Item] = []
     for chunk in chunks:
-        items += converter.structure(orjson.loads(chunk), list[Item])  # type: ignore[arg-type,unused-ignore]
-    decoded = converter.structure({**orjson.loads(state), "items": []}, SuspendedResponse)
+        items += decode_items(chunk)
+    decoded: SuspendedResponse = decode_stored(state, SuspendedResponse, items=[])
     return attrs.evolve(
         decoded, items=tuple(items), owner=owner, version=version, claimed=claimed,
         stored_at=stored_at,
@@ -109,12 +111,12 @@ def put_row(stored: StoredResponse, stored_at: float) -> PutRow:
 
 
 def decode_items(items: bytes) -> tuple[Item, ...]:
-    return tuple(converter.structure(orjson.loads(items), list[Item]))  # type: ignore[arg-type,unused-ignore]
+    return tuple(decode_stored(items, list[Item]))
 
 
 def decode_row(response: bytes, items: bytes, owner: str) -> StoredResponse:
     return StoredResponse(
-        response=converter.structure(orjson.loads(response), Response),
+        response=decode_stored(response, Response),
         items=decode_items(items),
         owner=owner,
     )
