@@ -62,6 +62,13 @@ async def _serve_requests(
     budget: MemoryBudget,
 ) -> RequestHead | None:
     while request is not None:
+        if request.http_version not in (b"1.0", b"1.1"):  # h11 reads any `HTTP/d.d`
+            version = request.http_version.decode()
+            refusal = ProtocolError(
+                "bad_request", f"HTTP/{version} is not spoken here; send HTTP/1.1."
+            )
+            await send_error(stream, refusal, conn)
+            return None
         exchange = Exchange(responses, shutdown, stream, conn, request, budget)
         try:
             try:
