@@ -257,7 +257,7 @@ async def test_what_a_large_preparation_made_is_frozen_out_of_the_collector() ->
     offload = Offload(threads=1)
     frozen = gc.get_freeze_count()
     small = await offload.run(lambda: [_Made(n) for n in range(1_000)], size=INLINE_BYTES + 1)
-    assert gc.get_freeze_count() == frozen  # a few objects: the collector scans them cheaply
+    assert gc.get_freeze_count() <= frozen  # a few: scanned cheaply (frees may only lower it)
 
     made = await offload.run(
         lambda: [_Made(n) for n in range(2 * FREEZE_OBJECTS)], size=INLINE_BYTES + 1
@@ -285,7 +285,7 @@ async def test_nothing_is_frozen_when_a_preparation_raised() -> None:
 
     with pytest.raises(ValueError, match="refused"):
         await offload.run(refused, size=INLINE_BYTES + 1)
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() <= frozen  # freezing only adds; frees may lower it
     assert gc.isenabled()
 
 
