@@ -84,7 +84,7 @@ from proto_server.server.offload import INLINE_BYTES, Offload
 from proto_server.server.outbox import EventSink
 from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollout import Rollout
-from proto_server.server.sampling import LoopSettings, SamplingLoop, TurnStart
+from proto_server.server.sampling import LoopSettings, SamplingLoop
 from proto_server.server.store import (
     ANONYMOUS,
     ResponseStore,
@@ -92,7 +92,7 @@ from proto_server.server.store import (
     StoredResponse,
 )
 from proto_server.server.suspension import Suspensions
-from proto_server.server.turns import TurnRecord, TurnSource
+from proto_server.server.turns import TurnRecord, TurnSource, TurnStart
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseAppend, ResponseCreate
 from proto_server.wire.items import Item

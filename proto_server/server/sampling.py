@@ -9,33 +9,29 @@ Whose fault: a generator or script failure ends the Response with `response.fail
 the connection lives on; so does a `store: true` Response the store cannot take
 (`store_unavailable`). A client's mistake never reaches this far (see `check_append`).
 
-Whether the Response is open, ending or ended is the machine's to say (`Status.ENDING`): this
-loop only moves events and owns the tasks. A cancel, an expiry or a due steer cuts the
-generator short; the loop then says what the machine decided (`end`, `take_steers`).
+What the loop does next is the core's to say (`Steps.next_step`, core/response/steps.py):
+this loop only awaits what each step takes and owns the tasks. A cancel, an expiry or a due
+steer cuts the generator short; the next step then says what the machine decided.
 
 Its neighbours hold the rest: the wait while suspended (`suspension.IdleWait`), the store step
-(`storing.StoreStep`) and the turn's account (`turns.TurnAccount`). What is left, about 500
-lines, is one idea: the segment's run, from admission through the generator's chunks to the
-events they become, and the client's calls that cut it short.
-
-Why one module of this length: the generator task and the loop share the cancel scopes that the
-client's calls cut (`cancel`, `steer` and `expire` reach `_generator_scope` and
-`_admission_scope`), and only this loop sends the Response's events. Split, the order of the
-machine's events would depend on code in two places.
+(`storing.StoreStep`) and the turn's account (`turns.TurnAccount`). The generator task and the
+loop share the cancel scopes that the client's calls cut (`cancel`, `steer` and `expire` reach
+`_generator_scope` and `_admission_scope`), and only this loop sends the Response's events.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import trio
 
 from proto_server.core.conversation import TOKEN_BYTES, RenderedItems, render_items
 from proto_server.core.response import IllegalTransition, ResponseMachine, Status, Steer
+from proto_server.core.response.steps import End, RunSegment, Send, Steps, Suspend
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -56,13 +52,10 @@ from proto_server.server.outbox import EventSink
 from proto_server.server.rollout import Rollout
 from proto_server.server.storing import StoreStep
 from proto_server.server.suspension import IdleWait, Suspensions
-from proto_server.server.turns import TurnAccount, TurnRecord, TurnSource
+from proto_server.server.turns import TurnAccount, TurnRecord, TurnSource, TurnStart
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.events import ResponseSteerPending, ServerEvent
 from proto_server.wire.items import Item
-
-if TYPE_CHECKING:
-    from proto_server.server.resume import Durable
 
 #: `incomplete_details.reason` of a suspension whose client stayed idle too long.
 SUSPEND_TIMEOUT = "suspend_timeout"
@@ -85,25 +78,6 @@ class LoopSettings:
     admission: Admission | None = None
 
 
-@attrs.frozen(kw_only=True)
-class TurnStart:
-    """How one Response's turn began: where its state came from, and how it is kept."""
-
-    source: TurnSource
-    #: The conversation's rendered tokens before this turn's input (what it rendered is after).
-    rendered_mark: int
-    arrived_at: float | None = None
-    persist: Callable[[ResponseMachine], Awaitable[None]] | None = None
-    #: Where a `store: true` prototype Response keeps its suspensions (each is written before
-    #: its `response.done`).
-    durable: Durable | None = None
-    #: Its machine was rebuilt from a stored suspension, so its Response was announced on
-    #: another connection already (no `response.created`).
-    resumed: bool = False
-    #: Its create asked for a warm-up (`is_warmup`): it generates nothing.
-    warmup: bool = False
-
-
 class SamplingLoop:
     def __init__(
         self,
@@ -114,9 +88,10 @@ class SamplingLoop:
         turn: TurnStart,
     ) -> None:
         self.machine = machine
+        #: What the loop does next, decided by the core.
+        self._steps = Steps(machine, announced=turn.resumed)
         self.durable = turn.durable
         self._store = StoreStep(turn.persist, turn.durable)
-        self._resumed = turn.resumed
         self._warmup = turn.warmup
         self._turn = TurnAccount(
             arrived_at=trio.current_time() if turn.arrived_at is None else turn.arrived_at,
@@ -132,11 +107,7 @@ class SamplingLoop:
         self._settled = trio.Event()
         #: The terminal event has been sent: only now may another Response follow on the wire.
         self.ended = False
-        self._resume_events: list[ServerEvent] = []
         self._generator_scope: trio.CancelScope | None = None
-        #: The generator's failure, held until the chunks it sent before it are streamed.
-        self._fault: ServerFault | None = None
-        self._answered = False  # an inject answered every call; `wake()` resumes
         self._ended = trio.Event()
         self._admission = settings.admission
         self._engine_priority = settings.engine_priority
@@ -165,11 +136,11 @@ class SamplingLoop:
             rendered = render_items(conversation.renderer, items, conversation.render_after)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
-        self._resume_events = self.machine.append(items, rendered, tool_choice=tool_choice)
+        resumed = self._steps.append(items, rendered, tool_choice=tool_choice)
         self.rollout.account(self.machine.held_bytes)
         if self._observer is not None:
             self._observer.rendered()
-        if self.machine.status is Status.IN_PROGRESS:
+        if resumed:
             self._wait.wake()
         else:
             self._wait.touch()
@@ -189,18 +160,14 @@ class SamplingLoop:
             rendered = render_items(conversation.renderer, items, conversation.render_after)
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
-        resumed = self.machine.inject(items, rendered)
+        resumed = self._steps.inject(items, rendered)
         self.rollout.account(self.machine.held_bytes)
-        if resumed:
-            self._resume_events = resumed
-            self._answered = True
-        else:
+        if not resumed:
             self._wait.touch()
 
     def wake(self) -> None:
         """Resume the Response if an inject answered its last call."""
-        if self._answered:
-            self._answered = False
+        if self._steps.wake():
             self._wait.wake()
 
     def cancel(self) -> None:
@@ -267,33 +234,28 @@ class SamplingLoop:
         if self._warmup:
             await self._run_warmup()
             return
-        machine = self.machine
-        # sent once the segment's generator has started
-        announce = [] if self._resumed else machine.start()
-        while not machine.status.terminal:
-            # resume events pending: outputs came between the segment's end and its wait
-            if machine.status is Status.SUSPENDED or self._resume_events:
-                await self._suspend()
-                self._settled = trio.Event()
-                announce, self._resume_events = self._resume_events, []
-            else:
-                await self._run_segment(announce)
-                announce = []
-            if machine.status is Status.ENDING:
-                await self._emit([*announce, *machine.end()])
+        while True:
+            step = self._steps.next_step()
+            self.rollout.account(self.machine.held_bytes)  # outputs released, steers applied
+            match step:
+                case RunSegment(announce=announce):
+                    await self._run_segment(list(announce))
+                case Suspend():
+                    await self._suspend()
+                case Send(events=events):
+                    await self._emit(list(events))
+                case End(events=events, fault=fault):
+                    if fault is not None:
+                        why = {"response": self.machine.id, "reason": str(fault)}
+                        log.warning("response.failed", extra=why)
+                    await self._emit(list(events))
+                    break
         self._finish()
 
     async def _suspend(self) -> None:
         """Wait for the append that answers every call, for as long as the client stays idle."""
         machine = self.machine
         log.debug("response.suspended", extra={"response": machine.id})
-        if machine.status is Status.ENDING:
-            return  # told to end while its last segment streamed
-        if machine.holds_injected:  # outputs injected while the segment streamed
-            self._resume_events = machine.release_held()
-            self.rollout.account(self.machine.held_bytes)
-        if machine.status is not Status.SUSPENDED:
-            return  # every call was answered before it could wait: no wait at all
         self._settled.set()
         self.rollout.budget.idle(self)
         try:
@@ -306,6 +268,7 @@ class SamplingLoop:
                 extra={"response": machine.id, "timeout_s": self._wait.timeout_s},
             )
             machine.request_expire(SUSPEND_TIMEOUT)
+        self._settled = trio.Event()
 
     async def _run_warmup(self) -> None:
         """`generate: false`: build the state, say nothing, complete with empty output."""
@@ -336,15 +299,11 @@ class SamplingLoop:
         """One segment: the generator starts first, so its prefill overlaps with writing the
         `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
         machine = self.machine
-        if machine.status is Status.ENDING:
-            await self._emit(announce)
-            return  # ended before the segment began: nothing to generate
         waited = await self._admitted(announce)
         if waited is None:
             return
         announce = waited
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
-        ended = False  # the machine ended the segment (suspended or ended the Response)
         last: list[ServerEvent] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(self._generate, send)
@@ -355,11 +314,10 @@ class SamplingLoop:
                         break  # chunks already generated are not streamed after an end or cut
                     events, stop = self._apply_ready(chunk, receive)
                     if stop and machine.status.terminal:
-                        last, ended = events, True  # out once the generator has stopped
+                        last = events  # out once the generator has stopped
                         break
                     await self._emit(events)
-                    if stop:  # suspended, or resumed in place; a misbehaving generator is not
-                        ended = machine.status is not Status.IN_PROGRESS or not machine.segment_open
+                    if stop:
                         break
                 if self._generator_scope is not None:
                     self._generator_scope.cancel()  # cut: what it would still say is not said
@@ -371,19 +329,6 @@ class SamplingLoop:
         self.rollout.segments += 1
         if self._admission is not None:
             self._admission.suspended(self.rollout)
-        # ended: it may be in progress again already, resumed by outputs that came meanwhile
-        if ended or machine.status is not Status.IN_PROGRESS:
-            return
-        if machine.steer_due:  # a safe point: the steer ends it, or it goes on in place
-            await self._emit(machine.take_steers())
-            self.rollout.account(self.machine.held_bytes)
-            return
-        fault = self._fault or ServerFault(
-            "generator_error", "the token generator stopped in the middle of a segment"
-        )
-        self._fault = None
-        log.warning("response.failed", extra={"response": machine.id, "reason": str(fault)})
-        machine.request_fail(fault.detail)  # said by `run`, as every decided end is
 
     async def _admitted(self, announce: list[ServerEvent]) -> list[ServerEvent] | None:
         """Once the segment may go to the engine, what of `announce` is still to send: at
@@ -439,11 +384,11 @@ class SamplingLoop:
                 except trio.BrokenResourceError:
                     pass  # the sampling loop stopped listening; it knows why
                 except GeneratorError as exc:  # refused, or an engine's fault: its own code
-                    self._fault = ServerFault(exc.code, str(exc))
+                    self._steps.generator_failed(ServerFault(exc.code, str(exc)))
                 except Exception as exc:
                     log.exception("generator.crashed", extra={"response": self.machine.id})
-                    self._fault = ServerFault(
-                        "generator_error", f"the token generator failed: {exc!r}"
+                    self._steps.generator_failed(
+                        ServerFault("generator_error", f"the token generator failed: {exc!r}")
                     )
             self._generator_scope = None
         self._turn.decode_s += trio.current_time() - started
@@ -469,17 +414,17 @@ class SamplingLoop:
     ) -> tuple[list[ServerEvent], bool]:
         """`chunk` and every chunk already waiting behind it, applied in one go (one scheduling
         round for a burst, not one a chunk): their events, and whether the segment stops here
-        (the machine ended it, or the generator misbehaved: `_fault`). Nothing else runs
-        meanwhile, so no cancel or expiry can come between two of them."""
+        (the machine closed it, or the generator misbehaved). Nothing else runs meanwhile, so
+        no cancel or expiry can come between two of them."""
         events: list[ServerEvent] = []
-        machine = self.machine
         while True:
             try:
                 events += self._apply(chunk)
             except IllegalTransition as exc:
-                self._fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                fault = ServerFault("generator_error", f"generator misbehaved: {exc}")
+                self._steps.generator_failed(fault)
                 return events, True
-            if machine.status is not Status.IN_PROGRESS or not machine.segment_open:
+            if self._steps.segment_closed():
                 return events, True  # suspended or ended, or resumed in place
             try:
                 chunk = receive.receive_nowait()

@@ -1,13 +1,19 @@
-"""What one Response cost the server, kept as it runs: the `TurnRecord` that `/metrics`, the
-bench and the logs read (`response.ended`)."""
+"""One Response's turn: how it began (`TurnStart`: where its state came from, how it is kept),
+and what it cost the server, kept as it runs: the `TurnRecord` that `/metrics`, the bench and
+the logs read (`response.ended`)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
 from proto_server.core.response import ResponseMachine
+
+if TYPE_CHECKING:
+    from proto_server.server.resume import Durable
 
 
 class TurnSource(enum.StrEnum):
@@ -28,6 +34,25 @@ class TurnSource(enum.StrEnum):
     COMPACTED = "compacted"
     #: Its engine replica went down and another prefilled it again (`Rerouted`).
     FAILOVER = "failover"
+
+
+@attrs.frozen(kw_only=True)
+class TurnStart:
+    """How one Response's turn began: where its state came from, and how it is kept."""
+
+    source: TurnSource
+    #: The conversation's rendered tokens before this turn's input (what it rendered is after).
+    rendered_mark: int
+    arrived_at: float | None = None
+    persist: Callable[[ResponseMachine], Awaitable[None]] | None = None
+    #: Where a `store: true` prototype Response keeps its suspensions (each is written before
+    #: its `response.done`).
+    durable: Durable | None = None
+    #: Its machine was rebuilt from a stored suspension, so its Response was announced on
+    #: another connection already (no `response.created`).
+    resumed: bool = False
+    #: Its create asked for a warm-up (`is_warmup`): it generates nothing.
+    warmup: bool = False
 
 
 @attrs.frozen(kw_only=True)
