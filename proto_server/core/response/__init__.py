@@ -1,8 +1,9 @@
 """The Response state machine, one idea a module: its status (`status`), the dialect's mode
 (`mode`), the table every status change goes through (`transitions`), its output items
 (`items`), usage (`usage`), steers (`steering`), held injects (`held`), what an append may
-answer (`answers`), a decided end (`ending`), `ResponseMachine` composing them (`machine`),
-and what the sampling loop does next (`steps`)."""
+answer (`answers`), a decided end (`ending`), what the generator produced (`streaming`),
+`ResponseMachine` composing them (`machine`), and what the sampling loop does next
+(`steps`)."""
 
 from proto_server.core.response.machine import ResponseMachine
 from proto_server.core.response.mode import Mode

@@ -15,17 +15,12 @@ Response and its terminal event is not out yet (`ending.py`); it takes nothing m
 `in_progress` on the wire). Whether a Response is open is decided here alone. The parts it
 composes: its output items (`items.py`), its usage (`usage.py`), its steers (`steering.py`),
 outputs injected while a segment streams (`held.py`), what an append may answer
-(`answers.py`).
+(`answers.py`); its calls for what the generator produced (`streaming.py`) and for a decided
+end (`ending.py`) are its parts, each in the module of its idea.
 
 A call that is not legal in the current state raises and changes nothing: a client's mistake is
 a `ProtocolError` (it becomes an `error` event) or a `SteerRefused` (`response.steer.failed`),
 a generator's is an `IllegalTransition` (a bug of the server, which fails the Response).
-
-Why one module of this length: `ResponseMachine` is the one object the server drives for a
-Response, and its forty-odd members (what the generator produced, what the client sent, how it
-ends, what it looks like) are each a few lines over the sibling modules, which hold the state of
-their own. Splitting it further would spread one Response's status, and the order its events
-come in, over several objects.
 """
 
 from __future__ import annotations
@@ -39,19 +34,19 @@ from proto_server.core import ids
 from proto_server.core.conversation import Conversation, RenderedItems
 from proto_server.core.response import steering, transitions
 from proto_server.core.response.answers import Calls
-from proto_server.core.response.ending import Ending, refuse_if_ending
+from proto_server.core.response.ending import Ending, Ends
 from proto_server.core.response.held import Held
-from proto_server.core.response.items import OpenCall, OpenText, Output, TextKind
+from proto_server.core.response.items import OpenCall, OpenText, Output
 from proto_server.core.response.mode import Mode
 from proto_server.core.response.status import Status
 from proto_server.core.response.steering import STEERED, STEERING, Queue, Steer, Steering
+from proto_server.core.response.streaming import Streamed
 from proto_server.core.response.transitions import Event, IllegalTransition
 from proto_server.core.response.usage import Tokens
 from proto_server.core.trace import Sampled
 from proto_server.wire.errors import ErrorDetail, ProtocolError
 from proto_server.wire.events import (
     RequiredInput,
-    ResponseCancelled,
     ResponseCompleted,
     ResponseCreated,
     ResponseDone,
@@ -64,13 +59,12 @@ from proto_server.wire.events import (
 from proto_server.wire.items import (
     FunctionCall,
     Item,
-    Logprob,
     UnknownItem,
 )
 from proto_server.wire.response import Response, Usage
 
 
-class ResponseMachine:
+class ResponseMachine(Streamed, Ends):
     def __init__(
         self,
         *,
@@ -329,52 +323,6 @@ class ResponseMachine:
         self._refuse_if_ending("cancelled")
         return self._cancelled()
 
-    # -- ending: decided now, said at the next safe point ------------------------------------------
-
-    def request_cancel(self) -> None:
-        """The client's `response.cancel`: refused once the Response is ending or ended."""
-        self._refuse_if_ending("cancelled")
-        self._move(Event.REQUEST_CANCEL)
-        self._ending = Ending(Status.CANCELLED)
-
-    def request_expire(self, reason: str) -> bool:
-        """The server ends the Response `incomplete` (`reason`); False if it is ending already."""
-        if not transitions.allowed(self.status, Event.REQUEST_EXPIRE):
-            return False
-        self._move(Event.REQUEST_EXPIRE)
-        self._ending = Ending(Status.INCOMPLETE, reason=reason)
-        return True
-
-    def request_fail(self, error: ErrorDetail) -> bool:
-        """The generator failed: the Response fails, unless it is ending already."""
-        if not transitions.allowed(self.status, Event.REQUEST_FAIL):
-            return False
-        self._move(Event.REQUEST_FAIL)
-        self._ending = Ending(Status.FAILED, error=error)
-        return True
-
-    def end(self) -> list[ServerEvent]:
-        """Say the end that was decided: open items close as incomplete, then the terminal."""
-        ending = self._ending
-        if self.status is not Status.ENDING or ending is None:
-            raise IllegalTransition(f"cannot end a Response that is {self.status.value}")
-        self._ending = None
-        if ending.to is Status.FAILED:
-            assert ending.error is not None
-            return self.fail(ending.error)
-        if ending.to is Status.INCOMPLETE:
-            assert ending.reason is not None
-            return self.make_incomplete(ending.reason)
-        return self._cancelled()
-
-    def _cancelled(self) -> list[ServerEvent]:
-        self._move(Event.CANCEL)
-        events = self._items.abandon()
-        return [*events, ResponseCancelled(response=self.snapshot()), *self._fail_steers()]
-
-    def _refuse_if_ending(self, what: str) -> None:
-        refuse_if_ending(self.id, self.status, self._ending, what)
-
     # -- steering --------------------------------------------------------------------------------
 
     def steer(self, steer: Steer) -> list[ServerEvent]:
@@ -426,78 +374,6 @@ class ResponseMachine:
         self, code: str = "response_not_active", why: str | None = None
     ) -> list[ServerEvent]:
         return self._steers.fail(code, why or f"it ended {self.status.value}")
-
-    # -- what the generator produced -------------------------------------------------------------
-
-    @property
-    def logprobs(self) -> bool:
-        """The client asked for logprobs: each segment's generator is asked for them."""
-        return self._items.logprobs
-
-    @property
-    def token_ids(self) -> bool:
-        """The client asked for token ids: each segment's generator is asked for them."""
-        return self._items.token_ids
-
-    def text_delta(
-        self,
-        delta: str,
-        *,
-        tokens: int,
-        logprobs: tuple[Logprob, ...] = (),
-        sampled: Sampled | None = None,
-    ) -> list[ServerEvent]:
-        """The model speaks: an assistant message opens (closing reasoning before it) and grows;
-        `logprobs`, those of its tokens, and `sampled`, their ids, are kept where the client
-        asked for them."""
-        return self._stream_text("message", delta, tokens, logprobs, sampled)
-
-    def reasoning_delta(
-        self, delta: str, *, tokens: int, sampled: Sampled | None = None
-    ) -> list[ServerEvent]:
-        """The model thinks: a `reasoning` item opens (closing text before it) and grows; its
-        tokens are reasoning tokens too."""
-        events = self._stream_text("reasoning", delta, tokens, (), sampled)
-        self._tokens.reasoning += tokens
-        return events
-
-    def _stream_text(
-        self,
-        kind: TextKind,
-        delta: str,
-        tokens: int,
-        logprobs: tuple[Logprob, ...] = (),
-        sampled: Sampled | None = None,
-    ) -> list[ServerEvent]:
-        self._require_streaming(f"stream {kind} text")
-        events = self._items.text(
-            kind, delta, after_calls=bool(self.pending_calls), logprobs=logprobs, sampled=sampled
-        )
-        self._tokens.output += tokens
-        return events
-
-    def begin_function_call(
-        self, name: str, *, tokens: int = 0, sampled: Sampled | None = None
-    ) -> list[ServerEvent]:
-        self._require_streaming("call a tool")
-        events = self._items.begin_call(name, sampled)
-        self._tokens.output += tokens
-        return events
-
-    def function_call_arguments_delta(
-        self, delta: str, *, tokens: int, sampled: Sampled | None = None
-    ) -> list[ServerEvent]:
-        self._require_streaming("stream tool-call arguments")
-        events = self._items.arguments(delta, sampled)
-        self._tokens.output += tokens
-        return events
-
-    def end_function_call(self) -> list[ServerEvent]:
-        self._require_streaming("stream tool-call arguments")
-        item, events = self._items.end_call()
-        self._calls.made(item)
-        self._tool_calls += 1
-        return events
 
     # -- what the client sent --------------------------------------------------------------------
 
@@ -591,7 +467,3 @@ class ResponseMachine:
     def _move(self, event: Event) -> None:
         """The only place the status changes: where the table takes it."""
         self.status = transitions.move(self.status, event)
-
-    def _require_streaming(self, what: str) -> None:
-        if self.status is not Status.IN_PROGRESS:
-            raise IllegalTransition(f"cannot {what} while {self.status.value}")
