@@ -17,14 +17,11 @@ while it waits on tool outputs the steer is pending and follows the append that 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 
-from proto_server.core.conversation import render_items
 from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
 from proto_server.core.response import Mode
-from proto_server.core.tool_choice import check_tool_choice
+from proto_server.server.appending import prepare_append
 from proto_server.server.lanes import DialectBase, serve_steer
 from proto_server.server.outbox import LaneSink
 from proto_server.server.sampling import SamplingLoop
@@ -38,9 +35,6 @@ from proto_server.wire.events import (
     ResponseInject,
     ResponseSteer,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 @attrs.frozen
@@ -71,22 +65,19 @@ class PrototypeDialect(DialectBase[_Lane]):
                 response_id, stream_id
             ):
                 await self._resume(event, frame_bytes)
-            case ResponseAppend(input=items, tool_choice=tool_choice, stream_id=stream_id):
+            case ResponseAppend(stream_id=stream_id):
                 loop = self._open_rollout(stream_id, "append to")
-                loop.machine.check_append(items)  # before the work of rendering them
-                if tool_choice is not None:  # a new tool_choice for the rest of the Response
-                    tools = loop.machine.template.tools
-                    self._responses.check_forcing(check_tool_choice(tool_choice, tools))
-                conversation = loop.rollout.conversation
-                rendered = await self._responses.offload.run(
-                    render_items,
-                    conversation.renderer,
-                    items,
-                    conversation.render_after,
+                responses = self._responses
+                rendered = await prepare_append(
+                    loop.machine,
+                    event,
+                    generator=responses.generator,
+                    offload=responses.offload,
                     size=frame_bytes,
                 )
+                # asked again after the await: the lane's Response may have ended meanwhile
                 loop = self._open_rollout(stream_id, "append to")
-                loop.append(items, rendered, tool_choice=tool_choice)
+                loop.append(event.input, rendered, tool_choice=event.tool_choice)
             case ResponseCancel(stream_id=stream_id):
                 self._open_rollout(stream_id, "cancel").cancel()
             case ResponseInject():

@@ -4,11 +4,6 @@ The server makes one `Responses` and hands it to every dialect (`prototype.py`, 
 and to every HTTP exchange (`http.py`); none of them knows the server, which keeps to the
 listener, the handshake and shutdown (`app.py`). So a dialect can be driven without a socket:
 a `Responses`, a connection's lanes as channels, and events in.
-
-Why one module of this length: `begin`, `resume` and `input_tokens` must resolve, render and budget
-a request the same way, from the state `Responses` keeps for the process (the renderer, the store,
-the compaction key, the budgets). Split, the prompt `/v1/responses/input_tokens` counts could drift
-from the one a create is served with.
 """
 
 from __future__ import annotations
@@ -16,26 +11,16 @@ from __future__ import annotations
 import collections
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import attrs
 import trio
 
-from proto_server.core.compaction import CompactionKey, check_compactions
-from proto_server.core.conversation import (
-    ITEM_OVERHEAD_BYTES,
-    TOKEN_BYTES,
-    Conversation,
-    render_items,
-)
+from proto_server.core.compaction import CompactionKey
+from proto_server.core.conversation import TOKEN_BYTES, Conversation
 from proto_server.core.ids import new_id
-from proto_server.core.reasoning import (
-    ENCRYPTED_CONTENT,
-    ReasoningSealer,
-    check_reasonings,
-    replayed,
-)
+from proto_server.core.reasoning import ENCRYPTED_CONTENT, ReasoningSealer, replayed
 from proto_server.core.references import (
     Expansion,
     check_expansion,
@@ -43,39 +28,29 @@ from proto_server.core.references import (
     find_in,
     references,
     resolve,
-    with_ids,
 )
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
-    LOGPROBS,
-    TOKEN_IDS,
     PreparedInput,
-    check_create,
     check_tool_outputs,
     compact_turn,
     compaction_threshold,
     input_items,
     is_warmup,
     prepare_input,
-    request_bytes,
     response_template,
     wants_logprobs,
     wants_token_ids,
 )
 from proto_server.core.response import Mode, ResponseMachine
 from proto_server.core.scheduler import Scheduler
-from proto_server.core.text_format import parse_text_format
-from proto_server.core.tool_choice import ToolChoice, check_tool_choice, parse_tool_choice
-from proto_server.engine.base import (
-    GrammarGenerator,
-    SharedGenerator,
-    TokenGenerator,
-    says_logprobs,
-)
+from proto_server.engine.base import SharedGenerator, TokenGenerator
 from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.server import metrics
 from proto_server.server.admission import Admission
+from proto_server.server.appending import prepare_append
 from proto_server.server.auth import Tenants
+from proto_server.server.checks import check_servable, compiles_schema, servable_bytes
 from proto_server.server.config import ServerConfig
 from proto_server.server.logs import log
 from proto_server.server.memory import PREPARING_FACTOR, MemoryBudget
@@ -85,15 +60,10 @@ from proto_server.server.outbox import EventSink
 from proto_server.server.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollout import Rollout
 from proto_server.server.sampling import LoopSettings, SamplingLoop
-from proto_server.server.store import (
-    ANONYMOUS,
-    ResponseStore,
-    SQLiteStore,
-    StoredResponse,
-)
+from proto_server.server.store import ANONYMOUS, ResponseStore, SQLiteStore
+from proto_server.server.storing import persister
 from proto_server.server.suspension import Suspensions
 from proto_server.server.turns import TurnRecord, TurnSource, TurnStart
-from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseAppend, ResponseCreate
 from proto_server.wire.items import Item
 
@@ -174,54 +144,18 @@ class Responses:
     # -- checks ----------------------------------------------------------------------------------
 
     def check_create(self, create: ResponseCreate) -> None:
-        """Refuse, when it arrives, a create this server cannot serve: what `check_create`
-        refuses, a compaction item this server did not seal, and a forced tool call the
-        generator cannot make, logprobs or token ids it cannot say, a `text.format` schema its
-        grammar cannot take."""
-        check_create(create)
-        check_compactions(input_items(create), self.compaction_key)
-        check_reasonings(input_items(create), self.compaction_key)
-        self.check_forcing(parse_tool_choice(create.tool_choice))
-        for wanted, name, code in (
-            (wants_logprobs, LOGPROBS, "unsupported_logprobs"),
-            (wants_token_ids, TOKEN_IDS, "unsupported_token_ids"),
-        ):
-            if wanted(create) and not says_logprobs(self.generator):
-                raise ProtocolError(
-                    code,
-                    f"`include` names {name!r}, but this server's generator cannot say its "
-                    "tokens' ids and logprobs; remove it from `include` (or serve the "
-                    "simulated, local or vllm generator, which can).",
-                    param="include",
-                )
-        form = parse_text_format(create.text)
-        if form is not None and isinstance(self.generator, GrammarGenerator):
-            self.generator.check_text_format(form)
-
-    def check_forcing(self, choice: ToolChoice) -> None:
-        """Refuse a forced tool call (`required`, a named function) the generator cannot make."""
-        if choice.mode == "required" and not self.generator.forces_tool_calls:
-            demanded = f"names {choice.name!r}" if choice.name is not None else 'is "required"'
-            raise ProtocolError(
-                "unsupported_tool_choice",
-                f"`tool_choice` {demanded}: a forced tool call, which this server's generator "
-                'cannot make yet; send "auto" (or "none") instead.',
-                param="tool_choice",
-            )
-
-    def checked_bytes(self, create: ResponseCreate) -> int:
-        """`check_create`, then about how much memory `create` holds while it waits."""
-        self.check_create(create)
-        return request_bytes(create)
+        """Refuse, when it arrives, a create this server cannot serve (`check_servable`)."""
+        check_servable(create, self.generator, self.compaction_key)
 
     async def check(self, create: ResponseCreate, *, size: int) -> int:
-        """`checked_bytes` for a create that took `size` bytes on the wire, off the event loop
+        """`servable_bytes` for a create that took `size` bytes on the wire, off the event loop
         when its work grows with more than its size: a `text.format` schema a grammar engine
         compiles (a small schema can cost a tenth of a second to compile, or to bisect for the
         part to blame) runs on a preparation thread, whatever its size."""
-        if isinstance(self.generator, GrammarGenerator) and _has_schema(create):
+        if compiles_schema(create, self.generator):
             size = max(size, INLINE_BYTES + 1)
-        return await self.offload.run(self.checked_bytes, create, size=size)
+        key = self.compaction_key
+        return await self.offload.run(servable_bytes, create, self.generator, key, size=size)
 
     # -- rollouts and Responses ------------------------------------------------------------------
 
@@ -367,7 +301,11 @@ class Responses:
         turn = TurnStart(
             source=source,
             rendered_mark=rendered_mark,
-            persist=self._persister(first_item, owner, durable) if response.store else None,
+            persist=(
+                persister(self.store, self.offload, first_item, owner, durable)
+                if response.store
+                else None
+            ),
             durable=durable,
             arrived_at=arrived_at,
             warmup=is_warmup(create),
@@ -474,11 +412,8 @@ class Responses:
             "This resume",
         )
         machine = restored(found, conversation, history)
-        machine.check_append(append.input)
-        if append.tool_choice is not None:
-            self.check_forcing(check_tool_choice(append.tool_choice, machine.template.tools))
-        rendered = await self.offload.run(
-            render_items, self.renderer, append.input, conversation.render_after, size=size
+        rendered = await prepare_append(
+            machine, append, generator=self.generator, offload=self.offload, size=size
         )
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
         rollout = self._rollout_of(conversation, budget, owner)
@@ -486,7 +421,7 @@ class Responses:
             turn = TurnStart(
                 source=TurnSource.STORE,
                 rendered_mark=0,  # its whole prompt was rendered again: count it
-                persist=self._persister(0, owner, durable),
+                persist=persister(self.store, self.offload, 0, owner, durable),
                 durable=durable,
                 resumed=True,
             )
@@ -516,24 +451,6 @@ class Responses:
             admission=self.admission,
         )
 
-    def _persister(
-        self, first_item: int, owner: str, durable: Durable | None
-    ) -> Callable[[ResponseMachine], Awaitable[None]]:
-        """How an ended `store: true` Response is written: its items from `first_item` on, its
-        stored suspension (if any) deleted in the same transaction. Giving each item its id
-        takes a few microseconds an item: for the 100,000 items of a 4 MB request it runs on a
-        preparation thread, not on the event loop."""
-
-        async def persist(machine: ResponseMachine) -> None:
-            ended = machine.conversation.items[first_item:]
-            size = ITEM_OVERHEAD_BYTES * len(ended)
-            items = await self.offload.run(with_ids, ended, size=size)
-            stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
-            ends = durable.ends if durable is not None else None
-            await self.store.put(stored, ends_suspension=ends)
-
-        return persist
-
     def _turn_ended(self, record: TurnRecord) -> None:
         self.turns.append(record)
         metrics.turn_ended(
@@ -551,10 +468,3 @@ class Responses:
 def _what(expanded: Expansion) -> str:
     """A request, as a memory budget's refusal names it: with its references, if any."""
     return f"This request ({expanded})" if expanded.references else "This request"
-
-
-def _has_schema(create: ResponseCreate) -> bool:
-    """Whether `create` asks for a `json_schema` answer (valid or not: checking it is the
-    work)."""
-    form = create.text.get("format") if isinstance(create.text, Mapping) else None
-    return isinstance(form, Mapping) and form.get("type") == "json_schema"

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from proto_server.core.conversation import TOKEN_BYTES, RenderedItems, render_items
+from proto_server.core.conversation import TOKEN_BYTES, RenderedItems
 from proto_server.core.response import IllegalTransition, ResponseMachine, Status, Steer
 from proto_server.core.response.steps import End, RunSegment, Send, Steps, Suspend
 from proto_server.engine.chunks import (
@@ -121,19 +121,11 @@ class SamplingLoop:
         return self.machine.id
 
     def append(
-        self,
-        items: Sequence[Item],
-        rendered: RenderedItems | None = None,
-        *,
-        tool_choice: Any = None,
+        self, items: Sequence[Item], rendered: RenderedItems, *, tool_choice: Any = None
     ) -> None:
-        """Record tool outputs (`rendered` already, for large ones); if that answers every
-        call, wake the sampling loop. What they add must fit the rollout's memory budget.
-        `tool_choice` (checked by the caller), if set, holds for the rest of the Response."""
-        if rendered is None:
-            self.machine.check_append(items)  # before the work of rendering them
-            conversation = self.rollout.conversation
-            rendered = render_items(conversation.renderer, items, conversation.render_after)
+        """Record tool outputs, checked and rendered by `prepare_append` (server/appending.py);
+        if that answers every call, wake the sampling loop. What they add must fit the
+        rollout's memory budget. `tool_choice`, if set, holds for the rest of the Response."""
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This append")
         resumed = self._steps.append(items, rendered, tool_choice=tool_choice)
@@ -150,14 +142,11 @@ class SamplingLoop:
         """Decided to end (its terminal event may not be out yet): nothing more goes in."""
         return self.machine.ending
 
-    def inject(self, items: Sequence[Item], rendered: RenderedItems | None = None) -> None:
+    def inject(self, items: Sequence[Item], rendered: RenderedItems) -> None:
         """The multi-agent beta's `response.inject`: commit tool outputs (checked by the caller
-        with `machine.check_inject`), even while the segment that called them streams (held
-        until it ends). A resumption waits for `wake()`, so the caller can say the inject was
-        committed before the Response's next event."""
-        if rendered is None:
-            conversation = self.rollout.conversation
-            rendered = render_items(conversation.renderer, items, conversation.render_after)
+        with `machine.check_inject`, and rendered), even while the segment that called them
+        streams (held until it ends). A resumption waits for `wake()`, so the caller can say the
+        inject was committed before the Response's next event."""
         tokens = len(rendered.tokens)
         self.rollout.budget.check(rendered.nbytes + TOKEN_BYTES * tokens, "This inject")
         resumed = self._steps.inject(items, rendered)

@@ -4,7 +4,8 @@ A `store: true` Response is durable before the client hears that it is done, and
 suspension before its `response.done`, so whatever the client sends next can be served from the
 store, on any process. A store that cannot take the Response turns its end into
 `response.failed` (with a `response.steer.failed` for each steer still queued): the event the
-client hears is always the truth about what was kept.
+client hears is always the truth about what was kept. `persister` says how an ended one is
+written.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from proto_server.core.conversation import ITEM_OVERHEAD_BYTES
+from proto_server.core.references import with_ids
 from proto_server.core.response import ResponseMachine
 from proto_server.server.logs import log
-from proto_server.server.store import StoreUnavailable, SuspensionLost
+from proto_server.server.offload import Offload
+from proto_server.server.store import StoredResponse, StoreUnavailable, SuspensionLost
 from proto_server.wire.events import (
     ResponseCancelled,
     ResponseCompleted,
@@ -27,9 +31,29 @@ from proto_server.wire.events import (
 )
 
 if TYPE_CHECKING:
+    from proto_server.server.metrics import TimedStore
     from proto_server.server.resume import Durable
 
 TERMINAL_EVENTS = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseCancelled)
+
+
+def persister(
+    store: TimedStore, offload: Offload, first_item: int, owner: str, durable: Durable | None
+) -> Callable[[ResponseMachine], Awaitable[None]]:
+    """How an ended `store: true` Response is written: its items from `first_item` on, its
+    stored suspension (if any) deleted in the same transaction. Giving each item its id takes a
+    few microseconds an item: for the 100,000 items of a 4 MB request it runs on a preparation
+    thread, not on the event loop."""
+
+    async def persist(machine: ResponseMachine) -> None:
+        ended = machine.conversation.items[first_item:]
+        size = ITEM_OVERHEAD_BYTES * len(ended)
+        items = await offload.run(with_ids, ended, size=size)
+        stored = StoredResponse(response=machine.snapshot(), items=items, owner=owner)
+        ends = durable.ends if durable is not None else None
+        await store.put(stored, ends_suspension=ends)
+
+    return persist
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ from proto_server.engine.script import Segment
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server import responses as responses_module
 from proto_server.server import routes as routes_module
+from proto_server.server import storing as storing_module
 from proto_server.server import writer as writer_module
 from proto_server.server.app import BoundAddress, ProtoServer
 from proto_server.server.config import ServerConfig
@@ -391,7 +392,7 @@ async def test_a_large_response_is_echoed_and_stored_off_the_event_loop(
         monkeypatch.setattr(module, name, watched)
 
     many = len(ECHOED_TOOLS)
-    watch(responses_module, "with_ids", lambda items: len(items) > many)
+    watch(storing_module, "with_ids", lambda items: len(items) > many)
     watch(responses_module, "response_template", lambda create, **_: len(create.tools) > many)
     watch(conversation_module, "prefix_bytes", lambda _, tools: len(tools) > many)
     watch(writer_module, "encode_server_event_bytes", lambda event, *_: echoed(event) > many)
