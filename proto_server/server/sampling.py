@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
@@ -239,6 +239,8 @@ class SamplingLoop:
                         log.warning("response.failed", extra=why)
                     await self._emit(list(events))
                     break
+                case _:
+                    assert_never(step)
         self._finish()
 
     async def _suspend(self) -> None:
