@@ -10,7 +10,7 @@ re-prefill of the whole history. Decoding is greedy (deterministic), token by to
 tool call or an end-of-turn token ends the segment and the cache stays warm until `aclose`.
 A call the request forces (`tool_choice` required or a named function), the arguments of a
 `strict` tool, and a structured answer (`text.format`) are decoded under a grammar
-(constraints.py) that masks the logits of each step.
+(constraints.py, from the segment's plan in constraint_plan.py) that masks each step's logits.
 
 The blocking torch work runs off the trio thread, one forward pass (a decode step or a prefill
 chunk) per call, so a cancellation waits at most one step; a `CapacityLimiter` of one lets
@@ -31,6 +31,13 @@ from proto_server.core.conversation import Conversation
 from proto_server.core.text_format import TextFormat
 from proto_server.engine import families
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd
+from proto_server.engine.constraint_plan import (
+    ForcedCall,
+    StrictCalls,
+    StructuredAnswer,
+    Unconstrained,
+    plan_constraint,
+)
 from proto_server.engine.constraints import Constraint, Guide
 from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import GenerationLimits, GenerationRefused
@@ -42,7 +49,7 @@ from proto_server.engine.schema_grammar import check_text_format
 from proto_server.engine.thinking import split_thinking
 from proto_server.engine.tokens import common_prefix
 from proto_server.wire.errors import ProtocolError
-from proto_server.wire.tools import FunctionTool, function_tools
+from proto_server.wire.tools import function_tools
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -225,39 +232,21 @@ class LocalSession:
         await self._decode(logits, send, limits, constraint, head)
 
     async def _constraint(self, limits: GenerationLimits) -> Constraint | None:
-        """The grammar this segment decodes under: a forced call to the offered tools (the named
-        one); under a structured `text.format`, its answer or a call; under `auto` with a
-        `strict` tool, any call the model opens; else none."""
+        """The segment's plan (constraint_plan.py) as an llguidance grammar; None: no grammar."""
         guide = self._generator.guide
         frame = self._generator.syntax.frame
-        tools: Sequence[FunctionTool] = self._tools
-        if limits.tool_choice.name is not None:
-            tools = [tool for tool in tools if tool.name == limits.tool_choice.name]
-        form = limits.text_format
-        if form is not None and not limits.must_call:
-            callable_tools = tools if limits.max_calls != 0 else ()
-            return await self._generator.run(
-                partial(
-                    guide.constrain,
-                    callable_tools,
-                    max_calls=limits.max_calls,
-                    answer=form,
-                    frame=frame,
+        match plan_constraint(limits, self._tools, guided=guide.available):
+            case ForcedCall(tools, max_calls):
+                build = partial(guide.constrain, tools, max_calls=max_calls, frame=frame)
+            case StructuredAnswer(form, tools, max_calls):
+                build = partial(
+                    guide.constrain, tools, max_calls=max_calls, answer=form, frame=frame
                 )
-            )
-        if limits.max_calls == 0:
-            return None
-        lazy = not limits.must_call
-        if lazy and not (guide.available and any(tool.strict for tool in tools)):
-            return None
-        if not tools:
-            raise GenerationRefused(
-                "unsupported_tool_choice",
-                'tool_choice is "required", but the request offers no function tool to call.',
-            )
-        return await self._generator.run(
-            partial(guide.constrain, tools, max_calls=limits.max_calls, lazy=lazy, frame=frame)
-        )
+            case StrictCalls(tools, max_calls):
+                build = partial(guide.constrain, tools, max_calls=max_calls, lazy=True, frame=frame)
+            case Unconstrained():
+                return None
+        return await self._generator.run(build)
 
     async def _extend(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
         """Keep the cache's longest prefix of `prompt`, prefill the rest (at least one token,

@@ -1,9 +1,10 @@
 """One rollout on vLLM: each segment sends the whole prompt, streams what the engine decodes.
 
 The session is where the protocol (protocol.py) and the grammar (grammar.py) meet the
-rollout's conversation: it picks the segment's constraint, sends the request, turns the
-engine's stream into `Chunk`s through the family's parser, and records what the engine should
-have found cached against what it says it found.
+rollout's conversation: it turns the segment's constraint (constraint_plan.py) into the
+request's structured output, sends the request, turns the engine's stream into `Chunk`s
+through the family's parser, and records what the engine should have found cached against
+what it says it found.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.chunks import Chunk, Prefilled, SegmentEnd, hand_over
+from proto_server.engine.constraint_plan import (
+    ForcedCall,
+    StrictCalls,
+    StructuredAnswer,
+    plan_constraint,
+)
 from proto_server.engine.families import parser_for
 from proto_server.engine.families.base import ToolSyntax, at_limit
 from proto_server.engine.limits import ENGINE_UNAVAILABLE, GenerationLimits
@@ -120,20 +127,17 @@ class VllmSession:
         syntax = generator.syntax
         frame = syntax.frame
         head, structure = "", None
-        if limits.must_call:
-            choice = limits.tool_choice
-            allowed = [t for t in self._tools if choice.name in (None, t.name)]
-            head = forced_call_head(allowed, frame)
-            structure = forced_call_format(allowed, limits.max_calls, frame)
+        match plan_constraint(limits, self._tools, guided=True):
+            case ForcedCall(tools, max_calls):  # its block opens in the prompt
+                head = forced_call_head(tools, frame)
+                structure = forced_call_format(tools, max_calls, frame)
+            case StructuredAnswer(form, tools, max_calls):
+                structure = answer_format(form, tools, max_calls, frame)
+                head = syntax.answer_prompt(limits, self._tools)  # the answer's header
+            case StrictCalls(tools, max_calls):
+                structure = strict_call_format(tools, max_calls, frame)
+        if head:  # in the prompt, not decoded
             prompt += generator.tokenizer.encode(head, add_special_tokens=False)
-        elif limits.text_format is not None:
-            callable_tools = self._tools if limits.max_calls != 0 else []
-            structure = answer_format(limits.text_format, callable_tools, limits.max_calls, frame)
-            head = syntax.answer_prompt(limits, self._tools)  # the answer's header, not decoded
-            if head:
-                prompt += generator.tokenizer.encode(head, add_special_tokens=False)
-        elif names and limits.max_calls != 0 and any(tool.strict for tool in self._tools):
-            structure = strict_call_format(self._tools, limits.max_calls, frame)
         most = generator.max_tokens
         if limits.max_output_tokens is not None:
             most = min(most, limits.max_output_tokens)
