@@ -9,21 +9,19 @@ from pathlib import Path
 import attrs
 import orjson
 import pytest
-
-from proto_server.bench.fleet import (
+from proto_server_bench.fleet import (
     CONTINUUM,
     PLOTS,
     POLICIES,
     THUNDERAGENT,
-    EngineSequence,
     FleetSettings,
-    PolicyRun,
-    Replica,
     make_rollouts,
-    simulate,
     unbounded_need,
 )
-from proto_server.bench.fleet_policies import BUFFER_PER_PROGRAM, ContinuumPins, ThunderAgent
+from proto_server_bench.fleet_policies import BUFFER_PER_PROGRAM, ContinuumPins, ThunderAgent
+from proto_server_bench.fleet_replica import EngineSequence, Replica
+from proto_server_bench.fleet_simulate import PolicyRun, simulate
+
 from proto_server.cli import main
 from proto_server.engine.prefix_cache import PrefixCache
 
@@ -122,7 +120,7 @@ def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_a
 def test_the_command_writes_its_table_json_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["bench", "fleet", "--rollouts", "12", "--replicas", "2", "--fleet-turns", "3,6",
+    args = ["bench", "fleet", "--rollouts", "12", "--replicas", "2", "--turns", "3,6",
             "--context-tokens", "400", "--cache-tokens", "4096",
             "--out", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
@@ -152,7 +150,7 @@ def test_the_command_writes_its_table_json_and_plots(
     [
         (["--replicas", "0"], "--replicas must be at least 1"),
         (["--cache-tokens", "20"], "--cache-tokens must hold at least 2 blocks"),
-        (["--fleet-turns", "5,1"], "expected 0 < MEDIAN <= P99"),
+        (["--turns", "5,1"], "expected 0 < MEDIAN <= P99"),
         (["--kv-target-fill", "1.5"], "--kv-target-fill must be in (0, 1]"),
         (["--arrival-s", "-1"], "--arrival-s must be at least 0"),
         (["--bypass", "-1"], "--bypass must be at least 0"),
