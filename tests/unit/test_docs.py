@@ -5,6 +5,7 @@ and method it names exists; a long module says why it is one.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import unicodedata
@@ -127,6 +128,31 @@ def test_no_benchmark_module_is_long_or_says_why_it_is_one() -> None:
         or "Why one module of this length:" in path.read_text()
     ]
     assert not long_or_defended, f"split these, a module per idea: {long_or_defended}"
+
+
+def test_every_flag_the_benchmarks_flag_table_names_is_a_sections_flag() -> None:
+    """docs/benchmarks.md's flag table against the sections' parsers (their settings' fields):
+    a flag renamed or gone would send a reader to an error."""
+    from proto_server_bench.cli import build_parser
+
+    (subcommands,) = [a for a in build_parser()._actions if a.choices and a.dest == "section"]
+    sections: dict[str, argparse.ArgumentParser] = subcommands.choices  # type: ignore[assignment]
+    flags = {
+        option
+        for parser in sections.values()
+        for action in parser._actions
+        for option in action.option_strings
+    }
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = page.split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
+    named = {
+        flag
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for flag in re.findall(r"`(--[a-z][\w-]*)", row.split(" | ")[0])
+    }
+    assert named, "the flag table names no flags any more"
+    assert sorted(named - flags) == []
 
 
 def test_the_architecture_pages_transition_table_is_the_machines() -> None:
