@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from proto_server.core.ranges import one_of
+from proto_server.core.ranges import Range, at_least, between, one_of, positive, positive_finite
 from proto_server.core.settings import setting
 from proto_server_bench import flags
 from proto_server_bench.workload import _GUIDANCE, _code_line, _prose
@@ -72,23 +72,38 @@ ENGINE_READY_S = 300.0
 MAX_MODEL_LEN = 8192
 
 
+def _proxy_root(url: str) -> bool:
+    parts = urlsplit(url)
+    return not url or (parts.scheme in ("http", "https") and bool(parts.hostname))
+
+
+#: `--thunderagent-url`: none, or a proxy's root.
+PROXY_ROOT = Range("the proxy's root, e.g. http://127.0.0.1:8710", _proxy_root)
+
+
 @attrs.frozen(kw_only=True)
 class AgentsSettings:
     """What `bench agents` runs: each field is a flag of its (`problems` says what is wrong)."""
 
-    rollouts: int = setting(6, help="rollouts at once")
-    turns: int = setting(4, help="turns a rollout (a forced call on each but the last)")
+    rollouts: int = setting(6, at_least(1), help="rollouts at once")
+    turns: int = setting(
+        4, at_least(2), help="turns a rollout (a forced call on each but the last)"
+    )
     context_tokens: int = setting(
-        450, metavar="N", help="each rollout's own first message, in the model's tokens"
+        450,
+        at_least(1),
+        metavar="N",
+        help="each rollout's own first message, in the model's tokens",
     )
     #: A tool output's size in the model's tokens: median and 99th percentile.
     output_tokens: tuple[float, float] = setting(
-        (180.0, 540.0), flag="--tool-tokens", parse=flags.median_p99, metavar="MEDIAN,P99",
+        (180.0, 540.0), flags.ordered_pair, flag="--tool-tokens", parse=flags.median_p99,
+        metavar="MEDIAN,P99",
         help="tool outputs' sizes in the model's tokens (log-normal)",
     )  # fmt: skip
     #: A tool's time in seconds: median and 99th percentile.
     wait_s: tuple[float, float] = setting(
-        (1.0, PUBLISHED_WAIT_RATIO), flag="--wait-s", parse=flags.median_p99,
+        (1.0, PUBLISHED_WAIT_RATIO), flags.ordered_pair, flag="--wait-s", parse=flags.median_p99,
         metavar="MEDIAN,P99", help="tools' times in seconds (log-normal; the published gaps' "
         "P99/median, 81.4/5.2 s, scaled to a 1 s median)",
     )  # fmt: skip
@@ -108,11 +123,12 @@ class AgentsSettings:
     #: Engines to start (without `engine_urls`): more than one adds the launched path through
     #: one proto-server in front of all of them, beside the same path on the first alone.
     engines: int = setting(
-        1, metavar="N", help="--engine vllm: engines to start; more than 1 adds the launched "
-        "path through one proto-server in front of all of them, beside it on the first alone",
+        1, at_least(1), metavar="N",
+        help="--engine vllm: engines to start; more than 1 adds the launched path through one "
+        "proto-server in front of all of them, beside it on the first alone",
     )  # fmt: skip
     gpu_blocks: int | None = setting(
-        None, flag="--num-gpu-blocks-override", metavar="N",
+        None, at_least(2), flag="--num-gpu-blocks-override", metavar="N",
         help="the engine's KV cache in blocks of 32 tokens (pressure; simulated or vllm)",
     )  # fmt: skip
     vllm_python: str = setting(
@@ -120,12 +136,12 @@ class AgentsSettings:
         help="--engine vllm: the engine's interpreter ($PROTO_SERVER_VLLM_PYTHON wins)",
     )  # fmt: skip
     answer_tokens: int = setting(
-        32, flag="--decode-tokens", metavar="N",
+        32, at_least(1), flag="--decode-tokens", metavar="N",
         help="most tokens decoded a turn (proto-server's --max-tokens; vLLM's max_output_tokens "
         "on the answer turn, 128 on a forced call's as bench vllm gives)",
     )  # fmt: skip
     prefill_rate: float = setting(
-        100_000.0, metavar="TOKENS_PER_S",
+        100_000.0, positive_finite, metavar="TOKENS_PER_S",
         help="the simulated GPU's modelled prefill tokens/s for tokens not in its cache",
     )  # fmt: skip
     out_dir: Path = setting(
@@ -143,31 +159,32 @@ class AgentsSettings:
     )  # fmt: skip
     #: The admitting server's `--admission-ttl` and `--admission-ttl-median` (None: its own).
     admission_ttl_s: float | None = setting(
-        None, flag="--admission-ttl", metavar="S",
+        None, positive, flag="--admission-ttl", metavar="S",
         help="the admitting server's --admission-ttl (default: the server's own)",
     )  # fmt: skip
     admission_ttl_median: float | None = setting(
-        None, metavar="K", help="the admitting server's --admission-ttl-median"
+        None, between(0, 1000), metavar="K", help="the admitting server's --admission-ttl-median"
     )
     #: The admitting server's `--workers`: more than one share the engine's room through a
     #: store file they share (`--admission-shared`).
     admission_workers: int = setting(
-        1, metavar="N", help="--engine vllm: the admitting server's --workers; more than 1 "
-        "share the engine's room through a store file (--admission-shared)",
+        1, at_least(1), metavar="N",
+        help="--engine vllm: the admitting server's --workers; more than 1 share the engine's "
+        "room through a store file (--admission-shared)",
     )  # fmt: skip
     #: The admitting server's `--kv-target-fill` (None: its own).
     kv_target_fill: float | None = setting(
-        None, metavar="FRACTION", help="the admitting server's --kv-target-fill"
+        None, between(0.01, 1), metavar="FRACTION", help="the admitting server's --kv-target-fill"
     )
     #: The admitting server's `--admission-growth` (None: its own).
     admission_growth: float | None = setting(
-        None, metavar="G",
+        None, between(1, 100), metavar="G",
         help="the admitting server's --admission-growth (default: the server's own)",
     )  # fmt: skip
     #: A ThunderAgent the user started in front of the first engine (its root, or its /v1):
     #: adds the chat-completions path with a `program_id` per rollout through it.
     thunderagent_url: str = setting(
-        "", metavar="URL",
+        "", PROXY_ROOT, metavar="URL",
         help="--engine vllm: a ThunderAgent you started in front of the first engine "
         "(thunderagent --backends ENGINE --router tr --metrics), or any proxy that takes a "
         "program_id with chat completions and POST /programs/release: adds its path",
@@ -181,48 +198,22 @@ class AgentsSettings:
         return "both" if self.engine == "vllm" or self.gpu_blocks is not None else "off"
 
     def problems(self) -> list[str]:
-        """What is wrong with these settings, in words (empty: nothing)."""
+        """What is wrong with these settings together, in words (empty: nothing); each field's
+        own range is its validator's."""
         found = []
-        if self.rollouts < 1 or self.turns < 2:
-            found.append("--rollouts must be at least 1 and --turns at least 2")
-        if self.context_tokens < 1 or self.answer_tokens < 1:
-            found.append("--context-tokens and --decode-tokens must be at least 1")
-        for flag, (median, p99) in (("--tool-tokens", self.output_tokens),
-                                    ("--wait-s", self.wait_s)):  # fmt: skip
-            if not (0 < median <= p99 < math.inf):
-                found.append(f"{flag}: expected 0 < MEDIAN <= P99, finite; got {median} {p99}")
-        if self.gpu_blocks is not None and self.gpu_blocks < 2:
-            found.append("--num-gpu-blocks-override needs at least 2 blocks")
         if self.engine_urls and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")
-        if self.engines < 1 or (self.engines > 1 and self.engine != "vllm"):
-            found.append("--engines must be at least 1, and more than 1 needs --engine vllm")
+        if self.engines > 1 and self.engine != "vllm":
+            found.append("--engines: more than 1 needs --engine vllm")
         elif self.engines > 1 and self.engine_urls:
             found.append("--engines starts engines: give it or --engine-url, not both")
         if self.thunderagent_url and self.engine != "vllm":
             found.append("--thunderagent-url needs --engine vllm (it fronts a vLLM engine)")
-        proxy = urlsplit(self.thunderagent_url)
-        if self.thunderagent_url and (proxy.scheme not in ("http", "https") or not proxy.hostname):
+        if self.admission_workers > 1 and self.engine != "vllm":
             found.append(
-                "--thunderagent-url must be the proxy's root, e.g. http://127.0.0.1:8710, got "
-                f"{self.thunderagent_url!r}"
+                "--admission-workers: more than 1 needs --engine vllm (each worker would have a "
+                "simulated GPU of its own)"
             )
-        if self.admission_ttl_s is not None and not self.admission_ttl_s > 0:
-            found.append(f"--admission-ttl must be positive, got {self.admission_ttl_s}")
-        learned = self.admission_ttl_median
-        if learned is not None and not 0 <= learned <= 1000:
-            found.append(f"--admission-ttl-median must be between 0 and 1000, got {learned}")
-        if self.admission_workers < 1 or (self.admission_workers > 1 and self.engine != "vllm"):
-            found.append(
-                "--admission-workers must be at least 1, and more than 1 needs --engine vllm "
-                "(each worker would have a simulated GPU of its own)"
-            )
-        fill = self.kv_target_fill
-        if fill is not None and not 0.01 <= fill <= 1:
-            found.append(f"--kv-target-fill must be between 0.01 and 1, got {fill}")
-        growth = self.admission_growth
-        if growth is not None and not 1 <= growth <= 100:
-            found.append(f"--admission-growth must be between 1 and 100, got {growth}")
         if self.admits != "off" and self.engine != "vllm" and self.gpu_blocks is None:
             found.append("--admission on the simulated GPU needs --num-gpu-blocks-override")
         return found

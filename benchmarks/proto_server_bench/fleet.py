@@ -41,6 +41,7 @@ from pathlib import Path
 
 import attrs
 
+from proto_server.core.ranges import Range, at_least, between, positive_finite
 from proto_server.core.settings import setting
 from proto_server.server.config import ServerConfig
 from proto_server_bench import flags
@@ -65,95 +66,105 @@ def _median_4x(text: str) -> tuple[float, float]:
 class FleetSettings:
     """What `bench fleet` runs: each field is a flag of its (`problems` says what is wrong)."""
 
-    rollouts: int = setting(1000, help="rollouts")
-    replicas: int = setting(8, help="modelled engine replicas")
+    rollouts: int = setting(1000, at_least(1), help="rollouts")
+    replicas: int = setting(8, at_least(1), help="modelled engine replicas")
     seed: int = setting(2, help="workload seed")
     #: Turns a rollout (log-normal, median and p99; vLLM's AgentX median of 43 scaled down).
     turns: tuple[float, float] = setting(
-        (8.0, 32.0), parse=flags.median_p99, metavar="MEDIAN,P99",
+        (8.0, 32.0), flags.ordered_pair, parse=flags.median_p99, metavar="MEDIAN,P99",
         help="turns a rollout (log-normal; at least 2)",
     )  # fmt: skip
     #: The instructions and tools every rollout shares, in tokens.
     shared_tokens: int = setting(
-        1024, metavar="N", help="the prefix every rollout shares (instructions, tools)"
+        1024, at_least(0), metavar="N", help="the prefix every rollout shares (instructions, tools)"
     )
     #: Each rollout's own first message (log-normal, median and p99).
     context_tokens: tuple[float, float] = setting(
-        (2000.0, 8000.0), parse=_median_4x, metavar="N",
+        (2000.0, 8000.0), flags.ordered_pair, parse=_median_4x, metavar="N",
         help="each rollout's own first message, in tokens: the log-normal's median, its p99 4x",
     )  # fmt: skip
     #: A tool output (log-normal, median and p99).
     tool_tokens: tuple[float, float] = setting(
-        (400.0, 4000.0), parse=flags.median_p99, metavar="MEDIAN,P99",
+        (400.0, 4000.0), flags.ordered_pair, parse=flags.median_p99, metavar="MEDIAN,P99",
         help="tool outputs' sizes in tokens (log-normal)",
     )  # fmt: skip
     #: What the model decodes a turn (log-normal; AgentX's 444 a turn scaled down).
     output_tokens: tuple[float, float] = setting(
-        (64.0, 256.0), parse=flags.median_p99, metavar="MEDIAN,P99",
+        (64.0, 256.0), flags.ordered_pair, parse=flags.median_p99, metavar="MEDIAN,P99",
         help="tokens decoded a turn (log-normal)",
     )  # fmt: skip
     #: Tool waits between turns (log-normal): the published Codex gaps, 5.2 s median, 81.4 s p99.
     wait_s: tuple[float, float] = setting(
-        (5.2, 5.2 * PUBLISHED_WAIT_RATIO), flag="--wait-s", parse=flags.median_p99,
-        metavar="MEDIAN,P99", help="tools' times in seconds (log-normal; the published Codex "
-        "gaps)",
+        (5.2, 5.2 * PUBLISHED_WAIT_RATIO), flags.ordered_pair, flag="--wait-s",
+        parse=flags.median_p99, metavar="MEDIAN,P99",
+        help="tools' times in seconds (log-normal; the published Codex gaps)",
     )  # fmt: skip
     #: Rollouts start uniformly over this window (0: all at once, as an RL step launches them).
     arrival_s: float = setting(
-        0.0, flag="--arrival-s", metavar="S",
+        0.0, Range("at least 0 and finite", lambda value: 0 <= value < math.inf),
+        flag="--arrival-s", metavar="S",
         help="rollouts start uniformly over this window (0: all at once)",
     )  # fmt: skip
     #: Each replica's KV cache, in tokens, and its block.
     cache_tokens: int = setting(262_144, metavar="N", help="each replica's KV cache in tokens")
-    block_tokens: int = setting(16, metavar="N", help="the KV cache's block (vLLM's --block-size)")
+    block_tokens: int = setting(
+        16, at_least(1), metavar="N", help="the KV cache's block (vLLM's --block-size)"
+    )
     #: Running sequences a replica holds at most (vLLM's --max-num-seqs).
     max_running: int = setting(
-        128, metavar="N", help="running sequences a replica holds (vLLM's --max-num-seqs)"
+        128,
+        at_least(1),
+        metavar="N",
+        help="running sequences a replica holds (vLLM's --max-num-seqs)",
     )
     #: Prompt tokens a step may prefill (vLLM's --max-num-batched-tokens), and at what rate.
     step_tokens: int = setting(
-        8192, metavar="N",
+        8192, at_least(1), metavar="N",
         help="prompt tokens a step prefills at most (vLLM's --max-num-batched-tokens)",
     )  # fmt: skip
     prefill_rate: float = setting(
-        10_000.0, metavar="TOKENS_PER_S", help="modelled prefill tokens/s of a replica"
+        10_000.0,
+        positive_finite,
+        metavar="TOKENS_PER_S",
+        help="modelled prefill tokens/s of a replica",
     )
     #: A step's decode time (one token for every running sequence).
     step_s: float = setting(
-        0.03, flag="--step-ms", unit=0.001, metavar="MS",
+        0.03, positive_finite, flag="--step-ms", unit=0.001, metavar="MS",
         help="modelled time of a decode step (a token for every running sequence)",
     )  # fmt: skip
     #: The server's admission: the share of a replica's cache its admitted rollouts may fill
     #: (--kv-target-fill) and how long a suspended one keeps its place (--admission-ttl).
     target_fill: float = setting(
-        0.9, flag="--kv-target-fill", metavar="FRACTION",
+        0.9, Range("in (0, 1]", lambda value: 0 < value <= 1), flag="--kv-target-fill",
+        metavar="FRACTION",
         help="proto-server's policy: share of a replica's cache admitted rollouts fill",
     )  # fmt: skip
     ttl_s: float = setting(
-        30.0, flag="--ttl-s", metavar="S",
+        30.0, positive_finite, flag="--ttl-s", metavar="S",
         help="proto-server's policy: how long a suspended rollout keeps its place (the "
         "server's --admission-ttl)",
     )  # fmt: skip
     #: The server's --admission-ttl-median (None: off).
     ttl_median: float | None = setting(
-        None, metavar="K",
+        None, positive_finite, metavar="K",
         help="proto-server's policy: the place kept K times the median time away, at most "
         "--ttl-s (the server's --admission-ttl-median)",
     )  # fmt: skip
     #: The server's --admission-bypass: its oldest waiter is passed by at most this many.
     bypass: int = setting(
-        ServerConfig().admission_bypass, metavar="N",
+        ServerConfig().admission_bypass, at_least(0), metavar="N",
         help="proto-server's policy: waiters smallest first, the oldest passed by at most N "
         "(the server's --admission-bypass; 0: first come first served)",
     )  # fmt: skip
     #: The server's --admission-growth: a rollout is admitted for this many times its tokens.
     growth: float = setting(
-        ServerConfig().admission_growth, flag="--admission-growth", metavar="G",
+        ServerConfig().admission_growth, between(1, 100), flag="--admission-growth", metavar="G",
         help="proto-server's policy: a rollout admitted for G times its tokens",
     )  # fmt: skip
     #: ThunderAgent's --scheduler-interval and --use-acting-token-decay (its defaults).
     thunder_interval_s: float = setting(
-        5.0, flag="--thunderagent-interval", metavar="S",
+        5.0, positive_finite, flag="--thunderagent-interval", metavar="S",
         help="the modelled ThunderAgent: its --scheduler-interval (pause and resume every S "
         "seconds)",
     )  # fmt: skip
@@ -164,7 +175,7 @@ class FleetSettings:
     )  # fmt: skip
     #: Continuum's TTL until it has seen more than 100 tool times (its fork's 2 s).
     continuum_ttl_s: float = setting(
-        2.0, flag="--continuum-ttl", metavar="S",
+        2.0, positive_finite, flag="--continuum-ttl", metavar="S",
         help="the modelled Continuum: the TTL it pins for until it has seen more than 100 tool "
         "times (its 2 s)",
     )  # fmt: skip
@@ -174,52 +185,14 @@ class FleetSettings:
     )  # fmt: skip
 
     def problems(self) -> list[str]:
-        """What is wrong with these settings, in words (empty: nothing)."""
-        found = []
-        counts = (
-            ("--rollouts", self.rollouts),
-            ("--replicas", self.replicas),
-            ("--block-tokens", self.block_tokens),
-            ("--max-running", self.max_running),
-            ("--step-tokens", self.step_tokens),
-        )
-        found += [f"{flag} must be at least 1, got {value}" for flag, value in counts if value < 1]
-        if self.shared_tokens < 0:
-            found.append(f"--shared-tokens must be at least 0, got {self.shared_tokens}")
+        """What is wrong with these settings together, in words (empty: nothing); each field's
+        own range is its validator's."""
         if self.cache_tokens < 2 * self.block_tokens:
-            found.append(
+            return [
                 f"--cache-tokens must hold at least 2 blocks ({2 * self.block_tokens} "
                 f"tokens), got {self.cache_tokens}"
-            )
-        for flag, (median, p99) in (
-            ("--turns", self.turns),
-            ("--context-tokens", self.context_tokens),
-            ("--tool-tokens", self.tool_tokens),
-            ("--output-tokens", self.output_tokens),
-            ("--wait-s", self.wait_s),
-        ):
-            if not (0 < median <= p99 < math.inf):
-                found.append(f"{flag}: expected 0 < MEDIAN <= P99, finite; got {median},{p99}")
-        for flag, value in (
-            ("--prefill-rate", self.prefill_rate),
-            ("--step-ms", self.step_s),
-            ("--ttl-s", self.ttl_s),
-            ("--thunderagent-interval", self.thunder_interval_s),
-            ("--continuum-ttl", self.continuum_ttl_s),
-        ):
-            if not (0 < value < math.inf):
-                found.append(f"{flag} must be positive and finite, got {value}")
-        if self.ttl_median is not None and not (0 < self.ttl_median < math.inf):
-            found.append(f"--ttl-median must be positive and finite, got {self.ttl_median}")
-        if self.bypass < 0:
-            found.append(f"--bypass must be at least 0, got {self.bypass}")
-        if not (0 <= self.arrival_s < math.inf):
-            found.append(f"--arrival-s must be at least 0 and finite, got {self.arrival_s}")
-        if not (0 < self.target_fill <= 1):
-            found.append(f"--kv-target-fill must be in (0, 1], got {self.target_fill}")
-        if not 1 <= self.growth <= 100:
-            found.append(f"--admission-growth must be between 1 and 100, got {self.growth}")
-        return found
+            ]
+        return []
 
 
 # -- the workload --------------------------------------------------------------------------------

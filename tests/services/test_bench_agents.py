@@ -170,7 +170,7 @@ def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["bench", "agents", "--num-gpu-blocks-override", "1"]) == 2
-    assert "--num-gpu-blocks-override needs at least 2 blocks" in capsys.readouterr().err
+    assert "--num-gpu-blocks-override: must be at least 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:8710", "http://"])
@@ -178,7 +178,7 @@ def test_bench_agents_refuses_a_proxy_url_it_cannot_reach(
     url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["bench", "agents", "--engine", "vllm", "--thunderagent-url", url]) == 2
-    assert "--thunderagent-url must be the proxy's root" in capsys.readouterr().err
+    assert "--thunderagent-url: must be the proxy's root" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("growth", ["0.5", "101"])
@@ -186,7 +186,7 @@ def test_bench_agents_refuses_a_growth_the_server_would(
     growth: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["bench", "agents", "--admission-growth", growth]) == 2
-    assert "--admission-growth must be between 1 and 100" in capsys.readouterr().err
+    assert "--admission-growth: must be between 1 and 100" in capsys.readouterr().err
 
 
 def test_with_a_bounded_cache_each_proto_server_path_runs_without_and_with_admission(
@@ -251,11 +251,11 @@ def test_bench_agents_starts_several_engines_only_of_vllm(
     assert main(args) == 2
     assert "give it or --engine-url, not both" in capsys.readouterr().err
     assert main(["bench", "agents", "--admission-ttl-median", "-1"]) == 2
-    assert "--admission-ttl-median must be between 0 and 1000" in capsys.readouterr().err
+    assert "--admission-ttl-median: must be between 0 and 1000" in capsys.readouterr().err
     assert main(["bench", "agents", "--admission-workers", "2"]) == 2  # a simulated GPU each
     assert "more than 1 needs --engine vllm" in capsys.readouterr().err
     assert main(["bench", "agents", "--kv-target-fill", "1.5"]) == 2
-    assert "--kv-target-fill must be between 0.01 and 1" in capsys.readouterr().err
+    assert "--kv-target-fill: must be between 0.01 and 1" in capsys.readouterr().err
 
 
 def _path(name: str, shares: dict[str, float], failed: str | None = None) -> dict[str, Any]:
