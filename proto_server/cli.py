@@ -1,5 +1,5 @@
 """`proto-server serve`: run the server with its embedded defaults, or with flags;
-`proto-server bench-local`: warm against cold prefill on the local model.
+`proto-server bench <section>`: the benchmarks, a distribution of their own (benchmarks/).
 
 The command line parses, runs and stops: what a server is made of is compose.py's. `main` is
 the one place a `Refused` or an `InvalidSetting` becomes a line on stderr and exit status 2.
@@ -18,12 +18,10 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import TypeVar
 
 import trio
 
-from proto_server.bench import cli as bench_cli
 from proto_server.compose import Refused, compose
 from proto_server.core import settings
 from proto_server.core.ranges import InvalidSetting
@@ -38,28 +36,8 @@ from proto_server.server.logs import configure
 from proto_server.server.store import StoreRetention
 
 E = TypeVar("E", bound=BaseException)
-N = TypeVar("N", int, float)
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
-LOCAL_BENCH_TURNS = 8
-
-
-def _checked(kind: type[N], ok: Callable[[N], bool], rule: str) -> Callable[[str], N]:
-    """For the benchmarks' flags, which no settings class holds."""
-
-    def parse(text: str) -> N:
-        value = kind(text)
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error messages
-    return parse
-
-
-def _positive(kind: type[N]) -> Callable[[str], N]:
-    rule = "must be positive" if kind is int else "must be positive and finite"
-    return _checked(kind, lambda value: 0 < value < math.inf, rule)
 
 
 def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -129,101 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     # every setting a class holds is its flag, declared with the field (core/settings.py)
     for settings_class in SETTINGS:
         add_flags(serve, settings_class)
-    bench = bench_cli.add_parser(commands)
-    bench.add_argument(
-        "--generator",
-        choices=["simulated", "local"],
-        default="simulated",
-        help="local: measure warm (append) against cold (re-prefill) prefill on the local "
-        "model instead, as bench-local does (its flags below apply)",
-    )
-    _local_bench_arguments(bench, turns=False)
-    bench_local = commands.add_parser(
-        "bench-local",
-        help="measure warm (append) against cold (re-prefill) prefill on the local model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Simulate an agent loop on the local model and print, per turn, the "
-        "prefill tokens and time of the warm path (the kept KV cache) and of a cold full "
-        "re-prefill of the history, as a Markdown table. Same as bench --generator local.",
-    )
-    _local_bench_arguments(bench_local, turns=True)
-    bench_vllm = commands.add_parser(
-        "bench-vllm",
-        help="measure proto-server in front of vLLM against vLLM's own /v1/responses",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Run one agent loop (forced tool calls, a tool output appended each turn, "
-        "a final answer) on a running vLLM through five paths: proto-server's prototype and "
-        "launched WebSocket and its stateless HTTP (a proto-server process this command "
-        "starts, --generator vllm), and vLLM's own /v1/responses with the whole history and "
-        "chained by previous_response_id (start the engine with "
-        "VLLM_ENABLE_RESPONSES_API_STORE=1). Per turn: TTFT, turn time, prompt and cached "
-        "tokens, the client's bytes and the CPU of proto-server's process and of vLLM's API "
-        "server process (--engine-pid; its engine core is a child and is not counted), "
-        "measured. Prints a Markdown table, the ratios and the goals; writes JSON and PNG "
-        "plots into --out.",
-    )
-    bench_vllm.add_argument(
-        "--engine-url", required=True, metavar="URL", help="the engine's base, ending in /v1"
-    )
-    bench_vllm.add_argument(
-        "--engine-pid", required=True, type=_positive(int), metavar="PID",
-        help="the process id of vLLM's API server (python -m vllm.entrypoints.openai.api_server)",
-    )  # fmt: skip
-    bench_vllm.add_argument("--model", metavar="NAME", help="the served model, if several")
-    bench_vllm.add_argument("--tokenizer", metavar="PATH", help="as for serve")
-    bench_vllm.add_argument("--turns", type=_positive(int), default=8, help="turns of the loop")
-    bench_vllm.add_argument(
-        "--tool-output-tokens", type=_positive(int), default=400, metavar="N",
-        help="mean size of each turn's tool output, in the model's tokens (0.75x to 1.25x)",
-    )  # fmt: skip
-    bench_vllm.add_argument(
-        "--answer-tokens", type=_positive(int), default=32, metavar="N",
-        help="most tokens the model decodes each turn (proto-server's --max-tokens, vLLM's "
-        "max_output_tokens)",
-    )  # fmt: skip
-    bench_vllm.add_argument(
-        "--out", type=Path, default=Path("bench-results/vllm"), metavar="DIR",
-        help="where bench-vllm.json and the plots go",
-    )  # fmt: skip
+    # listed for --help; `main` hands what follows `bench` to the benchmarks' own parser
+    commands.add_parser("bench", help="run a benchmark (installed apart: benchmarks/)")
     return parser
-
-
-def _local_bench_arguments(parser: argparse.ArgumentParser, *, turns: bool) -> None:
-    """The local-model benchmark's flags (bench shares --turns with its own meaning)."""
-    add_flags(parser, LocalModel)
-    if turns:
-        parser.add_argument(
-            "--turns", type=int, default=LOCAL_BENCH_TURNS, help="turns of the agent loop"
-        )
-    parser.add_argument(
-        "--tool-output-tokens",
-        type=int,
-        default=500,
-        metavar="N",
-        help="local: size of the tool output appended each turn, in the model's tokens",
-    )
-    parser.add_argument(
-        "--answer-tokens",
-        type=int,
-        default=8,
-        metavar="N",
-        help="local: tokens the model decodes each turn (warm and cold must say the same)",
-    )
-    parser.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        metavar="N",
-        help="local: run the loop N times and keep each turn's fastest times (busy machines)",
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command; a setting out of range or a request it cannot serve is one line on
     stderr (what to pass or run instead) and exit status 2, said here and nowhere else."""
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _run(args, list(sys.argv[1:] if argv is None else argv))
+        if given[:1] == ["bench"]:  # the benchmarks parse their own flags
+            return _bench(given[1:])
+        return _run(build_parser().parse_args(given), given)
     except InvalidSetting as exc:
         print(f"proto-server: {flag_of(exc.field)}: {exc.why}", file=sys.stderr)
     except Refused as exc:
@@ -232,14 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.command == "bench-local" or (args.command == "bench" and args.generator == "local"):
-        if args.turns is None:
-            args.turns = LOCAL_BENCH_TURNS
-        return _bench_local(args)
-    if args.command == "bench":
-        return bench_cli.run(args)
-    if args.command == "bench-vllm":
-        return _bench_vllm(args)
     launch = from_flags(Launch, args)
     configure(launch.log_level)
     timing = from_flags(TimingModel, args)
@@ -327,16 +215,18 @@ def _leaves(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
     return found
 
 
-def _bench_vllm(args: argparse.Namespace) -> int:
-    from proto_server.bench.vllm import run
-
-    return run(args)
-
-
-def _bench_local(args: argparse.Namespace) -> int:
-    from proto_server.bench.local import run
-
-    return run(args, from_flags(LocalModel, args))
+def _bench(argv: list[str]) -> int:
+    """The benchmarks' own command line; they are not part of this package, so say what to
+    install when they are missing."""
+    try:
+        from proto_server_bench.cli import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "proto_server_bench":
+            raise
+        print("proto-server bench: the benchmarks are not installed; from a checkout: "
+              "pip install -e ./benchmarks", file=sys.stderr)  # fmt: skip
+        return 2
+    return bench_main(argv)
 
 
 async def _serve(

@@ -48,7 +48,7 @@ def _store_location(_: Any, attribute: attrs.Attribute[Any], text: str) -> None:
 
 @attrs.frozen(kw_only=True)
 class LocalModel:
-    """The model `--generator local` loads (and `bench-local` measures)."""
+    """The model `--generator local` loads (and `bench local` measures)."""
 
     model: str | None = setting(
         None,

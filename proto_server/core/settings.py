@@ -8,6 +8,8 @@ new setting is written in one place and no default is written twice.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -24,9 +26,15 @@ class Flag:
     #: The flag; None: `--` and the field's name, `_s` dropped, `_` as `-` (`suspend_timeout_s`
     #: is `--suspend-timeout`).
     name: str | None = None
-    metavar: str | None = None
+    metavar: str | tuple[str, ...] | None = None
     #: How many of the field's unit one of the flag's is (MiB for a field in bytes).
     unit: float = 1
+    #: Reads one value of the flag where the field's type cannot (a pair, a list of names).
+    parse: Callable[[str], Any] | None = None
+    #: Values the flag takes at once (a pair given as `MIN MAX`); None: one.
+    nargs: int | None = None
+    #: The flag must be given (the field's default, None, stands for no value yet).
+    required: bool = False
 
 
 def setting(
@@ -35,14 +43,17 @@ def setting(
     *,
     help: str,
     flag: str | None = None,
-    metavar: str | None = None,
+    metavar: str | tuple[str, ...] | None = None,
     unit: float = 1,
+    parse: Callable[[str], Any] | None = None,
+    nargs: int | None = None,
+    required: bool = False,
 ) -> Any:
-    """An attrs field that is also a `serve` flag."""
+    """An attrs field that is also a command-line flag (of `serve`, or of a benchmark)."""
     return attrs.field(
         default=default,
         validator=validator,
-        metadata={FLAG: Flag(help, flag, metavar, unit)},
+        metadata={FLAG: Flag(help, flag, metavar, unit, parse, nargs, required)},
     )
 
 
@@ -74,8 +85,15 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         default = getattr(defaults, field.name)
         options: dict[str, Any] = {"dest": field.name, "help": flag.help}
+        if flag.required:
+            options["required"] = True
         kind = _kind(str(field.type))
-        if kind is bool:
+        if flag.parse is not None or flag.nargs is not None:  # read as the field declares
+            shown = default if default is None or flag.unit == 1 else default / flag.unit
+            options.update(
+                type=flag.parse or float, default=shown, metavar=flag.metavar, nargs=flag.nargs
+            )
+        elif kind is bool:
             options.update(action=argparse.BooleanOptionalAction, default=default)
         elif kind is tuple:  # given again, another value; none given: the field's default
             options.update(action="append", default=None, metavar=flag.metavar)
@@ -97,7 +115,7 @@ def range_of(field: attrs.Attribute[Any]) -> str | None:
 def _kind(annotation: str) -> type:
     """The flag's type from the field's annotation (a string: the modules postpone them)."""
     bare = annotation.removesuffix(" | None")
-    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float}
+    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float, "Path": Path}
     return tuple if bare.startswith("tuple[") else kinds.get(bare, str)
 
 
@@ -128,9 +146,11 @@ def from_flags(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
         flag = field.metadata.get(FLAG)
         if flag is not None and field.name not in values:
             value = getattr(args, field.name)
-            if isinstance(value, list):  # a repeatable flag
+            if isinstance(value, list):  # a repeatable flag, or one of several values
                 value = tuple(value)
             elif value is None and _kind(str(field.type)) is tuple:
                 continue  # not given: the field's default
-            values[field.name] = value if value is None or flag.unit == 1 else value * flag.unit
+            if value is not None and flag.unit != 1:  # into the field's unit, and its type
+                value = _kind(str(field.type))(value * flag.unit)
+            values[field.name] = value
     return cls(**values)

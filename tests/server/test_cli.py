@@ -65,15 +65,46 @@ def test_a_bad_script_is_reported_before_listening(tmp_path: object) -> None:
     assert "segments[0].text must be a string" in done.stderr
 
 
-def test_bench_with_the_local_generator_runs_the_local_benchmark(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """`bench --generator local` is the local model's warm-against-cold benchmark, not the
-    transport one: with a model path that does not exist it stops at loading the model."""
+def test_bench_local_runs_the_local_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench local` is the local model's warm-against-cold benchmark: with a model path that
+    does not exist it stops at loading the model, one line and exit 2."""
     from proto_server.cli import main
 
-    assert main(["bench", "--generator", "local", "--model", "/nonexistent/model.gguf"]) == 2
+    assert main(["bench", "local", "--model", "/nonexistent/model.gguf"]) == 2
     assert "local model" in capsys.readouterr().err
+
+
+def test_bench_without_the_benchmarks_installed_says_what_to_install() -> None:
+    """The benchmarks are a distribution of their own (benchmarks/): without them, `bench` says
+    how to install them and exits 2; `serve` does not need them."""
+    hidden = """
+import sys
+class Absent:  # as if the benchmarks were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "proto_server_bench":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+from proto_server.cli import main
+sys.exit(main(["bench", "fleet"]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", hidden], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "pip install -e ./benchmarks" in done.stderr
+
+
+def test_bench_refuses_a_setting_out_of_range_naming_its_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bench section's flags are its settings' fields: a value out of a field's range is
+    one line naming the flag, exit 2 (as serve's are)."""
+    from proto_server.cli import main
+
+    assert main(["bench", "vllm", "--engine-url", "u", "--engine-pid", "1", "--turns", "0"]) == 2
+    assert "proto-server bench vllm: --turns: must be at least 1, got 0" in (
+        capsys.readouterr().err
+    )
 
 
 async def test_keys_from_the_environment_turn_auth_on(nursery: trio.Nursery) -> None:
@@ -312,7 +343,7 @@ def test_permessage_deflate_is_one_flag_both_ways() -> None:
 async def test_serve_with_permessage_deflate_compresses_for_a_client_that_offers_it(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    from proto_server.bench.transports import CountingStream, open_websocket
+    from proto_server_bench.transports import CountingStream, open_websocket
 
     command = [sys.executable, "-m", "proto_server", "serve", "--port", "0"]
     command += ["--permessage-deflate", "--store", ":memory:"]

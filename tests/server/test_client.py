@@ -302,7 +302,7 @@ async def test_an_http_connection_the_server_closed_while_idle_is_not_reused(
     start_server: StartServer,
 ) -> None:
     # the server ends a kept-alive connection idle past its handshake timeout; a request sent
-    # on it would meet the close instead of an answer (what bench-vllm's http path met)
+    # on it would meet the close instead of an answer (what bench vllm's http path met)
     running = await start_server(THREE_SEGMENTS, handshake_timeout_s=0.2)
     before = open_connections()
     async with connect(running.address.http_url, dialect="http") as connection:

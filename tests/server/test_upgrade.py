@@ -12,9 +12,9 @@ import h11
 import orjson
 import pytest
 import trio
+from proto_server_bench.transports import CountingStream, open_websocket
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
-from proto_server.bench.transports import CountingStream, open_websocket
 from proto_server.server.app import MAX_MESSAGE_BYTES_HEADER
 from proto_server.server.dialects import LAUNCHED_BETA, PROTOTYPE_BETA
 

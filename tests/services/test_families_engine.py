@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from proto_server_bench.mistral import mistral_folder
 
-from proto_server.bench.mistral import mistral_folder
 from proto_server.engine import families
 from proto_server.engine.families import FAMILIES
 from proto_server.engine.families.mistral import MISTRAL_JSON

@@ -29,9 +29,9 @@ import httpx
 import orjson
 import pytest
 import trio
+from proto_server_bench.workload import MODEL, Workload, make_workload
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
-from proto_server.bench.workload import MODEL, Workload, make_workload
 from proto_server.server.store import chain_items, owner_id
 from proto_server.server.store.postgres import PostgresStore
 from proto_server.wire.converter import as_json

@@ -24,8 +24,8 @@ require("llguidance", MODEL_EXTRA)
 
 import torch
 import trio
+from proto_server_bench.local import Turn, measure, table
 
-from proto_server.bench.local import Turn, measure, table
 from proto_server.cli import main
 from proto_server.core.compaction import CompactionKey, compact
 from proto_server.core.conversation import Conversation

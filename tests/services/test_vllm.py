@@ -736,10 +736,11 @@ async def test_an_engine_that_stalls_fails_engine_timeout(start_vllm: StartVllm)
 async def test_the_benchmark_runs_every_path_on_the_same_engine(
     vllm_engine: Engine, vllm_tokenizer: LoadedTokenizer, tmp_path: Path
 ) -> None:
-    """`proto-server bench-vllm`, small: three turns through each of the five paths, with
+    """`proto-server bench vllm`, small: three turns through each of the five paths, with
     proto-server as a process of its own; every path gives numbers, and the files are there."""
-    from proto_server.bench.paths import CALL_TOKENS, OURS, PATHS
-    from proto_server.bench.vllm import PLOTS, measure, render, summarize, write_files
+    from proto_server_bench.paths import CALL_TOKENS, OURS, PATHS
+    from proto_server_bench.vllm import PLOTS, measure
+    from proto_server_bench.vllm_report import render, summarize, write_files
 
     assert vllm_engine.process is not None
     with trio.fail_after(300):

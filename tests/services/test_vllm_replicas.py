@@ -18,10 +18,10 @@ import httpx
 import orjson
 import pytest
 import trio
+from proto_server_bench.agents import SPREAD
+from proto_server_bench.chat import CHAT
+from proto_server_bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 
-from proto_server.bench.agents import SPREAD
-from proto_server.bench.chat import CHAT
-from proto_server.bench.paths import LAUNCHED, PROTOTYPE, STATELESS
 from proto_server.cli import main
 
 from ..support.clients import TERMINAL, model_connect

@@ -77,11 +77,11 @@ class Engine:
             "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
             "--dtype", "float32", "--max-model-len", "8192", "--block-size", str(BLOCK_SIZE),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
-            # vLLM's own /v1/responses makes calls (bench-vllm's forced turns) only with a parser
+            # vLLM's own /v1/responses makes calls (bench vllm's forced turns) only with a parser
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--host", "127.0.0.1", "--port", str(self.port), *self.extra,
         ]  # fmt: skip
-        # the store lets bench-vllm chain vLLM's own /v1/responses by previous_response_id
+        # the store lets bench vllm chain vLLM's own /v1/responses by previous_response_id
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",

@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from proto_server_bench.families import held_turns, joined_turn, main, render_both
+from proto_server_bench.mistral import mistral_folder
 
-from proto_server.bench.families import held_turns, joined_turn, main, render_both
-from proto_server.bench.mistral import mistral_folder
 from proto_server.engine.model_files import tokenizer_files
 
 # its tokenizers come from tests/clients (npm), read by transformers (the model extra)

@@ -9,22 +9,21 @@ from pathlib import Path
 import attrs
 import orjson
 import pytest
-
-from proto_server.bench.fleet import (
+from proto_server_bench.fleet import (
     CONTINUUM,
     PLOTS,
     POLICIES,
     THUNDERAGENT,
-    EngineSequence,
     FleetSettings,
-    PolicyRun,
-    Replica,
     make_rollouts,
-    simulate,
     unbounded_need,
 )
-from proto_server.bench.fleet_policies import BUFFER_PER_PROGRAM, ContinuumPins, ThunderAgent
+from proto_server_bench.fleet_policies import BUFFER_PER_PROGRAM, ContinuumPins, ThunderAgent
+from proto_server_bench.fleet_replica import EngineSequence, Replica
+from proto_server_bench.fleet_simulate import PolicyRun, simulate
+
 from proto_server.cli import main
+from proto_server.core.ranges import InvalidSetting
 from proto_server.engine.prefix_cache import PrefixCache
 
 SMALL = FleetSettings(
@@ -80,9 +79,8 @@ def test_admitted_for_their_growth_rollouts_evict_each_other_less() -> None:
     assert reserved.evictions < now.evictions
     assert reserved.prefilled_tokens < now.prefilled_tokens
     assert len(reserved.jct_s) == tight.rollouts  # every rollout still ends
-    assert attrs.evolve(tight, growth=0.5).problems() == [
-        "--admission-growth must be between 1 and 100, got 0.5"
-    ]
+    with pytest.raises(InvalidSetting, match=r"growth must be between 1 and 100, got 0\.5"):
+        attrs.evolve(tight, growth=0.5)
 
 
 def test_a_place_kept_a_short_multiple_of_the_time_away_demotes_more() -> None:
@@ -93,9 +91,8 @@ def test_a_place_kept_a_short_multiple_of_the_time_away_demotes_more() -> None:
     learned = _run(attrs.evolve(tight, ttl_median=1.0), "proto-server")
     assert learned.demotions > fixed.demotions
     assert len(learned.jct_s) == tight.rollouts  # every rollout still ends
-    assert attrs.evolve(tight, ttl_median=0.0).problems() == [
-        "--ttl-median must be positive and finite, got 0.0"
-    ]
+    with pytest.raises(InvalidSetting, match=r"ttl_median must be positive and finite, got 0\.0"):
+        attrs.evolve(tight, ttl_median=0.0)
 
 
 def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_again() -> None:
@@ -122,7 +119,7 @@ def test_a_replica_out_of_free_blocks_preempts_its_newest_sequence_and_runs_it_a
 def test_the_command_writes_its_table_json_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["bench", "fleet", "--rollouts", "12", "--replicas", "2", "--fleet-turns", "3,6",
+    args = ["bench", "fleet", "--rollouts", "12", "--replicas", "2", "--turns", "3,6",
             "--context-tokens", "400", "--cache-tokens", "4096",
             "--out", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
@@ -150,12 +147,12 @@ def test_the_command_writes_its_table_json_and_plots(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--replicas", "0"], "--replicas must be at least 1"),
+        (["--replicas", "0"], "--replicas: must be at least 1"),
         (["--cache-tokens", "20"], "--cache-tokens must hold at least 2 blocks"),
-        (["--fleet-turns", "5,1"], "expected 0 < MEDIAN <= P99"),
-        (["--kv-target-fill", "1.5"], "--kv-target-fill must be in (0, 1]"),
-        (["--arrival-s", "-1"], "--arrival-s must be at least 0"),
-        (["--bypass", "-1"], "--bypass must be at least 0"),
+        (["--turns", "5,1"], "--turns: must be MEDIAN,P99 with 0 < MEDIAN <= P99"),
+        (["--kv-target-fill", "1.5"], "--kv-target-fill: must be in (0, 1]"),
+        (["--arrival-s", "-1"], "--arrival-s: must be at least 0"),
+        (["--bypass", "-1"], "--bypass: must be at least 0"),
         (["--thunderagent-interval", "0"], "must be positive"),
         (["--continuum-ttl", "-2"], "must be positive"),
     ],

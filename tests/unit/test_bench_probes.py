@@ -8,9 +8,8 @@ from typing import Any
 
 import trio
 import trio.testing
-
-from proto_server.bench.memory import MiB
-from proto_server.bench.probes import ProbeSettings, _bounded, goals, render
+from proto_server_bench.memory import MiB
+from proto_server_bench.probes import ProbeSettings, _bounded, goals, render
 
 
 async def _never() -> str:

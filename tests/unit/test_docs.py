@@ -5,6 +5,7 @@ and method it names exists; a long module says why it is one.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import unicodedata
@@ -105,7 +106,8 @@ LONG_MODULE_LINES = 500
 
 def test_a_long_module_says_at_its_top_why_it_is_one() -> None:
     unexplained = []
-    for path in sorted((ROOT / "proto_server").rglob("*.py")):
+    packages = (ROOT / "proto_server", ROOT / "benchmarks" / "proto_server_bench")
+    for path in sorted(path for package in packages for path in package.rglob("*.py")):
         text = path.read_text()
         docstring = ast.get_docstring(ast.parse(text)) or ""
         if (
@@ -114,6 +116,43 @@ def test_a_long_module_says_at_its_top_why_it_is_one() -> None:
         ):
             unexplained.append(str(path.relative_to(ROOT)))
     assert not unexplained, f"split these, or say why each is one module: {unexplained}"
+
+
+def test_no_benchmark_module_is_long_or_says_why_it_is_one() -> None:
+    """The benchmarks (benchmarks/proto_server_bench) have been given a structure: a module per
+    idea, none over the limit, none defending its length."""
+    long_or_defended = [
+        path.name
+        for path in sorted((ROOT / "benchmarks" / "proto_server_bench").rglob("*.py"))
+        if path.read_text().count("\n") > LONG_MODULE_LINES
+        or "Why one module of this length:" in path.read_text()
+    ]
+    assert not long_or_defended, f"split these, a module per idea: {long_or_defended}"
+
+
+def test_every_flag_the_benchmarks_flag_table_names_is_a_sections_flag() -> None:
+    """docs/benchmarks.md's flag table against the sections' parsers (their settings' fields):
+    a flag renamed or gone would send a reader to an error."""
+    from proto_server_bench.cli import build_parser
+
+    (subcommands,) = [a for a in build_parser()._actions if a.choices and a.dest == "section"]
+    sections: dict[str, argparse.ArgumentParser] = subcommands.choices  # type: ignore[assignment]
+    flags = {
+        option
+        for parser in sections.values()
+        for action in parser._actions
+        for option in action.option_strings
+    }
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = page.split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
+    named = {
+        flag
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for flag in re.findall(r"`(--[a-z][\w-]*)", row.split(" | ")[0])
+    }
+    assert named, "the flag table names no flags any more"
+    assert sorted(named - flags) == []
 
 
 def test_the_architecture_pages_transition_table_is_the_machines() -> None:
@@ -131,9 +170,7 @@ def test_every_module_and_method_the_architecture_page_names_exists() -> None:
     page = (ROOT / "docs" / "architecture.md").read_text()
     package = ROOT / "proto_server"
     sources = {path: path.read_text() for path in package.rglob("*.py")}
-    modules = set(
-        re.findall(r"`((?:wire|core|engine|server|client|bench|testing)/[\w/]*\w\.py)`", page)
-    )
+    modules = set(re.findall(r"`((?:wire|core|engine|server|client|testing)/[\w/]*\w\.py)`", page))
     missing = sorted(name for name in modules if not (package / name).is_file())
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
     methods = set(re.findall(r"`([A-Z]\w+)\.(_?[a-z]\w*)`", page))

@@ -1,5 +1,6 @@
-"""No import cycle in `proto_server`: a cycle makes a module's meaning depend on which one was
-imported first, and hides behind a function-local import until a refactor moves it to the top.
+"""No import cycle in `proto_server`, nor in the benchmarks (`benchmarks/proto_server_bench`): a
+cycle makes a module's meaning depend on which one was imported first, and hides behind a
+function-local import until a refactor moves it to the top.
 
 The graph is read from the source with `ast`, so every import that runs counts: top-level and
 function-local alike; only an `if TYPE_CHECKING:` block is left out, since it never runs. A
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import attrs
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "proto_server"
 Found = tuple[ast.Import | ast.ImportFrom, bool]
@@ -196,6 +198,8 @@ def test_the_graph_counts_every_import_that_runs(tmp_path: Path) -> None:
     ]
 
 
-def test_no_import_cycle() -> None:
-    found = cycles(graph(ROOT))
+@pytest.mark.parametrize("root", [ROOT, ROOT.parent / "benchmarks" / "proto_server_bench"])
+def test_no_import_cycle(root: Path) -> None:
+    """In the product, and in the benchmarks (a distribution of their own)."""
+    found = cycles(graph(root))
     assert not found, "import cycles (module:line of each import):\n" + "\n".join(found)

@@ -42,8 +42,8 @@ from mistral_common.protocol.instruct.tool_calls import Function, Tool, ToolCall
 from mistral_common.protocol.instruct.tool_calls import FunctionCall as MistralCall
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from proto_server_bench.mistral import mistral_folder
 
-from proto_server.bench.mistral import mistral_folder
 from proto_server.core.conversation import render_items
 from proto_server.engine import families
 from proto_server.engine.chunks import ReasoningDelta

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from proto_server_bench.workload import make_workload, streaming_text
 
-from proto_server.bench.workload import make_workload, streaming_text
 from proto_server.core.conversation import Conversation
 from proto_server.core.render import O200kRenderer
 from proto_server.core.tokenizer import o200k_base

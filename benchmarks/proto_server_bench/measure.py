@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import cProfile
+import os
 import pstats
 import socket
 import sys
@@ -283,13 +284,14 @@ async def _serve(conn: Connection, settings: ServerSettings) -> None:
 class ServerProcess:
     """The parent's handle on the child: `async with ServerProcess(settings) as server:`.
 
-    The child is a fresh interpreter (`python -m proto_server.bench.child FD`) talking over a
+    The child is a fresh interpreter (`python -m proto_server_bench.child FD`) talking over a
     socket pair, so nothing of the parent (its main module, its threads) is carried over.
     """
 
     def __init__(self, settings: ServerSettings, *, tree: Path | None = None) -> None:
         """`tree`: a source tree of proto-server whose server to run instead of this one's (the
-        child imports from its working directory), so two versions can be measured in one run."""
+        child imports from its working directory, and the benchmarks from its `benchmarks/`
+        where it has one), so two versions can be measured in one run."""
         self._settings = settings
         self._tree = tree
         ours, theirs = socket.socketpair()
@@ -301,9 +303,10 @@ class ServerProcess:
     async def __aenter__(self) -> ServerProcess:
         fd = self._theirs.fileno()
         self._process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "proto_server.bench.child", str(fd)],
+            [sys.executable, "-m", "proto_server_bench.child", str(fd)],
             pass_fds=(fd,),
             cwd=self._tree,
+            env=None if self._tree is None else _benchmarks_of(self._tree),
         )
         self._theirs.close()
         self._conn.send(self._settings)
@@ -354,8 +357,17 @@ class ServerProcess:
             self._conn.close()
 
 
+def _benchmarks_of(tree: Path) -> dict[str, str]:
+    """The environment with `tree`'s benchmarks first on the path (where it has them)."""
+    env = dict(os.environ)
+    if (tree / "benchmarks").is_dir():
+        path = [str(tree.resolve() / "benchmarks"), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(part for part in path if part)
+    return env
+
+
 def child_main(fd: int) -> None:
-    """The child's entry (`python -m proto_server.bench.child FD`): settings first, then serve."""
+    """The child's entry (`python -m proto_server_bench.child FD`): settings first, then serve."""
     conn = Connection(fd)
     settings: ServerSettings = conn.recv()
     serve_child(conn, settings)

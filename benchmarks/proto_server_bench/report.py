@@ -5,9 +5,8 @@ within the same repeat and decode rate, then the median of those ratios is repor
 moment hurts both sides of a ratio alike. Server-side per-turn costs do not depend on the decode
 rate, so per-turn medians pool every rollout of a transport.
 
-Why one module of this length: the summaries, the targets, the table and the plots all read the
-same medians (`per_turn`, `_totals`) of one `BenchRun`, and each target is judged on the rows the
-table prints. Split, a target could be judged on a figure other than the one shown.
+The summaries, the targets, the table and the plots all read the same medians (`per_turn`,
+`_totals`) of one `BenchRun`, and each target is judged on the rows the table prints.
 """
 
 from __future__ import annotations
@@ -20,14 +19,14 @@ from typing import Any
 import attrs
 import orjson
 
-from proto_server.bench.runner import BenchRun, Rollout
-from proto_server.bench.stream_report import (
+from proto_server_bench.runner import BenchRun, Rollout
+from proto_server_bench.stream_report import (
     render_streaming,
     streaming_targets,
     summarize_streaming,
 )
-from proto_server.bench.tables import Target, table
-from proto_server.bench.transports import BASELINE, TRANSPORTS
+from proto_server_bench.tables import Target, table
+from proto_server_bench.transports import BASELINE, TRANSPORTS
 
 WARM = ("ws-launched", "ws-prototype")
 LABELS = {t.name: t.label for t in TRANSPORTS}
@@ -371,11 +370,11 @@ def write_json(run: BenchRun, summary: dict[str, Any], path: Path) -> None:
 
 
 #: What a benchmark says instead of its plots when matplotlib is not installed.
-NO_PLOTS = "plots skipped: install the extra, pip install 'proto-server[bench]'"
+NO_PLOTS = "plots skipped: matplotlib is not installed (pip install 'matplotlib>=3.8')"
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot on its file-only backend, or None without the `bench` extra."""
+    """matplotlib's pyplot on its file-only backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
 

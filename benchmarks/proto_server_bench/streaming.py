@@ -33,13 +33,13 @@ import orjson
 import trio
 from trio_websocket import wrap_client_stream
 
-from proto_server.bench.measure import ServerProcess, ServerSettings, Setup
-from proto_server.bench.transports import BenchError, CountingStream
-from proto_server.bench.workload import streaming_text
 from proto_server.engine.script import RolloutScript, Segment
 from proto_server.testing.checker import InvariantViolation, StreamChecker, o200k_count
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.events import OutputTextDelta
+from proto_server_bench.measure import ServerProcess, ServerSettings, Setup
+from proto_server_bench.transports import BenchError, CountingStream
+from proto_server_bench.workload import streaming_text
 
 HOST = "127.0.0.1"
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")

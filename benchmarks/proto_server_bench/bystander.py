@@ -3,7 +3,7 @@ something else is sent to it, and says how long its worst wait was.
 
 The server answers `/healthz` on its event loop at once, so the bystander's worst wait is how
 long one request kept that loop from everyone else. It runs in a process of its own (`python -m
-proto_server.bench.bystander HOST PORT INTERVAL_MS`), so that what the measuring client does
+proto_server_bench.bystander HOST PORT INTERVAL_MS`), so that what the measuring client does
 (encoding a frame, decoding a long stream) never holds up the bystander's own probes. It speaks
 HTTP/1.1 on one kept-alive connection with plain blocking sockets: nothing between it and the
 wait it measures. It prints `ready` once its first probe is answered; a line on its stdin stops
@@ -140,7 +140,7 @@ class Bystander:
 async def watching(base: str, interval_s: float = INTERVAL_S) -> AsyncIterator[Bystander]:
     """A bystander probing the server at `base` (`http://host:port`), once it was answered."""
     parts = urlsplit(base)
-    command = [sys.executable, "-m", "proto_server.bench.bystander", str(parts.hostname),
+    command = [sys.executable, "-m", "proto_server_bench.bystander", str(parts.hostname),
                str(parts.port), str(interval_s * 1000)]  # fmt: skip
     process = await trio.lowlevel.open_process(command, stdin=-1, stdout=-1)
     try:

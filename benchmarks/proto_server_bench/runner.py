@@ -18,35 +18,79 @@ from typing import Any
 
 import attrs
 
-from proto_server.bench.measure import ServerProcess, ServerSettings, ServerTurn, Setup
-from proto_server.bench.streaming import StreamCase, StreamResult, default_cases, run_streaming
-from proto_server.bench.transports import TRANSPORTS, ClientTurn, run_rollout
-from proto_server.bench.workload import Workload, make_workload
+from proto_server.core.ranges import at_least, between, positive_finite
+from proto_server.core.settings import setting
+from proto_server_bench import flags
+from proto_server_bench.measure import ServerProcess, ServerSettings, ServerTurn, Setup
+from proto_server_bench.streaming import StreamCase, StreamResult, default_cases, run_streaming
+from proto_server_bench.transports import TRANSPORTS, ClientTurn, run_rollout
+from proto_server_bench.workload import Workload, make_workload
 
 TRANSPORT_NAMES = tuple(t.name for t in TRANSPORTS)
 
 
 @attrs.frozen(kw_only=True)
 class BenchSettings:
-    rounds: int | None = None  # tool rounds; None: 30 to 50, by the seed
+    """What `bench all` and `bench streaming` run: each field is a flag of theirs."""
+
+    turns: int | None = setting(
+        None, at_least(2),
+        help="requests per rollout (tool rounds + 1 final answer); default: 31 to 51, by the seed",
+    )  # fmt: skip
     #: 2 draws 31 tool rounds and 131k tokens of history: a default run takes about a minute
-    seed: int = 2
-    output_kb: tuple[float, float] = (1.0, 8.0)
-    large_share: float = 0.15
-    large_kb: tuple[float, float] = (16.0, 48.0)
-    decode_rates: tuple[float, ...] = (1000.0, 4000.0)
-    prefill_rate: float = 100_000.0
-    prefix_cache: bool = True
-    repeats: int = 2
-    transports: tuple[str, ...] = TRANSPORT_NAMES
-    streaming: bool = True
-    stream_rate: float = 4000.0
-    stream_tokens: int = 20_000
-    streams: int = 32
-    client_fps: float = 1000.0
-    stream_repeats: int = 1
-    out_dir: Path = Path("bench-results")
-    profile: bool = False
+    seed: int = setting(2, help="workload seed")
+    output_kb: tuple[float, float] = setting(
+        (1.0, 8.0), nargs=2, metavar=("MIN", "MAX"), help="size range of ordinary tool outputs"
+    )
+    large_share: float = setting(
+        0.15, between(0, 1), help="share of tool outputs that are large test logs"
+    )
+    large_kb: tuple[float, float] = setting(
+        (16.0, 48.0), nargs=2, metavar=("MIN", "MAX"), help="size range of the large tool outputs"
+    )
+    decode_rates: tuple[float, ...] = setting(
+        (1000.0, 4000.0), flags.rates, parse=flags.numbers, metavar="R1,R2",
+        help="modelled decode tokens/s to run at (the write-up's regimes: 65, 1000, 4000)",
+    )  # fmt: skip
+    prefill_rate: float = setting(
+        100_000.0, positive_finite, metavar="TOKENS_PER_S",
+        help="modelled prefill tokens/s for tokens not in any cache",
+    )  # fmt: skip
+    prefix_cache: bool = setting(
+        True, help="model a prefix cache across requests (without, cold paths prefill their "
+        "history)",
+    )  # fmt: skip
+    repeats: int = setting(2, at_least(1), help="rollouts per transport and rate")
+    transports: tuple[str, ...] = setting(
+        TRANSPORT_NAMES, flags.some_of(TRANSPORT_NAMES), parse=flags.names, metavar="NAMES",
+        help=f"comma-separated subset of {','.join(TRANSPORT_NAMES)}",
+    )  # fmt: skip
+    streaming: bool = setting(True, help="bench all: the streaming measurements too")
+    stream_rate: float = setting(
+        4000.0, positive_finite, help="modelled decode tokens/s of the streaming measurements"
+    )
+    stream_tokens: int = setting(
+        20_000, at_least(64),
+        help="tokens of the unlimited single stream (the paced one gets a quarter, the unmerged "
+        "half, each concurrent one and the slow client an eighth)",
+    )  # fmt: skip
+    streams: int = setting(32, at_least(1), help="concurrent streams")
+    client_fps: float = setting(1000.0, positive_finite, help="frames/s the slow client reads")
+    stream_repeats: int = setting(
+        1, at_least(1), help="runs of each streaming case (the table shows medians)"
+    )
+    out_dir: Path = setting(
+        Path("bench-results"), flag="--out", metavar="DIR", help="where the JSON and plots go"
+    )
+    profile: bool = setting(
+        False,
+        help="profile the server process (cProfile): DIR/server-profile.txt and .pstats",
+    )
+
+    @property
+    def rounds(self) -> int | None:
+        """Tool rounds a rollout (None: 30 to 50, by the seed)."""
+        return None if self.turns is None else self.turns - 1
 
     def stream_cases(self) -> list[StreamCase]:
         return default_cases(

@@ -9,7 +9,6 @@ same answer, which the table checks.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,6 +20,8 @@ import trio
 
 from proto_server.compose import load_local
 from proto_server.core.conversation import Conversation
+from proto_server.core.ranges import at_least
+from proto_server.core.settings import setting
 from proto_server.engine.chunks import (
     Chunk,
     Prefilled,
@@ -222,8 +223,27 @@ def table(results: Sequence[Turn]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, wanted: LocalModel) -> int:
-    """`proto-server bench-local`: the local model serve would load, warm against cold."""
+@attrs.frozen(kw_only=True)
+class LocalBenchSettings:
+    """What `bench local` runs, beside the model (`LocalModel`, as serve's flags load it)."""
+
+    turns: int = setting(8, at_least(1), help="turns of the agent loop")
+    tool_output_tokens: int = setting(
+        500, at_least(1), metavar="N",
+        help="size of the tool output appended each turn, in the model's tokens",
+    )  # fmt: skip
+    answer_tokens: int = setting(
+        8, at_least(1), metavar="N",
+        help="tokens the model decodes each turn (warm and cold must say the same)",
+    )  # fmt: skip
+    repeat: int = setting(
+        1, at_least(1), metavar="N",
+        help="run the loop N times and keep each turn's fastest times (busy machines)",
+    )  # fmt: skip
+
+
+def run(args: LocalBenchSettings, wanted: LocalModel) -> int:
+    """`proto-server bench local`: the local model serve would load, warm against cold."""
     generator = load_local(wanted, max_tokens=args.answer_tokens)
     print(
         f"{generator.name} on {generator.device}, {generator.threads} thread(s); "

@@ -128,7 +128,7 @@ def _message(role: str, text: str) -> dict[str, Any]:
 
 def codex_tools() -> tuple[dict[str, Any], ...]:
     """The tools of a real Codex 0.171 request (9 of them, a namespace and web_search included)."""
-    data = importlib.resources.files("proto_server.bench").joinpath("codex_tools.json")
+    data = importlib.resources.files("proto_server_bench").joinpath("codex_tools.json")
     return tuple(orjson.loads(data.read_bytes()))
 
 

@@ -1,6 +1,6 @@
 """permessage-deflate against none, on a Codex-shaped rollout: bytes on the wire and CPU.
 
-    python -m proto_server.bench.deflate [--repeats 5] [--rounds N] [--seed 2]
+    python -m proto_server_bench.deflate [--repeats 5] [--rounds N] [--seed 2]
 
 One server process with `--permessage-deflate` on; each rollout's client (the launched dialect,
 as Codex 0.171 speaks it) offers the extension or does not, alternately, so both run against the
@@ -21,9 +21,9 @@ from typing import Any
 
 import trio
 
-from proto_server.bench.measure import ServerProcess, ServerSettings, Setup
-from proto_server.bench.transports import Transport, WsLaunched, WsLaunchedDeflate, run_rollout
-from proto_server.bench.workload import make_workload
+from proto_server_bench.measure import ServerProcess, ServerSettings, Setup
+from proto_server_bench.transports import Transport, WsLaunched, WsLaunchedDeflate, run_rollout
+from proto_server_bench.workload import make_workload
 
 #: Fast enough that a rollout measures the server's work, not modelled GPU time.
 DECODE_RATE = 100_000.0
@@ -82,7 +82,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m proto_server.bench.deflate")
+    parser = argparse.ArgumentParser(prog="python -m proto_server_bench.deflate")
     parser.add_argument("--repeats", type=int, default=5, help="rollouts of each kind")
     parser.add_argument("--rounds", type=int, default=None, help="tool rounds (default: seed's)")
     parser.add_argument("--seed", type=int, default=2)

@@ -13,8 +13,8 @@ from typing import Any
 
 import attrs
 
-from proto_server.bench.streaming import StreamResult
-from proto_server.bench.tables import Target, table
+from proto_server_bench.streaming import StreamResult
+from proto_server_bench.tables import Target, table
 
 THIS = "this tree"
 NUMBERS = (

@@ -6,7 +6,7 @@ them whole each turn, with the model's tool calls and the tools' outputs. Throug
 rollout is a program: a `program_id` of its own in every body (where the OpenAI SDK's
 `extra_body` puts it) and, at its end, `POST /programs/release` at the proxy's root, as
 ThunderAgent's own agent examples end one (a program never released stays counted against the
-cache). Each path is a `bench.paths.Send`, so `bench agents` runs it as it runs the others.
+cache). Each path is a `paths.Send`, so `bench agents` runs it as it runs the others.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import trio
 
-from proto_server.bench.paths import CALL_TOKENS, TOOL, Items, Said, Send
+from proto_server_bench.paths import CALL_TOKENS, TOOL, Items, Said, Send
 
 #: vLLM's chat completions alone, and the same through a proxy that schedules by `program_id`
-#: (`bench agents` only: bench-vllm measures one rollout's front-end cost, not scheduling).
+#: (`bench agents` only: bench vllm measures one rollout's front-end cost, not scheduling).
 CHAT, PROGRAMS = "vLLM /v1/chat/completions", "ThunderAgent /v1/chat/completions"
 
 

@@ -1,5 +1,5 @@
 """The paths an agent loop takes to one engine, as clients: proto-server's three, vLLM's two
-(its chat completions, and a program-scheduling proxy's, are `bench.chat`'s).
+(its chat completions, and a program-scheduling proxy's, are `chat.py`'s).
 
 proto-server's prototype WebSocket (one Response, suspended on each call and appended to), its
 launched WebSocket (turns chained by `previous_response_id`) and its stateless HTTP (the whole
@@ -7,7 +7,7 @@ history each turn) go through this project's own client (`proto_server.client`),
 measures what a user of that client gets. vLLM's own `/v1/responses`, with the whole history
 (`store: false`) or chained by `previous_response_id`, is plain SSE over httpx: its events are
 vLLM's, not this project's wire types. Each path is one `Send`: `await send(new items,
-tool_choice)` runs a turn and says what it answered, timed on the client. `bench-vllm`
+tool_choice)` runs a turn and says what it answered, timed on the client. `bench vllm`
 (vllm.py) and `bench agents` (agents.py) both run them.
 """
 

@@ -19,20 +19,19 @@ length` (a `json_schema` text format whose one string asks `--min-length` charac
 length tool` (the same schema as a required function's parameters), both answered by the
 built-in model; and every shape of `bench memory` at `--mb`.
 
-Why one module of this length: the shapes, how a case is bounded, and the goals and table that
-read its rows are one measurement, whose row every part writes or reads; memory.py's server,
-frames and sending (`armed`, `post`) and bystander.py's process are reused, not repeated.
+memory.py's server, frames and sending (`armed`, `post`) and bystander.py's process are reused,
+not repeated.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -40,9 +39,12 @@ import httpx
 import orjson
 import trio
 
-from proto_server.bench import memory
-from proto_server.bench.bystander import watching
-from proto_server.bench.memory import (
+from proto_server.core.ranges import at_least, positive_finite
+from proto_server.core.settings import setting
+from proto_server.testing.client import WireClient, connect
+from proto_server_bench import flags, memory
+from proto_server_bench.bystander import watching
+from proto_server_bench.memory import (
     END,
     EVENT_TIMEOUT_S,
     EXEC_COMMAND,
@@ -54,7 +56,6 @@ from proto_server.bench.memory import (
     post,
     status_kib,
 )
-from proto_server.testing.client import WireClient, connect
 
 #: Each attack shape and the transports it is sent over (`input_tokens`: HTTP, counted only).
 ATTACKS = {
@@ -78,16 +79,40 @@ MAX_EVENT_BYTES = 1 << 30
 
 @attrs.frozen(kw_only=True)
 class ProbeSettings:
-    """What `bench probes` runs: its flags, in bytes and seconds."""
+    """What `bench probes` runs: each field is a flag of its (sizes in MB on the command line)."""
 
-    shapes: tuple[str, ...] = SHAPES
-    nbytes: int = 15 * MiB
-    item_bytes: int = 4 * MiB
-    references: tuple[int, ...] = (100, 1000)
-    min_length: int = 100_000_000
-    timeout_s: float = 60.0
-    repeats: int = 1
-    max_memory_mib: int = 2048
+    shapes: tuple[str, ...] = setting(
+        SHAPES, flags.some_of(SHAPES), flag="--probe-shapes", parse=flags.names,
+        metavar="NAMES", help=f"comma-separated subset of {','.join(SHAPES)} (bench memory's "
+        "shapes at --mb)",
+    )  # fmt: skip
+    nbytes: int = setting(
+        15 * MiB, flag="--mb", unit=MiB, parse=memory.megabytes, metavar="MB",
+        help="size of each of bench memory's shapes' frame, in MB",
+    )  # fmt: skip
+    item_bytes: int = setting(
+        4 * MiB, flag="--item-mb", unit=MiB, parse=memory.megabytes, metavar="MB",
+        help="the referenced item's size",
+    )  # fmt: skip
+    references: tuple[int, ...] = setting(
+        (100, 1000), flags.some_counts, parse=flags.counts, metavar="N,N",
+        help="references to the item in one body, a case each",
+    )  # fmt: skip
+    min_length: int = setting(
+        100_000_000, at_least(1), metavar="N", help="the minLength the min length shapes ask"
+    )
+    timeout_s: float = setting(
+        60.0, positive_finite, flag="--probe-timeout", metavar="S",
+        help="a case with no answer by then is given up on (the server killed), and says so",
+    )  # fmt: skip
+    repeats: int = setting(
+        1, at_least(1), flag="--probe-repeats", metavar="N",
+        help="runs of each case (the table shows medians)",
+    )  # fmt: skip
+    max_memory_mib: int = setting(
+        2048, at_least(1), flag="--probe-max-memory", metavar="MIB",
+        help="the servers' --max-memory",
+    )  # fmt: skip
 
     def cases(self) -> list[tuple[str, str, int]]:
         """(shape, transport, references) of every case, in order."""
@@ -392,67 +417,9 @@ def render(rows: list[dict[str, Any]], settings: ProbeSettings) -> str:
 # -- the command ---------------------------------------------------------------------------------
 
 
-def _shapes(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not names or any(name not in SHAPES for name in names):
-        raise argparse.ArgumentTypeError(f"expected names from {','.join(SHAPES)}, got {text!r}")
-    return names
-
-
-def _counts(text: str) -> tuple[int, ...]:
-    """Whole numbers, at least 1, comma-separated."""
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected whole numbers like 100,1000, got {text!r}"
-        ) from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, got {text!r}")
-    return counts
-
-
-def _count(text: str) -> int:
-    counts = _counts(text)
-    if len(counts) != 1:
-        raise argparse.ArgumentTypeError(f"expected one whole number, got {text!r}")
-    return counts[0]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ProbeSettings()
-    group = parser.add_argument_group("probes", "bench probes: hostile requests, a bystander")
-    group.add_argument("--probe-shapes", type=_shapes, default=d.shapes, metavar="NAMES",
-                       help=f"probes: comma-separated subset of {','.join(SHAPES)} (bench "
-                       "memory's shapes at --mb)")  # fmt: skip
-    group.add_argument("--item-mb", type=memory.positive, default=d.item_bytes / MiB,
-                       metavar="MB", help="probes: the referenced item's size")  # fmt: skip
-    group.add_argument("--references", type=_counts, default=d.references, metavar="N,N",
-                       help="probes: references to the item in one body, a case each")  # fmt: skip
-    group.add_argument("--min-length", type=_count, default=d.min_length, metavar="N",
-                       help="probes: the minLength the min length shapes ask")  # fmt: skip
-    group.add_argument("--probe-timeout", type=memory.positive, default=d.timeout_s,
-                       metavar="S", help="probes: a case with no answer by then is given up "
-                       "on (the server killed), and says so")  # fmt: skip
-    group.add_argument("--probe-repeats", type=_count, default=d.repeats, metavar="N",
-                       help="probes: runs of each case (the table shows medians)")  # fmt: skip
-    group.add_argument("--probe-max-memory", type=_count, default=d.max_memory_mib,
-                       metavar="MIB", help="probes: the servers' --max-memory")  # fmt: skip
-
-
-def run(args: argparse.Namespace) -> int:
-    """The cases' table and the goals, saved as probes.json in --out; 1 if a goal fails."""
-    settings = ProbeSettings(
-        shapes=args.probe_shapes,
-        nbytes=int(args.mb * MiB),
-        item_bytes=int(args.item_mb * MiB),
-        references=args.references,
-        min_length=args.min_length,
-        timeout_s=args.probe_timeout,
-        repeats=args.probe_repeats,
-        max_memory_mib=args.probe_max_memory,
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
+def run(settings: ProbeSettings, out: Path) -> int:
+    """The cases' table and the goals, saved as probes.json in `out`; 1 if a goal fails."""
+    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     rows = measure(settings, partial(print, file=sys.stderr, flush=True))
     took = time.perf_counter() - started
@@ -460,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
           f"{settings.max_memory_mib} MiB; took {took:.0f} s\n")  # fmt: skip
     print(render(rows, settings))
     found = goals(rows)
-    path = args.out / "probes.json"
+    path = out / "probes.json"
     data = {"settings": attrs.asdict(settings), "cases": rows,
             "goals": [{"holds": holds, "goal": text} for holds, text in found]}  # fmt: skip
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
