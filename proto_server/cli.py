@@ -30,9 +30,9 @@ from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, ScriptError, load_script
 from proto_server.engine.simulated import TimingModel
 from proto_server.launch import Launch, LocalModel
-from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.logs import configure
+from proto_server.server.listener.app import BoundAddress, ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.process.logs import configure
 from proto_server.server.store import StoreRetention
 
 E = TypeVar("E", bound=BaseException)
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
     """`--workers N`: bind the port here, run N workers on it (workers.py)."""
-    from proto_server.server.workers import Supervisor, WorkerFailed, bind
+    from proto_server.server.listener.workers import Supervisor, WorkerFailed, bind
 
     try:
         listener = bind(args.host, args.port)

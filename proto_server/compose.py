@@ -28,9 +28,9 @@ from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import Planner
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.launch import Launch, LocalModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import MiB, ServerConfig
-from proto_server.server.secret import load_or_create_secret, secret_path_for_store
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import MiB, ServerConfig
+from proto_server.server.process.secret import load_or_create_secret, secret_path_for_store
 from proto_server.server.store import (
     ResponseStore,
     SQLiteStore,
@@ -162,7 +162,7 @@ def connect_engines(
     the settings they imply and what to call them; Refused says what to run or pass."""
     from proto_server.engine.replicas import Replica, ReplicatedGenerator
     from proto_server.engine.vllm import EngineSetupError, discover_replicas
-    from proto_server.server import metrics
+    from proto_server.server.process import metrics
 
     urls = list(launch.engine_url)
     try:

@@ -22,10 +22,10 @@ INTRO = """\
 
 `proto-server serve` takes these flags (`proto-server serve --help` prints the same, with each
 default). A setting's flag, help, default and range are declared once, on its field in
-`Launch` or `LocalModel` (`launch.py`), `ServerConfig` (`server/config.py`), `TimingModel` or
-`StoreRetention`, and its flag is derived from it (`core/settings.py`); this page is written
-from the same parser and fields by `python -m proto_server.flag_reference > docs/flags.md`, and a
-test fails when the two differ.
+`Launch` or `LocalModel` (`launch.py`), `ServerConfig` (`server/process/config.py`),
+`TimingModel` or `StoreRetention`, and its flag is derived from it (`core/settings.py`); this
+page is written from the same parser and fields by
+`python -m proto_server.flag_reference > docs/flags.md`, and a test fails when the two differ.
 
 Every value is checked at start-up: one out of its range stops the server before it listens,
 with exit status 2 and a line naming the flag and the range (see

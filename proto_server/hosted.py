@@ -21,8 +21,8 @@ from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import TimingModel
 from proto_server.launch import Launch
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 
 
 class HostedClient(BlockingClient):

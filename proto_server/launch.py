@@ -19,7 +19,7 @@ from proto_server.core.settings import setting
 from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
 from proto_server.engine.prefix_cache import BLOCK_TOKENS, PREFIX_CACHE_TOKENS
 from proto_server.engine.replicas import PROBE_INTERVAL_S
-from proto_server.server.config import MiB
+from proto_server.server.process.config import MiB
 from proto_server.server.store import is_postgres_url
 
 GENERATORS = ("simulated", "local", "vllm")

@@ -12,8 +12,8 @@ import trio
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.script import Planner, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.server.store import ResponseStore
 
 from .support.deadline import under_deadline

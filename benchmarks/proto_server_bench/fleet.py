@@ -43,7 +43,7 @@ import attrs
 
 from proto_server.core.ranges import Range, at_least, between, positive_finite
 from proto_server.core.settings import setting
-from proto_server.server.config import ServerConfig
+from proto_server.server.process.config import ServerConfig
 from proto_server_bench import flags
 from proto_server_bench.agents import PUBLISHED_WAIT_RATIO, lognormal
 

@@ -34,13 +34,13 @@ import attrs
 import trio
 
 from proto_server.core.merge import MERGEABLE
+from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.script import RolloutScript
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.server.store import SQLiteStore
-from proto_server.server.storing import TERMINAL_EVENTS
 from proto_server.wire.events import ErrorEvent, ResponseDone, ServerEvent
 
 TURN_ENDS = (*TERMINAL_EVENTS, ResponseDone, ErrorEvent)

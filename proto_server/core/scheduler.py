@@ -29,8 +29,9 @@ admitted ones' tokens fit the cache (Continuum's idea, arXiv 2511.02230):
   TTL would keep its places for ever.
 
 Sans-IO: no clock (every call that needs the time is given `now`), no awaits; the trio side
-(`server/admission.py`) wakes the rollouts each call returns as admitted. Each owner's waiters
-are ordered by a `Queue` (core/admission_queue.py); this decides which queue's head fits.
+(`server/rollouts/admission.py`) wakes the rollouts each call returns as admitted. Each
+owner's waiters are ordered by a `Queue` (core/admission_queue.py); this decides which
+queue's head fits.
 """
 
 from __future__ import annotations

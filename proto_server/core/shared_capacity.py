@@ -16,7 +16,7 @@ knows of the others is up to one interval old; that is the whole of the overcomm
 make: what the others admitted since it last looked (a rollout larger than the room among it,
 which a process runs alone while it believes the others hold nothing).
 
-Sans-IO: the trio side (`server/admission.py`) publishes, reads and sets the capacity.
+Sans-IO: the trio side (`server/rollouts/admission.py`) publishes, reads and sets the capacity.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from openai.lib.responses_websocket import (
 )
 
 from proto_server.engine.simulated import TimingModel
-from proto_server.server.lanes import MULTI_AGENT_BETA
+from proto_server.server.dialects.lanes import MULTI_AGENT_BETA
 from proto_server.testing.checker import LaneChecker
 
 from ..support.clients import in_thread

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from proto_server.server.dialects import DIALECTS
+from proto_server.server.dialects.registry import DIALECTS
 
 PAGE = Path(__file__).parents[2] / "docs" / "adding-a-dialect.md"
 

@@ -1,8 +1,8 @@
-"""Admission by KV capacity on a live server (server/admission.py over core/scheduler.py): a
-key's many rollouts do not starve another key's one; a suspended rollout keeps its place for
-the TTL and resumes at once, then yields it; a waiter can be cancelled, gives up its place when
-its client goes, and is bounded by --admission-timeout; the engine is told resumed rollouts
-first. On the autojump clock, so the waits cost no real time."""
+"""Admission by KV capacity on a live server (server/rollouts/admission.py over
+core/scheduler.py): a key's many rollouts do not starve another key's one; a suspended
+rollout keeps its place for the TTL and resumes at once, then yields it; a waiter can be
+cancelled, gives up its place when its client goes, and is bounded by --admission-timeout;
+the engine is told resumed rollouts first. On the autojump clock, so the waits cost no real time."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import ScriptedCall, Segment, parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.engine.vllm import completion_request, parse_kv_capacity
-from proto_server.server.admission import Admission
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.rollouts.admission import Admission
 from proto_server.server.store import SQLiteStore, owner_id
 
 from ..support.clients import connect, turn

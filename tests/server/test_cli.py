@@ -295,7 +295,7 @@ def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
 
     from proto_server.cli import SETTINGS, build_parser
     from proto_server.core.settings import flag_name, from_flags
-    from proto_server.server.config import ServerConfig
+    from proto_server.server.process.config import ServerConfig
 
     unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
     # their own flags: --api-key also reads PROTO_SERVER_API_KEYS, --key-weight parses pairs
@@ -328,7 +328,7 @@ def test_a_queue_of_minus_one_is_refused_by_the_real_command() -> None:
 
 def test_permessage_deflate_is_one_flag_both_ways() -> None:
     from proto_server.cli import build_parser
-    from proto_server.server.config import ServerConfig
+    from proto_server.server.process.config import ServerConfig
 
     def parsed(*flags: str) -> bool:
         return bool(build_parser().parse_args(["serve", *flags]).permessage_deflate)

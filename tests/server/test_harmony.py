@@ -39,9 +39,9 @@ from proto_server.engine.harmony_renderer import (
 )
 from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.vllm import ServedModel, VllmGenerator, forced_call_head
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.resume import rebuild
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.rollouts.resume import rebuild
 from proto_server.server.store import SuspendedResponse
 from proto_server.wire.items import (
     FunctionCall,

@@ -29,10 +29,10 @@ from proto_server.core.request import input_items, response_template
 from proto_server.core.tool_schema import MAX_SCHEMA_DEPTH
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server import overflow
-from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.handshake import (
+from proto_server.server.listener import overflow
+from proto_server.server.listener.app import BoundAddress, ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.transport.handshake import (
     BadRequestHead,
     RequestHead,
     read_request_head,

@@ -28,7 +28,7 @@ from proto_server.engine.default_model import (
 from proto_server.engine.default_model import NAME_SEARCH_CHARS, _choose_tool
 from proto_server.engine.examples import EXAMPLE_BUDGET, SchemaRefused, _Examples, example_value
 from proto_server.engine.limits import GenerationLimits
-from proto_server.server.app import ProtoServer
+from proto_server.server.listener.app import ProtoServer
 from proto_server.testing import connect_checked
 from proto_server.wire.converter import converter
 from proto_server.wire.errors import ProtocolError

@@ -34,13 +34,13 @@ from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.script import Segment
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server import responses as responses_module
-from proto_server.server import routes as routes_module
-from proto_server.server import storing as storing_module
-from proto_server.server import writer as writer_module
-from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.offload import FREEZE_OBJECTS, INLINE_BYTES, Offload
+from proto_server.server.dialects import routes as routes_module
+from proto_server.server.listener.app import BoundAddress, ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.process.offload import FREEZE_OBJECTS, INLINE_BYTES, Offload
+from proto_server.server.rollouts import responses as responses_module
+from proto_server.server.rollouts import storing as storing_module
+from proto_server.server.transport import writer as writer_module
 from proto_server.wire.json_text import YIELDING_PARSE_BYTES, load_yielding
 from proto_server.wire.response import Response
 

@@ -15,8 +15,8 @@ from trio_websocket import ConnectionRejected
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 
 from ..support.clients import connect, sse, turn

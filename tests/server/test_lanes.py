@@ -13,8 +13,8 @@ from trio_websocket import ConnectionClosed
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.testing import WireClient
 
 from ..support.clients import BETA, END, Checked, connect, until_lane

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.testing import LaneChecker, StreamChecker, WireClient, connect_checked
 from proto_server.testing.schema import wire_schema
 

@@ -23,8 +23,8 @@ from proto_server.engine.logprobs import TokenPieces, Trail
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, modelled_logprob
 from proto_server.engine.vllm.protocol import Piece, parse_sse
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.server.store import SQLiteStore
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ProtocolError

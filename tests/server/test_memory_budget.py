@@ -20,7 +20,7 @@ import trio
 from proto_server.core.conversation import Conversation, decoded_bytes
 from proto_server.core.render import O200kRenderer
 from proto_server.core.request import input_items
-from proto_server.server.memory import MEMORY_LIMIT, PREPARING_FACTOR, MemoryBudget, MiB
+from proto_server.server.process.memory import MEMORY_LIMIT, PREPARING_FACTOR, MemoryBudget, MiB
 from proto_server.wire.converter import decode_client_event, steer_items
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ResponseCreate, ResponseSteer

@@ -21,9 +21,9 @@ from proto_server.core.conversation import item_bytes
 from proto_server.core.render import O200kRenderer
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.memory import MiB
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.process.memory import MiB
 from proto_server.server.store import ResponseStore
 from proto_server.wire.items import Item
 

@@ -30,9 +30,9 @@ from proto_server.engine.replicas import (
 )
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession
-from proto_server.server import metrics
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process import metrics
+from proto_server.server.process.config import ServerConfig
 from proto_server.testing import connect_checked
 from proto_server.wire.items import FunctionCallOutput
 

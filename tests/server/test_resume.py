@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from proto_server.engine.simulated import TimingModel
-from proto_server.server import resume
-from proto_server.server.config import MiB
+from proto_server.server.process.config import MiB
+from proto_server.server.rollouts import resume
 from proto_server.server.store import (
     SQLiteStore,
     StoredResponse,

@@ -15,7 +15,7 @@ import trio.testing
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
-from proto_server.server import metrics
+from proto_server.server.process import metrics
 
 from ..support.servers import Running, StartServer
 from ..support.stores import CheckpointStore

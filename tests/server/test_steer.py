@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from proto_server.engine.simulated import TimingModel
-from proto_server.server.memory import MemoryBudget, MiB
+from proto_server.server.process.memory import MemoryBudget, MiB
 from proto_server.server.store import (
     SQLiteStore,
     StoredResponse,

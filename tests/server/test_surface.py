@@ -23,8 +23,8 @@ from proto_server.core.request import check_tool_outputs
 from proto_server.engine.chat_template import ChatTemplateRenderer
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.errors import ProtocolError
 from proto_server.wire.items import CustomToolCallOutput, FunctionCall, FunctionCallOutput, Message
 

@@ -13,9 +13,9 @@ import trio
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.prefix_cache import PrefixCache
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.responses import Responses
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.rollouts.responses import Responses
 from proto_server.server.store import ANONYMOUS, SQLiteStore, owner_id
 
 from ..support.clients import connect, turn

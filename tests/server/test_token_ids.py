@@ -35,11 +35,11 @@ from proto_server.engine.chunks import (
     ToolCallEnd,
 )
 from proto_server.engine.logprobs import Trail
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
-from proto_server.server.offload import INLINE_BYTES
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.process.offload import INLINE_BYTES
 from proto_server.server.store import SQLiteStore
-from proto_server.server.writer import echoed_bytes
+from proto_server.server.transport.writer import echoed_bytes
 from proto_server.wire.events import OutputItemDone, ResponseCompleted, ResponseCreate
 from proto_server.wire.items import TOKEN_FIELDS, Message
 

@@ -15,8 +15,8 @@ import trio
 from proto_server_bench.transports import CountingStream, open_websocket
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
-from proto_server.server.app import MAX_MESSAGE_BYTES_HEADER
-from proto_server.server.dialects import LAUNCHED_BETA, PROTOTYPE_BETA
+from proto_server.server.dialects.registry import LAUNCHED_BETA, PROTOTYPE_BETA
+from proto_server.server.listener.app import MAX_MESSAGE_BYTES_HEADER
 
 from ..support.clients import connect, types
 from ..support.frames import EXEC_COMMAND, THREE_SEGMENTS

@@ -41,8 +41,8 @@ from proto_server.engine.vllm import (
     forced_call_head,
     strict_call_format,
 )
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.tools import FunctionTool
 
 from ..support.engine import BLOCK_SIZE, Engine, engine_python, grammar_accepts, running

@@ -23,8 +23,8 @@ import trio
 
 from proto_server.core.conversation import Conversation
 from proto_server.engine.local import LocalGenerator
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.converter import converter
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool

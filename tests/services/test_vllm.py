@@ -38,8 +38,8 @@ from proto_server.engine.vllm import (
     strict_call_format,
 )
 from proto_server.engine.vllm.protocol import parse_sse
-from proto_server.server.app import BoundAddress, ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import BoundAddress, ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.items import Message
 from proto_server.wire.tools import FunctionTool
 

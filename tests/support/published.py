@@ -17,7 +17,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proto_server.server import app, connection, http, routes, sse
+from proto_server.server.dialects import routes
+from proto_server.server.listener import app
+from proto_server.server.transport import connection, http, sse
 from proto_server.testing.schema import Transport, wire_schema
 
 #: What the net quotes of one violation; the first few of a test are shown.

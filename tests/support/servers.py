@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from proto_server.engine.simulated import TimingModel
-from proto_server.server.app import BoundAddress, ProtoServer
+from proto_server.server.listener.app import BoundAddress, ProtoServer
 
 #: Fast enough that a live test spends its time on sockets, not on modelled GPU time.
 FAST = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6)

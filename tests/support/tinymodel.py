@@ -23,8 +23,8 @@ from proto_server.engine.chunks import (
 )
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.local import LocalGenerator, LocalSession
-from proto_server.server.app import ProtoServer
-from proto_server.server.config import ServerConfig
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.items import FunctionCall, Item, Message, OutputText
 
 from .servers import Running

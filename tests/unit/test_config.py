@@ -11,7 +11,7 @@ import pytest
 
 from proto_server.core.ranges import InvalidSetting
 from proto_server.engine.simulated import TimingModel
-from proto_server.server.config import ServerConfig
+from proto_server.server.process.config import ServerConfig
 
 REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "port", -1, "between 0 and 65535"),

@@ -6,8 +6,8 @@ import pytest
 
 from proto_server.engine.default_model import DefaultModel
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.config import ServerConfig
-from proto_server.server.responses import Responses
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.rollouts.responses import Responses
 from proto_server.server.store import ANONYMOUS, owner_id
 
 

@@ -14,13 +14,13 @@ import trio.testing
 
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator
-from proto_server.server.config import ServerConfig
-from proto_server.server.connection import Dialect
-from proto_server.server.launched import LaunchedDialect
-from proto_server.server.memory import MemoryBudget, MiB
-from proto_server.server.outbox import LaneSink, Outgoing
-from proto_server.server.prototype import PrototypeDialect
-from proto_server.server.responses import Responses
+from proto_server.server.dialects.launched import LaunchedDialect
+from proto_server.server.dialects.prototype import PrototypeDialect
+from proto_server.server.process.config import ServerConfig
+from proto_server.server.process.memory import MemoryBudget, MiB
+from proto_server.server.rollouts.responses import Responses
+from proto_server.server.transport.connection import Dialect
+from proto_server.server.transport.outbox import LaneSink, Outgoing
 from proto_server.wire.converter import decode_client_event, encode_server_event_bytes
 from proto_server.wire.errors import ProtocolError
 

@@ -74,7 +74,7 @@ def test_the_readme_links_only_to_pages_and_anchors_that_exist() -> None:
 def test_the_metrics_table_lists_every_metric_and_no_other() -> None:
     import prometheus_client
 
-    import proto_server.server.metrics  # noqa: F401  (registers them)
+    import proto_server.server.process.metrics  # noqa: F401  (registers them)
 
     served = {
         family.name + ("_total" if family.type == "counter" else "")
@@ -185,3 +185,35 @@ def test_every_module_and_method_the_architecture_page_names_exists() -> None:
         )
     )
     assert not unknown, f"docs/architecture.md names methods that do not exist: {unknown}"
+
+
+def walk_layers(step: str) -> dict[str, list[str]]:
+    """The modules a step of the walk names, by layer (`server/<room>` for the server's)."""
+    found: dict[str, list[str]] = {}
+    for module in sorted(set(re.findall(r"`((?:wire|core|engine|server)/[\w/]*\w\.py)`", step))):
+        parts = module.split("/")
+        layer = "/".join(parts[:2]) if parts[0] == "server" else parts[0]
+        found.setdefault(layer, []).append(module)
+    return found
+
+
+def test_each_step_of_the_walk_opens_at_most_one_module_per_layer() -> None:
+    # a newcomer following one event opens one room per layer at each step, not a search
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    walk = page.split("## One `response.append`", 1)[1].split("\n## ", 1)[0]
+    steps = re.findall(r"^\d+\. \*\*.*?(?=\n\d+\. \*\*|\n\n|\Z)", walk, re.M | re.S)
+    assert len(steps) >= 8, "the walk of one response.append lost its numbered steps"
+    crowded = {
+        step.split("**")[1]: modules
+        for step in steps
+        for modules in walk_layers(step).values()
+        if len(modules) > 1
+    }
+    assert not crowded, f"steps that name several modules of one layer: {crowded}"
+    assert walk_layers(
+        "`server/dialects/a.py` `server/rollouts/b.py` `core/x/c.py` `core/d.py`"
+    ) == {
+        "server/dialects": ["server/dialects/a.py"],
+        "server/rollouts": ["server/rollouts/b.py"],
+        "core": ["core/d.py", "core/x/c.py"],
+    }

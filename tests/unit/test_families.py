@@ -47,7 +47,7 @@ from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
 from proto_server.engine.families.qwen import QWEN
 from proto_server.engine.model_files import tokenizer_files
 from proto_server.engine.vllm import forced_call_head
-from proto_server.server.config import ServerConfig
+from proto_server.server.process.config import ServerConfig
 from proto_server.wire.items import (
     FunctionCall,
     FunctionCallOutput,

@@ -203,3 +203,65 @@ def test_no_import_cycle(root: Path) -> None:
     """In the product, and in the benchmarks (a distribution of their own)."""
     found = cycles(graph(root))
     assert not found, "import cycles (module:line of each import):\n" + "\n".join(found)
+
+
+#: The layers, lowest first: a module imports its own layer and the ones before it, never one
+#: after (docs/architecture.md); the client imports only `wire`, the stream checker only `wire`
+#: and `core`. The top-level modules (the command line, the composition root) may import any.
+LAYERS = ("wire", "core", "engine", "server")
+ALLOWED = {"client": {"wire"}, "testing": {"wire", "core"}}
+#: The server's rooms, lowest first; `process` and `store` share a tier (the store logs, and
+#: the process's metrics time the store).
+ROOMS = ({"process", "store"}, {"transport"}, {"rollouts"}, {"dialects"}, {"listener"})
+
+
+def place(module: str) -> tuple[str, str | None]:
+    """A module's layer (`proto_server.<layer>...`), and its room when it is in the server."""
+    parts = module.split(".")
+    room = parts[2] if parts[1:2] == ["server"] and len(parts) > 2 else None
+    return (parts[1] if len(parts) > 2 else "", room)
+
+
+def tier(room: str) -> int:
+    return next(index for index, rooms in enumerate(ROOMS) if room in rooms)
+
+
+def upward(edges: dict[str, list[Edge]]) -> list[str]:
+    """Every import that goes up a layer, or up a room of the server, as `module:line -> target`."""
+    found = []
+    for module, imported in sorted(edges.items()):
+        (layer, room) = place(module)
+        for edge in imported:
+            (target_layer, target_room) = place(edge.target)
+            if not layer or not target_layer or (target_layer == layer and room == target_room):
+                continue
+            if layer in ALLOWED:
+                wrong = target_layer != layer and target_layer not in ALLOWED[layer]
+            elif layer in LAYERS and target_layer in LAYERS and target_layer != layer:
+                wrong = LAYERS.index(target_layer) > LAYERS.index(layer)
+            elif layer == "server" and room and target_room:
+                wrong = tier(target_room) > tier(room)
+            else:
+                wrong = target_layer not in LAYERS or layer not in LAYERS
+            if wrong:
+                found.append(f"{module}:{edge.line} -> {edge.target}")
+    return found
+
+
+def test_no_import_goes_up_a_layer_or_up_a_room_of_the_server() -> None:
+    found = upward(graph(ROOT))
+    assert not found, "imports that go up (module:line -> what it imports):\n" + "\n".join(found)
+
+
+def test_an_import_up_a_layer_or_a_room_is_found() -> None:
+    edges = {
+        "proto_server.core.a": [Edge("proto_server.engine.b", 3, True)],
+        "proto_server.server.transport.c": [Edge("proto_server.server.rollouts.d", 4, False)],
+        "proto_server.server.store.e": [Edge("proto_server.server.process.f", 5, False)],
+        "proto_server.client.g": [Edge("proto_server.core.h", 6, False)],
+    }
+    assert upward(edges) == [
+        "proto_server.client.g:6 -> proto_server.core.h",
+        "proto_server.core.a:3 -> proto_server.engine.b",
+        "proto_server.server.transport.c:4 -> proto_server.server.rollouts.d",
+    ]

@@ -12,10 +12,10 @@ import trio.lowlevel
 import trio.testing
 
 from proto_server.core.merge import merge_deltas
-from proto_server.server.connection import Connection
-from proto_server.server.memory import MemoryBudget, MiB
-from proto_server.server.offload import Offload
-from proto_server.server.outbox import Outbox, Outgoing
+from proto_server.server.process.memory import MemoryBudget, MiB
+from proto_server.server.process.offload import Offload
+from proto_server.server.transport.connection import Connection
+from proto_server.server.transport.outbox import Outbox, Outgoing
 from proto_server.wire.events import (
     ClientEvent,
     FunctionCallArgumentsDelta,

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from proto_server.server.pieces import WHOLE_PIECE_BYTES, send_pieces
-from proto_server.server.sendtimeout import SendTimeout
+from proto_server.server.transport.pieces import WHOLE_PIECE_BYTES, send_pieces
+from proto_server.server.transport.sendtimeout import SendTimeout
 
 LARGE = b"x" * WHOLE_PIECE_BYTES
 

@@ -1,4 +1,5 @@
-"""`server/wsframes.py`: several messages in one write, through trio-websocket's own wsproto.
+"""`server/transport/wsframes.py`: several messages in one write, through trio-websocket's
+own wsproto.
 
 It is the one module that reaches into trio-websocket's private attributes; these tests fail
 loudly if the pinned trio-websocket no longer has them (the writer would fall back to a write
@@ -19,7 +20,7 @@ from trio_websocket import (
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import TextMessage
 
-from proto_server.server.wsframes import batched, send_messages, text_frame
+from proto_server.server.transport.wsframes import batched, send_messages, text_frame
 
 
 async def _pair(

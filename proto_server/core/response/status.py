@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import enum
 
+from proto_server.wire.events import (
+    ResponseCancelled,
+    ResponseCompleted,
+    ResponseFailed,
+    ResponseIncomplete,
+)
+
 
 class Status(enum.Enum):
     IN_PROGRESS = "in_progress"
@@ -26,3 +33,6 @@ class Status(enum.Enum):
 
 
 TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED})
+#: The events that say a Response's end, one per terminal status: the writer, the store step and
+#: the HTTP routes know a Response is over by them.
+TERMINAL_EVENTS = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseCancelled)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from proto_server.core.shared_capacity import Load
-from proto_server.server.logs import log
+from proto_server.server.process.logs import log
 from proto_server.server.store import sql, sqlite_host
 from proto_server.server.store.errors import (
     ITEMS_FAILED,
