@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from openai_harmony import Conversation, RenderConversationConfig, Role
 
@@ -56,7 +56,16 @@ from proto_server.wire.tools import FunctionTool
 from ..support.frames import body
 from ..support.requirements import MODEL_EXTRA, require
 from ..support.servers import Running
-from ..unit.test_families import arguments, calls_of, fed, names, npm_tokenizer, text_of, tokens_of
+from ..unit.test_families import (
+    arguments,
+    calls_of,
+    closed_inside,
+    fed,
+    names,
+    npm_tokenizer,
+    text_of,
+    tokens_of,
+)
 
 # its tokenizers come from tests/clients (npm), read by transformers (the model extra)
 pytestmark = [pytest.mark.npm, pytest.mark.model]
@@ -306,6 +315,7 @@ def test_a_resumed_suspension_is_rebuilt_with_the_effort_its_response_was_create
 def test_a_rendered_analysis_and_call_are_read_back_as_that_reasoning_and_that_call(
     thought: str, name: str, args: dict[str, Any], cuts: list[int]
 ) -> None:
+    assume(not closed_inside(HARMONY, args))
     tokenizer = npm_tokenizer("gptoss")
     renderer = HarmonyRenderer(cache_bytes=0)
     reasoning = Reasoning(content=(ReasoningText(text=thought),))

@@ -23,7 +23,7 @@ from ..support.clients import connect, until_lane
 from ..support.frames import THREE_SEGMENTS, USER, answers, create, launched_create
 from ..support.postgres import Cluster
 from ..support.servers import Running, StartServer
-from ..support.stores import OpenStore
+from ..support.stores import ANSWERING_S, OpenStore
 
 #: A call, then an answer: a prototype Response suspends once, then completes.
 CALL_THEN_TEXT = {
@@ -32,23 +32,28 @@ CALL_THEN_TEXT = {
         {"text": "Done."},
     ]
 }
-#: How long a store call may take before it fails (--store-timeout): short, the outage is sure.
+#: How long a store call may take before it fails (--store-timeout) once the store is gone:
+#: short, the outage is sure. Until then it has all the time a busy machine needs.
 TIMEOUT_S = 1.0
 END = ("response.done", "response.completed", "response.failed", "error")
 
 
 @attrs.define
 class Outage:
-    """A store, and how to take it away."""
+    """A store, and how to take it away (`down`): its calls are then given `TIMEOUT_S`."""
 
     store: Any
-    down: Callable[[], Awaitable[None]]
+    take_away: Callable[[], Awaitable[None]]
+
+    async def down(self) -> None:
+        self.store.timeout_s = TIMEOUT_S
+        await self.take_away()
 
 
 @pytest.fixture
 async def outage(request: pytest.FixtureRequest, open_store: OpenStore) -> AsyncIterator[Outage]:
     """Requested before `start_server`, it is closed after the server stopped."""
-    store = await open_store(retention=StoreRetention(timeout_s=TIMEOUT_S))
+    store = await open_store(retention=StoreRetention(timeout_s=ANSWERING_S))
     if isinstance(store, SQLiteStore):
 
         async def delete() -> None:

@@ -1,6 +1,7 @@
 """Stores for the tests: one fixture that opens the store of each kind (SQLite's file, and
 PostgreSQL's database, marked `postgres`), what they are given to keep, a store in a dict that
-yields, and another process holding a file's lock."""
+yields, another process holding a file's lock, and a store's timeout shortened for the calls
+meant to fail for want of an answer."""
 
 from __future__ import annotations
 
@@ -178,3 +179,25 @@ async def write_under_way(store: SQLiteStore) -> None:
     another process, it is then waiting for the lock, however long the machine took to start it."""
     while store._write_limiter.statistics().borrowed_tokens == 0:  # noqa: ASYNC110 (a state)
         await trio.sleep(0.001)
+
+
+async def writer_free(store: SQLiteStore) -> None:
+    """Until no write of `store` holds its one writer: the last one's thread has ended."""
+    while store._write_limiter.statistics().borrowed_tokens:  # noqa: ASYNC110 (a state)
+        await trio.sleep(0.001)
+
+
+#: The store timeout of a test's store while it is to answer: longer than any call that can
+#: succeed takes on a machine however busy. Only calls meant to fail for want of an answer (a
+#: locked file, a stopped cluster) are given a short one (`timing_out`), so that they fail soon.
+ANSWERING_S = 60.0
+
+
+@contextmanager
+def timing_out(store: Any, seconds: float) -> Iterator[None]:
+    """`store`'s calls made within the block fail past `seconds` (`--store-timeout`)."""
+    kept, store.timeout_s = store.timeout_s, seconds
+    try:
+        yield
+    finally:
+        store.timeout_s = kept

@@ -40,7 +40,7 @@ from proto_server.engine.chunks import (
 )
 from proto_server.engine.families.base import ToolSyntax
 from proto_server.engine.families.deepseek_v3 import DEEPSEEK_V3
-from proto_server.engine.families.harmony import HARMONY
+from proto_server.engine.families.harmony import CALL, END, HARMONY, RETURN
 from proto_server.engine.families.hermes import HERMES
 from proto_server.engine.families.llama3 import LLAMA3_JSON
 from proto_server.engine.families.mistral import MISTRAL, MISTRAL_JSON
@@ -159,10 +159,15 @@ def split(text: str, cuts: Sequence[int], tokens: Sequence[int]) -> list[tuple[s
     ]
 
 
-def hermes_close_inside(syntax: ToolSyntax, args: dict[str, Any]) -> bool:
+def closed_inside(syntax: ToolSyntax, args: dict[str, Any]) -> bool:
     """Hermes' `</tool_call>` ends a block wherever it is, even in a string (the engine stops
-    there too): arguments holding it are not a Hermes call."""
-    return syntax is HERMES and "</tool_call>" in json.dumps(args, ensure_ascii=False)
+    there too), and so does a harmony end token (`<|call|>`, `<|return|>`, `<|end|>`: harmony
+    is read as text): arguments holding one are not a call of that family. (Hypothesis draws
+    them: it offers the string constants of the code under test.)"""
+    text = json.dumps(args, ensure_ascii=False)
+    if syntax is HARMONY:
+        return any(end in text for end in (END, CALL, RETURN))
+    return syntax is HERMES and "</tool_call>" in text
 
 
 # -- detection -----------------------------------------------------------------------------------
@@ -219,7 +224,7 @@ def test_a_call_the_template_renders_is_read_back_as_that_call(
     tokenizer = npm_tokenizer(package)
     syntax = TOKENIZERS[package]
     renderer = ChatTemplateRenderer(tokenizer, syntax=syntax, cache_bytes=0)
-    assume(not hermes_close_inside(syntax, args))
+    assume(not closed_inside(syntax, args))
     call = FunctionCall(call_id="call_1", name=name, arguments=json.dumps(args))
     ids = tokenizer.encode(model_output(renderer, tokenizer, call), add_special_tokens=False)
     # the model's tokens, streamed in pieces of one or more tokens, each decoded as it comes
@@ -536,7 +541,7 @@ def test_a_block_in_the_family_syntax_is_read_as_its_calls_forced_or_not(
     segment's calls come last); every token is carried once."""
     if syntax.frame.separator is None:
         calls = calls[:1]
-    assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
+    assume(not any(closed_inside(syntax, args) for _, args in calls))
     block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
     if lead and syntax.frame.bare:
         block = syntax.frame.open + block  # after text, Llama's call opens with its tag
@@ -598,7 +603,7 @@ def test_a_forced_call_the_limit_cuts_short_is_said_to_be_cut(
     Whole arguments are a call, their frame closed or not; a whole block is not cut."""
     if syntax.frame.separator is None or syntax is HARMONY:
         calls = calls[:1]
-    assume(not any(hermes_close_inside(syntax, args) for _, args in calls))
+    assume(not any(closed_inside(syntax, args) for _, args in calls))
     block = syntax.frame.block([(name, json.dumps(args)) for name, args in calls])
     last = json.dumps(calls[-1][1])
     start = block.rindex(last)
