@@ -74,6 +74,13 @@ def _streaming(args: argparse.Namespace) -> int:
         print(f"proto-server bench streaming: --against {args.against}: no proto_server "
               "package there", file=sys.stderr)  # fmt: skip
         return 2
+    if args.against is not None and not (args.against / "benchmarks").is_dir():
+        # its server runs this run's benchmark code, which a tree from before the benchmarks
+        # left the package (proto_server/bench) cannot import
+        print(f"proto-server bench streaming: --against {args.against}: no benchmarks/ "
+              "there (a tree from before the benchmarks left the package); run that tree's "
+              "own `proto-server bench streaming` beside this one's", file=sys.stderr)  # fmt: skip
+        return 2
     return _run_streaming(settings, args.against, partial(print, file=sys.stderr, flush=True))
 
 

@@ -61,6 +61,15 @@ def test_a_reduced_bench_runs_and_reports(
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_bench_streaming_against_a_tree_without_benchmarks_says_what_to_run_instead(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a tree from before the benchmarks left the package cannot run this run's benchmark code
+    (tmp_path / "proto_server").mkdir()
+    assert main(["bench", "streaming", "--against", str(tmp_path)]) == 2
+    assert "no benchmarks/ there" in capsys.readouterr().err
+
+
 def test_bench_streaming_alone_against_another_tree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
