@@ -24,7 +24,7 @@ import trio.testing
 from trio_websocket import ConnectionClosed
 
 from proto_server.core.conversation import Conversation
-from proto_server.engine.chunks import Chunk
+from proto_server.engine.chunks import Chunk, ToolCallEnd
 from proto_server.engine.limits import GenerationLimits
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession, TimingModel
 from proto_server.testing import WireClient, connect_checked, o200k_count
@@ -114,6 +114,59 @@ async def test_a_generator_raising_mid_segment_fails_the_response_not_the_connec
         assert f"the GPU fell over after {after} chunks" in error["message"]
         statuses = [i["status"] for i in failed["response"]["output"]]
         assert "in_progress" not in statuses  # whatever was streaming was closed
+        running.server.responses.generator = healthy
+        await client.send(create())
+        assert (await client.segment())[-1]["type"] == "response.done"
+
+
+class MisbehavingSession:
+    """Ends a tool call it never began, before it reports its prefill: no chunk it sends could
+    make a segment."""
+
+    def __init__(self, inner: SimulatedSession) -> None:
+        self.inner = inner
+        self.segments = 0
+
+    async def generate(self, send: trio.MemorySendChannel[Chunk], limits: GenerationLimits) -> None:
+        self.segments += 1
+        await send.send(ToolCallEnd())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class MisbehavingGenerator:
+    forces_tool_calls = True
+
+    def __init__(self, inner: SimulatedGenerator) -> None:
+        self.inner = inner
+        self.sessions: list[MisbehavingSession] = []
+
+    def open_session(
+        self, conversation: Conversation, *, cache_salt: str | None = None
+    ) -> MisbehavingSession:
+        session = MisbehavingSession(self.inner.open_session(conversation, cache_salt=cache_salt))
+        self.sessions.append(session)
+        return session
+
+
+async def test_a_generator_misbehaving_before_its_prefill_fails_the_response_once(
+    start_server: StartServer,
+) -> None:
+    # before the core decided the loop's next step, such a segment counted as ended and the
+    # loop ran another, and another: the Response now fails at the first
+    running = await start_server(ONE_CALL)
+    healthy = running.server.responses.generator
+    misbehaving = MisbehavingGenerator(healthy)
+    running.server.responses.generator = misbehaving  # type: ignore[assignment]
+    async with connect_checked(running.prototype_url) as client:
+        await client.send(create())
+        failed = (await client.segment())[-1]
+        assert failed["type"] == "response.failed"
+        error = failed["response"]["error"]
+        assert error["code"] == "generator_error"
+        assert "generator misbehaved" in error["message"]
+        assert [session.segments for session in misbehaving.sessions] == [1]
         running.server.responses.generator = healthy
         await client.send(create())
         assert (await client.segment())[-1]["type"] == "response.done"
