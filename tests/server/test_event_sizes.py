@@ -125,9 +125,11 @@ class Recorded:
         checker.finish()
 
 
-def prototype_rollout(url: str, max_size: int | None) -> Recorded:
-    """One Response of 50 segments: create, then an append answering each `response.done`."""
-    with ws_connect(url, max_size=max_size) as ws:
+def prototype_rollout(url: str) -> Recorded:
+    """One Response, a segment a turn, read with the default `max_size`: create, then an append
+    answering each `response.done`."""
+    with ws_connect(url) as ws:
+        assert ws.protocol.max_size == DEFAULT_MAX_SIZE
         client = Recorded(ws)
         client.send({"type": "response.create", **create()})
         while True:
@@ -168,7 +170,7 @@ async def test_prototype_snapshots_stay_under_the_bound(
 ) -> None:
     running = await start_server(long_script(turns), max_event_bytes=bound)
     before = await large_events("prototype", "output_omitted", running.address.http_url)
-    rollout = await in_thread(prototype_rollout, running.prototype_url, DEFAULT_MAX_SIZE)
+    rollout = await in_thread(prototype_rollout, running.prototype_url)
     assert rollout.largest <= bound
     rollout.check("prototype")
     events = list(rollout.events())
