@@ -255,6 +255,29 @@ def test_a_violation_names_the_event_and_its_sequence_number() -> None:
     assert "output_text.done" in str(caught.value)
 
 
+def omit_output(event: dict[str, Any]) -> None:
+    event["response"]["output"] = []
+
+
+def test_a_snapshot_may_leave_its_output_out_only_in_the_prototype_dialect() -> None:
+    """What the server sends over --max-event-bytes (docs/limits.md): all of it or none."""
+    replay(edit("response.completed", omit_output)(edit("response.done", omit_output)(rollout())))
+    with pytest.raises(InvariantViolation) as caught:
+        replay(edit("response.completed", lambda e: e["response"]["output"].pop())(rollout()))
+    assert caught.value.invariant == 3
+    r = Recorder()
+    r.sent(CREATE)
+    r.emit(r.m.start())
+    r.segment("Fixed.")
+    omitted = edit("response.completed", omit_output)(r.steps)
+    replay(omitted)
+    launched = StreamChecker(dialect="launched", count_tokens=o200k_count)
+    with pytest.raises(InvariantViolation) as caught:
+        for kind, value in omitted:
+            launched.sent(value) if kind == "sent" else launched.received(value)
+    assert caught.value.invariant == 3
+
+
 # -- invariant 7: frames and their answers ----------------------------------------------------
 
 

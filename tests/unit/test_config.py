@@ -18,6 +18,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "port", 65536, "between 0 and 65535"),
     (ServerConfig, "max_message_bytes", 0, "at least 1024"),
     (ServerConfig, "max_message_bytes", 1023, "at least 1024"),
+    (ServerConfig, "max_event_bytes", 65535, "at least 65536"),
     (ServerConfig, "client_queue_events", 0, "at least 1"),
     (ServerConfig, "chunk_queue", 0, "at least 1"),
     (ServerConfig, "handshake_timeout_s", 0, "positive"),

@@ -50,6 +50,11 @@ DIALECTS: dict[str, DialectFactory] = {
     "prototype": PrototypeDialect,
 }
 
+#: The dialects whose clients build a Response's output from its `response.output_item.done`
+#: events (Codex's parser reads only `id` and `usage` of the terminal one), so a snapshot
+#: over `--max-event-bytes` goes without it (`EventBound`); a launched client may read it there.
+OUTPUT_FROM_ITEMS = frozenset({"prototype"})
+
 
 def select_dialect(head: RequestHead) -> str:
     """The registered dialect the upgrade asks for; a `ProtocolError` if it names another.

@@ -67,6 +67,7 @@ from proto_server.server.transport.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.transport.sse import SSETransport
 from proto_server.server.transport.writer import (
     ECHOED_VALUE_BYTES,
+    EventBound,
     discard_events,
     response_bytes,
     write_events,
@@ -277,6 +278,7 @@ class Exchange:
                 observer=self.responses.observer,
                 one_response=True,
                 offload=self.responses.offload,
+                bound=EventBound(self.responses.config.max_event_bytes),
             )
         except SendTimeout as stall:
             log.warning(

@@ -28,7 +28,12 @@ from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_strea
 
 from proto_server.core.render import Renderer
 from proto_server.engine.base import SupervisedGenerator, TokenGenerator
-from proto_server.server.dialects.registry import DIALECTS, multi_agent_beta, select_dialect
+from proto_server.server.dialects.registry import (
+    DIALECTS,
+    OUTPUT_FROM_ITEMS,
+    multi_agent_beta,
+    select_dialect,
+)
 from proto_server.server.dialects.routes import unauthorized
 from proto_server.server.listener.keepalive import serve_http
 from proto_server.server.listener.overflow import Overflow
@@ -48,6 +53,7 @@ from proto_server.server.transport.handshake import (
 )
 from proto_server.server.transport.http import LINGER_S, Shutdown, error_body, send_error
 from proto_server.server.transport.sendtimeout import SendTimeoutStream
+from proto_server.server.transport.writer import EventBound
 from proto_server.wire.errors import ProtocolError
 
 RESPONSES_PATH = "/v1/responses"
@@ -315,6 +321,9 @@ class ProtoServer:
                 observer=responses.observer,
                 dialect=dialect_name,
                 compressed=deflated,
+                bound=EventBound(
+                    self.config.max_event_bytes, omit_output=dialect_name in OUTPUT_FROM_ITEMS
+                ),
             )
             log.info(
                 "connection.opened",

@@ -43,6 +43,16 @@ class ServerConfig:
         help="largest client frame; a larger one closes the connection with code 1009 and says "
         "so; also the most a request's item_references may expand to (message_too_large)",
     )
+    # At least 64 KiB: a bound below what one ordinary event takes would only fill the log.
+    max_event_bytes: int = setting(
+        MiB,
+        at_least(64 * 1024),
+        metavar="BYTES",
+        help="largest server event the server means to send (1 MiB: Python websockets' "
+        "default max_size); a prototype-dialect Response snapshot over it is sent with its "
+        "output left out (each item came in its response.output_item.done); an event of "
+        "another dialect, whose clients read output there, is sent whole, logged and counted",
+    )
     #: Server events buffered for a slow client before the stream itself slows down.
     client_queue_events: int = attrs.field(default=256, validator=at_least(1))
     merge_deltas: bool = setting(

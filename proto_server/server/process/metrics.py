@@ -124,6 +124,12 @@ WRITE = Histogram(
 )  # fmt: skip
 FRAMES = Counter("proto_server_frames_out", "Events written, by transport", ["transport"])
 BYTES = Counter("proto_server_bytes_out", "Bytes of events written, by transport", ["transport"])
+LARGE_EVENTS = Counter(
+    "proto_server_large_events",
+    "Events over --max-event-bytes, by dialect, transport and what was done: output_omitted "
+    "(a prototype snapshot sent without its output), sent_whole (its clients need all of it)",
+    ["dialect", "transport", "action"],
+)
 ERRORS = Counter("proto_server_errors", "Error events and failed Responses sent, by code", ["code"])
 STORE = Histogram(
     "proto_server_store_seconds", "Calls to the persisted store, by operation and outcome",

@@ -31,7 +31,7 @@ from proto_server.server.process.offload import Offload
 from proto_server.server.store import StoreUnavailable
 from proto_server.server.transport.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.transport.sendtimeout import SLOW_READER, SendTimeout
-from proto_server.server.transport.writer import discard_events, write_events
+from proto_server.server.transport.writer import EventBound, discard_events, write_events
 from proto_server.server.transport.wsframes import FrameWriter, close_stalled
 from proto_server.wire.converter import decode_client_event
 from proto_server.wire.errors import ErrorDetail, ProtocolError, on_lane
@@ -101,6 +101,7 @@ class Connection:
         observer: ServerObserver | None = None,
         dialect: str = "launched",
         compressed: bool = False,
+        bound: EventBound | None = None,
     ) -> None:
         self.id = next(_ids)
         #: How the metrics name this connection's Responses.
@@ -108,6 +109,8 @@ class Connection:
         self.ws = ws
         #: permessage-deflate was negotiated: the writer lets wsproto frame (and compress).
         self._compressed = compressed
+        #: `--max-event-bytes`, as this connection's dialect allows it to be kept.
+        self._bound = bound
         #: What the server keeps for this connection (its rollouts, its queued requests).
         self.budget = budget
         self._offload = offload
@@ -263,6 +266,7 @@ class Connection:
                         dialect=self.dialect,
                         observer=self._observer,
                         offload=self._offload,
+                        bound=self._bound,
                     )
                 except SendTimeout as stall:
                     self._stalled = stall

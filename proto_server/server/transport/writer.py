@@ -6,6 +6,11 @@ numbered per lane, encoded once, straight to bytes, and handed to the transport,
 each (WebSocket text frames, `wsframes.py`; SSE `event:`/`data:` lines through h11) and writes
 the batch with one socket write, so a burst costs one scheduling round and one `send` instead of
 one each. Only the framing differs, so only the framing is the transport's.
+
+An event over `--max-event-bytes` (`EventBound`) is where a default client stops reading (Python
+`websockets` refuses a message over 1 MiB): a Response snapshot whose clients build its output
+from the `response.output_item.done` events (the prototype dialect's) goes without its output;
+any other is sent whole. Either way it is logged and counted.
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ import time
 from functools import partial
 from typing import Protocol
 
+import attrs
+
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.core.sequence import Sequencer
 from proto_server.server.process import metrics
+from proto_server.server.process.logs import log
 from proto_server.server.process.observe import ServerObserver
 from proto_server.server.process.offload import Offload
 from proto_server.server.transport.outbox import Outbox
 from proto_server.wire.converter import encode_server_event_bytes
-from proto_server.wire.events import ServerEvent
+from proto_server.wire.events import ResponseEvent, ServerEvent
 from proto_server.wire.items import TOKEN_FIELDS
 from proto_server.wire.response import Response
 
@@ -31,6 +39,18 @@ WRITE_BATCH = 64
 #: encoding is charged as, so that a Response echoing thousands of them (36,000 tools in 4 MB,
 #: 80 ms of Python an event) is encoded off the event loop.
 ECHOED_VALUE_BYTES = 64
+
+
+@attrs.frozen
+class EventBound:
+    """`--max-event-bytes` as one connection's writer applies it."""
+
+    max_bytes: int
+    #: The dialect's clients take a Response's output from its `response.output_item.done`
+    #: events (Codex's parser reads only `id` and `usage` of the terminal one): a snapshot over the
+    #: bound may leave it out. Not so where a client reads `output` there (the Agents SDK's
+    #: non-streamed WebSocket call returns the terminal event's Response as it came).
+    omit_output: bool = False
 
 
 class Transport(Protocol):
@@ -59,12 +79,14 @@ async def write_events(
     observer: ServerObserver | None,
     one_response: bool = False,
     offload: Offload | None = None,
+    bound: EventBound | None = None,
 ) -> None:
     """Write what `outbox` gives until its channel ends; with `one_response` (an SSE stream
     carries one Response), until that Response's terminal event is written.
 
     Each lane numbers its own events from 0 (the default lane, None, is every HTTP stream's).
-    An event echoing a large Response is encoded on a worker thread of `offload`."""
+    An event echoing a large Response is encoded on a worker thread of `offload`; one over
+    `bound` is sent as the bound says (`EventBound`)."""
     sequencers: dict[str | None, Sequencer] = {}
     while batch := await outbox.batch(WRITE_BATCH):
         sizes = []
@@ -74,9 +96,13 @@ async def write_events(
             sequencer = sequencers.get(lane)
             if sequencer is None:  # lanes are few: the dialect bounds them
                 sequencer = sequencers[lane] = Sequencer()
-            encode = partial(encode_server_event_bytes, outgoing.event, sequencer.next(), lane)
-            size = echoed_bytes(outgoing.event)
-            payload = encode() if offload is None else await offload.run(encode, size=size)
+            number = sequencer.next()
+            payload = await _encoded(outgoing.event, number, lane, offload)
+            if bound is not None and len(payload) > bound.max_bytes:
+                payload = await _over_bound(
+                    outgoing.event, payload, number, lane, offload, bound,
+                    dialect=dialect, transport=transport.name,
+                )  # fmt: skip
             sizes.append(transport.add(outgoing.event, payload))
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 ended = True
@@ -93,6 +119,48 @@ async def write_events(
                 observer.sent(outgoing.event, merged)
         if ended:
             return
+
+
+async def _encoded(
+    event: ServerEvent, number: int, lane: str | None, offload: Offload | None
+) -> bytes:
+    encode = partial(encode_server_event_bytes, event, number, lane)
+    return encode() if offload is None else await offload.run(encode, size=echoed_bytes(event))
+
+
+async def _over_bound(
+    event: ServerEvent,
+    payload: bytes,
+    number: int,
+    lane: str | None,
+    offload: Offload | None,
+    bound: EventBound,
+    *,
+    dialect: str,
+    transport: str,
+) -> bytes:
+    """`event`, encoded as `payload` over `bound`: without its Response's output where the
+    bound allows that, else as it is; logged and counted either way."""
+    whole = len(payload)
+    lean = _without_output(event) if bound.omit_output else None
+    if lean is not None:
+        payload = await _encoded(lean, number, lane, offload)
+    extra = {"type": event.type, "bytes": whole, "sent_bytes": len(payload),
+             "limit": bound.max_bytes, "dialect": dialect, "transport": transport}  # fmt: skip
+    if lean is not None:
+        log.info("event.output_omitted", extra=extra)
+    else:
+        log.warning("event.over_limit", extra={**extra, "flag": "--max-event-bytes"})
+    action = "sent_whole" if lean is None else "output_omitted"
+    metrics.LARGE_EVENTS.labels(dialect, transport, action).inc()
+    return payload
+
+
+def _without_output(event: ServerEvent) -> ServerEvent | None:
+    """`event`'s Response snapshot with `output: []`; None if it carries no output."""
+    if isinstance(event, ResponseEvent) and event.response.output:
+        return attrs.evolve(event, response=attrs.evolve(event.response, output=()))
+    return None
 
 
 async def discard_events(outbox: Outbox, *, dialect: str, one_response: bool = False) -> None:

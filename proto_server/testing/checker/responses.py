@@ -419,14 +419,17 @@ class Responses:
     # -- snapshots and usage ---------------------------------------------------------------------
 
     def check_snapshot(self, r: Response, obj: Mapping[str, Any], status: str) -> None:
-        """The Response object `obj` carries has `status`, exactly the items streamed, and
-        usage that adds up."""
+        """The Response object `obj` carries has `status`, exactly the items streamed (or, in
+        the prototype dialect, none: a snapshot over `--max-event-bytes` leaves them out, its
+        clients having every item from its `response.output_item.done`), and usage that adds
+        up."""
         response = response_object(obj)
         if response.get("status") != status:
             raise Broken(2, f"{obj['type']} carries status {response.get('status')!r}")
         output = response.get("output")
         ids = [i.get("id") for i in output if isinstance(i, Mapping)] if output else []
-        if ids != [item.id for item in r.items]:
+        omitted = not ids and self.dialect == "prototype"
+        if not omitted and ids != [item.id for item in r.items]:
             raise Broken(3, f"the Response's output {ids} is not the items streamed")
         self.check_usage(r, response)
 
