@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import math
 import os
 import re
@@ -219,14 +220,16 @@ def _bench(argv: list[str]) -> int:
     """The benchmarks' own command line; they are not part of this package, so say what to
     install when they are missing."""
     try:
-        from proto_server_bench.cli import main as bench_main
+        # by name: the product type-checks and installs without them
+        bench = importlib.import_module("proto_server_bench.cli")
     except ModuleNotFoundError as exc:
         if exc.name != "proto_server_bench":
             raise
         print("proto-server bench: the benchmarks are not installed; from a checkout: "
               "pip install -e ./benchmarks", file=sys.stderr)  # fmt: skip
         return 2
-    return bench_main(argv)
+    main: Callable[[list[str]], int] = bench.main
+    return main(argv)
 
 
 async def _serve(
