@@ -74,9 +74,13 @@ async def write_events(
             sequencer = sequencers.get(lane)
             if sequencer is None:  # lanes are few: the dialect bounds them
                 sequencer = sequencers[lane] = Sequencer()
-            encode = partial(encode_server_event_bytes, outgoing.event, sequencer.next(), lane)
+            number = sequencer.next() if outgoing.number is None else outgoing.number
+            sequencer.skip_to(number + 1)  # a replayed event's number holds for the lane
+            encode = partial(encode_server_event_bytes, outgoing.event, number, lane)
             size = echoed_bytes(outgoing.event)
             payload = encode() if offload is None else await offload.run(encode, size=size)
+            if outgoing.kept is not None:  # numbered: kept for a client that reattaches
+                outgoing.kept.keep(number, outgoing.event, len(payload))
             sizes.append(transport.add(outgoing.event, payload))
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 ended = True
