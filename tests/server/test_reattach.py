@@ -39,18 +39,23 @@ def payload(**fields: Any) -> dict[str, Any]:
 
 
 async def stream_until(
-    port: int, create: dict[str, Any], leave_at: str, count: int, key: str = "k1"
+    port: int,
+    create: dict[str, Any] | None,
+    leave_at: str,
+    count: int,
+    key: str = "k1",
+    target: str = "/v1/responses",
 ) -> list[dict[str, Any]]:
-    """POST `create` and read its SSE stream until `count` events of type `leave_at` came, then
-    close the socket without a word: the events this client saw, whole."""
-    data = orjson.dumps(create)
+    """POST `create` (None: GET `target`) and read its SSE stream until `count` events of type
+    `leave_at` came, then close the socket without a word: the events this client saw, whole."""
+    data = b"" if create is None else orjson.dumps(create)
     conn = h11.Connection(h11.CLIENT)
-    head = [("host", "x"), ("content-type", "application/json"),
-            ("content-length", str(len(data))), ("authorization", f"Bearer {key}")]  # fmt: skip
+    head = [("host", "x"), ("authorization", f"Bearer {key}")]
+    if create is not None:
+        head += [("content-type", "application/json"), ("content-length", str(len(data)))]
+    method = "GET" if create is None else "POST"
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    await stream.send_all(
-        conn.send(h11.Request(method="POST", target="/v1/responses", headers=head)) + data
-    )
+    await stream.send_all(conn.send(h11.Request(method=method, target=target, headers=head)) + data)
     text, seen = "", 0
     try:
         while True:
@@ -144,6 +149,29 @@ async def test_a_reattach_from_the_start_replays_every_event_and_one_after_the_e
     assert [e["sequence_number"] for e in rest] == list(range(len(rest)))
     assert rest[: len(seen)] == seen
     checked(create, rest)
+
+
+async def test_a_reattached_client_that_drops_again_reattaches_again(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS, reattach_grace_s=3
+    )
+    port = running.address.port
+    create = payload()
+    delta = "response.output_text.delta"
+    with trio.fail_after(60):
+        first = await stream_until(port, create, delta, 5)
+        response_id, last = first[0]["response"]["id"], first[-1]["sequence_number"]
+        await trio.sleep(2)  # within the grace
+        target = f"/v1/responses/{response_id}?stream=true&starting_after={last}"
+        second = await stream_until(port, None, delta, 150, target=target)  # 3 s of it, read
+        await trio.sleep(2)  # the clock starts again at this drop: 2 s < 3 s
+        status, rest, _ = await reattach(port, response_id, second[-1]["sequence_number"])
+    assert status == 200
+    checked(create, first + second + rest)
+    (turn,) = running.server.responses.turns
+    assert turn.status == "completed"
 
 
 async def test_another_key_cannot_reattach(

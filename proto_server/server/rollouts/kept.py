@@ -5,9 +5,9 @@ While a client streams a Response, its writer tells `KeptEvents` each event it n
 Response runs on, each event numbered as the writer would have numbered it and kept, for
 `--reattach-grace` (a reader attached stops the clock, its leaving restarts it). A reattach
 (`tail`) replays every kept event after the one the client saw last, then follows the live
-rest: no gap, nothing twice. Once the grace lapses with no reader, the Response is cut as a
-dropped client's always was (cancelled mid-segment; a suspended one is let go, resumable from
-the store); once a reader has its terminal event, nothing more is kept.
+rest: no gap, nothing twice. Once the grace lapses with no reader, a Response that has not
+ended is cut as a dropped client's always was (its task cancelled, its rollout released); once a
+reader has its terminal event, nothing more is kept.
 
 What is kept is bounded per Response (`--reattach-keep-bytes`) and charged to the process's
 memory budget: past the bound (or when that budget is full) the oldest events go, and a
