@@ -12,10 +12,10 @@ import trio
 import trio.testing
 
 from proto_server.engine.simulated import TimingModel
-from proto_server.testing import StreamChecker, o200k_count
+from proto_server.testing import LaneChecker, StreamChecker, o200k_count
 
-from ..support.clients import parse_sse
-from ..support.frames import EXEC_COMMAND, body
+from ..support.clients import connect, parse_sse
+from ..support.frames import EXEC_COMMAND, answers, body, create
 from ..support.servers import StartServer
 from ..support.stores import CheckpointStore
 
@@ -28,7 +28,8 @@ LONG_ARGUMENTS = {
         {
             "text": "Let me look.",
             "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "echo " + "a " * 400}}],
-        }
+        },
+        {"text": "Done."},
     ]
 }
 KEYS = ("k1", "k2")
@@ -236,4 +237,146 @@ async def test_grace_0_cancels_a_response_whose_client_left_at_once(
         assert trio.current_time() < 1
         status, _, error = await reattach(port, seen[0]["response"]["id"], 0)
     assert status == 404 and error is not None and error["code"] == "response_not_found"
+    assert not running.server.responses.turns
+
+
+# -- over the prototype WebSocket dialect ---------------------------------------------------
+
+
+async def vanished_at(
+    url: str, frame: dict[str, Any], leave_at: str, count: int, checker: LaneChecker
+) -> list[dict[str, Any]]:
+    """Send `frame`, read until `count` events of type `leave_at` came, then drop the TCP
+    connection without a close frame: the events this client saw."""
+    seen: list[dict[str, Any]] = []
+    async with connect(url, Authorization="Bearer k1") as client:
+        checker.sent(frame)
+        await client.send(frame)
+        while sum(e["type"] == leave_at for e in seen) < count:
+            seen.append(await client.receive())
+            checker.received(seen[-1])
+        await client.vanish()
+    return seen
+
+
+async def killed_and_reattached_over_websocket(
+    start_server: StartServer, script: dict[str, Any], leave_at: str
+) -> None:
+    running = await start_server(script, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        seen = await vanished_at(running.prototype_url, create(), leave_at, 5, checker)
+        response_id = seen[0]["response"]["id"]
+        await trio.sleep(1)  # the Response runs on meanwhile
+        reattach = {"type": "response.reattach", "response_id": response_id,
+                    "starting_after": seen[-1]["sequence_number"]}  # fmt: skip
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            await client.send(reattach)
+            rest = await client.until("response.done", "response.completed", "error")
+            for event in rest:
+                checker.received(event)
+            assert rest[0]["sequence_number"] == seen[-1]["sequence_number"] + 1
+            if rest[-1]["type"] == "response.done":  # then appended to as usual
+                append = {"type": "response.append", "input": answers(seen + rest)}
+                checker.sent(append)
+                await client.send(append)
+                for event in await client.until("response.completed"):
+                    checker.received(event)
+    checker.finish()
+    (turn,) = running.server.responses.turns  # generated once, to its end
+    assert turn.status == "completed"
+
+
+async def test_a_client_killed_mid_text_reattaches_over_the_prototype_websocket(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    await killed_and_reattached_over_websocket(
+        start_server, LONG_TEXT, "response.output_text.delta"
+    )
+
+
+async def test_a_client_killed_mid_arguments_reattaches_over_the_prototype_websocket(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    await killed_and_reattached_over_websocket(
+        start_server, LONG_ARGUMENTS, "response.function_call_arguments.delta"
+    )
+
+
+async def test_another_key_cannot_reattach_over_the_websocket(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    checker = LaneChecker(dialect="prototype")
+    delta = "response.output_text.delta"
+    with trio.fail_after(60):
+        seen = await vanished_at(running.prototype_url, create(), delta, 3, checker)
+        await trio.sleep(1)
+        reattach = {"type": "response.reattach", "response_id": seen[0]["response"]["id"]}
+        async with connect(running.prototype_url, Authorization="Bearer k2") as client:
+            await client.send(reattach)
+            (error,) = await client.until("error")
+    assert error["error"]["code"] == "response_not_found"
+
+
+async def test_grace_0_cancels_a_websocket_response_at_once(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS, reattach_grace_s=0
+    )
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        await vanished_at(running.prototype_url, create(), "response.output_text.delta", 3, checker)
+        await running.server.wait_idle()
+        assert trio.current_time() < 1
+    assert not running.server.responses.turns
+
+
+async def test_a_websocket_reattach_past_the_bound_is_told_what_was_lost(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS, reattach_keep_bytes=4096
+    )
+    checker = LaneChecker(dialect="prototype")
+    delta = "response.output_text.delta"
+    with trio.fail_after(60):
+        seen = await vanished_at(running.prototype_url, create(), delta, 3, checker)
+        await trio.sleep(4)  # 200 deltas, far past 4 KiB
+        reattach = {"type": "response.reattach", "response_id": seen[0]["response"]["id"],
+                    "starting_after": 1}  # fmt: skip
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            await client.send(reattach)
+            (error,) = await client.until("error")
+    assert error["error"]["code"] == "reattach_events_lost"
+    assert "the first kept is" in error["error"]["message"]
+
+
+async def test_a_websocket_response_not_reattached_is_cut_when_its_grace_lapses(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(
+        LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS, reattach_grace_s=2
+    )
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        await vanished_at(running.prototype_url, create(), "response.output_text.delta", 3, checker)
+        await running.server.wait_idle()
+        assert 2 <= trio.current_time() < 8  # cut after its grace, long before its end
+    assert not running.server.responses.turns
+    assert running.server.responses.memory.used == 0
+
+
+async def test_a_stopping_server_does_not_wait_for_a_reattach(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start_server(LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        await vanished_at(running.prototype_url, create(), "response.output_text.delta", 3, checker)
+        await trio.sleep(0.5)
+        await running.server.shutdown(grace_s=1)
+        await running.server.wait_idle()
+    assert trio.current_time() < 8  # neither its grace (30 s) nor its end (8 s) was waited for
     assert not running.server.responses.turns

@@ -9,6 +9,11 @@ rest: no gap, nothing twice. Once the grace lapses with no reader, a Response th
 ended is cut as a dropped client's always was (its task cancelled, its rollout released); once a
 reader has its terminal event, nothing more is kept.
 
+Over the prototype WebSocket dialect a `Relay` stands between the Response's sampling loop and
+its lane: the loop outlives its connection (its task shielded from the connection's end), the
+relay keeps what the lane's writer never numbered, and a `response.reattach` attaches it to a
+lane of another connection, replayed first.
+
 What is kept is bounded per Response (`--reattach-keep-bytes`) and charged to the process's
 memory budget: past the bound (or when that budget is full) the oldest events go, and a
 reattach from before them is refused (`reattach_events_lost`, saying from which number).
@@ -27,7 +32,8 @@ import trio
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.server.process.logs import log
 from proto_server.server.process.memory import MemoryBudget
-from proto_server.server.transport.outbox import Outbox, Outgoing
+from proto_server.server.rollouts.sampling import SamplingLoop
+from proto_server.server.transport.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.transport.writer import WRITE_BATCH
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.errors import ProtocolError, quoted
@@ -79,9 +85,11 @@ class KeptEvents:
         #: Readers attached now (a reattached client's stream).
         self.readers = 0
         self.released = False
+        #: What streams it over a WebSocket (None: over HTTP).
+        self.relay: Relay | None = None
         self._changed = trio.Event()
 
-    def keep(self, number: int, event: ServerEvent, nbytes: int) -> None:
+    def keep(self, number: int, event: ServerEvent, nbytes: int, merged: int = 1) -> None:
         if number < self.next or self.released:
             return  # kept already: a reader's writer numbers what `hold` numbered
         self.next = number + 1
@@ -128,6 +136,10 @@ class KeptEvents:
         self.released = True
         self._changed_now()
 
+    def touch(self) -> None:
+        """Wake whoever waits for a change (a relay's lane came or went)."""
+        self._changed_now()
+
     def _changed_now(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -139,6 +151,15 @@ class Detached:
 
     def __init__(self) -> None:
         self._held: dict[str, KeptEvents] = {}
+        #: The server is stopping: a WebSocket Response whose connection goes is cut at once.
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Cut every WebSocket Response that waits for a reattach, and every one that will."""
+        self.stopping = True
+        for kept in list(self._held.values()):
+            if kept.relay is not None and kept.relay.target is None:
+                kept.relay.cut()
 
     def find(self, response_id: str, owner: str) -> KeptEvents | None:
         """`owner`'s Response `response_id`, if kept; another key's is not found."""
@@ -211,3 +232,132 @@ async def tail(kept: KeptEvents, after: int, send: trio.MemorySendChannel[Outgoi
                 return
         if kept.next - 1 <= cursor:
             await kept.changed()
+
+
+class Relay:
+    """A WebSocket Response's events on their way from its sampling loop (an `EventSink`) to
+    the lane it is attached to, each kept as that lane's writer numbers it (`keep`). When its
+    connection is lost, the events its writer never numbered and the rest are numbered here and
+    kept; `attach` on another lane replays them with their numbers, then the lane goes on from
+    there. With no lane for `--reattach-grace` (`run`), the Response is `cut`."""
+
+    def __init__(self, kept: KeptEvents, *, grace_s: float) -> None:
+        self.kept = kept
+        kept.relay = self
+        self.grace_s = grace_s
+        #: The lane it streams to (its sink tells this relay of each event numbered).
+        self.target: LaneSink | None = None
+        #: Sent to the lane, not yet numbered by its writer, oldest first.
+        self._unnumbered: collections.deque[ServerEvent] = collections.deque()
+        self._lost_at = math.inf
+        self._attaching = False
+        #: The Response's sampling loop (set once it is begun).
+        self.loop: SamplingLoop | None = None
+        #: Cuts the Response short (set by whoever runs it).
+        self.cut: Callable[[], None] = _nothing
+        #: Set once the Response ended, or was cut.
+        self.done = trio.Event()
+
+    def let_go(self) -> None:
+        """Its Response is over: hold nothing of it (its loop, its rollout)."""
+        self.loop = None
+        self.cut = _nothing
+
+    # -- the sampling loop's sink ----------------------------------------------------------------
+
+    async def send(self, event: ServerEvent) -> None:
+        target = self.target
+        if target is None:
+            self._keep_here(event)
+            return
+        self._unnumbered.append(event)  # before: its writer may number it as it is handed over
+        try:
+            await target.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.lost(target)
+
+    def send_nowait(self, event: ServerEvent) -> None:
+        target = self.target
+        if target is None:
+            self._keep_here(event)
+            return
+        self._unnumbered.append(event)
+        try:
+            target.send_nowait(event)
+        except trio.WouldBlock:
+            self._unnumbered.pop()
+            raise
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.lost(target)
+
+    def keep(self, number: int, event: ServerEvent, nbytes: int, merged: int = 1) -> None:
+        for _ in range(merged):
+            if self._unnumbered:
+                self._unnumbered.popleft()
+        self.kept.keep(number, event, nbytes)
+
+    def _keep_here(self, event: ServerEvent) -> None:
+        number = self.kept.next
+        self.kept.keep(number, event, len(encode_server_event_bytes(event, number)))
+
+    # -- lanes -----------------------------------------------------------------------------------
+
+    def attach_now(self, sink: LaneSink) -> None:
+        """Stream to `sink` from the first event (its Response's own lane)."""
+        self.target = attrs.evolve(sink, kept=self)
+
+    def lost(self, sink: LaneSink) -> None:
+        """The connection of `sink` is gone (if this relay streams to it): keep what its
+        writer never numbered, and start the grace."""
+        if self.target is None or self.target.channel is not sink.channel:
+            return
+        self.target = None
+        while self._unnumbered:
+            self._keep_here(self._unnumbered.popleft())
+        self._lost_at = trio.current_time()
+        log.info("response.detached", extra={"response": self.kept.response_id})
+        self.kept.touch()
+
+    async def attach(self, sink: LaneSink, after: int) -> None:
+        """Replay what is kept after `after` into `sink`, then stream the rest to it; refused
+        if some of it is no longer kept, or the Response streams to a lane still."""
+        if self.target is not None or self._attaching:
+            raise ProtocolError(
+                "response_in_progress",
+                f"Response {quoted(self.kept.response_id)} still streams to its connection; "
+                "reattach once that connection is closed.",
+                param="response_id",
+            )
+        self.kept.after(after)
+        self._attaching = True
+        try:
+            cursor = after
+            while cursor < self.kept.next - 1:  # what comes meanwhile is kept, and replayed
+                for kept in self.kept.after(cursor):
+                    await sink.channel.send(
+                        Outgoing(kept.event, sink.stream_id, number=kept.number)
+                    )
+                    cursor = kept.number
+        finally:
+            self._attaching = False
+        # caught up, with no await since: the lane numbers the rest as its writer sends it
+        self.target = attrs.evolve(sink, kept=self)
+        self._lost_at = math.inf
+        self.kept.touch()
+        log.info("response.reattached", extra={"response": self.kept.response_id, "after": after})
+
+    async def run(self) -> None:
+        """Cut the Response once no lane took it for the grace (one that ended: let go)."""
+        while not (self.target is not None and self.kept.ended):
+            deadline = self._lost_at + self.grace_s
+            if trio.current_time() >= deadline:
+                if not self.kept.ended:
+                    log.info("response.reattach_lapsed", extra={"response": self.kept.response_id})
+                    self.cut()
+                return
+            with trio.move_on_at(deadline):
+                await self.kept.changed()
+
+
+def _nothing() -> None:
+    """A relay's `cut` before its Response runs, and after it ended."""

@@ -24,7 +24,9 @@ class Keeper(Protocol):
     """What keeps a Response's events, numbered, for a client that reattaches
     (server/rollouts/kept.py): told of each as its writer numbers it."""
 
-    def keep(self, number: int, event: ServerEvent, nbytes: int) -> None: ...
+    def keep(self, number: int, event: ServerEvent, nbytes: int, merged: int = 1) -> None:
+        """`event` (standing for `merged` sent, merged) went out as `number`, `nbytes` long."""
+        ...
 
 
 @attrs.frozen
@@ -129,8 +131,8 @@ class Outbox:
 
     def _merged(self, outgoing: Outgoing, merge: bool) -> tuple[Outgoing, int]:
         """`outgoing`, merged (if `merge`) with the deltas that continue it and are waiting."""
-        if not merge or not isinstance(outgoing.event, MERGEABLE):
-            return outgoing, 1
+        if not merge or outgoing.number is not None or not isinstance(outgoing.event, MERGEABLE):
+            return outgoing, 1  # a replayed event keeps its number: never merged
         first = outgoing.event
         run: list[ServerEvent] = []
         while True:
@@ -138,7 +140,11 @@ class Outbox:
                 pending = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if pending.stream_id != outgoing.stream_id or not continues(first, pending.event):
+            if (
+                pending.stream_id != outgoing.stream_id
+                or pending.number is not None
+                or not continues(first, pending.event)
+            ):
                 self._held = pending
                 break
             run.append(pending.event)

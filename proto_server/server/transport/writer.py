@@ -69,7 +69,7 @@ async def write_events(
     while batch := await outbox.batch(WRITE_BATCH):
         sizes = []
         ended = False
-        for outgoing, _ in batch:
+        for outgoing, merged in batch:
             lane = outgoing.stream_id
             sequencer = sequencers.get(lane)
             if sequencer is None:  # lanes are few: the dialect bounds them
@@ -80,7 +80,7 @@ async def write_events(
             size = echoed_bytes(outgoing.event)
             payload = encode() if offload is None else await offload.run(encode, size=size)
             if outgoing.kept is not None:  # numbered: kept for a client that reattaches
-                outgoing.kept.keep(number, outgoing.event, len(payload))
+                outgoing.kept.keep(number, outgoing.event, len(payload), merged)
             sizes.append(transport.add(outgoing.event, payload))
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 ended = True
