@@ -28,11 +28,8 @@ from proto_server.wire.events import (
     SERVER_EVENT_TYPES,
     ClientEvent,
     FailedSteer,
-    NonNegativeInt,
-    PositiveInt,
     ResponseInject,
     ServerEvent,
-    StreamId,
 )
 from proto_server.wire.items import (
     ITEM_TYPES,
@@ -61,6 +58,7 @@ from proto_server.wire.json_text import (
 )
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
 from proto_server.wire.refusals import InvalidStreamId, InvalidValue, locate, refusal
+from proto_server.wire.scalars import NonNegativeInt, PositiveInt, StreamId
 from proto_server.wire.tools import FunctionTool, Tool, UnknownTool
 
 T = TypeVar("T")

@@ -11,23 +11,17 @@ Beside the classes, a new event and its entry are written together.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NewType
+from typing import Any
 
 import attrs
 
 from proto_server.wire.errors import ErrorDetail
 from proto_server.wire.items import Item, Logprob, StreamedPart
 from proto_server.wire.options import ContextManagement, PromptCacheOptions
+from proto_server.wire.reattach import ResponseReattach
 from proto_server.wire.response import Response
+from proto_server.wire.scalars import NonNegativeInt, PositiveInt, StreamId
 from proto_server.wire.tools import Tool
-
-#: An integer above zero (`max_output_tokens`); the converter refuses anything else.
-PositiveInt = NewType("PositiveInt", int)
-#: An integer of zero or more (`max_tool_calls`); the converter refuses anything else.
-NonNegativeInt = NewType("NonNegativeInt", int)
-#: A lane of a WebSocket connection: 1-256 of `[A-Za-z0-9_.-]`, as the SDKs allow; the
-#: converter refuses anything else with `invalid_stream_id`.
-StreamId = NewType("StreamId", str)
 
 # -- client events ---------------------------------------------------------------------------
 
@@ -147,7 +141,9 @@ class ResponseSteer:
     stream_id: Any = None
 
 
-ClientEvent = ResponseCreate | ResponseAppend | ResponseCancel | ResponseInject | ResponseSteer
+#: This project's own client events: the prototype dialect's, and a cancel.
+ProjectEvent = ResponseAppend | ResponseCancel | ResponseReattach
+ClientEvent = ResponseCreate | ProjectEvent | ResponseInject | ResponseSteer
 
 CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
@@ -155,6 +151,7 @@ CLIENT_EVENT_TYPES: Mapping[str, type[ClientEvent]] = {
     "response.cancel": ResponseCancel,
     "response.inject": ResponseInject,
     "response.steer": ResponseSteer,
+    "response.reattach": ResponseReattach,
 }
 
 # -- server events: the Response's life ------------------------------------------------------

@@ -258,7 +258,8 @@ async def test_a_client_that_stops_reading_holds_back_the_model_and_memory_stays
 async def test_a_client_that_vanishes_at_any_moment_leaves_nothing_behind(
     start_server: StartServer,
 ) -> None:
-    running = await start_server(THREE_SEGMENTS)
+    # at once, without a grace to reattach in (test_reattach: a grace that lapses cuts it too)
+    running = await start_server(THREE_SEGMENTS, reattach_grace_s=0)
     generator = RecordingGenerator(running.server.responses.generator)
     running.server.responses.generator = generator  # type: ignore[assignment]
     whole = await whole_rollout(running)

@@ -239,9 +239,11 @@ async def test_http_needs_a_key_when_keys_are_set(
 async def test_a_client_that_leaves_mid_stream_takes_nothing_down(
     start_server: StartServer,
 ) -> None:
+    # without a grace to reattach in, it is cancelled at once (test_reattach: with one)
     running = await start_server(
         {"segments": [{"text": "word " * 400}]},
         timing=TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50),
+        reattach_grace_s=0,
     )
     url = f"{running.address.http_url}/responses"
     payload = {**body(tools=[]), "stream": True}

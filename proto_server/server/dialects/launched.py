@@ -79,6 +79,7 @@ from proto_server.wire.events import (
     ResponseQueued,
     ResponseSteer,
 )
+from proto_server.wire.reattach import ResponseReattach
 
 if TYPE_CHECKING:
     from proto_server.server.transport.connection import ClientLanes
@@ -211,6 +212,9 @@ class LaunchedDialect(DialectBase[_Lane]):
                     where = "this connection" if stream_id is None else f"lane {stream_id!r}"
                     raise ProtocolError("no_open_response", f"No response is in flight on {where}.")
                 current.cancel()  # its machine refuses one that is ending or ended
+            case ResponseReattach():
+                why = "response.reattach is the prototype dialect's; here, reattach over HTTP."
+                raise ProtocolError("unknown_event_type", why, param="type")
             case ResponseInject():
                 await self._inject(event, frame_bytes)
             case ResponseSteer():

@@ -18,11 +18,13 @@ while it waits on tool outputs the steer is pending and follows the append that 
 from __future__ import annotations
 
 import attrs
+import trio
 
 from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
-from proto_server.core.response import Mode
+from proto_server.core.response import Mode, Status
 from proto_server.server.dialects.lanes import DialectBase, serve_steer
 from proto_server.server.rollouts.appending import prepare_append
+from proto_server.server.rollouts.kept import Relay
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.rollouts.turns import TurnSource
 from proto_server.server.transport.outbox import LaneSink
@@ -35,6 +37,7 @@ from proto_server.wire.events import (
     ResponseInject,
     ResponseSteer,
 )
+from proto_server.wire.reattach import ResponseReattach
 
 
 @attrs.frozen
@@ -54,6 +57,8 @@ class _Lane:
         self.sink = sink
         self.current: SamplingLoop | None = None
         self.ended: Ended | None = None
+        #: What streams `current` to this lane when it is kept for a reattach.
+        self.relay: Relay | None = None
 
 
 class PrototypeDialect(DialectBase[_Lane]):
@@ -80,6 +85,8 @@ class PrototypeDialect(DialectBase[_Lane]):
                 loop.append(event.input, rendered, tool_choice=event.tool_choice)
             case ResponseCancel(stream_id=stream_id):
                 self._open_rollout(stream_id, "cancel").cancel()
+            case ResponseReattach():
+                await self._reattach(event)
             case ResponseInject():
                 await self._inject(event, frame_bytes)
             case ResponseSteer():
@@ -184,9 +191,15 @@ class PrototypeDialect(DialectBase[_Lane]):
         await self._responses.check(create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
             raise _unsupported("context_management", PROTOTYPE_COMPACTION)
-        loop = await self._responses.begin(
+        responses = self._responses
+        kept = responses.keeper(self._owner)
+        relay = None
+        if kept is not None:
+            config = responses.config
+            relay = Relay(kept, grace_s=config.reattach_grace_s)
+        loop = await responses.begin(
             create,
-            lane.sink,
+            lane.sink if relay is None else relay,
             budget=self._connection.budget,
             source=TurnSource.FRESH,
             owner=self._owner,
@@ -194,7 +207,81 @@ class PrototypeDialect(DialectBase[_Lane]):
             size=frame_bytes,
         )
         lane.current = loop
-        self._nursery.start_soon(self._run, lane, loop)
+        if relay is None:
+            self._nursery.start_soon(self._run, lane, loop)
+            return
+        relay.kept.response_id, relay.loop = loop.machine.id, loop
+        relay.attach_now(lane.sink)
+        lane.relay = relay
+        self._nursery.start_soon(self._run_kept, lane, loop, relay)
+
+    async def _run_kept(self, lane: _Lane, loop: SamplingLoop, relay: Relay) -> None:
+        """`_run`, for a Response kept for a reattach: shielded from its connection's end, which
+        `_follow` tells its relay of; the relay cuts it if no lane takes it within the grace."""
+        self._nursery.start_soon(self._follow, lane, loop, relay)
+        try:
+            with trio.CancelScope(shield=True) as own:
+                relay.cut = own.cancel
+                async with self._responses.detached.keeping(relay.kept), trio.open_nursery() as n:
+                    n.start_soon(relay.run)
+                    await loop.run_and_close()
+                    if relay.target is not None:
+                        n.cancel_scope.cancel()  # its end went to its lane: nothing to wait for
+        finally:
+            relay.done.set()
+            relay.let_go()  # a writer's last batch may still name the relay: not the rollout
+
+    async def _reattach(self, event: ResponseReattach) -> None:
+        """A Response kept since its connection dropped, attached to a lane that has carried
+        nothing yet (it goes on with the Response's numbers); then appended to as usual."""
+        if event.stream_id in self._lanes:
+            raise ProtocolError(
+                "invalid_field",
+                "Send response.reattach on a lane that has carried nothing yet (a new "
+                "connection's first frame, or a new stream_id): the lane takes the Response's "
+                "sequence numbers.",
+                param="stream_id",
+            )
+        kept = self._responses.detached.find(event.response_id, self._owner)
+        relay = kept.relay if kept is not None else None
+        if relay is None or relay.loop is None or relay.done.is_set():
+            raise ProtocolError(
+                "response_not_found",
+                f"No Response {quoted(event.response_id)} to reattach to: only one whose "
+                "connection dropped mid-stream is kept, for --reattach-grace, and only for the "
+                "key that created it.",
+                param="response_id",
+            )
+        lane = self._lane(event.stream_id)
+        loop = relay.loop
+        lane.current, lane.relay = loop, relay  # before the replay: an append may follow it
+        try:
+            await relay.attach(lane.sink, event.starting_after)
+        except ProtocolError:
+            lane.current = lane.relay = None
+            raise
+        self._nursery.start_soon(self._follow, lane, loop, relay)
+
+    async def _follow(self, lane: _Lane, loop: SamplingLoop, relay: Relay) -> None:
+        """The lane of a kept Response, let go with it; if this connection ends first (its
+        nursery cancelled, however), its relay is told: one that streams waits for a
+        reattach (--reattach-grace), one that is suspended is let go at once, as before."""
+        try:
+            await relay.done.wait()
+        finally:
+            if not relay.done.is_set():
+                relay.lost(lane.sink)
+                stopping = self._responses.detached.stopping
+                suspended = loop.machine.status is Status.SUSPENDED
+                if relay.target is None and (stopping or suspended):
+                    relay.cut()
+            self._ended.add(loop.machine.id, lane.stream_id)
+            self._let_go(lane, loop)
+
+    def _let_go(self, lane: _Lane, loop: SamplingLoop) -> None:
+        if lane.current is loop:
+            lane.ended = Ended(loop.machine.id, loop.machine.status.value)
+            lane.current = lane.relay = None
 
     async def _run(self, lane: _Lane, loop: SamplingLoop) -> None:
         """The rollout lives exactly as long as its one Response."""
@@ -202,9 +289,7 @@ class PrototypeDialect(DialectBase[_Lane]):
             await loop.run_and_close()
         finally:
             self._ended.add(loop.machine.id, lane.stream_id)
-            if lane.current is loop:
-                lane.ended = Ended(loop.machine.id, loop.machine.status.value)
-                lane.current = None
+            self._let_go(lane, loop)
 
     async def drain(self) -> None:
         for lane in list(self._lanes.values()):
@@ -220,7 +305,8 @@ class PrototypeDialect(DialectBase[_Lane]):
             await loop.wait_ended()
 
     async def aclose(self) -> None:
-        """Nothing outlives a Response here: each rollout closes with it (`run_and_close`)."""
+        """Nothing outlives a Response here: each rollout closes with it (`run_and_close`),
+        but for one kept for a reattach (`_follow`)."""
 
 
 def _unsupported(field: str, why: str) -> ProtocolError:

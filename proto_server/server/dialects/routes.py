@@ -1,7 +1,8 @@
 """The HTTP routes on the same port: the stateless Responses API, health, readiness, metrics.
 
     POST   /v1/responses                  stream: true -> Server-Sent Events; else one Response
-    GET    /v1/responses/{id}             a stored Response
+    GET    /v1/responses/{id}             a stored Response; with ?stream=true&starting_after=N,
+                                          a reattach to one in flight (streams.py)
     GET    /v1/responses/{id}/input_items what it was given as input, paged as OpenAI pages it
     DELETE /v1/responses/{id}             a stored Response deleted (a chain through it breaks)
     POST   /v1/responses/input_tokens     the prompt tokens a create would be served with
@@ -44,6 +45,12 @@ from proto_server.core.request import input_items
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
+from proto_server.server.dialects.streams import (
+    not_in_flight,
+    serve_reattach,
+    starting_after,
+    stream_created,
+)
 from proto_server.server.process import metrics
 from proto_server.server.process.logs import log
 from proto_server.server.process.memory import MemoryBudget, preparing_bytes
@@ -62,15 +69,10 @@ from proto_server.server.transport.http import (
     send_error,
     send_json,
 )
-from proto_server.server.transport.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.transport.sendtimeout import SLOW_READER, SendTimeout
-from proto_server.server.transport.sse import SSETransport
+from proto_server.server.transport.outbox import LaneSink, Outgoing
 from proto_server.server.transport.writer import (
     ECHOED_VALUE_BYTES,
-    EventBound,
-    discard_events,
     response_bytes,
-    write_events,
 )
 from proto_server.wire.converter import converter, decode_request_body, encode_json_bytes
 from proto_server.wire.errors import ProtocolError, quoted
@@ -79,7 +81,7 @@ from proto_server.wire.items import Item, item_id, listed
 from proto_server.wire.response import Response, Usage
 
 if TYPE_CHECKING:
-    from proto_server.server.rollouts.sampling import SamplingLoop
+    pass
 
 RESPONSES = "/v1/responses/"
 INPUT = "/input_items"
@@ -240,9 +242,10 @@ class Exchange:
         await responses.check(create, size=len(body))
         history = await self._history(create.previous_response_id)
         send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
+        kept = responses.keeper(self.owner) if create.stream else None
         loop = await responses.begin(
             create,
-            LaneSink(send),
+            LaneSink(send, kept=kept),
             budget=self.budget,
             history=history,
             source=TurnSource.STORE if history else TurnSource.FRESH,
@@ -250,47 +253,17 @@ class Exchange:
             owner=self.owner,
         )
         log.debug("http.create", extra={"response": loop.machine.id, "stream": create.stream})
+        if kept is not None:
+            kept.response_id = loop.machine.id
         async with trio.open_nursery() as nursery:
             nursery.start_soon(loop.run_and_close)
             async with receive:
                 if create.stream:
-                    await self._stream_events(receive, loop)
+                    await stream_created(
+                        responses, self.stream, self.conn, receive, loop, kept, nursery.cancel_scope
+                    )
                 else:
                     await self._final_response(receive, nursery.cancel_scope)
-
-    async def _stream_events(
-        self, receive: trio.MemoryReceiveChannel[Outgoing], loop: SamplingLoop
-    ) -> None:
-        """The one writer (`writer.py`), each event an SSE block in an h11 chunk and each batch
-        one socket write; the stream ends with its Response. A client that takes no bytes for
-        `--send-timeout` has its Response end `incomplete` (`slow_reader`: stored so, counted
-        so, sent to no one) before its connection is closed."""
-        headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
-        outbox = Outbox(receive, merge=self.responses.config.merge_deltas)
-        try:
-            await self.stream.send_all(
-                self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
-            )
-            await write_events(
-                outbox,
-                SSETransport(self.stream, self.conn),
-                dialect="http",
-                observer=self.responses.observer,
-                one_response=True,
-                offload=self.responses.offload,
-                bound=EventBound(self.responses.config.max_event_bytes),
-            )
-        except SendTimeout as stall:
-            log.warning(
-                "http.slow_reader",
-                extra={"response": loop.machine.id, "timeout_s": stall.timeout_s,
-                       "unsent_bytes": len(stall.unsent)},
-            )  # fmt: skip
-            metrics.SEND_TIMEOUTS.labels("http").inc()
-            loop.expire(SLOW_READER)
-            await discard_events(outbox, dialect="http", one_response=True)
-            raise  # the connection closes: nothing more can be said on it
-        await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
 
     async def _final_response(
         self, receive: trio.MemoryReceiveChannel[Outgoing], response: trio.CancelScope
@@ -350,6 +323,13 @@ class Exchange:
         return len(encoded)
 
     async def _retrieve(self, response_id: str) -> None:
+        after = starting_after(self.query)
+        if after is not None:  # a reattach (streams.py)
+            kept = self.responses.detached.find(response_id, self.owner)
+            if kept is None:
+                raise not_in_flight(response_id)
+            await serve_reattach(self.responses, self.stream, self.conn, kept, after)
+            return
         stored = await self._stored(response_id)
         await self._response_json(stored.response)
 

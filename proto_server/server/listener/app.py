@@ -219,6 +219,7 @@ class ProtoServer:
         self._http.stop(deadline)
         for connection in list(self._websockets):
             connection.shut_down(deadline)
+        self.responses.detached.stop()  # no client will reattach: cut what waits for one
         with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
             while self.open_connections:
                 await self._changed.wait()

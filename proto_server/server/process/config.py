@@ -130,6 +130,22 @@ class ServerConfig:
         "balancer's check interval times its fall count (deploy/haproxy.cfg: 3); 0 stops "
         "listening at once, for a server with no balancer",
     )
+    reattach_grace_s: float = setting(
+        30.0,
+        between(0, 3600),
+        help="a streamed Response whose client goes away mid-stream runs on this long, its "
+        "events kept, for the client to reattach (GET /v1/responses/{id}?stream=true&"
+        "starting_after=N); then it is cancelled as if the grace were 0; a reattach stops the "
+        "clock, another drop restarts it; 0: cancelled at once",
+    )
+    reattach_keep_bytes: int = setting(
+        4 * MiB,
+        at_least(1024),
+        metavar="BYTES",
+        help="most bytes of events (their JSON) kept per streamed Response for a reattach, "
+        "charged to --max-memory; past it the oldest go, and a reattach after one of them is "
+        "refused with reattach_events_lost",
+    )
     max_queued_requests: int = setting(
         8,
         at_least(1),

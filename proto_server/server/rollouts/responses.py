@@ -56,6 +56,7 @@ from proto_server.server.process.offload import INLINE_BYTES, Offload
 from proto_server.server.rollouts.admission import Admission
 from proto_server.server.rollouts.appending import prepare_append
 from proto_server.server.rollouts.checks import check_servable, compiles_schema, servable_bytes
+from proto_server.server.rollouts.kept import Detached, KeptEvents
 from proto_server.server.rollouts.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollouts.rollout import Rollout
 from proto_server.server.rollouts.sampling import LoopSettings, SamplingLoop
@@ -105,6 +106,8 @@ class Responses:
         self.memory = MemoryBudget(
             self.config.max_memory_bytes, flag="--max-memory", name="process"
         )
+        #: Streamed Responses whose clients went away, kept for a reattach (kept.py).
+        self.detached = Detached()
         #: Decodes and renders large requests on worker threads (see server/process/offload.py).
         self.offload = Offload(self.config.prepare_threads)
         #: The most recent Responses' costs, newest last (tests and the benchmark read them).
@@ -132,6 +135,14 @@ class Responses:
                 up_share=shared.up_share if shared is not None else None,
                 recheck_s=shared.probe_interval_s if shared is not None else 0,
             )
+
+    def keeper(self, owner: str) -> KeptEvents | None:
+        """Where a streamed Response's events are kept for a reattach by `owner` (None:
+        `--reattach-grace 0`, nothing is)."""
+        config = self.config
+        if config.reattach_grace_s <= 0:
+            return None
+        return KeptEvents(owner, limit=config.reattach_keep_bytes, budget=self.memory)
 
     def connection_budget(self) -> MemoryBudget:
         """The memory budget of one connection, inside the process's."""

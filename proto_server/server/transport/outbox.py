@@ -20,10 +20,23 @@ from proto_server.wire.errors import ProtocolError
 from proto_server.wire.events import ErrorEvent, ServerEvent
 
 
+class Keeper(Protocol):
+    """What keeps a Response's events, numbered, for a client that reattaches
+    (server/rollouts/kept.py): told of each as its writer numbers it."""
+
+    def keep(self, number: int, event: ServerEvent, nbytes: int, merged: int = 1) -> None:
+        """`event` (standing for `merged` sent, merged) went out as `number`, `nbytes` long."""
+        ...
+
+
 @attrs.frozen
 class Outgoing:
     event: ServerEvent
     stream_id: str | None = None
+    #: Its number, already given (a kept event replayed); None: the lane's next.
+    number: int | None = None
+    #: Told of the event once numbered: its Response's events are kept for a reattach.
+    kept: Keeper | None = None
 
 
 class EventSink(Protocol):
@@ -44,9 +57,11 @@ class LaneSink:
     stream_id: str | None = None
     #: The connection's number, for the log.
     connection: int | None = None
+    #: Where the lane's events are kept for a reattach (None: nowhere).
+    kept: Keeper | None = None
 
     async def send(self, event: ServerEvent) -> None:
-        await self.channel.send(Outgoing(event, self.stream_id))
+        await self.channel.send(Outgoing(event, self.stream_id, kept=self.kept))
 
     async def refuse(self, exc: ProtocolError | StoreUnavailable) -> None:
         """The one place a WebSocket refusal becomes an `error` event (a frame's, from the
@@ -60,7 +75,7 @@ class LaneSink:
         await self.send(ErrorEvent(status=exc.status, error=exc.detail))
 
     def send_nowait(self, event: ServerEvent) -> None:
-        self.channel.send_nowait(Outgoing(event, self.stream_id))
+        self.channel.send_nowait(Outgoing(event, self.stream_id, kept=self.kept))
 
 
 class Outbox:
@@ -116,8 +131,8 @@ class Outbox:
 
     def _merged(self, outgoing: Outgoing, merge: bool) -> tuple[Outgoing, int]:
         """`outgoing`, merged (if `merge`) with the deltas that continue it and are waiting."""
-        if not merge or not isinstance(outgoing.event, MERGEABLE):
-            return outgoing, 1
+        if not merge or outgoing.number is not None or not isinstance(outgoing.event, MERGEABLE):
+            return outgoing, 1  # a replayed event keeps its number: never merged
         first = outgoing.event
         run: list[ServerEvent] = []
         while True:
@@ -125,10 +140,14 @@ class Outbox:
                 pending = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if pending.stream_id != outgoing.stream_id or not continues(first, pending.event):
+            if (
+                pending.stream_id != outgoing.stream_id
+                or pending.number is not None
+                or not continues(first, pending.event)
+            ):
                 self._held = pending
                 break
             run.append(pending.event)
         if not run:
             return outgoing, 1
-        return Outgoing(merge_run(first, run), outgoing.stream_id), len(run) + 1
+        return attrs.evolve(outgoing, event=merge_run(first, run)), len(run) + 1

@@ -91,18 +91,21 @@ async def write_events(
     while batch := await outbox.batch(WRITE_BATCH):
         sizes = []
         ended = False
-        for outgoing, _ in batch:
+        for outgoing, merged in batch:
             lane = outgoing.stream_id
             sequencer = sequencers.get(lane)
             if sequencer is None:  # lanes are few: the dialect bounds them
                 sequencer = sequencers[lane] = Sequencer()
-            number = sequencer.next()
+            number = sequencer.next() if outgoing.number is None else outgoing.number
+            sequencer.skip_to(number + 1)  # a replayed event's number holds for the lane
             payload = await _encoded(outgoing.event, number, lane, offload)
             if bound is not None and len(payload) > bound.max_bytes:
                 payload = await _over_bound(
                     outgoing.event, payload, number, lane, offload, bound,
                     dialect=dialect, transport=transport.name,
                 )  # fmt: skip
+            if outgoing.kept is not None:  # numbered: kept for a client that reattaches
+                outgoing.kept.keep(number, outgoing.event, len(payload), merged)
             sizes.append(transport.add(outgoing.event, payload))
             if one_response and isinstance(outgoing.event, TERMINAL_EVENTS):
                 ended = True
