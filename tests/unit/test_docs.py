@@ -217,3 +217,20 @@ def test_each_step_of_the_walk_opens_at_most_one_module_per_layer() -> None:
         "server/rollouts": ["server/rollouts/b.py"],
         "core": ["core/d.py", "core/x/c.py"],
     }
+
+
+def test_no_issue_number_where_a_reader_cannot_resolve_it() -> None:
+    # the issue tracker is the team's, not the users': docs, help and code say what they mean
+    # (the benchmarks' page keeps its history, which names the issues that set its goals)
+    places = [
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+        *(ROOT / "proto_server").rglob("*.py"),
+    ]
+    found = [
+        f"{path.relative_to(ROOT)}: {match}"
+        for path in places
+        if path.name != "benchmarks.md"
+        for match in re.findall(r"\bissues? #?\d+\b", path.read_text(), re.I)
+    ]
+    assert not found, f"issue numbers a reader cannot resolve: {found}"
