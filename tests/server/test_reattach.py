@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import h11
 import httpx
 import orjson
+import pytest
 import trio
 import trio.testing
 
+from proto_server.core.request import response_template
 from proto_server.engine.simulated import TimingModel
+from proto_server.server.process.offload import INLINE_BYTES
+from proto_server.server.rollouts import kept as kept_module
+from proto_server.server.rollouts.kept import kept_bytes
+from proto_server.server.transport.writer import echoed_bytes
 from proto_server.testing import LaneChecker, StreamChecker, o200k_count
+from proto_server.wire.converter import encode_server_event_bytes
+from proto_server.wire.events import ResponseCompleted, ResponseCreate
+from proto_server.wire.tools import FunctionTool
 
 from ..support.clients import connect, parse_sse
 from ..support.frames import EXEC_COMMAND, answers, body, create
@@ -380,3 +390,23 @@ async def test_a_stopping_server_does_not_wait_for_a_reattach(
         await running.server.wait_idle()
     assert trio.current_time() < 8  # neither its grace (30 s) nor its end (8 s) was waited for
     assert not running.server.responses.turns
+
+
+def test_what_is_kept_is_sized_without_encoding_a_large_event_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a small event is charged its JSON exactly; one that echoes many tools (the writer encodes
+    # such an event off the loop) is charged the least its JSON takes, and is not encoded here
+    template = response_template(
+        ResponseCreate(input="hi"), response_id="r", created_at=0, default_model="m"
+    )
+    small = ResponseCompleted(response=template)
+    assert kept_bytes(small, 7) == len(encode_server_event_bytes(small, 7))
+    tools = tuple(FunctionTool(name=f"t{i}") for i in range(2_000))
+    large = ResponseCompleted(response=attrs.evolve(template, tools=tools))
+
+    def encoded_on_the_loop(*_: object) -> bytes:
+        raise AssertionError("a large event was encoded on the event loop to be sized")
+
+    monkeypatch.setattr(kept_module, "encode_server_event_bytes", encoded_on_the_loop)
+    assert kept_bytes(large, 7) == echoed_bytes(large) > INLINE_BYTES

@@ -32,9 +32,10 @@ import trio
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.server.process.logs import log
 from proto_server.server.process.memory import MemoryBudget
+from proto_server.server.process.offload import INLINE_BYTES
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.transport.outbox import LaneSink, Outbox, Outgoing
-from proto_server.server.transport.writer import WRITE_BATCH
+from proto_server.server.transport.writer import WRITE_BATCH, echoed_bytes
 from proto_server.wire.converter import encode_server_event_bytes
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import ServerEvent
@@ -43,6 +44,15 @@ from proto_server.wire.events import ServerEvent
 KEPT_EVENT_BYTES = 256
 #: The wire code of a reattach after events that were no longer kept.
 EVENTS_LOST = "reattach_events_lost"
+
+
+def kept_bytes(event: ServerEvent, number: int) -> int:
+    """What keeping `event` is charged beyond `KEPT_EVENT_BYTES`: its JSON, where encoding it
+    is cheap. An event whose encoding grows with what it echoes (many tools or items, which the
+    writer encodes off the loop) is charged the least its JSON takes instead, so that sizing
+    what is kept never holds the event loop."""
+    least = echoed_bytes(event)
+    return least if least > INLINE_BYTES else len(encode_server_event_bytes(event, number))
 
 
 @attrs.frozen
@@ -200,8 +210,7 @@ async def _pump(outbox: Outbox, kept: KeptEvents) -> None:
     while batch := await outbox.batch(WRITE_BATCH):
         for outgoing, _ in batch:
             number = kept.next if outgoing.number is None else outgoing.number
-            payload = encode_server_event_bytes(outgoing.event, number, outgoing.stream_id)
-            kept.keep(number, outgoing.event, len(payload))
+            kept.keep(number, outgoing.event, kept_bytes(outgoing.event, number))
             if kept.ended:
                 return
 
@@ -298,7 +307,7 @@ class Relay:
 
     def _keep_here(self, event: ServerEvent) -> None:
         number = self.kept.next
-        self.kept.keep(number, event, len(encode_server_event_bytes(event, number)))
+        self.kept.keep(number, event, kept_bytes(event, number))
 
     # -- lanes -----------------------------------------------------------------------------------
 
