@@ -283,11 +283,18 @@ async def test_a_rollout_that_waits_behind_a_streaming_one_is_let_in_once_its_pl
             assert 5 <= trio.current_time() - suspended_at < 6
 
 
+# the waiter whose client goes is kept for a reattach as long as --reattach-grace: with 0 it
+# gives up its place at once, with 30 s once the grace lapses
+@pytest.mark.parametrize("grace_s", [0.0, 30.0])
 async def test_a_waiter_can_be_cancelled_and_one_whose_client_goes_gives_up_its_place(
-    start_server: StartServer, autojump_clock: trio.testing.MockClock
+    start_server: StartServer, autojump_clock: trio.testing.MockClock, grace_s: float
 ) -> None:
     running = await start_server(
-        THREE_SEGMENTS, store=CheckpointStore(), kv_capacity_tokens=1, admission_ttl_s=1000
+        THREE_SEGMENTS,
+        store=CheckpointStore(),
+        kv_capacity_tokens=1,
+        admission_ttl_s=1000,
+        reattach_grace_s=grace_s,
     )
     scheduler = running.server.responses.admission.scheduler  # type: ignore[union-attr]
     with trio.fail_after(60):
@@ -307,6 +314,9 @@ async def test_a_waiter_can_be_cancelled_and_one_whose_client_goes_gives_up_its_
                     assert end["response"]["status"] == "cancelled"
                     assert scheduler.waiting == 1
             await trio.sleep(0.1)  # `gone` closed its socket while it waited
+            if grace_s:
+                assert (scheduler.waiting, scheduler.admitted) == (1, 1)  # kept for a reattach
+                await trio.sleep(grace_s)
             assert (scheduler.waiting, scheduler.admitted) == (0, 1)
         await trio.sleep(0.1)
         assert (scheduler.waiting, scheduler.admitted, scheduler.reserved) == (0, 0, 0)
