@@ -573,7 +573,9 @@ async def test_a_prompt_another_key_sent_is_not_in_the_engine_cache_for_this_one
 async def test_a_cancel_or_a_disconnect_aborts_the_engine_request(
     start_vllm: StartVllm, vllm_engine: Engine, how: str
 ) -> None:
-    served = await start_vllm(max_tokens=512)
+    # a disconnect aborts at once with --reattach-grace 0; under a grace the Response runs on
+    # for a reattach (tests/server/test_reattach.py), and is cut, aborting it, once that lapses
+    served = await start_vllm(max_tokens=512, reattach_grace_s=0)
     before = await trio.to_thread.run_sync(decoded_to_end, vllm_engine)
     with trio.fail_after(120):
         async with model_connect(served.prototype_url) as client:
