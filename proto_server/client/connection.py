@@ -151,6 +151,29 @@ class Connection:
         await rollout._send({"type": "response.append", "response_id": response_id, "input": items})
         return rollout
 
+    async def reattach(self, response_id: str, *, starting_after: int = -1) -> Rollout:
+        """Take up, on this new connection, a prototype Response whose connection dropped while
+        it streamed (the server keeps it for `--reattach-grace`): `response.reattach` naming
+        it and the last `sequence_number` this client saw. The server replays what it kept
+        after that, then streams the rest live; the rollout goes on with the same id and
+        numbers (`step()`, `append()`). A refusal (`response_not_found`,
+        `reattach_events_lost`) ends the rollout `failed` with the error in
+        `rollout.tracker.error`."""
+        if self.dialect != "prototype":
+            raise ValueError(
+                "reattach() is the prototype dialect's: connect with it (over HTTP, GET "
+                "/v1/responses/{id}?stream=true&starting_after=N)"
+            )
+        current = self.rollouts[-1] if self.rollouts else None
+        if current is not None and not current.state.ended:
+            raise RuntimeError(f"rollout {current.response_id} is still open on this connection")
+        rollout = Rollout(self, {}, [], None)
+        rollout.tracker.resumed = True
+        self.rollouts.append(rollout)
+        body = {"type": "response.reattach", "response_id": response_id}
+        await rollout._send({**body, "starting_after": starting_after})
+        return rollout
+
     async def send(self, body: Mapping[str, Any]) -> int:
         """Send one client event (WebSocket) or request body (HTTP) as given; bytes sent.
 

@@ -267,6 +267,14 @@ class BlockingConnection:
         )
         return BlockingRollout(self.client, rollout)
 
+    def reattach(self, response_id: str, *, starting_after: int = -1) -> BlockingRollout:
+        """Take up a Response whose connection dropped mid-stream (see `Connection.reattach`);
+        `step()` reads what was kept after `starting_after`, then the live rest."""
+        rollout = self.client.call(
+            partial(self.connection.reattach, response_id, starting_after=starting_after)
+        )
+        return BlockingRollout(self.client, rollout)
+
     def send(self, body: Mapping[str, Any]) -> int:
         """The low-level door: send one event as given (see `Connection.send`)."""
         return self.client.call(self.connection.send, body)
@@ -321,9 +329,24 @@ class BlockingRollout:
         """Every event received in this rollout so far."""
         return self.rollout.received
 
+    @property
+    def response_id(self) -> str | None:
+        return self.rollout.response_id
+
     def step(self) -> Segment:
         """Read events until the next suspension or the end; the segment (shows as a table)."""
         return self.client.call(self.rollout.step)
+
+    def read(self, count: int) -> list[Received]:
+        """Read `count` events of this segment, fewer if it suspends or ends first."""
+
+        async def read() -> list[Received]:
+            events = self.rollout.events()
+            return [
+                await anext(events) for _ in range(count) if self.state is RolloutState.STREAMING
+            ]
+
+        return self.client.call(read)
 
     def append(
         self, outputs: Mapping[str, str] | Sequence[ToolOutput], *, tool_choice: Any = None

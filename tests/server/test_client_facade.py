@@ -80,6 +80,46 @@ def test_a_closed_connection_ends_its_rollout_on_the_server() -> None:
         client.call(idle)
 
 
+def test_a_rollout_whose_connection_closed_mid_segment_is_taken_up_on_another() -> None:
+    # 400 words at 200 tokens/s: the segment streams for about 2 s of real time.
+    slow = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=200)
+    script = {"segments": [{"text": "word " * 400, "tool_calls": [{"name": "exec_command",
+              "arguments": {"cmd": "ls"}}]}, {"text": "Done."}]}  # fmt: skip
+    with serving(script, timing=slow) as client:
+        first = client.connect("prototype")
+        rollout = first.create("fix it", tools=[EXEC_COMMAND])
+        seen = rollout.read(5)
+        assert [r.event.type for r in seen][-1] == "response.output_text.delta"
+        assert rollout.read(0) == []
+        first.close()  # mid-text: the Response runs on, kept for --reattach-grace
+
+        again = client.connect("prototype").reattach(
+            rollout.response_id or "", starting_after=seen[-1].sequence_number or 0
+        )
+        segment = again.step()
+        assert again.state is RolloutState.SUSPENDED
+        numbers = [r.sequence_number for r in seen + segment.events]
+        assert numbers == list(range(len(numbers)))  # one stream: no gap, nothing twice
+        assert again.response_id == rollout.response_id
+        again.append({call.call_id: "a.py" for call in again.pending_calls})
+        again.step()
+        assert again.state is RolloutState.COMPLETED
+
+        missing = client.connect("prototype").reattach("resp_nope")
+        missing.step()
+        assert missing.state is RolloutState.FAILED
+        assert missing.rollout.tracker.error is not None
+        assert missing.rollout.tracker.error.code == "response_not_found"
+
+
+def test_reattach_is_the_prototype_dialects() -> None:
+    with (
+        serving(THREE_SEGMENTS, timing=FAST) as client,
+        pytest.raises(ValueError, match="stream=true&starting_after"),
+    ):
+        client.connect("launched").reattach("resp_1")
+
+
 def test_the_low_level_door_shows_what_the_server_answers() -> None:
     with serving(THREE_SEGMENTS, timing=FAST) as client:
         connection = client.connect("prototype")
