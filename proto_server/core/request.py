@@ -42,8 +42,8 @@ def check_create(create: ResponseCreate) -> None:
     """What decoding cannot see: tool schemas within budget, a `text.format` this server
     honours (text_format.py), `tool_choice` naming an offered function, the values of
     `prompt_cache_options`, `reasoning` and `context_management`, `conversation` (refused), a
-    `top_logprobs` in range, a `truncation` the Response can echo. Run when a create is
-    accepted, before anything is built for it."""
+    `top_logprobs` in range, a `metadata.rollout_id`, a `truncation` the Response can echo.
+    Run when a create is accepted, before anything is built for it."""
     if create.background:  # on every transport alike: the answer is its own stream
         raise ProtocolError(
             "invalid_field",
@@ -59,12 +59,37 @@ def check_create(create: ResponseCreate) -> None:
     compaction_threshold(create)
     check_conversation(create)
     check_top_logprobs(create.top_logprobs)
+    rollout_id(create)
     if create.truncation not in (None, "auto", "disabled"):
         raise ProtocolError(
             "invalid_field",
             f'`truncation` is {quoted(create.truncation)}; send "auto" or "disabled".',
             param="truncation",
         )
+
+
+#: The `metadata` key a client names its rollout by (as ThunderAgent's `program_id` and
+#: Dynamo's `session_id`): every Response that carries the same one goes to the engine replica
+#: the last one went to, whatever connection it comes on.
+ROLLOUT_ID = "rollout_id"
+#: OpenAI's bound on a `metadata` value.
+MAX_ROLLOUT_ID_CHARS = 512
+
+
+def rollout_id(create: ResponseCreate) -> str | None:
+    """The rollout id `create` names in its `metadata` (None: none); refused unless a
+    non-empty string of at most 512 characters."""
+    value = (create.metadata or {}).get(ROLLOUT_ID)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ROLLOUT_ID_CHARS:
+        raise ProtocolError(
+            "invalid_field",
+            f"`metadata.{ROLLOUT_ID}` must be a string of 1 to {MAX_ROLLOUT_ID_CHARS} "
+            "characters naming the rollout (the same on each of its requests).",
+            param=f"metadata.{ROLLOUT_ID}",
+        )
+    return value
 
 
 #: What `include` names to get the logprobs of the model's text (`top_logprobs` says how many

@@ -14,9 +14,14 @@ Sans-IO, like `core/scheduler.py`: the engine side (`engine/replicas.py`) says w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import attrs
+
+#: Rollout ids whose replica the router remembers, the least recently placed forgotten first
+#: (one forgotten goes where the load is lowest, as a new rollout does).
+AFFINITIES = 65_536
 
 
 class NoReplicaUp(Exception):
@@ -62,15 +67,19 @@ class Router:
         self.rollouts = [0] * replicas
         #: Rollouts moved off a replica that went down, since the start.
         self.moves = 0
+        #: Per client-named rollout id: the replica its last segment went to.
+        self._affinities: OrderedDict[Hashable, int] = OrderedDict()
 
     # -- what the engine side tells it ---------------------------------------------------------
 
-    def place(self, key: Hashable, tokens: int) -> Placement:
+    def place(self, key: Hashable, tokens: int, *, affinity: Hashable = None) -> Placement:
         """Where `key`'s next segment goes, holding `tokens`: its replica while that is up,
-        else the least loaded one that is. Raises `NoReplicaUp`."""
+        else, for a new `key`, the replica its `affinity` (a rollout id the client named) last
+        went to while that is up, else the least loaded one that is. Raises `NoReplicaUp`."""
         held = self._held.get(key)
         if held is not None and self._holds(held):
             self._resize(held, tokens)
+            self._remember(affinity, held.replica)
             return Placement(held.replica)
         candidates = self._up_replicas()  # before anything changes: it may raise
         moved_from = None
@@ -79,6 +88,10 @@ class Router:
             self._unplace(held)
             self.moves += 1
         replica = min(candidates, key=lambda r: (self.load(r), self.rollouts[r], r))
+        last = self._affinities.get(affinity) if affinity is not None else None
+        if held is None and last is not None and self._up[last]:
+            replica = last
+        self._remember(affinity, replica)
         held = self._held[key] = _Held(replica, 0, self._epochs[replica])
         self.rollouts[replica] += 1
         self._resize(held, tokens)
@@ -120,6 +133,14 @@ class Router:
         return self.tokens[replica] / self._capacities[replica]
 
     # -- inside --------------------------------------------------------------------------------
+
+    def _remember(self, affinity: Hashable, replica: int) -> None:
+        if affinity is None:
+            return
+        self._affinities[affinity] = replica
+        self._affinities.move_to_end(affinity)
+        if len(self._affinities) > AFFINITIES:
+            self._affinities.popitem(last=False)
 
     def _holds(self, held: _Held) -> bool:
         """Whether `held`'s replica is up and has not been down since it was placed there."""

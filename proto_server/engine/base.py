@@ -43,11 +43,17 @@ class TokenGenerator(Protocol):
         required or a named function); if not, such a request is refused when it arrives."""
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> GeneratorSession:
         """A session on `conversation`. Sessions of different `cache_salt`s (one per tenant)
         share no cached prefix: a shared cache would tell one tenant what another sent (by
-        `cached_tokens`, and by time to first token). None: shared with every unsalted one."""
+        `cached_tokens`, and by time to first token). None: shared with every unsalted one.
+        `affinity`: the client's rollout id; sessions of one tenant that share it go where the
+        last one went, when there is a choice (several replicas)."""
         ...
 
 

@@ -165,9 +165,14 @@ class LocalGenerator:
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, **options)
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> LocalSession:
-        """`cache_salt` changes nothing: a session's KV cache is its own, shared with none."""
+        """`cache_salt` changes nothing: a session's KV cache is its own, shared with none;
+        nor does `affinity` (one model, in this process)."""
         return LocalSession(self, conversation)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

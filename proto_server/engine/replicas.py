@@ -121,9 +121,13 @@ class ReplicatedGenerator:
                 replica.generator.check_text_format(form)
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> ReplicatedSession:
-        return ReplicatedSession(self, conversation, cache_salt=cache_salt)
+        return ReplicatedSession(self, conversation, cache_salt=cache_salt, affinity=affinity)
 
     async def engine_models(self) -> list[dict[str, Any]] | None:
         """The models the first replica that answers lists (each serves the same model)."""
@@ -233,11 +237,18 @@ class ReplicatedSession:
     it moves (the new one's cache holds nothing of it)."""
 
     def __init__(
-        self, generator: ReplicatedGenerator, conversation: Conversation, *, cache_salt: str | None
+        self,
+        generator: ReplicatedGenerator,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None,
+        affinity: str | None = None,
     ) -> None:
         self._generator = generator
         self._conversation = conversation
         self._cache_salt = cache_salt
+        #: The client's rollout id, per tenant: its sessions follow one another's replica.
+        self._affinity = None if affinity is None else (cache_salt, affinity)
         self._session: GeneratorSession | None = None
         self._replica: int | None = None
         #: The replica that holds this rollout's prefix: a segment there completed.
@@ -302,7 +313,9 @@ class ReplicatedSession:
         rollout is new to it), and the replica whose cached prefix it lost, if it did."""
         generator = self._generator
         try:
-            placement = generator.router.place(self, self._conversation.token_count)
+            placement = generator.router.place(
+                self, self._conversation.token_count, affinity=self._affinity
+            )
         except NoReplicaUp as exc:
             raise GeneratorError(ENGINE_UNAVAILABLE, f"{exc}; see /readyz") from exc
         index, lost = placement.replica, None

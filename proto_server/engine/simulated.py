@@ -341,8 +341,13 @@ class SimulatedGenerator:
     says_logprobs = True
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> SimulatedSession:
+        """One GPU: `affinity` has nothing to choose between."""
         return SimulatedSession(
             conversation,
             self.planner,

@@ -356,7 +356,13 @@ class Priorities:
         self.inner = SimulatedGenerator(parse_script(THREE_SEGMENTS), FAST)
         self.seen: list[int | None] = []
 
-    def open_session(self, conversation: Conversation, *, cache_salt: str | None = None) -> Any:
+    def open_session(
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
+    ) -> Any:
         return Recorded(self.inner.open_session(conversation, cache_salt=cache_salt), self.seen)
 
 

@@ -424,7 +424,9 @@ class GatedGenerator:
         self.renderer = inner.renderer
         self.forces_tool_calls = inner.forces_tool_calls
 
-    def open_session(self, conversation: Any, *, cache_salt: str | None = None) -> GatedSession:
+    def open_session(
+        self, conversation: Any, *, cache_salt: str | None = None, affinity: str | None = None
+    ) -> GatedSession:
         return GatedSession(
             self._inner.open_session(conversation, cache_salt=cache_salt), self._gate
         )

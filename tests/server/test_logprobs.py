@@ -191,7 +191,9 @@ class Blind:
         self.renderer = None
         self.forces_tool_calls = True
 
-    def open_session(self, conversation: Any, *, cache_salt: str | None = None) -> Any:
+    def open_session(
+        self, conversation: Any, *, cache_salt: str | None = None, affinity: str | None = None
+    ) -> Any:
         return self._inner.open_session(conversation, cache_salt=cache_salt)
 
 

@@ -36,7 +36,7 @@ from proto_server.server.process.config import ServerConfig
 from proto_server.testing import connect_checked
 from proto_server.wire.items import FunctionCallOutput
 
-from ..support.frames import answers, create
+from ..support.frames import answers, body, create
 from ..support.generators import conversation
 from ..support.metrics import parse, value
 from ..support.servers import FAST
@@ -70,7 +70,11 @@ class Pullable:
         return None
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> PullableSession:
         return PullableSession(self, self.inner.open_session(conversation, cache_salt=cache_salt))
 
@@ -186,6 +190,38 @@ async def test_new_rollouts_go_to_the_replica_holding_least(
     await segment(newcomer)
     assert newcomer.replica == 0
     assert [state.rollouts for state in replicated.states()] == [1, 2]
+
+
+async def test_a_rollout_named_by_its_client_goes_back_to_its_replica_on_any_connection(
+    nursery: trio.Nursery,
+) -> None:
+    replicated, engines = two_replicas()
+    server = ProtoServer(replicated, ServerConfig(port=0))
+    address = await nursery.start(server.serve)
+
+    async def turn(**fields: object) -> int:
+        """One turn on a new connection: the replica that served it."""
+        before = [engine.segments for engine in engines]
+        async with httpx.AsyncClient(timeout=10) as http:
+            answer = await http.post(address.http_url + "/responses", json=body(**fields))
+        assert answer.status_code == 200, answer.text
+        (served,) = [i for i, engine in enumerate(engines) if engine.segments > before[i]]
+        return served
+
+    named = {"metadata": {"rollout_id": "rl-step-3/rollout-17"}}
+    home = await turn(**named)
+    async with connect_checked(f"{address.ws_url}?dialect=prototype") as holder:
+        await holder.send(create())
+        await holder.segment()  # suspended on the replica that held least: `home`
+        assert engines[home].segments == 2
+        assert await turn() == 1 - home  # a rollout without a name goes where the load is least
+        assert await turn(**named) == home  # the named one goes home, loaded or not
+    async with httpx.AsyncClient(timeout=10) as http:
+        refused = await http.post(
+            address.http_url + "/responses", json=body(metadata={"rollout_id": ""})
+        )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "metadata.rollout_id"
 
 
 # -- failover -------------------------------------------------------------------------------------

@@ -218,7 +218,11 @@ class Recording:
         self.conversations: list[Conversation] = []
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> SimulatedSession:
         self.conversations.append(conversation)
         return self.inner.open_session(conversation, cache_salt=cache_salt)

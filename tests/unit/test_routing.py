@@ -6,6 +6,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from proto_server.core import routing
 from proto_server.core.routing import NoReplicaUp, Placement, Router
 
 
@@ -24,6 +25,38 @@ def test_new_rollouts_go_where_the_load_is_lowest() -> None:
     assert sorted(spread) == [0, 1, 2]
     router.release("b")
     assert router.place("d", 100).replica == spread[1]  # the freed one
+
+
+def test_a_new_session_of_a_named_rollout_goes_where_the_last_one_went() -> None:
+    router = Router(2)
+    first = router.place("turn 1", 1_000, affinity="rollout-7")
+    router.release("turn 1")  # the connection closed between turns
+    router.place("other", 10)  # now replica 1 - first holds the least...
+    assert router.place("turn 2", 1_100, affinity="rollout-7") == first  # ...but 7 goes home
+    assert router.place("turn 3", 10, affinity="rollout-8").replica != first.replica
+
+
+def test_a_named_rollout_whose_replica_went_down_goes_where_the_load_is_lowest() -> None:
+    router = Router(2)
+    first = router.place("turn 1", 1_000, affinity="r")
+    router.release("turn 1")
+    router.down(first.replica)
+    assert router.place("turn 2", 1_000, affinity="r") == Placement(1 - first.replica)
+    router.up(first.replica)
+    assert router.place("turn 3", 1_000, affinity="r") == Placement(1 - first.replica)
+
+
+def test_the_rollout_ids_remembered_are_bounded_the_oldest_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(routing, "AFFINITIES", 2)
+    router = Router(2)
+    homes = {name: router.place(name, 100, affinity=name).replica for name in "abc"}
+    for name in "abc":
+        router.release(name)
+    router.place("load", 1_000)  # replica 0 now holds the most
+    assert router.place("a again", 1, affinity="a").replica == 1  # forgotten: least loaded
+    assert router.place("c again", 1, affinity="c").replica == homes["c"]
 
 
 def test_load_is_a_share_of_capacity_when_capacities_are_known() -> None:

@@ -91,8 +91,13 @@ class VllmGenerator:
         check_text_format(form)
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> VllmSession:
+        """One engine: `affinity` has nothing to choose between (`ReplicatedGenerator` does)."""
         return VllmSession(self, conversation, cache_salt=cache_salt)
 
     async def readiness(self) -> str | None:

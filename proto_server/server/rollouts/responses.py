@@ -31,6 +31,7 @@ from proto_server.core.references import (
 )
 from proto_server.core.render import O200kRenderer, Renderer, requested_effort
 from proto_server.core.request import (
+    ROLLOUT_ID,
     PreparedInput,
     check_tool_outputs,
     compact_turn,
@@ -39,6 +40,7 @@ from proto_server.core.request import (
     is_warmup,
     prepare_input,
     response_template,
+    rollout_id,
     wants_logprobs,
     wants_token_ids,
 )
@@ -186,15 +188,18 @@ class Responses:
             prefix=prepared.prefix,
             prefix_nbytes=prepared.prefix_nbytes,
         )
-        return self._rollout_of(conversation, budget, owner)
+        return self._rollout_of(conversation, budget, owner, rollout_id(create))
 
-    def _rollout_of(self, conversation: Conversation, budget: MemoryBudget, owner: str) -> Rollout:
+    def _rollout_of(
+        self, conversation: Conversation, budget: MemoryBudget, owner: str, affinity: str | None
+    ) -> Rollout:
         """A rollout of `owner`'s on `conversation` (rendered already) with a fresh session:
-        nothing warm."""
+        nothing warm. `affinity`: the rollout id its client named, if it did."""
         self._on_rollout(1)
+        salt = self.tenants.cache_salt(owner)
         return Rollout(
             conversation,
-            self.generator.open_session(conversation, cache_salt=self.tenants.cache_salt(owner)),
+            self.generator.open_session(conversation, cache_salt=salt, affinity=affinity),
             budget=budget,
             on_close=self._rollout_closed,
             owner=owner,
@@ -427,7 +432,9 @@ class Responses:
             machine, append, generator=self.generator, offload=self.offload, size=size
         )
         durable = await claim(self.store, response_id, found, owner=owner, timeout_s=timeout)
-        rollout = self._rollout_of(conversation, budget, owner)
+        rollout = self._rollout_of(
+            conversation, budget, owner, found.response.metadata.get(ROLLOUT_ID)
+        )
         try:
             turn = TurnStart(
                 source=TurnSource.STORE,

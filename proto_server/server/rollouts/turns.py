@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from proto_server.core.request import ROLLOUT_ID
 from proto_server.core.response import ResponseMachine
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class TurnRecord:
     first_event_s: float | None = None
     #: The generator's segments, summed.
     decode_s: float = 0.0
+    #: The rollout id its client named (`metadata.rollout_id`), to find a rollout's turns.
+    rollout_id: str | None = None
 
 
 @attrs.define(kw_only=True)
@@ -113,4 +116,5 @@ class TurnAccount:
             prepare_s=self.prepare_s,
             first_event_s=self.first_event_s,
             decode_s=self.decode_s,
+            rollout_id=machine.template.metadata.get(ROLLOUT_ID),
         )
