@@ -181,6 +181,10 @@ class AgentsSettings:
         None, between(1, 100), metavar="G",
         help="the admitting server's --admission-growth (default: the server's own)",
     )  # fmt: skip
+    #: The admitting server's `--admission-overflow` (None: its own).
+    admission_overflow: bool | None = setting(
+        None, help="the admitting server's --admission-overflow (default: the server's own)"
+    )
     #: A ThunderAgent the user started in front of the first engine (its root, or its /v1):
     #: adds the chat-completions path with a `program_id` per rollout through it.
     thunderagent_url: str = setting(

@@ -188,6 +188,9 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
             admitting += ["--kv-target-fill", f"{settings.kv_target_fill:g}"]
         if settings.admission_growth is not None:
             admitting += ["--admission-growth", f"{settings.admission_growth:g}"]
+        if settings.admission_overflow is not None:
+            admitting.append(("--" if settings.admission_overflow else "--no-") +
+                             "admission-overflow")  # fmt: skip
         if settings.admission_workers > 1:  # they share the engine's room through the file
             shared = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store.sqlite3"
             admitting += ["--workers", str(settings.admission_workers), "--store", str(shared)]

@@ -162,6 +162,12 @@ class FleetSettings:
         ServerConfig().admission_growth, between(1, 100), flag="--admission-growth", metavar="G",
         help="proto-server's policy: a rollout admitted for G times its tokens",
     )  # fmt: skip
+    #: The server's --admission-overflow.
+    overflow: bool = setting(
+        ServerConfig().admission_overflow, flag="--admission-overflow",
+        help="proto-server's policy: the admitted that outgrew the room give suspended places "
+        "up (the server's --admission-overflow)",
+    )  # fmt: skip
     #: ThunderAgent's --scheduler-interval and --use-acting-token-decay (its defaults).
     thunder_interval_s: float = setting(
         5.0, positive_finite, flag="--thunderagent-interval", metavar="S",

@@ -84,6 +84,7 @@ def simulate(settings: FleetSettings, rollouts: Sequence[Rollout], policy: str) 
             ttl_median=settings.ttl_median,
             bypass=settings.bypass,
             growth=settings.growth,
+            overflow=settings.overflow,
         )
         for _ in range(count)
     ]

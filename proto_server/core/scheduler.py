@@ -69,6 +69,7 @@ class Scheduler:
         weights: Mapping[str, float] | None = None,
         bypass: int = 0,
         growth: float = 1.0,
+        overflow: bool = False,
     ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
@@ -85,6 +86,7 @@ class Scheduler:
         if not growth >= 1:
             raise ValueError(f"growth must be at least 1, got {growth}")
         self.growth = growth
+        self.overflow = overflow
         self.ttl_s = ttl_s
         self.ttl_median = ttl_median
         self.bypass = bypass
@@ -105,6 +107,9 @@ class Scheduler:
         self.demotions = 0
         #: Suspended rollouts whose place was taken back for another owner's fair share.
         self.reclaims = 0
+        #: Suspended rollouts whose place was given up because the admitted ones had outgrown
+        #: the room (`overflow`).
+        self.overflows = 0
         #: Tokens other processes sharing the engines hold, as last read (shared admission):
         #: a rollout larger than the room runs alone only if they hold nothing either.
         self.elsewhere = 0
@@ -133,6 +138,8 @@ class Scheduler:
             if tokens == entry.tokens:
                 return RESIDENT
             self._resize(entry, tokens)
+            if self.overflow and self.reserved > self.capacity:
+                self._give_back()
             if not self.waiting:
                 return RESIDENT
             # its owner's share changed, so another owner may be next, and its waiter may fit
@@ -164,6 +171,8 @@ class Scheduler:
             return []
         entry.state = State.SUSPENDED
         entry.since = entry.away_since = now
+        if self.overflow and self.reserved > self.capacity and self._give_back():
+            return self._pump()
         if not self.waiting or not self.share(entry.owner) > min(map(self.share, self._queues)):
             return []  # no waiter's owner holds less: its place is taken for none (`_reclaim`)
         return self._pump()
@@ -295,6 +304,24 @@ class Scheduler:
         self.reserved += entry.held
         self._owned[entry.owner] += entry.held
         self.admitted += 1
+
+    def _give_back(self) -> bool:
+        """The admitted rollouts outgrew the room: suspended ones (at a tool boundary) give
+        their places up, the smallest first (the least to prefill again), until the rest fit;
+        one that asks again waits like a new one. Without it, the engine's LRU would evict
+        among the admitted ones, each prefilling what another evicted. Returns whether any
+        place was given up."""
+        victims = sorted(
+            (e for e in self._entries.values() if e.state is State.SUSPENDED),
+            key=lambda e: (e.held, e.since),
+        )
+        before = self.overflows
+        for victim in victims:
+            if self.reserved <= self.capacity:
+                break
+            self._demote(victim)
+            self.overflows += 1
+        return self.overflows != before
 
     def _demote(self, entry: Entry) -> None:
         """A suspended place goes: the rollout asks again, and waits if there is no room."""

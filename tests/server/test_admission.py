@@ -514,6 +514,36 @@ async def test_a_waiter_is_let_in_when_a_resumed_rollouts_growth_makes_its_key_n
     assert trio.current_time() == started  # woken at once
 
 
+async def test_a_waiter_is_let_in_at_once_when_a_rollout_gives_up_its_place_to_an_outgrown_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With --admission-overflow: the admitted outgrew the room while one streamed; as it
+    suspends on its tool it gives its place up, and the waiter that now fits goes at once."""
+    admission = Admission(Scheduler(100, ttl_s=30, overflow=True), timeout_s=300)
+    assert admission.request("a", "k", 60).admitted
+    assert admission.request("b", "k", 30).admitted
+    assert not admission.request("c", "k", 30).admitted
+    assert admission.request("b", "k", 50).resident  # grown: 110, a still streams
+    before = sample("proto_server_admission_overflows_total")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(admission.wait, "c")
+            await trio.sleep(1)
+            started = trio.current_time()
+            admission.suspended("a")
+    assert admission.scheduler.state("a") is State.IDLE
+    assert admission.scheduler.state("c") is State.STREAMING
+    assert trio.current_time() == started  # woken at once, not at a TTL
+    assert sample("proto_server_admission_overflows_total") == before + 1
+
+
+async def test_overflow_is_off_unless_asked() -> None:
+    for asked in (False, True):
+        config = ServerConfig(port=0, kv_capacity_tokens=1000, admission_overflow=asked)
+        server = ProtoServer(SimulatedGenerator(DefaultModel(), FAST), config)
+        assert server.responses.admission.scheduler.overflow is asked  # type: ignore[union-attr]
+
+
 async def test_two_processes_sharing_a_store_admit_against_one_cache(
     start_server: StartServer, tmp_path: Path
 ) -> None:

@@ -51,6 +51,53 @@ def test_an_admitted_rollout_resumes_at_once_even_grown_past_the_capacity() -> N
     assert s.reserved == 120
 
 
+def test_with_overflow_the_admitted_that_outgrew_the_room_give_suspended_places_up() -> None:
+    s = Scheduler(100, ttl_s=TTL, overflow=True)
+    for key in "abc":
+        s.request(key, "k", 30, now=0)
+    s.suspend("a", now=1)
+    s.suspend("b", now=2)
+    assert s.overflows == 0  # 90 of 100: nobody gives anything up
+    s.request("b", "k", 35, now=3)  # b resumes, grown: 95
+    assert s.overflows == 0 and s.state("a") is State.SUSPENDED
+    answer = s.request("c", "k", 60, now=4)  # c grew past the room while a is on its tool
+    assert answer.admitted and answer.resident  # an admitted rollout still never waits
+    assert s.state("a") is State.IDLE and s.overflows == 1 and s.reserved == 95
+    assert not s.request("a", "k", 40, now=5).admitted  # it comes back as a new one would
+    assert s.release("c") == ["a"]
+
+
+def test_with_overflow_the_smallest_suspended_go_first_and_only_as_many_as_needed() -> None:
+    s = Scheduler(100, ttl_s=TTL, overflow=True)
+    sizes = {"a": 25, "b": 10, "c": 20, "d": 30}
+    for key, tokens in sizes.items():
+        s.request(key, "k", tokens, now=0)
+    for key in "abc":
+        s.suspend(key, now=1)
+    s.request("d", "k", 60, now=2)  # 115: 15 too many
+    assert [s.state(k) for k in "abc"] == [State.SUSPENDED, State.IDLE, State.IDLE]
+    assert s.reserved == 85 and s.overflows == 2
+
+
+def test_with_overflow_a_rollout_gives_its_place_up_as_it_suspends_into_an_overgrown_room() -> None:
+    s = Scheduler(100, ttl_s=TTL, overflow=True)
+    s.request("a", "k", 50, now=0)
+    s.request("b", "k", 40, now=0)
+    s.request("b", "k", 70, now=1)  # 120, but a streams: nobody can give a place up yet
+    assert s.overflows == 0 and s.reserved == 120
+    s.suspend("a", now=2)  # at its tool boundary, a goes
+    assert s.state("a") is State.IDLE and s.reserved == 70
+
+
+def test_without_overflow_the_admitted_keep_their_places_however_they_grow() -> None:
+    s = Scheduler(100, ttl_s=TTL)
+    s.request("a", "k", 50, now=0)
+    s.request("b", "k", 40, now=0)
+    s.suspend("a", now=1)
+    s.request("b", "k", 90, now=2)
+    assert s.state("a") is State.SUSPENDED and s.overflows == 0 and s.reserved == 140
+
+
 def test_with_growth_a_rollout_is_admitted_for_what_it_will_hold() -> None:
     """`--admission-growth 2`: 40 tokens are admitted for 80, reserved until they are more, so
     a second 40 waits for the room the first will grow into; released, all of it is free."""
@@ -451,7 +498,7 @@ class Admissions(RuleBasedStateMachine):
         self._admitted(list(admitted), before)
         if starved:
             assert s.state(head) is State.STREAMING or s.owned(owner) < held[owner]
-        if waiter is not None and not admitted:
+        if waiter is not None and not admitted and not s.overflow:  # else outgrown rooms too
             mine = held[waiter] / s.weight(waiter)
             for o in OWNERS:
                 if s.owned(o) < held[o]:
@@ -612,5 +659,26 @@ class AdmissionsWithGrowth(Admissions):
 
 TestAdmissionsWithGrowth = AdmissionsWithGrowth.TestCase
 TestAdmissionsWithGrowth.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None
+)
+
+
+class AdmissionsWithOverflow(Admissions):
+    """The same promises when the admitted that outgrow the room give suspended places up;
+    and then no place is kept on a tool while the admitted hold more than the room."""
+
+    BYPASS = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(CAPACITY, ttl_s=TTL, weights={"c": 2.0}, bypass=1, overflow=True)
+
+    @invariant()
+    def nobody_on_a_tool_keeps_a_place_in_an_outgrown_room(self) -> None:
+        assert self.s.reserved <= CAPACITY or not self._in(State.SUSPENDED)
+
+
+TestAdmissionsWithOverflow = AdmissionsWithOverflow.TestCase
+TestAdmissionsWithOverflow.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None
 )

@@ -228,6 +228,13 @@ class ServerConfig:
         help="admit a rollout for G times the tokens it holds, reserved until it holds more, "
         "as it grows by each turn's call, output and answer; 1: what it holds now",
     )
+    admission_overflow: bool = setting(
+        False,
+        help="when the admitted rollouts have outgrown --kv-capacity-tokens, those suspended "
+        "on a tool give their places up at once, the smallest first, until the rest fit (a "
+        "rollout that comes back then waits like a new one); off: they keep them, and the "
+        "engine evicts among them",
+    )
     admission_ttl_s: float = setting(
         30.0,
         positive,

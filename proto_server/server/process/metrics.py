@@ -194,6 +194,11 @@ ADMISSION_RECLAIMS = Counter(
     "Suspended rollouts whose place was taken back for another key's waiter, their key holding "
     "more than its fair share",
 )
+ADMISSION_OVERFLOWS = Counter(
+    "proto_server_admission_overflows",
+    "Suspended rollouts that gave their place up because the admitted ones had outgrown the "
+    "KV capacity (--admission-overflow)",
+)
 ADMISSION_WAIT = Histogram(
     "proto_server_admission_wait_seconds", "How long rollouts that had to wait waited",
     buckets=_SLOW,

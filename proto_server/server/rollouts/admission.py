@@ -30,6 +30,12 @@ from proto_server.server.store import LoadStore, StoreUnavailable
 
 #: `incomplete_details.reason` of a Response that waited past `--admission-timeout`.
 ADMISSION_TIMEOUT = "admission_timeout"
+#: The scheduler's counts of places given up, by why: each one's counter and log line.
+GIVEN_UP = {
+    "demotions": (metrics.ADMISSION_DEMOTIONS, "admission.demoted"),  # lapsed, others waiting
+    "reclaims": (metrics.ADMISSION_RECLAIMS, "admission.reclaimed"),  # for a fair share
+    "overflows": (metrics.ADMISSION_OVERFLOWS, "admission.overflowed"),  # an outgrown room
+}
 #: A process sharing the engines that has not published its load for this many of its
 #: intervals is taken for gone: the others share the room without it.
 STALE_INTERVALS = 10
@@ -57,8 +63,8 @@ class Admission:
         self._up_share = up_share
         self._recheck_s = recheck_s
         self._waiters: dict[Hashable, trio.Event] = {}
-        self._demotions = 0
-        self._reclaims = 0
+        #: The scheduler's counts of places given up (`GIVEN_UP`), as last counted.
+        self._counted = dict.fromkeys(GIVEN_UP, 0)
         #: Sharing the engines with other processes (`share` runs): the capacity is set there.
         self._shared = False
         self._share_now = trio.Event()
@@ -81,7 +87,7 @@ class Admission:
             metrics.ADMISSION_TTL.set(scheduler.ttl)
             if scheduler.waiting:
                 self._poke()  # a waiter sleeping until a place lapses: it may lapse sooner
-        if answer.resident and not answer.woken and scheduler.reclaims == self._reclaims:
+        if answer.resident and not answer.woken and not self._gave_back():
             metrics.KV_RESERVED.set(scheduler.reserved)
             return answer
         self._wake(answer.woken)
@@ -136,7 +142,7 @@ class Admission:
         waiter if its key holds more than its fair share (the scheduler decides)."""
         scheduler = self.scheduler
         admitted = scheduler.suspend(key, trio.current_time())
-        if admitted or scheduler.reclaims != self._reclaims:
+        if admitted or self._gave_back():
             self._wake(admitted)
             self._changed()
         if scheduler.waiting:
@@ -253,6 +259,15 @@ class Admission:
             event.set()
             return
 
+    def _gave_back(self) -> bool:
+        """Whether places were taken back (for a fair share, or as the admitted outgrew the
+        room) since last counted."""
+        scheduler = self.scheduler
+        counted = self._counted
+        return (
+            scheduler.reclaims != counted["reclaims"] or scheduler.overflows != counted["overflows"]
+        )
+
     def _wake(self, keys: Iterable[Hashable]) -> None:
         for key in keys:
             event = self._waiters.get(key)
@@ -260,28 +275,19 @@ class Admission:
                 event.set()
 
     def _changed(self) -> None:
-        """After an admission, a wait, a release or a demotion: the gauges, and demotions
-        and places taken back for the fair share counted and logged (they happen inside the
-        scheduler's calls)."""
+        """After an admission, a wait, a release or a demotion: the gauges, and the places
+        given up (`GIVEN_UP`) counted and logged (they happen inside the scheduler's calls)."""
         scheduler = self.scheduler
-        demoted = scheduler.demotions - self._demotions
-        if demoted:
-            self._demotions = scheduler.demotions
-            metrics.ADMISSION_DEMOTIONS.inc(demoted)
-            log.info(
-                "admission.demoted",
-                extra={"rollouts": demoted, "ttl_s": round(scheduler.ttl, 3),
-                       "waiting": scheduler.waiting},
-            )  # fmt: skip
-        reclaimed = scheduler.reclaims - self._reclaims
-        if reclaimed:
-            self._reclaims = scheduler.reclaims
-            metrics.ADMISSION_RECLAIMS.inc(reclaimed)
-            log.info(
-                "admission.reclaimed",
-                extra={"rollouts": reclaimed, "reserved": scheduler.reserved,
-                       "waiting": scheduler.waiting},
-            )  # fmt: skip
+        for name, (counter, line) in GIVEN_UP.items():
+            given_up = getattr(scheduler, name) - self._counted[name]
+            if given_up:
+                self._counted[name] += given_up
+                counter.inc(given_up)
+                log.info(
+                    line,
+                    extra={"rollouts": given_up, "ttl_s": round(scheduler.ttl, 3),
+                           "reserved": scheduler.reserved, "waiting": scheduler.waiting},
+                )  # fmt: skip
         metrics.ADMISSION_TTL.set(scheduler.ttl)
         metrics.ADMITTED.set(scheduler.admitted)
         metrics.ADMISSION_WAITING.set(scheduler.waiting)

@@ -128,6 +128,7 @@ class Responses:
                 weights=dict(config.key_weights),
                 bypass=config.admission_bypass,
                 growth=config.admission_growth,
+                overflow=config.admission_overflow,
             )
             # over engine replicas, admitted against the capacity of those that answer
             shared = generator if isinstance(generator, SharedGenerator) else None
