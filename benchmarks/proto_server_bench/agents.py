@@ -297,21 +297,39 @@ def _numbered(rng: random.Random) -> Callable[[], str]:
     return lambda: f"{next(numbers):>5}\t{_code_line(rng)}"
 
 
-def make_agents(settings: AgentsSettings, count: Count, nonce: str) -> list[Agent]:
-    """The rollouts of `settings.traffic`'s plan from `settings.seed`, their texts written to
-    the plan's sizes from a stream of their own (`nonce` only tags each context's first line)."""
-    shape = settings.traffic
-    rng = random.Random(f"text {settings.seed}")
-    agents = []
-    for plan in shapes.draw(shape, settings.seed, settings.rollout_count):
+@attrs.define
+class _Texts:
+    """`shapes.Writer`: each rollout's context and tools' outputs, in the model's tokens."""
+
+    count: Count
+    nonce: str
+    context_tokens: int
+    contexts: list[str] = attrs.Factory(list)
+    outputs: list[list[str]] = attrs.Factory(list)
+
+    def context(self, rng: random.Random, index: int) -> None:
         words = rng.getrandbits(64)
-        head = f"Rollout {plan.index} ({nonce} {words:016x}): the repository's notes follow."
-        prose = _prose(rng, shape.context_tokens * 8, _GUIDANCE)
+        head = f"Rollout {index} ({self.nonce} {words:016x}): the repository's notes follow."
+        prose = _prose(rng, self.context_tokens * 8, _GUIDANCE)
         paragraphs = iter(prose.split("\n\n"))
-        context = head + "\n" + _text(count, shape.context_tokens, partial(next, paragraphs))
-        outputs = tuple(_text(count, size, _numbered(rng)) for size in plan.tool_tokens)
-        agents.append(Agent(plan.index, context, outputs, plan.waits_s, plan.agent, plan.at_s))
-    return agents
+        text = _text(self.count, self.context_tokens, partial(next, paragraphs))
+        self.contexts.append(head + "\n" + text)
+        self.outputs.append([])
+
+    def output(self, rng: random.Random, tokens: int) -> None:
+        self.outputs[-1].append(_text(self.count, tokens, _numbered(rng)))
+
+
+def make_agents(settings: AgentsSettings, count: Count, nonce: str) -> list[Agent]:
+    """The rollouts of `settings.traffic` from `settings.seed`, written as drawn (`nonce` only
+    tags each context's first line)."""
+    shape = settings.traffic
+    texts = _Texts(count, nonce, shape.context_tokens)
+    plans = shapes.draw(shape, settings.seed, settings.rollout_count, texts)
+    return [
+        Agent(plan.index, context, tuple(outputs), plan.waits_s, plan.agent, plan.at_s)
+        for plan, context, outputs in zip(plans, texts.contexts, texts.outputs, strict=True)
+    ]
 
 
 def percentile(values: Sequence[float], share: float) -> float:

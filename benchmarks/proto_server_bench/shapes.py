@@ -8,7 +8,8 @@ its median and 99th percentile). `burst` and `poisson` are shaped by the flags; 
 shapes (`PUBLISHED`) are traces' and benchmarks' figures scaled down to a vLLM CPU engine
 (SmolLM2 on a few cores, a KV cache of a few thousand to ~46k tokens) by the factors below.
 The plan has no text: `agents.make_agents` writes each rollout's context and tools' outputs to
-the drawn sizes.
+the drawn sizes, from the same stream between the draws (a `Writer`), as it did before there
+were shapes, so that `burst` with a seed is the workload it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from statistics import NormalDist
+from typing import Protocol
 
 import attrs
 
@@ -167,16 +169,38 @@ def arrivals(shape: Shape, rollouts: int, rng: random.Random) -> list[tuple[int,
     return [(index, 0.0) for index in range(rollouts)]
 
 
-def draw(shape: Shape, seed: int, rollouts: int | None = None) -> tuple[RolloutPlan, ...]:
-    """The plan of `rollouts` rollouts (the shape's own number by default) from `seed`."""
+class Writer(Protocol):
+    """What writes a plan's texts from the draw's own stream, between its draws (so that a
+    seed gives the workload `bench agents` drew before there were shapes)."""
+
+    def context(self, rng: random.Random, index: int) -> None:
+        """Rollout `index`'s own first message, before its turns are drawn."""
+
+    def output(self, rng: random.Random, tokens: int) -> None:
+        """The next tool output of about `tokens`, drawn just before."""
+
+
+def draw(
+    shape: Shape, seed: int, rollouts: int | None = None, writer: Writer | None = None
+) -> tuple[RolloutPlan, ...]:
+    """The plan of `rollouts` rollouts (the shape's own number by default) from `seed`, each
+    rollout's texts written by `writer` between its draws (none: the plan alone, whose draws
+    differ from a written one's but not in distribution)."""
     rng = random.Random(seed)
     plans = []
     for index, (agent, at_s) in enumerate(arrivals(shape, rollouts or shape.rollouts, rng)):
-        drawn = round(shape.turns.draw(rng))
-        turns = min(shape.max_turns, max(shape.min_turns, drawn))
-        sizes = tuple(max(1, round(shape.tool_tokens.draw(rng))) for _ in range(turns - 1))
-        waits = tuple(shape.waits_s.draw(rng) for _ in range(turns - 1))
-        plans.append(RolloutPlan(index, agent, at_s, turns, sizes, waits))
+        if writer is not None:
+            writer.context(rng, index)
+        turns = shape.min_turns  # a fixed count is not drawn
+        if shape.min_turns < shape.max_turns:
+            turns = min(shape.max_turns, max(shape.min_turns, round(shape.turns.draw(rng))))
+        sizes, waits = [], []
+        for _ in range(turns - 1):
+            sizes.append(max(1, round(shape.tool_tokens.draw(rng))))
+            if writer is not None:
+                writer.output(rng, sizes[-1])
+            waits.append(shape.waits_s.draw(rng))
+        plans.append(RolloutPlan(index, agent, at_s, turns, tuple(sizes), tuple(waits)))
     return tuple(plans)
 
 
