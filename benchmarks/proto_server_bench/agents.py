@@ -83,7 +83,6 @@ PROXY_ROOT = Range("the proxy's root, e.g. http://127.0.0.1:8710", _proxy_root)
 DEFAULT_ROLLOUTS = 6
 #: The settings that shape `burst` and `poisson` only: a published shape draws its own.
 FLAGS_SHAPED = ("turns", "context_tokens", "output_tokens", "wait_s")
-_ARRIVAL_RATE = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -101,7 +100,7 @@ class AgentsSettings:
         help="rollouts (default: 6 for burst and poisson, the published shape's own)",
     )  # fmt: skip
     arrival_rate: float = setting(
-        _ARRIVAL_RATE, positive_finite, metavar="PER_S",
+        0.5, positive_finite, metavar="PER_S",
         help="--shape poisson: rollouts arriving a second (the last within rollouts / rate s)",
     )  # fmt: skip
     turns: int = setting(
@@ -231,16 +230,20 @@ class AgentsSettings:
             return self.admission
         return "both" if self.engine == "vllm" or self.gpu_blocks is not None else "off"
 
+    def _given(self, name: str) -> bool:
+        """Whether the field `name` is other than its default (its flag was given)."""
+        return bool(getattr(self, name) != getattr(attrs.fields(AgentsSettings), name).default)
+
     def problems(self) -> list[str]:
         """What is wrong with these settings together, in words (empty: nothing); each field's
         own range is its validator's."""
         found = []
         for name in FLAGS_SHAPED if self.shape in PUBLISHED else ():
-            if getattr(self, name) != getattr(attrs.fields(AgentsSettings), name).default:
+            if self._given(name):
                 flag = flag_of((AgentsSettings,), name)
                 found.append(f"{flag}: --shape {self.shape} draws its own (burst and poisson "
                              "take it)")  # fmt: skip
-        if self.arrival_rate != _ARRIVAL_RATE and self.shape != "poisson":
+        if self._given("arrival_rate") and self.shape != "poisson":
             found.append("--arrival-rate: only --shape poisson takes it")
         if self.engine_urls and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")

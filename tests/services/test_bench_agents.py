@@ -214,6 +214,19 @@ def test_bench_agents_refuses_a_distribution_it_cannot_draw(
     assert code == 2 and flag in capsys.readouterr().err
 
 
+def test_bench_agents_refuses_a_shape_it_has_not_and_flags_a_shape_draws_itself(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--shape", "steady"]) == 2
+    assert "--shape: must be one of burst, poisson, swe-bench-pro" in capsys.readouterr().err
+    assert main(["bench", "agents", "--shape", "agentperf", "--tool-tokens", "10,20"]) == 2
+    assert "--tool-tokens: --shape agentperf draws its own" in capsys.readouterr().err
+    assert main(["bench", "agents", "--arrival-rate", "2"]) == 2
+    assert "--arrival-rate: only --shape poisson takes it" in capsys.readouterr().err
+    assert main(["bench", "agents", "--shape", "poisson", "--arrival-rate", "0"]) == 2
+    assert "--arrival-rate: must be positive and finite" in capsys.readouterr().err
+
+
 def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
