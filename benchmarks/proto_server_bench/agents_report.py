@@ -136,6 +136,7 @@ def report(
     workload = {
         "shape": shape.name,
         "seed": settings.seed,
+        "what": shape.what,
         "parameters": shape.describe(len(agents)),
         "source": shape.source,
         "scaling": shape.scaling,

@@ -123,13 +123,18 @@ class Shape:
     arrivals: Arrivals
     #: Turns a rollout (rounded), kept within [min_turns, max_turns].
     turns: LogNormal
-    min_turns: int = 2
-    max_turns: int
+    min_turns: int = attrs.field(default=2, validator=attrs.validators.ge(2))
+    max_turns: int = attrs.field()
     #: Each rollout's own first message, in the model's tokens.
-    context_tokens: int
+    context_tokens: int = attrs.field(validator=attrs.validators.ge(1))
     #: A tool's output in the model's tokens, and its time in seconds.
     tool_tokens: LogNormal
     waits_s: LogNormal
+
+    @max_turns.validator
+    def _turns(self, _: attrs.Attribute[int], max_turns: int) -> None:
+        if max_turns < self.min_turns:
+            raise ValueError(f"{self.name}: max_turns {max_turns} < min_turns {self.min_turns}")
 
     def describe(self, rollouts: int | None = None) -> str:
         """One line: the shape's parameters (with `rollouts` instead of its own, if given)."""

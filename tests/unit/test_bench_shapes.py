@@ -8,6 +8,7 @@ import itertools
 import random
 import statistics
 
+import attrs
 import pytest
 from proto_server_bench.agents import AgentsSettings, make_agents, percentile
 from proto_server_bench.shapes import (
@@ -180,5 +181,7 @@ def test_the_rollouts_follow_their_shape_and_burst_is_the_workload_it_was() -> N
 def test_a_log_normal_is_given_by_its_median_and_p99() -> None:
     with pytest.raises(ValueError, match="median <= p99"):
         LogNormal(2.0, 1.0)
+    with pytest.raises(ValueError, match="max_turns 3 < min_turns 4"):
+        attrs.evolve(SWE_BENCH_PRO, min_turns=4, max_turns=3)
     assert LogNormal(3.0, 3.0).draw(random.Random(0)) == 3.0  # no spread: the median
     assert lognormal(random.Random(1), 1.0, 15.0) == LogNormal(1.0, 15.0).draw(random.Random(1))
