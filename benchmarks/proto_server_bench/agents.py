@@ -1,12 +1,12 @@
-"""`proto-server bench agents`: many rollouts at once on one engine, path after path.
+"""`proto-server bench agents`: many rollouts on one engine, path after path.
 
-N rollouts run at once, each with a context of its own (a first message of about K of the
-model's tokens, so that rollouts share nothing past the instructions and the tool), T turns with
-a forced call on each but the last, and between turns a tool that takes a log-normal time and
-prints a log-normal number of tokens (both seeded: the same seed, the same workload). The client
-runs the tools (it sleeps): the server only sees each rollout suspend and resume. The published
-shapes are the Codex SWE-bench Pro traces' (gaps between turns: median 5.2 s, P99 81.4 s); the
-defaults keep their ratio, scaled down to a 1 s median for a small machine.
+N rollouts, each with a context of its own (a first message of about K of the model's tokens,
+so that rollouts share nothing past the instructions and the tool), T turns with a forced call
+on each but the last, and between turns a tool that takes a log-normal time and prints a
+log-normal number of tokens, all drawn from a named shape (`shapes.py`: today's burst of N x T
+at once, the same arriving as a Poisson process, or a published shape scaled to the CPU
+engine), seeded: the same seed, the same workload. The client runs the tools (it sleeps): the
+server only sees each rollout suspend and resume.
 
 The same workload runs through each path, one path after the other, on the same engine:
 proto-server's prototype WebSocket (one Response, suspended at each call), its launched
@@ -17,10 +17,11 @@ ThunderAgent (or any proxy that schedules programs by a `program_id` sent with c
 in front of the same engine (the clients are `paths.py`'s and `chat.py`'s). On the
 simulated GPU (the default) only proto-server's paths run and the engine's time is modelled.
 
-Per path: makespan, the prompt tokens prefilled (each turn's `input_tokens - cached_tokens`)
-against what an unbounded cache would have prefilled, the cached share, TTFT p50/p99 over every
-turn and p50/p90 over the turns after a tool (the client's first output event after its request)
-and the engine's preemptions (`/metrics`).
+Per path: makespan and rollouts per minute (an RL trainer's figure), the prompt tokens
+prefilled (each turn's `input_tokens - cached_tokens`) against what an unbounded cache would
+have prefilled, the cached share, TTFT p50/p99 over every turn and p50/p90 over the turns after
+a tool (the client's first output event after its request) and the engine's preemptions
+(`/metrics`).
 
 This module holds the settings and the workload (`make_agents`); one path's run is
 `agents_paths`, the engines and the run of every path `agents_run` (with the command, `main`),
@@ -40,17 +41,14 @@ from urllib.parse import urlsplit
 import attrs
 
 from proto_server.core.ranges import Range, at_least, between, one_of, positive, positive_finite
-from proto_server.core.settings import setting
-from proto_server_bench import flags
+from proto_server.core.settings import flag_of, setting
+from proto_server_bench import flags, shapes
+from proto_server_bench.shapes import CODEX_GAP_RATIO, PUBLISHED, SHAPE_NAMES, LogNormal, Shape
 from proto_server_bench.workload import _GUIDANCE, _code_line, _prose
 
 Progress = Callable[[str], None]
 Count = Callable[[str], int]
 ENGINES = ("simulated", "vllm")
-#: The published gaps between turns (Codex SWE-bench Pro traces): P99 over median.
-PUBLISHED_WAIT_RATIO = 81.4 / 5.2
-#: z of the 99th percentile of a standard normal: a log-normal's sigma from its median and p99.
-Z99 = 2.3263
 #: The engine's counters read before and after each path.
 COUNTERS = {
     "prompt_tokens": "vllm:prompt_tokens_total",
@@ -81,11 +79,30 @@ def _proxy_root(url: str) -> bool:
 PROXY_ROOT = Range("the proxy's root, e.g. http://127.0.0.1:8710", _proxy_root)
 
 
+#: Rollouts of the flags' shapes, unless `--rollouts` says.
+DEFAULT_ROLLOUTS = 6
+#: The settings that shape `burst` and `poisson` only: a published shape draws its own.
+FLAGS_SHAPED = ("turns", "context_tokens", "output_tokens", "wait_s")
+
+
 @attrs.frozen(kw_only=True)
 class AgentsSettings:
     """What `bench agents` runs: each field is a flag of its (`problems` says what is wrong)."""
 
-    rollouts: int = setting(6, at_least(1), help="rollouts at once")
+    #: The traffic's shape (`shapes.py`); burst and poisson take the flags below it.
+    shape: str = setting(
+        "burst", one_of(SHAPE_NAMES),
+        help="the traffic: burst (--rollouts x --turns at once), poisson (the same arriving at "
+        "--arrival-rate), or a published shape scaled to the CPU engine (docs/benchmarks.md)",
+    )  # fmt: skip
+    rollouts: int | None = setting(
+        None, at_least(1), metavar="N",
+        help="rollouts (default: 6 for burst and poisson, the published shape's own)",
+    )  # fmt: skip
+    arrival_rate: float = setting(
+        0.5, positive_finite, metavar="PER_S",
+        help="--shape poisson: rollouts arriving a second (the last within rollouts / rate s)",
+    )  # fmt: skip
     turns: int = setting(
         4, at_least(2), help="turns a rollout (a forced call on each but the last)"
     )
@@ -103,7 +120,7 @@ class AgentsSettings:
     )  # fmt: skip
     #: A tool's time in seconds: median and 99th percentile.
     wait_s: tuple[float, float] = setting(
-        (1.0, PUBLISHED_WAIT_RATIO), flags.ordered_pair, flag="--wait-s", parse=flags.median_p99,
+        (1.0, CODEX_GAP_RATIO), flags.ordered_pair, flag="--wait-s", parse=flags.median_p99,
         metavar="MEDIAN,P99", help="tools' times in seconds (log-normal; the published gaps' "
         "P99/median, 81.4/5.2 s, scaled to a 1 s median)",
     )  # fmt: skip
@@ -195,16 +212,43 @@ class AgentsSettings:
     )  # fmt: skip
 
     @property
+    def traffic(self) -> Shape:
+        """The shape these settings draw from: a published one, or the flags' own."""
+        if self.shape in PUBLISHED:
+            return PUBLISHED[self.shape]
+        return shapes.from_flags(
+            poisson_rate=self.arrival_rate if self.shape == "poisson" else None,
+            rollouts=DEFAULT_ROLLOUTS, turns=self.turns, context_tokens=self.context_tokens,
+            tool_tokens=LogNormal(*self.output_tokens), waits_s=LogNormal(*self.wait_s),
+        )  # fmt: skip
+
+    @property
+    def rollout_count(self) -> int:
+        """`rollouts`, or the shape's own number."""
+        return self.rollouts or self.traffic.rollouts
+
+    @property
     def admits(self) -> str:
         """`admission` decided: off, on or both."""
         if self.admission != "auto":
             return self.admission
         return "both" if self.engine == "vllm" or self.gpu_blocks is not None else "off"
 
+    def _given(self, name: str) -> bool:
+        """Whether the field `name` is other than its default (its flag was given)."""
+        return bool(getattr(self, name) != getattr(attrs.fields(AgentsSettings), name).default)
+
     def problems(self) -> list[str]:
         """What is wrong with these settings together, in words (empty: nothing); each field's
         own range is its validator's."""
         found = []
+        for name in FLAGS_SHAPED if self.shape in PUBLISHED else ():
+            if self._given(name):
+                flag = flag_of((AgentsSettings,), name)
+                found.append(f"{flag}: --shape {self.shape} draws its own (burst and poisson "
+                             "take it)")  # fmt: skip
+        if self._given("arrival_rate") and self.shape != "poisson":
+            found.append("--arrival-rate: only --shape poisson takes it")
         if self.engine_urls and self.engine != "vllm":
             found.append("--engine-url needs --engine vllm")
         if self.engines > 1 and self.engine != "vllm":
@@ -228,17 +272,19 @@ class AgentsSettings:
 
 @attrs.frozen
 class Agent:
-    """One rollout's own context, its tools' outputs and waits (turn 2..T's)."""
+    """One rollout's own context, its tools' outputs and waits (turn 2..T's), and when and by
+    which agent it runs (`shapes.RolloutPlan`'s)."""
 
     index: int
     context: str
     outputs: tuple[str, ...]
     waits_s: tuple[float, ...]
+    agent: int = 0
+    at_s: float = 0.0
 
-
-def lognormal(rng: random.Random, median: float, p99: float) -> float:
-    """A draw from the log-normal with this median and 99th percentile."""
-    return median * math.exp(rng.gauss(0.0, math.log(p99 / median) / Z99))
+    @property
+    def turns(self) -> int:
+        return len(self.outputs) + 1
 
 
 def _text(count: Count, tokens: int, line: Callable[[], str]) -> str:
@@ -258,24 +304,39 @@ def _numbered(rng: random.Random) -> Callable[[], str]:
     return lambda: f"{next(numbers):>5}\t{_code_line(rng)}"
 
 
-def make_agents(settings: AgentsSettings, count: Count, nonce: str) -> list[Agent]:
-    """The rollouts, from `settings.seed` (`nonce` only tags each context's first line)."""
-    rng = random.Random(settings.seed)
-    agents = []
-    for index in range(settings.rollouts):
+@attrs.define
+class _Texts:
+    """`shapes.Writer`: each rollout's context and tools' outputs, in the model's tokens."""
+
+    count: Count
+    nonce: str
+    context_tokens: int
+    contexts: list[str] = attrs.Factory(list)
+    outputs: list[list[str]] = attrs.Factory(list)
+
+    def context(self, rng: random.Random, index: int) -> None:
         words = rng.getrandbits(64)
-        head = f"Rollout {index} ({nonce} {words:016x}): the repository's notes follow."
-        prose = _prose(rng, settings.context_tokens * 8, _GUIDANCE)
+        head = f"Rollout {index} ({self.nonce} {words:016x}): the repository's notes follow."
+        prose = _prose(rng, self.context_tokens * 8, _GUIDANCE)
         paragraphs = iter(prose.split("\n\n"))
-        context = head + "\n" + _text(count, settings.context_tokens, partial(next, paragraphs))
-        outputs, waits = [], []
-        for turn in range(2, settings.turns + 1):
-            size = max(1, round(lognormal(rng, *settings.output_tokens)))
-            outputs.append(_text(count, size, _numbered(rng)))
-            waits.append(lognormal(rng, *settings.wait_s))
-            del turn
-        agents.append(Agent(index, context, tuple(outputs), tuple(waits)))
-    return agents
+        text = _text(self.count, self.context_tokens, partial(next, paragraphs))
+        self.contexts.append(head + "\n" + text)
+        self.outputs.append([])
+
+    def output(self, rng: random.Random, tokens: int) -> None:
+        self.outputs[-1].append(_text(self.count, tokens, _numbered(rng)))
+
+
+def make_agents(settings: AgentsSettings, count: Count, nonce: str) -> list[Agent]:
+    """The rollouts of `settings.traffic` from `settings.seed`, written as drawn (`nonce` only
+    tags each context's first line)."""
+    shape = settings.traffic
+    texts = _Texts(count, nonce, shape.context_tokens)
+    plans = shapes.draw(shape, settings.seed, settings.rollout_count, texts)
+    return [
+        Agent(plan.index, context, tuple(outputs), plan.waits_s, plan.agent, plan.at_s)
+        for plan, context, outputs in zip(plans, texts.contexts, texts.outputs, strict=True)
+    ]
 
 
 def percentile(values: Sequence[float], share: float) -> float:

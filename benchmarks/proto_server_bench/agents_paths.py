@@ -1,6 +1,6 @@
-"""`bench agents`: one path's run, every rollout at once through one of the paths (proto-server's
-WebSocket dialects, vLLM's own /v1/responses, chat completions), and the engines' counters around
-it."""
+"""`bench agents`: one path's run, every rollout started as its shape says through one of the
+paths (proto-server's WebSocket dialects, vLLM's own /v1/responses, chat completions), and the
+engines' counters around it."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class PathRun:
     failed: str | None = None
     #: The admitting server's demotions over the path (None: a path it does not serve).
     demotions: float | None = None
+    #: Rollouts that ran to their last turn.
+    finished: int = 0
 
 
 @attrs.frozen
@@ -151,13 +153,14 @@ async def run_path(
     engines: Sequence[httpx.AsyncClient],
     progress: Progress,
 ) -> PathRun:
-    """Every rollout at once through `path`; a failure ends the path (and says why), not the run.
-    `engines`: whose counters it reads (summed), none on the simulated GPU."""
+    """Every rollout through `path`, each from its `at_s` on and after its agent's earlier
+    ones (`shapes.draw`); a failure ends the path (and says why), not the run. `engines`: whose
+    counters it reads (summed), none on the simulated GPU."""
     instructions = f"[{nonce} {path}] {INSTRUCTIONS}"  # nothing of another path's is cached
     turns: list[AgentTurn] = []
     before = await summed_counters(engines) if engines else {}
     demoted = await demotions(target, path)
-    started = time.perf_counter()
+    started, begun = time.perf_counter(), trio.current_time()
     done = 0
 
     async def one(agent: Agent) -> None:
@@ -169,11 +172,19 @@ async def run_path(
         progress(f"{path}: rollout {agent.index} done ({done}/{len(agents)}) at "
                  f"{time.perf_counter() - started:.1f} s, cached share {cached:.0%}")  # fmt: skip
 
+    async def agent_of(mine: Sequence[Agent]) -> None:
+        for agent in mine:  # one after another, none before its time
+            await trio.sleep_until(begun + agent.at_s)
+            await one(agent)
+
+    by_agent: dict[int, list[Agent]] = {}
+    for agent in agents:
+        by_agent.setdefault(agent.agent, []).append(agent)
     failed = None
     try:
         async with trio.open_nursery() as nursery:
-            for agent in agents:
-                nursery.start_soon(one, agent)
+            for mine in by_agent.values():
+                nursery.start_soon(agent_of, mine)
     except* PATH_FAILURES as group:
         failed = "; ".join(f"{e.__class__.__name__}: {e}" for e in group.exceptions)
         progress(f"{path} failed: {failed}")
@@ -190,4 +201,4 @@ async def run_path(
     if demoted is not None:
         demoted = cast(float, await demotions(target, path)) - demoted
     ordered = sorted(turns, key=lambda t: (t.rollout, t.turn))
-    return PathRun(path, tuple(ordered), makespan, counted, failed, demoted)
+    return PathRun(path, tuple(ordered), makespan, counted, failed, demoted, done)

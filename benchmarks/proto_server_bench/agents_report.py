@@ -91,6 +91,7 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
     turns = run.turns
     prompt = sum(t.input_tokens for t in turns)
     cached = sum(t.cached_tokens for t in turns)
+    said = sum(t.output_tokens for t in turns)
     need = unbounded_need(turns)
     ttfts = [t.ttft_s for t in turns]
     after_tool = [t.ttft_s for t in turns if t.turn > 1]
@@ -104,7 +105,11 @@ def summarize(run: PathRun, modelled: bool) -> dict[str, Any]:
         "failed": run.failed,
         "turns": len(turns),
         "makespan_s": run.makespan_s,
+        "finished_rollouts": run.finished,
+        "rollouts_per_minute": 60 * run.finished / run.makespan_s if run.makespan_s else math.nan,
         "input_tokens": prompt,
+        "output_tokens": said,
+        "input_per_output": prompt / said if said else math.nan,
         "cached_tokens": cached,
         "prefilled_tokens": prompt - cached,
         "unbounded_need_tokens": need,
@@ -127,9 +132,18 @@ def report(
     settings: AgentsSettings, agents: Sequence[Agent], runs: Sequence[PathRun], count: Count
 ) -> dict[str, Any]:
     modelled = settings.engine == "simulated"
+    shape = settings.traffic
     workload = {
+        "shape": shape.name,
+        "seed": settings.seed,
+        "what": shape.what,
+        "parameters": shape.describe(len(agents)),
+        "source": shape.source,
+        "scaling": shape.scaling,
         "rollouts": len(agents),
-        "turns": settings.turns,
+        "turns": [a.turns for a in agents],
+        "agents": [a.agent for a in agents],
+        "arrivals_s": [a.at_s for a in agents],
         "context_tokens": [count(a.context) for a in agents],
         "tool_output_tokens": [[count(o) for o in a.outputs] for a in agents],
         "waits_s": [list(a.waits_s) for a in agents],
@@ -209,23 +223,27 @@ def render(data: dict[str, Any]) -> str:
         + (f"{s['gpu_blocks']} blocks ({s['gpu_blocks'] * BLOCK_SIZE:,} tokens)"
            if s["gpu_blocks"] else "unbounded by the bench (VLLM_CPU_KVCACHE_SPACE=2 GiB)")
     )  # fmt: skip
-    waits = [w for ws in data["workload"]["waits_s"] for w in ws]
-    outs = [o for os_ in data["workload"]["tool_output_tokens"] for o in os_]
+    work = data["workload"]
+    waits = [w for ws in work["waits_s"] for w in ws]
+    outs = [o for os_ in work["tool_output_tokens"] for o in os_]
     lines = [
-        f"proto-server bench agents: {s['rollouts']} rollouts x {s['turns']} turns at once on "
-        f"{engine}; contexts of ~{s['context_tokens']} tokens, tool outputs median "
+        f"proto-server bench agents on {engine}, seed {work['seed']}, shape {work['parameters']}",
+        f"Drawn: {work['rollouts']} rollouts, turns median {statistics.median(work['turns']):g} "
+        f"({min(work['turns'])} to {max(work['turns'])}), tool outputs median "
         f"{statistics.median(outs):.0f} tokens (max {max(outs)}), tool waits median "
-        f"{statistics.median(waits):.2f} s (max {max(waits):.1f} s), seed {s['seed']}",
+        f"{statistics.median(waits):.2f} s (max {max(waits):.1f} s), last start at "
+        f"{max(work['arrivals_s']):.1f} s",
         "",
     ]
-    header = ["path", "makespan s", "prompt", "prefilled", "unbounded need", "prefilled/need",
-              "cached share", "TTFT p50 / p99 s", "after a tool p50 / p90 s",
+    header = ["path", "makespan s", "rollouts/min", "prompt", "prefilled", "unbounded need",
+              "prefilled/need", "cached share", "TTFT p50 / p99 s", "after a tool p50 / p90 s",
               "preemptions"]  # fmt: skip
     rows = []
     for p in data["paths"]:
         pre = p["preemptions"]
         rows.append([
             p["path"] + (" (FAILED)" if p["failed"] else ""), f"{p['makespan_s']:.1f}",
+            f"{p['rollouts_per_minute']:.1f}",
             str(p["input_tokens"]), str(p["prefilled_tokens"]), str(p["unbounded_need_tokens"]),
             f"{p['prefilled_vs_unbounded']:.2f}x", f"{p['cached_share']:.0%}",
             f"{p['ttft_p50_s']:.2f} / {p['ttft_p99_s']:.2f}",

@@ -218,8 +218,7 @@ async def run_agents(settings: AgentsSettings, progress: Progress) -> dict[str, 
                         spread_url, spread, programs and programs + "/v1")  # fmt: skip
         runs = []
         for index, path in enumerate(paths, 1):
-            progress(f"[{index}/{len(paths)}] {path}: {len(agents)} rollouts x "
-                     f"{settings.turns} turns")  # fmt: skip
+            progress(f"[{index}/{len(paths)}] {path}: {settings.traffic.describe(len(agents))}")
             counted = engines if path == spread else engines[:1]
             runs.append(await run_path(path, target, agents, nonce, counted, progress))
     return report(settings, agents, runs, count)

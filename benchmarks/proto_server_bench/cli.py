@@ -109,7 +109,7 @@ SECTIONS = (
     ),
     Section(
         "agents",
-        "many agents at once on one engine, path after path",
+        "many agents on one engine (a traffic shape), path after path",
         "Many rollouts at once on the simulated GPU or a vLLM CPU engine, through each of "
         "proto-server's paths and, on vLLM, its peers: makespan, prefill, cached share, TTFT.",
         (AgentsSettings,),

@@ -45,7 +45,7 @@ from proto_server.core.ranges import Range, at_least, between, positive_finite
 from proto_server.core.settings import setting
 from proto_server.server.process.config import ServerConfig
 from proto_server_bench import flags
-from proto_server_bench.agents import PUBLISHED_WAIT_RATIO, lognormal
+from proto_server_bench.shapes import CODEX_GAP_RATIO, lognormal
 
 CONTINUUM, THUNDERAGENT = "continuum (modelled)", "thunderagent (modelled)"
 POLICIES = ("plain", "affinity", CONTINUUM, THUNDERAGENT, "proto-server")
@@ -95,7 +95,7 @@ class FleetSettings:
     )  # fmt: skip
     #: Tool waits between turns (log-normal): the published Codex gaps, 5.2 s median, 81.4 s p99.
     wait_s: tuple[float, float] = setting(
-        (5.2, 5.2 * PUBLISHED_WAIT_RATIO), flags.ordered_pair, flag="--wait-s",
+        (5.2, 5.2 * CODEX_GAP_RATIO), flags.ordered_pair, flag="--wait-s",
         parse=flags.median_p99, metavar="MEDIAN,P99",
         help="tools' times in seconds (log-normal; the published Codex gaps)",
     )  # fmt: skip

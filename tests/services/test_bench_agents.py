@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import h11
 import httpx
 import orjson
@@ -23,7 +24,6 @@ from proto_server_bench.agents import (
     PLOTS,
     SPREAD,
     AgentsSettings,
-    lognormal,
     make_agents,
     percentile,
 )
@@ -36,7 +36,8 @@ from proto_server_bench.agents_report import (
     unbounded_need,
 )
 from proto_server_bench.chat import CHAT, PROGRAMS
-from proto_server_bench.paths import LAUNCHED, PROTOTYPE, STATELESS
+from proto_server_bench.paths import LAUNCHED, PROTOTYPE, STATELESS, start_serve
+from proto_server_bench.shapes import lognormal
 
 from proto_server.cli import main
 
@@ -97,6 +98,53 @@ def test_a_reduced_agents_bench_reports_every_path_consistently(
     assert len(data["workload"]["waits_s"]) == 3 and len(data["workload"]["waits_s"][0]) == 2
     for name in PLOTS:
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_a_shape_with_arrivals_starts_each_rollout_at_its_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--shape poisson`: the header names the shape, its parameters and the seed; no rollout
+    starts before its drawn arrival; the table has rollouts per minute beside the makespan."""
+    args = ["bench", "agents", "--shape", "poisson", "--arrival-rate", "6", "--rollouts", "3",
+            "--turns", "2", "--wait-s", "0.01,0.05", "--context-tokens", "120",
+            "--tool-tokens", "40,80", "--seed", "5", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "seed 5, shape poisson: 3 rollouts, Poisson arrivals at 6/s; 2 turns" in out
+    assert "rollouts/min" in out
+    data = orjson.loads((tmp_path / "agents.json").read_bytes())
+    work = data["workload"]
+    assert work["shape"] == "poisson" and work["seed"] == 5
+    arrivals = work["arrivals_s"]
+    assert arrivals == sorted(arrivals) and 0 < arrivals[-1] <= 3 / 6
+    for path in data["paths"]:
+        _consistent(path, rollouts=3, turns=2)
+        assert path["finished_rollouts"] == 3
+        assert path["rollouts_per_minute"] == pytest.approx(180 / path["makespan_s"])
+        firsts = {t["rollout"]: t["at_s"] for t in data["turns"]
+                  if t["path"] == path["path"] and t["turn"] == 1}  # fmt: skip
+        assert all(firsts[r] >= arrivals[r] - 0.01 for r in range(3))
+
+
+async def test_one_agents_rollouts_run_one_after_another_and_none_before_its_time() -> None:
+    """A closed loop's agent starts its next rollout when its last ends; a rollout with an
+    arrival waits for it (the simulated GPU, through proto-server's launched path)."""
+    settings = AgentsSettings(rollouts=3, turns=2, context_tokens=60, output_tokens=(20.0, 30.0),
+                              wait_s=(0.01, 0.02))  # fmt: skip
+    drawn = make_agents(settings, lambda text: len(text.split()), "n")
+    agents = [attrs.evolve(drawn[0], agent=0), attrs.evolve(drawn[1], agent=0),
+              attrs.evolve(drawn[2], agent=1, at_s=0.3)]  # fmt: skip
+    process, url = await start_serve([])
+    try:
+        run = await run_path(LAUNCHED, Target(url, "", "proto-sim", 16), agents, "n", [],
+                             lambda line: None)  # fmt: skip
+    finally:
+        process.terminate()
+        await process.wait()
+    assert run.failed is None and run.finished == 3
+    turn = {(t.rollout, t.turn): t for t in run.turns}
+    assert turn[1, 1].at_s >= turn[0, 2].at_s + turn[0, 2].turn_s  # after agent 0's first
+    assert turn[2, 1].at_s >= 0.3 > turn[0, 1].at_s
 
 
 def test_the_workload_is_seeded_and_each_rollout_has_its_own_context() -> None:
@@ -164,6 +212,19 @@ def test_bench_agents_refuses_a_distribution_it_cannot_draw(
     except SystemExit as exited:  # argparse refuses what it cannot read as MEDIAN,P99
         code = exited.code  # type: ignore[assignment]
     assert code == 2 and flag in capsys.readouterr().err
+
+
+def test_bench_agents_refuses_a_shape_it_has_not_and_flags_a_shape_draws_itself(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "agents", "--shape", "steady"]) == 2
+    assert "--shape: must be one of burst, poisson, swe-bench-pro" in capsys.readouterr().err
+    assert main(["bench", "agents", "--shape", "agentperf", "--tool-tokens", "10,20"]) == 2
+    assert "--tool-tokens: --shape agentperf draws its own" in capsys.readouterr().err
+    assert main(["bench", "agents", "--arrival-rate", "2"]) == 2
+    assert "--arrival-rate: only --shape poisson takes it" in capsys.readouterr().err
+    assert main(["bench", "agents", "--shape", "poisson", "--arrival-rate", "0"]) == 2
+    assert "--arrival-rate: must be positive and finite" in capsys.readouterr().err
 
 
 def test_bench_agents_refuses_a_cache_of_less_than_two_blocks(
