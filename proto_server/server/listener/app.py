@@ -42,7 +42,7 @@ from proto_server.server.process.config import ServerConfig
 from proto_server.server.process.logs import log
 from proto_server.server.rollouts.responses import Responses
 from proto_server.server.store import ResponseStore
-from proto_server.server.transport.connection import CLOSE_WAIT_S, Connection
+from proto_server.server.transport.connection import CLOSE_WAIT_S, SERVER_SHUTDOWN, Connection
 from proto_server.server.transport.handshake import (
     BadRequestHead,
     ReplayStream,
@@ -147,6 +147,8 @@ class ProtoServer:
             if isinstance(generator, SupervisedGenerator):  # its engines' probe
                 await background.start(generator.supervise)
             await self._share_admission(background)
+            # named for what it is (not a rollout: it lives as long as the server)
+            await background.start(self.responses.background.serve, name="background Responses")
             async with trio.open_nursery() as handlers:
                 self._handlers = handlers
                 listeners = await handlers.start(self._listen, handlers)
@@ -220,6 +222,7 @@ class ProtoServer:
         for connection in list(self._websockets):
             connection.shut_down(deadline)
         self.responses.detached.stop()  # no client will reattach: cut what waits for one
+        await self.responses.background.stop(deadline, SERVER_SHUTDOWN)
         with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
             while self.open_connections:
                 await self._changed.wait()
