@@ -258,3 +258,24 @@ async def test_openai_python_creates_retrieves_streams_and_cancels_in_the_backgr
         cancelled = await client.responses.cancel(other.id)
         assert (cancelled.status, cancelled.background) == ("cancelled", True)
     await client.close()
+
+
+async def test_a_stopping_server_ends_its_background_responses_after_its_grace(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running, url = await start(start_server)
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(headers=headers()) as http:
+            response_id = (await http.post(url, json=payload())).json()["id"]
+        await trio.sleep(1)
+        await running.server.shutdown(grace_s=2)
+        await running.server.wait_idle()
+    assert trio.current_time() < 8  # not its end (8 s of text)
+    (turn,) = running.server.responses.turns
+    assert turn.status == "incomplete"
+    responses = running.server.responses
+    owner = responses.tenants.owner("Bearer k1")
+    assert owner is not None
+    stored = await responses.store.get(response_id, owner=owner)
+    assert stored is not None and stored.response.status == "incomplete"
+    assert stored.response.incomplete_details == {"reason": "server_shutdown"}

@@ -147,10 +147,11 @@ class ProtoServer:
             if isinstance(generator, SupervisedGenerator):  # its engines' probe
                 await background.start(generator.supervise)
             await self._share_admission(background)
-            # named for what it is (not a rollout: it lives as long as the server)
-            await background.start(self.responses.background.serve, name="background Responses")
             async with trio.open_nursery() as handlers:
                 self._handlers = handlers
+                # until shutdown() stopped them; named for what it is: not a rollout
+                runs = self.responses.background
+                await handlers.start(runs.serve, name="background Responses")
                 listeners = await handlers.start(self._listen, handlers)
                 port = listeners[0].socket.getsockname()[1]
                 address = BoundAddress(config.host, port)

@@ -42,18 +42,21 @@ class Background:
         self._loops: set[SamplingLoop] = set()
         self._changed = trio.Event()
         self._stopping = False
+        self._stopped = trio.Event()
 
     @property
     def running(self) -> int:
         return len(self._loops)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run background Responses until cancelled (the server's own tasks start this)."""
+        """Run background Responses until `stop` (the server's own tasks start this); then
+        what is still kept of them goes with the server."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             try:
-                await trio.sleep_forever()
+                await self._stopped.wait()
+                nursery.cancel_scope.cancel()
             finally:
                 self._nursery = None
 
@@ -117,6 +120,7 @@ class Background:
             loop.expire(reason)
         with trio.move_on_after(END_WAIT_S):
             await self._until(lambda: not self._loops)
+        self._stopped.set()
 
     async def _until(self, done: Callable[[], bool]) -> None:
         while not done():
