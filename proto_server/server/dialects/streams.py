@@ -118,20 +118,26 @@ async def create_background(
     kept = responses.keeper(owner, background=True)
     assert kept is not None
     send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
-    loop = await responses.begin(
-        create,
-        LaneSink(send),
-        budget=responses.connection_budget(),  # its own: no connection holds it
-        history=history,
-        source=TurnSource.STORE if history else TurnSource.FRESH,
-        size=size,
-        owner=owner,
-    )
+    budget = responses.connection_budget()  # its own: no connection holds it
+    try:
+        loop = await responses.begin(
+            create,
+            LaneSink(send),
+            budget=budget,
+            history=history,
+            source=TurnSource.STORE if history else TurnSource.FRESH,
+            size=size,
+            owner=owner,
+        )
+    except BaseException:
+        budget.close()
+        raise
     kept.response_id = loop.machine.id
     try:
-        responses.background.start(loop, kept, send, receive)
+        responses.background.start(loop, kept, send, receive, budget)
     except ProtocolError:  # the last place was taken while it was being built
         await loop.close()
+        budget.close()
         raise
     if not create.stream:
         return attrs.evolve(loop.snapshot(), status="queued")

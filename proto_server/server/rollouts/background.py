@@ -21,6 +21,7 @@ from collections.abc import Callable
 import trio
 
 from proto_server.server.process.logs import log
+from proto_server.server.process.memory import MemoryBudget
 from proto_server.server.rollouts.kept import Detached, KeptEvents, pump
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.transport.outbox import Outbox, Outgoing
@@ -85,12 +86,14 @@ class Background:
         kept: KeptEvents,
         send: trio.MemorySendChannel[Outgoing],
         receive: trio.MemoryReceiveChannel[Outgoing],
+        budget: MemoryBudget,
     ) -> None:
-        """Run `loop` (its events sent into `send`) to its end here, each event kept."""
+        """Run `loop` (its events sent into `send`) to its end here, each event kept; then
+        close `budget`, its own (what it still counts is no longer counted)."""
         self.check_room()
         assert self._nursery is not None
         self._loops.add(loop)
-        self._nursery.start_soon(self._run, loop, kept, send, receive)
+        self._nursery.start_soon(self._run, loop, kept, send, receive, budget)
 
     async def _run(
         self,
@@ -98,6 +101,7 @@ class Background:
         kept: KeptEvents,
         send: trio.MemorySendChannel[Outgoing],
         receive: trio.MemoryReceiveChannel[Outgoing],
+        budget: MemoryBudget,
     ) -> None:
         log.info("response.background", extra={"response": loop.machine.id})
         async with self._detached.keeping(kept):
@@ -106,6 +110,7 @@ class Background:
                     nursery.start_soon(_run_and_close, loop, send)
                     await pump(Outbox(receive, merge=False), kept)
             finally:
+                budget.close()
                 self._loops.discard(loop)
                 self._changed_now()
             await trio.sleep(self._keep_s)  # a late reader replays what it missed
