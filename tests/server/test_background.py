@@ -36,6 +36,11 @@ def payload(**fields: Any) -> dict[str, Any]:
     return {**body(tools=[]), "background": True, **fields}
 
 
+def in_flight(running: Any) -> list[Any]:
+    """The Responses the server runs now."""
+    return list(running.server.responses.in_flight._running.values())
+
+
 def checked(create: dict[str, Any], events: list[dict[str, Any]]) -> None:
     """`events`, as one stream answering `create`, pass the stream checker and the schema."""
     checker = StreamChecker(
@@ -155,6 +160,18 @@ async def test_a_foreground_response_is_cancelled_by_id_from_another_connection(
                 cancelled = await http.post(f"{url}/{response_id}/cancel")
             assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
             assert events[-1]["type"] == "response.cancelled"  # its stream says so
+            # one awaited as one JSON body: that body is the Response cancelled
+            async with trio.open_nursery() as nursery:
+                answers: list[dict[str, Any]] = []
+
+                async def await_json() -> None:
+                    answers.append((await http.post(url, json=body(tools=[]))).json())
+
+                nursery.start_soon(await_json)
+                await trio.sleep(1)
+                (running_id,) = [t.response_id for t in in_flight(running)]
+                await http.post(f"{url}/{running_id}/cancel")
+            assert answers[0]["status"] == "cancelled"
             # a foreground one that ended is not cancelled, as OpenAI refuses it
             ended = (await http.post(url, json=body(tools=[]), timeout=None)).json()
             refused = await http.post(f"{url}/{ended['id']}/cancel")
@@ -254,6 +271,25 @@ async def test_openai_python_creates_retrieves_streams_and_cancels_in_the_backgr
         assert kinds[-1] == "response.completed"
         polled = await client.responses.retrieve(created.id)
         assert (polled.status, polled.output_text) == ("completed", "word " * 400)
+        # streamed: the SDK's stream closed early leaves it running, taken up after the last
+        streamed = await client.responses.create(
+            model="test-model", input="write", background=True, stream=True
+        )
+        first = []
+        async for event in streamed:
+            first.append(event)
+            if len(first) == 5:
+                break
+        await streamed.close()
+        last = first[-1].sequence_number
+        rest = await client.responses.retrieve(
+            first[0].response.id, stream=True, starting_after=last
+        )
+        tail = [event async for event in rest]
+        assert [event.sequence_number for event in tail] == list(
+            range(last + 1, last + 1 + len(tail))
+        )
+        assert tail[-1].type == "response.completed"
         other = await client.responses.create(model="test-model", input="x", background=True)
         cancelled = await client.responses.cancel(other.id)
         assert (cancelled.status, cancelled.background) == ("cancelled", True)
