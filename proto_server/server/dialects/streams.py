@@ -141,7 +141,7 @@ async def create_background(
         raise
     if not create.stream:
         return attrs.evolve(loop.snapshot(), status="queued")
-    await serve_reattach(responses, stream, conn, kept, -1)
+    await serve_reattach(responses, stream, conn, kept, -1, first=True)
     return None
 
 
@@ -182,10 +182,14 @@ async def serve_reattach(
     conn: h11.Connection,
     kept: KeptEvents,
     after: int,
+    *,
+    first: bool = False,
 ) -> None:
-    """Stream `kept` after `after` to this client, then its live rest, as SSE."""
+    """Stream `kept` after `after` to this client, then its live rest, as SSE (`first`: to the
+    client that created it, a background Response's first reader)."""
     kept.after(after)  # refused before the stream begins if some are lost already
-    log.info("response.reattached", extra={"response": kept.response_id, "after": after})
+    if not first:
+        log.info("response.reattached", extra={"response": kept.response_id, "after": after})
     send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
     followed = delivered = False
 

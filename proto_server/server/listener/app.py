@@ -204,9 +204,10 @@ class ProtoServer:
         serving for `drain_delay_s`, so a balancer's health check takes this process out of
         rotation before its port closes (a client the balancer still sends meanwhile is served);
         then accept no more connections; let streaming segments finish within `grace_s`
-        (default `shutdown_grace_s`); end every open Response with `response.incomplete` (reason
-        `server_shutdown`) and close its WebSocket with 1001; return once every connection is
-        closed, and `serve()` returns too. Started (`nursery.start`) once `/readyz` says 503."""
+        (default `shutdown_grace_s`), and background Responses as long; end every open Response
+        with `response.incomplete` (reason `server_shutdown`) and close its WebSocket with
+        1001; return once every connection is closed, and `serve()` returns too. Started
+        (`nursery.start`) once `/readyz` says 503."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self._http.draining = True
         task_status.started()
