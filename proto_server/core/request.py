@@ -44,12 +44,12 @@ def check_create(create: ResponseCreate) -> None:
     `prompt_cache_options`, `reasoning` and `context_management`, `conversation` (refused), a
     `top_logprobs` in range, a `metadata.rollout_id`, a `truncation` the Response can echo.
     Run when a create is accepted, before anything is built for it."""
-    if create.background:  # on every transport alike: the answer is its own stream
+    if create.background and create.store is False:  # it is polled from the store
         raise ProtocolError(
             "invalid_field",
-            "`background: true` is not supported by this server; remove it and read the result "
-            "from the stream (or, over HTTP, the response body).",
-            param="background",
+            "`background: true` needs `store: true`: a background Response is retrieved from "
+            "the store once it ends. Remove `store: false`, or `background`.",
+            param="store",
         )
     check_tool_schemas(create.tools)
     parse_text_format(create.text)
@@ -90,6 +90,18 @@ def rollout_id(create: ResponseCreate) -> str | None:
             param=f"metadata.{ROLLOUT_ID}",
         )
     return value
+
+
+def refuse_background(create: ResponseCreate) -> None:
+    """Over a WebSocket, as on OpenAI's WebSocket mode, there is no background mode: a
+    socket's Response streams to its socket (a dropped one is reattached instead)."""
+    if create.background:
+        raise ProtocolError(
+            "invalid_field",
+            "`background: true` is served over HTTP only (POST /v1/responses), as OpenAI's "
+            "WebSocket mode refuses it; remove it: this socket streams the Response.",
+            param="background",
+        )
 
 
 #: What `include` names to get the logprobs of the model's text (`top_logprobs` says how many
@@ -399,6 +411,7 @@ def response_template(
             True if create.parallel_tool_calls is None else create.parallel_tool_calls
         ),
         store=True if create.store is None else create.store,
+        background=bool(create.background),
         previous_response_id=create.previous_response_id,
         metadata=create.metadata or {},
         max_output_tokens=create.max_output_tokens,

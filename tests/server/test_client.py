@@ -323,11 +323,11 @@ async def test_an_http_connection_the_server_closed_while_idle_is_not_reused(
 async def test_an_http_refusal_is_an_error_event(start_server: StartServer) -> None:
     running = await start_server(THREE_SEGMENTS)
     async with connect(running.address.http_url, dialect="http") as connection:
-        rollout = await connection.create("x", background=True)
+        rollout = await connection.create("x", background=True, store=False)
         segment = await rollout.step()
         assert segment.end == "error"
         assert rollout.state is RolloutState.FAILED
-        assert rollout.tracker.error is not None and rollout.tracker.error.param == "background"
+        assert rollout.tracker.error is not None and rollout.tracker.error.param == "store"
         again = await connection.create("fix it", tools=[EXEC_COMMAND])  # the connection lives on
         await again.step()
         assert again.state is RolloutState.SUSPENDED

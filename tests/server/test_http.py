@@ -101,9 +101,9 @@ async def test_json_mode_get_and_errors(start_server: StartServer) -> None:
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "response_not_found"
 
-        refused = await http.post(url, json=body(background=True))
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "background"
+        refused = await http.post(url, json=body(background=True, store=False))
+        assert refused.status_code == 400  # a background Response is polled from the store
+        assert refused.json()["error"]["param"] == "store"
         broken = await http.post(url, content=b"{nope")
         assert (broken.status_code, broken.json()["error"]["code"]) == (400, "invalid_json")
         unknown = await http.post(url, json=body(previous_response_id="resp_x"))

@@ -321,6 +321,28 @@ def test_a_forced_tool_call_may_be_refused_by_a_model_that_cannot_force_one() ->
         checker.received(error("unsupported_tool_choice", 0))
 
 
+def test_a_background_create_is_refused_on_a_websocket_and_served_over_sse() -> None:
+    """OpenAI's WebSocket mode refuses `background`; over HTTP its stream is any create's."""
+    for dialect in ("prototype", "launched"):
+        checker = StreamChecker(dialect=dialect)
+        checker.sent({**CREATE, "background": True})
+        checker.received(error("invalid_field", 0))
+        checker.finish()
+    r = Recorder()
+    r.emit(r.m.start())
+    r.segment("done")
+    checker = StreamChecker(dialect="launched", transport="sse")
+    checker.sent({**CREATE, "background": True})
+    for kind, value in r.steps:
+        assert kind == "received"
+        checker.received(value)
+    checker.finish()
+    websocket = StreamChecker(dialect="launched")
+    websocket.sent({**CREATE, "background": True})
+    with pytest.raises(InvariantViolation, match=r"no response\.create asked for"):
+        websocket.received(r.steps[0][1])
+
+
 def test_an_error_must_not_be_missing_or_doubled() -> None:
     checker = StreamChecker()
     checker.sent(b"\x00")

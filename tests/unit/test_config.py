@@ -36,6 +36,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "reattach_grace_s", -1, "between 0 and 3600"),
     (ServerConfig, "reattach_grace_s", math.inf, "between 0 and 3600"),
     (ServerConfig, "reattach_keep_bytes", 100, "at least 1024"),
+    (ServerConfig, "max_background", 0, "at least 1"),
     (ServerConfig, "max_queued_requests", 0, "at least 1"),
     (ServerConfig, "max_queued_requests", -1, "at least 1"),
     (ServerConfig, "max_lanes", 0, "at least 1"),

@@ -44,7 +44,7 @@ import trio
 
 from proto_server.core.ids import new_id
 from proto_server.core.render import requested_effort
-from proto_server.core.request import input_items, response_template
+from proto_server.core.request import input_items, refuse_background, response_template
 from proto_server.core.response import STEERED, Mode, Status, Steer
 from proto_server.server.dialects.lanes import (
     DialectBase,
@@ -239,6 +239,7 @@ class LaunchedDialect(DialectBase[_Lane]):
                 f"{limit} response.create frames are already waiting behind the one in "
                 f"flight{where}; wait for a response.completed before sending more.",
             )
+        refuse_background(create)
         waiting = await self._responses.check(create, size=frame_bytes)
         if len(lane.queue) >= limit:  # filled while this one was checked off the event loop
             raise ProtocolError(

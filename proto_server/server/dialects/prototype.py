@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from proto_server.core.request import PROTOTYPE_COMPACTION, warmup_field
+from proto_server.core.request import PROTOTYPE_COMPACTION, refuse_background, warmup_field
 from proto_server.core.response import Mode, Status
 from proto_server.server.dialects.lanes import DialectBase, serve_steer
 from proto_server.server.rollouts.appending import prepare_append
@@ -188,6 +188,7 @@ class PrototypeDialect(DialectBase[_Lane]):
         if (warmup := warmup_field(create)) is not None:
             raise _unsupported(warmup, "warm-ups belong to the launched dialect")
         lane = self._lane(create.stream_id)
+        refuse_background(create)
         await self._responses.check(create, size=frame_bytes)
         if create.context_management:  # valid (checked above), and not for this dialect
             raise _unsupported("context_management", PROTOTYPE_COMPACTION)

@@ -1,8 +1,11 @@
 """The HTTP routes on the same port: the stateless Responses API, health, readiness, metrics.
 
-    POST   /v1/responses                  stream: true -> Server-Sent Events; else one Response
-    GET    /v1/responses/{id}             a stored Response; with ?stream=true&starting_after=N,
-                                          a reattach to one in flight (streams.py)
+    POST   /v1/responses                  stream: true -> Server-Sent Events; else one Response;
+                                          background: true -> run by the process (streams.py)
+    GET    /v1/responses/{id}             a stored (or running background) Response; with
+                                          ?stream=true&starting_after=N, a reattach to one in
+                                          flight (streams.py)
+    POST   /v1/responses/{id}/cancel      a running Response cancelled, whoever streams it
     GET    /v1/responses/{id}/input_items what it was given as input, paged as OpenAI pages it
     DELETE /v1/responses/{id}             a stored Response deleted (a chain through it breaks)
     POST   /v1/responses/input_tokens     the prompt tokens a create would be served with
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import h11
@@ -46,6 +49,7 @@ from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
 from proto_server.server.dialects.streams import (
+    create_background,
     not_in_flight,
     serve_reattach,
     starting_after,
@@ -54,6 +58,7 @@ from proto_server.server.dialects.streams import (
 from proto_server.server.process import metrics
 from proto_server.server.process.logs import log
 from proto_server.server.process.memory import MemoryBudget, preparing_bytes
+from proto_server.server.rollouts.inflight import cancelled, check_cancellable
 from proto_server.server.rollouts.responses import Responses
 from proto_server.server.rollouts.turns import TurnSource
 from proto_server.server.store import (
@@ -80,11 +85,9 @@ from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item, item_id, listed
 from proto_server.wire.response import Response, Usage
 
-if TYPE_CHECKING:
-    pass
-
 RESPONSES = "/v1/responses/"
 INPUT = "/input_items"
+CANCEL = "/cancel"
 
 
 def _not_stored(response_id: str) -> ProtocolError:
@@ -153,6 +156,10 @@ class Exchange:
             await self._compact()
         elif route == ("POST", "/v1/responses/input_tokens"):
             await self._input_tokens()
+        elif (
+            self.method == "POST" and self.path.startswith(RESPONSES) and self.path.endswith(CANCEL)
+        ):
+            await self._cancel(self.path.removeprefix(RESPONSES).removesuffix(CANCEL))
         elif route == ("GET", "/v1/models"):
             await self._json(200, {"object": "list", "data": await self._models()})
         elif self.method == "GET" and self.path.startswith("/v1/models/"):
@@ -241,6 +248,14 @@ class Exchange:
             observer.decoded()
         await responses.check(create, size=len(body))
         history = await self._history(create.previous_response_id)
+        if create.background:
+            queued = await create_background(
+                responses, self.stream, self.conn, create, history, owner=self.owner,
+                size=len(body),
+            )  # fmt: skip
+            if queued is not None:
+                await self._response_json(queued)
+            return
         send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
         kept = responses.keeper(self.owner) if create.stream else None
         loop = await responses.begin(
@@ -330,7 +345,26 @@ class Exchange:
                 raise not_in_flight(response_id)
             await serve_reattach(self.responses, self.stream, self.conn, kept, after)
             return
+        running = self.responses.in_flight.find(response_id, self.owner)
+        polled = running.snapshot() if running is not None else None
+        if polled is not None and polled.background:  # not stored until it ends
+            await self._response_json(polled)
+            return
         stored = await self._stored(response_id)
+        await self._response_json(stored.response)
+
+    async def _cancel(self, response_id: str) -> None:
+        """Cancel `response_id` if it runs (a background one, or one a connection of the same
+        key streams), answering with it ended; one that ended already, see
+        `check_cancellable`."""
+        await self._body()  # none is needed
+        running = self.responses.in_flight.find(response_id, self.owner)
+        if running is not None:
+            log.info("http.cancel", extra={"response": response_id})
+            await self._response_json(await cancelled(running))
+            return
+        stored = await self._stored(response_id)
+        check_cancellable(stored.response)
         await self._response_json(stored.response)
 
     async def _input_items(self, response_id: str) -> None:

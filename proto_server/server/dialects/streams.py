@@ -1,7 +1,9 @@
 """A Response as Server-Sent Events: the stream of `POST /v1/responses` with `stream: true`
 (`stream_created`), and `GET /v1/responses/{id}?stream=true&starting_after=N` (`serve_reattach`),
 the same stream again for a client that went away (server/rollouts/kept.py), as OpenAI resumes a
-background Response's stream.
+background Response's stream. A background Response (`create_background`, run by the process:
+server/rollouts/background.py) is streamed to its creator as a reattach from its first event is,
+so that its creator leaving leaves it running.
 
 A reattach's answer is the Response's stream from the first event numbered above `N` (every
 kept one without it), then the live rest to its terminal event, each with the number it first
@@ -14,8 +16,10 @@ that ends the stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from urllib.parse import parse_qsl
 
+import attrs
 import h11
 import trio
 
@@ -24,12 +28,15 @@ from proto_server.server.process.logs import log
 from proto_server.server.rollouts.kept import KeptEvents, tail
 from proto_server.server.rollouts.responses import Responses
 from proto_server.server.rollouts.sampling import SamplingLoop
-from proto_server.server.transport.outbox import Outbox, Outgoing
+from proto_server.server.rollouts.turns import TurnSource
+from proto_server.server.transport.outbox import LaneSink, Outbox, Outgoing
 from proto_server.server.transport.sendtimeout import SLOW_READER, SendTimeout
 from proto_server.server.transport.sse import SSETransport
 from proto_server.server.transport.writer import EventBound, discard_events, write_events
 from proto_server.wire.errors import ProtocolError, quoted
-from proto_server.wire.events import ErrorEvent
+from proto_server.wire.events import ErrorEvent, ResponseCreate
+from proto_server.wire.items import Item
+from proto_server.wire.response import Response
 
 SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
 
@@ -95,6 +102,49 @@ async def _write_created(
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
 
 
+async def create_background(
+    responses: Responses,
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    create: ResponseCreate,
+    history: Sequence[Item],
+    *,
+    owner: str,
+    size: int,
+) -> Response | None:
+    """Begin `create` in the background; stream it (a client leaving leaves it running), or
+    return the Response `queued` for the caller to answer with (it has not run yet)."""
+    responses.background.check_room()
+    kept = responses.keeper(owner, background=True)
+    assert kept is not None
+    send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
+    budget = responses.connection_budget()  # its own: no connection holds it
+    try:
+        loop = await responses.begin(
+            create,
+            LaneSink(send),
+            budget=budget,
+            history=history,
+            source=TurnSource.STORE if history else TurnSource.FRESH,
+            size=size,
+            owner=owner,
+        )
+    except BaseException:
+        budget.close()
+        raise
+    kept.response_id = loop.machine.id
+    try:
+        responses.background.start(loop, kept, send, receive, budget)
+    except ProtocolError:  # the last place was taken while it was being built
+        await loop.close()
+        budget.close()
+        raise
+    if not create.stream:
+        return attrs.evolve(loop.snapshot(), status="queued")
+    await serve_reattach(responses, stream, conn, kept, -1, first=True)
+    return None
+
+
 def starting_after(query: str) -> int | None:
     """With `stream=true`, the number after which a reattach streams (-1: from the first
     event); None for a plain retrieve."""
@@ -119,8 +169,9 @@ def not_in_flight(response_id: str) -> ProtocolError:
     return ProtocolError(
         "response_not_found",
         f"No Response {quoted(response_id)} to reattach to: only a streamed Response whose "
-        "client went away is kept, for --reattach-grace, and only for the key that created it. "
-        "A stored one that ended is retrieved without `stream=true`.",
+        "client went away is kept (for --reattach-grace), or a background one (while it runs, "
+        "and for --reattach-grace after), and only for the key that created it. A stored one "
+        "that ended is retrieved without `stream=true`.",
         status=404,
     )
 
@@ -131,10 +182,14 @@ async def serve_reattach(
     conn: h11.Connection,
     kept: KeptEvents,
     after: int,
+    *,
+    first: bool = False,
 ) -> None:
-    """Stream `kept` after `after` to this client, then its live rest, as SSE."""
+    """Stream `kept` after `after` to this client, then its live rest, as SSE (`first`: to the
+    client that created it, a background Response's first reader)."""
     kept.after(after)  # refused before the stream begins if some are lost already
-    log.info("response.reattached", extra={"response": kept.response_id, "after": after})
+    if not first:
+        log.info("response.reattached", extra={"response": kept.response_id, "after": after})
     send, receive = trio.open_memory_channel[Outgoing](responses.config.client_queue_events)
     followed = delivered = False
 

@@ -42,7 +42,7 @@ from proto_server.server.process.config import ServerConfig
 from proto_server.server.process.logs import log
 from proto_server.server.rollouts.responses import Responses
 from proto_server.server.store import ResponseStore
-from proto_server.server.transport.connection import CLOSE_WAIT_S, Connection
+from proto_server.server.transport.connection import CLOSE_WAIT_S, SERVER_SHUTDOWN, Connection
 from proto_server.server.transport.handshake import (
     BadRequestHead,
     ReplayStream,
@@ -149,6 +149,9 @@ class ProtoServer:
             await self._share_admission(background)
             async with trio.open_nursery() as handlers:
                 self._handlers = handlers
+                # until shutdown() stopped them; named for what it is: not a rollout
+                runs = self.responses.background
+                await handlers.start(runs.serve, name="background Responses")
                 listeners = await handlers.start(self._listen, handlers)
                 port = listeners[0].socket.getsockname()[1]
                 address = BoundAddress(config.host, port)
@@ -201,9 +204,10 @@ class ProtoServer:
         serving for `drain_delay_s`, so a balancer's health check takes this process out of
         rotation before its port closes (a client the balancer still sends meanwhile is served);
         then accept no more connections; let streaming segments finish within `grace_s`
-        (default `shutdown_grace_s`); end every open Response with `response.incomplete` (reason
-        `server_shutdown`) and close its WebSocket with 1001; return once every connection is
-        closed, and `serve()` returns too. Started (`nursery.start`) once `/readyz` says 503."""
+        (default `shutdown_grace_s`), and background Responses as long; end every open Response
+        with `response.incomplete` (reason `server_shutdown`) and close its WebSocket with
+        1001; return once every connection is closed, and `serve()` returns too. Started
+        (`nursery.start`) once `/readyz` says 503."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self._http.draining = True
         task_status.started()
@@ -220,6 +224,7 @@ class ProtoServer:
         for connection in list(self._websockets):
             connection.shut_down(deadline)
         self.responses.detached.stop()  # no client will reattach: cut what waits for one
+        await self.responses.background.stop(deadline, SERVER_SHUTDOWN)
         with trio.move_on_at(deadline + CLOSE_WAIT_S + 1):
             while self.open_connections:
                 await self._changed.wait()

@@ -146,6 +146,13 @@ class ServerConfig:
         "charged to --max-memory; past it the oldest go, and a reattach after one of them is "
         "refused with reattach_events_lost",
     )
+    max_background: int = setting(
+        64,
+        at_least(1),
+        help="background Responses (background: true over HTTP) that may run at once in this "
+        "process, each to its end whatever its client does; one more is refused with 429 "
+        "too_many_background_responses",
+    )
     max_queued_requests: int = setting(
         8,
         at_least(1),

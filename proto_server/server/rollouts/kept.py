@@ -197,7 +197,7 @@ class Detached:
         not ended, `cut` it as a dropped client's Response is cut."""
         log.info("response.detached", extra={"response": kept.response_id, "from": kept.next})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump, outbox, kept)
+            nursery.start_soon(pump, outbox, kept)
             await _lapsed(kept, grace_s)
             nursery.cancel_scope.cancel()
         if not kept.ended:
@@ -205,7 +205,7 @@ class Detached:
             cut()
 
 
-async def _pump(outbox: Outbox, kept: KeptEvents) -> None:
+async def pump(outbox: Outbox, kept: KeptEvents) -> None:
     """Number and keep what the Response sends, as its writer would have, until its end."""
     while batch := await outbox.batch(WRITE_BATCH):
         for outgoing, _ in batch:

@@ -57,7 +57,9 @@ from proto_server.server.process.observe import ServerObserver
 from proto_server.server.process.offload import INLINE_BYTES, Offload
 from proto_server.server.rollouts.admission import Admission
 from proto_server.server.rollouts.appending import prepare_append
+from proto_server.server.rollouts.background import Background
 from proto_server.server.rollouts.checks import check_servable, compiles_schema, servable_bytes
+from proto_server.server.rollouts.inflight import InFlight
 from proto_server.server.rollouts.kept import Detached, KeptEvents
 from proto_server.server.rollouts.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollouts.rollout import Rollout
@@ -110,6 +112,12 @@ class Responses:
         )
         #: Streamed Responses whose clients went away, kept for a reattach (kept.py).
         self.detached = Detached()
+        #: Every running Response by id, for a cancel or a poll (inflight.py).
+        self.in_flight = InFlight()
+        #: Responses run by the process, not by a connection (background.py).
+        self.background = Background(
+            self.detached, limit=self.config.max_background, keep_s=self.config.reattach_grace_s
+        )
         #: Decodes and renders large requests on worker threads (see server/process/offload.py).
         self.offload = Offload(self.config.prepare_threads)
         #: The most recent Responses' costs, newest last (tests and the benchmark read them).
@@ -139,11 +147,11 @@ class Responses:
                 recheck_s=shared.probe_interval_s if shared is not None else 0,
             )
 
-    def keeper(self, owner: str) -> KeptEvents | None:
-        """Where a streamed Response's events are kept for a reattach by `owner` (None:
-        `--reattach-grace 0`, nothing is)."""
+    def keeper(self, owner: str, *, background: bool = False) -> KeptEvents | None:
+        """Where a streamed (or `background`) Response's events are kept for a reattach by
+        `owner` (None: `--reattach-grace 0` and not in the background, nothing is)."""
         config = self.config
-        if config.reattach_grace_s <= 0:
+        if config.reattach_grace_s <= 0 and not background:
             return None
         return KeptEvents(owner, limit=config.reattach_keep_bytes, budget=self.memory)
 
@@ -468,6 +476,7 @@ class Responses:
             observer=self.observer,
             suspensions=self.suspensions,
             admission=self.admission,
+            in_flight=self.in_flight,
         )
 
     def _turn_ended(self, record: TurnRecord) -> None:

@@ -48,6 +48,7 @@ from proto_server.server.process import metrics
 from proto_server.server.process.logs import log
 from proto_server.server.process.observe import ServerObserver
 from proto_server.server.rollouts.admission import ADMISSION_TIMEOUT, Admission, AdmissionTimeout
+from proto_server.server.rollouts.inflight import InFlight, Running
 from proto_server.server.rollouts.rollout import Rollout
 from proto_server.server.rollouts.storing import StoreStep
 from proto_server.server.rollouts.suspension import IdleWait, Suspensions
@@ -56,6 +57,7 @@ from proto_server.server.transport.outbox import EventSink
 from proto_server.wire.errors import ServerFault
 from proto_server.wire.events import ResponseSteerPending, ServerEvent
 from proto_server.wire.items import Item
+from proto_server.wire.response import Response
 
 #: `incomplete_details.reason` of a suspension whose client stayed idle too long.
 SUSPEND_TIMEOUT = "suspend_timeout"
@@ -76,6 +78,8 @@ class LoopSettings:
     suspensions: Suspensions | None = None
     #: Who says when a segment may go to the engine (None: at once).
     admission: Admission | None = None
+    #: Where a running Response is found by id, for a cancel or a poll (None: nowhere).
+    in_flight: InFlight | None = None
 
 
 class SamplingLoop:
@@ -113,6 +117,7 @@ class SamplingLoop:
         self._engine_priority = settings.engine_priority
         self._priority: int | None = None  # the next segment's, when the engine takes one
         self._admission_scope: trio.CancelScope | None = None
+        self._in_flight = settings.in_flight
 
     # -- called by the connection's reader (synchronously validated, then handed over) --------
 
@@ -164,6 +169,12 @@ class SamplingLoop:
         """The client's `response.cancel` (the machine refuses one that comes too late)."""
         self.machine.request_cancel()
         self._cut()
+
+    def snapshot(self) -> Response:
+        """The Response as it stands: `queued` while it waits for admission."""
+        response = self.machine.snapshot()
+        waiting = self._admission_scope is not None and not self.machine.ending
+        return attrs.evolve(response, status="queued") if waiting else response
 
     def steer(self, steer: Steer) -> list[ServerEvent]:
         """Queue `steer` (the machine accepts or refuses it); if that makes a safe point now,
@@ -220,7 +231,17 @@ class SamplingLoop:
         await self.rollout.aclose()
 
     async def run(self) -> None:
-        """Drive the Response to its terminal event; the rollout stays open for its owner."""
+        """Drive the Response to its terminal event; the rollout stays open for its owner.
+        Meanwhile it is found by its id (`InFlight`)."""
+        if self._in_flight is None:
+            await self._run()
+            return
+        owner = self.rollout.owner
+        running = Running(self.machine.id, owner, self.cancel, self.snapshot)
+        with self._in_flight.running(running):
+            await self._run()
+
+    async def _run(self) -> None:
         if self._warmup:
             await self._run_warmup()
             return

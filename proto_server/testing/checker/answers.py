@@ -67,6 +67,8 @@ def judge(event: ClientEvent, view: View) -> str | None:
             return "invalid_field"
         if event.context_management:
             return "invalid_field"
+        # `background` is refused on a WebSocket (as OpenAI's is), served over HTTP (the
+        # ledger of an SSE stream drops it)
         return "invalid_field" if event.background else refusal(event)
     if view.phase in ("none", "ending"):
         return "no_open_response"

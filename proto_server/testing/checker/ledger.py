@@ -78,10 +78,17 @@ class Ledger:
     an accepted frame's effect to it."""
 
     def __init__(
-        self, model: Responses, *, dialect: Dialect, unsolicited_errors: frozenset[str]
+        self,
+        model: Responses,
+        *,
+        dialect: Dialect,
+        unsolicited_errors: frozenset[str],
+        background: bool = False,
     ) -> None:
         self.model = model
         self.dialect = dialect
+        #: `background: true` is served (over HTTP), not refused (over a WebSocket).
+        self.background = background
         self.unsolicited_errors = unsolicited_errors
         self.frames: list[Frame] = []
         self.steers: dict[str, Steer] = {}
@@ -101,6 +108,9 @@ class Ledger:
                 frame = as_json(frame)
             text = frame if isinstance(frame, str) else orjson.dumps(frame).decode()
             record.event = decode_client_event(text)
+            if self.background and isinstance(record.event, ResponseCreate):
+                # served as any create: its stream is the same, only its creator may leave it
+                record.event = attrs.evolve(record.event, background=None)
             record.raw = frame if not isinstance(frame, str) else orjson.loads(frame)
             record.kind = record.event.type
         except ProtocolError as exc:

@@ -54,7 +54,10 @@ class StreamChecker:
         self.transport: Transport = transport
         self.model = Responses(dialect=dialect, count_tokens=count_tokens)
         self.ledger = Ledger(
-            self.model, dialect=dialect, unsolicited_errors=frozenset(unsolicited_errors)
+            self.model,
+            dialect=dialect,
+            unsolicited_errors=frozenset(unsolicited_errors),
+            background=transport == "sse",
         )
         self.next_sequence = 0
         self.violation: InvariantViolation | None = None
