@@ -13,6 +13,7 @@
                                   does not answer (with engine replicas: none does; the body
                                   lists each replica)
     GET  /metrics                 the Prometheus scrape (metrics.py), behind auth when it is on
+    /admin/...                    a pause for a weight update, behind --admin-key (admin.py)
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
 again; `previous_response_id` is served from the persisted store, which answers each API key
@@ -45,6 +46,7 @@ from proto_server.core.request import input_items
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
+from proto_server.server.dialects.admin import AdminRequest, is_admin, serve_admin
 from proto_server.server.dialects.streams import (
     not_in_flight,
     serve_reattach,
@@ -137,6 +139,11 @@ class Exchange:
             return
         if route == ("GET", "/readyz"):
             await self._ready()
+            return
+        if is_admin(self.path):  # a key of their own, never a client's
+            admin = AdminRequest(method=self.method, path=self.path, query=self.query,
+                                 authorization=self.authorization, body=self._body)  # fmt: skip
+            await serve_admin(self.responses, self.stream, self.conn, admin)
             return
         owner = self.responses.tenants.owner(self.authorization)  # before the route: see app.py
         if owner is None:

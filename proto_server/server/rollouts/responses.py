@@ -57,6 +57,7 @@ from proto_server.server.rollouts.admission import Admission
 from proto_server.server.rollouts.appending import prepare_append
 from proto_server.server.rollouts.checks import check_servable, compiles_schema, servable_bytes
 from proto_server.server.rollouts.kept import Detached, KeptEvents
+from proto_server.server.rollouts.pausing import PauseGate
 from proto_server.server.rollouts.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollouts.rollout import Rollout
 from proto_server.server.rollouts.sampling import LoopSettings, SamplingLoop
@@ -135,6 +136,8 @@ class Responses:
                 up_share=shared.up_share if shared is not None else None,
                 recheck_s=shared.probe_interval_s if shared is not None else 0,
             )
+        #: The gate a trainer's pause closes for a weight update (pausing.py, admin.py).
+        self.pause = PauseGate(generator, timeout_s=config.pause_timeout_s)
 
     def keeper(self, owner: str) -> KeptEvents | None:
         """Where a streamed Response's events are kept for a reattach by `owner` (None:
@@ -460,6 +463,7 @@ class Responses:
             observer=self.observer,
             suspensions=self.suspensions,
             admission=self.admission,
+            pause=self.pause,
         )
 
     def _turn_ended(self, record: TurnRecord) -> None:
