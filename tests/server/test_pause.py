@@ -19,7 +19,6 @@ import trio.testing
 from proto_server.cli import admin_key, main
 from proto_server.core.request import TOKEN_IDS
 from proto_server.engine.simulated import TimingModel
-
 from proto_server.testing.client import EventTimeout, WireClient
 
 from ..support.clients import connect

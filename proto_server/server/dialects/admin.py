@@ -60,6 +60,13 @@ async def serve_admin(
             status = gate.state.status()
         elif route == ("POST", "/admin/pause"):
             mode = _mode(request.query)
+            if mode is PauseMode.KEEP and not gate.can_keep():
+                raise ProtocolError(
+                    "unsupported_pause_mode",
+                    "mode=keep needs a generator that can freeze its running segments (the "
+                    "simulated GPU, vllm); use mode=wait.",
+                    param="mode",
+                )
             log.info("admin.pause", extra={"mode": str(mode)})
             status = await gate.pause(mode)
         elif route == ("POST", "/admin/resume"):
