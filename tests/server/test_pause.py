@@ -17,12 +17,17 @@ import trio
 import trio.testing
 
 from proto_server.cli import admin_key, main
+from proto_server.core.pause import Pause, PauseMode, PauseRefused
 from proto_server.core.request import TOKEN_IDS
-from proto_server.engine.simulated import TimingModel
+from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.simulated import SimulatedGenerator, TimingModel
+from proto_server.server.listener.app import ProtoServer
+from proto_server.server.process.config import ServerConfig
 from proto_server.testing.client import EventTimeout, WireClient
 
 from ..support.clients import connect
 from ..support.frames import THREE_SEGMENTS, answers, body, create
+from ..support.generators import RecordingGenerator
 from ..support.servers import Running, StartServer
 from ..support.stores import CheckpointStore
 
@@ -33,10 +38,11 @@ SLOW = TimingModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=50)
 
 
 async def start(start_server: StartServer, script: dict[str, Any], **config: Any) -> Running:
-    return await start_server(
+    running: Running = await start_server(
         script, store=CheckpointStore(), admin_key="admin-secret", api_keys=("client-key",),
         **config,
     )  # fmt: skip
+    return running
 
 
 async def admin(
@@ -146,7 +152,7 @@ async def test_a_suspended_rollout_stays_suspended_and_its_append_waits_for_the_
     with trio.fail_after(7200):
         async with (
             httpx.AsyncClient(timeout=None) as http,
-            connect(running.prototype_url, **CLIENT) as client,
+            connect(running.prototype_url, Authorization=CLIENT["Authorization"]) as client,
         ):
             await client.send(create(include=[TOKEN_IDS]))
             first = await client.segment()
@@ -174,7 +180,7 @@ async def test_keep_freezes_running_segments_where_they_are(
     with trio.fail_after(1200):
         async with (
             httpx.AsyncClient(timeout=None) as http,
-            connect(running.prototype_url, **CLIENT) as client,
+            connect(running.prototype_url, Authorization=CLIENT["Authorization"]) as client,
         ):
             await client.send(create(tools=[]))
             await client.until("response.output_text.delta")
@@ -220,3 +226,43 @@ def test_the_admin_key_comes_from_its_flag_or_its_variable(
             admin_key(flag, environ)
     assert main(["serve", "--admin-key", "k", "--workers", "2", "--store", ":memory:"]) == 2
     assert "one worker per port" in capsys.readouterr().err
+
+
+class Unfreezable(RecordingGenerator):
+    """The simulated GPU without its freeze: as the local model, it cannot hold what runs."""
+
+    renderer = None
+
+    def __init__(self) -> None:
+        super().__init__(SimulatedGenerator(DefaultModel()))
+
+
+async def test_keep_is_refused_where_the_generator_cannot_freeze(nursery: trio.Nursery) -> None:
+    server = ProtoServer(Unfreezable(), ServerConfig(port=0, admin_key="admin-secret"))
+    address = await nursery.start(server.serve)
+    root = address.http_url.removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=10) as http:
+        refused = await http.post(f"{root}/admin/pause?mode=keep", headers=ADMIN)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "unsupported_pause_mode"
+        assert not (await http.get(f"{root}/admin/paused", headers=ADMIN)).json()["is_paused"]
+        held = await http.post(f"{root}/admin/pause?mode=wait", headers=ADMIN)
+        assert held.json()["held"]
+
+
+def test_the_pause_as_data() -> None:
+    """Held once nothing runs (wait) or at once (keep); another mode is refused while paused;
+    a resume while not paused only sets the version."""
+    pause = Pause()
+    assert pause.start() and pause.running == 1
+    pause.pause(PauseMode.WAIT)
+    assert not pause.held and not pause.start()
+    with pytest.raises(PauseRefused):
+        pause.pause(PauseMode.KEEP)
+    assert pause.end() and pause.held
+    pause.resume("v2")
+    assert not pause.paused and pause.weight_version == "v2"
+    pause.resume()
+    assert pause.weight_version == "v2"
+    pause.pause(PauseMode.KEEP)
+    assert pause.held and pause.status().mode == "keep"

@@ -62,13 +62,13 @@ class PauseGate:
         state.waiting += 1
         try:
             while not state.start():
-                with trio.move_on_at(deadline):
-                    await self._resumed.wait()
-                if not self._resumed.is_set():
+                if trio.current_time() >= deadline:
                     raise PauseTimeout(
                         f"held {self.timeout_s:g} s by a pause for a weight update "
                         "(--pause-timeout)"
                     )
+                with trio.move_on_at(deadline):
+                    await self._resumed.wait()
         finally:
             state.waiting -= 1
 
