@@ -219,6 +219,10 @@ class Freeze:
     def __init__(self) -> None:
         self._thawed: trio.Event | None = None  # made in the run that freezes it
 
+    @property
+    def frozen(self) -> bool:
+        return self._thawed is not None
+
     def freeze(self) -> None:
         if self._thawed is None:
             self._thawed = trio.Event()

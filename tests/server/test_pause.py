@@ -20,9 +20,12 @@ from proto_server.cli import admin_key, main
 from proto_server.core.pause import Pause, PauseMode, PauseRefused
 from proto_server.core.request import TOKEN_IDS
 from proto_server.engine.default_model import DefaultModel
+from proto_server.engine.limits import GeneratorError
+from proto_server.engine.replicas import Replica, ReplicatedGenerator
 from proto_server.engine.simulated import SimulatedGenerator, TimingModel
 from proto_server.server.listener.app import ProtoServer
 from proto_server.server.process.config import ServerConfig
+from proto_server.server.rollouts.pausing import PauseGate
 from proto_server.testing.client import EventTimeout, WireClient
 
 from ..support.clients import connect
@@ -266,3 +269,37 @@ def test_the_pause_as_data() -> None:
     assert pause.weight_version == "v2"
     pause.pause(PauseMode.KEEP)
     assert pause.held and pause.status().mode == "keep"
+
+
+class Refusing(Unfreezable):
+    """A replica whose engine refuses to pause (vLLM without VLLM_SERVER_DEV_MODE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resumed = 0
+
+    async def pause_engine(self, mode: str) -> None:
+        raise GeneratorError("engine_error", "the engine serves no /pause")
+
+    async def resume_engine(self) -> None:
+        self.resumed += 1
+
+
+async def test_a_pause_reaches_every_replica_and_one_refusal_undoes_it() -> None:
+    engines = [SimulatedGenerator(DefaultModel()), SimulatedGenerator(DefaultModel())]
+    gate = PauseGate(
+        ReplicatedGenerator([Replica(f"engine-{i}", e) for i, e in enumerate(engines)]),
+        timeout_s=60,
+    )
+    assert (await gate.pause(PauseMode.KEEP)).held
+    assert all(engine.freeze.frozen for engine in engines)
+    await gate.resume("v2")
+    assert not any(engine.freeze.frozen for engine in engines)
+
+    refusing = Refusing()
+    gate = PauseGate(
+        ReplicatedGenerator([Replica("up", engines[0]), Replica("old", refusing)]), timeout_s=60
+    )
+    with pytest.raises(GeneratorError, match="no /pause"):
+        await gate.pause(PauseMode.KEEP)
+    assert not gate.state.paused and not engines[0].freeze.frozen and refusing.resumed == 1
