@@ -29,7 +29,7 @@ from proto_server.server.rollouts.pausing import PauseGate
 from proto_server.testing.client import EventTimeout, WireClient
 
 from ..support.clients import connect
-from ..support.frames import THREE_SEGMENTS, answers, body, create
+from ..support.frames import THREE_SEGMENTS, answers, body, create, launched_create
 from ..support.generators import RecordingGenerator
 from ..support.servers import Running, StartServer
 from ..support.stores import CheckpointStore
@@ -303,3 +303,22 @@ async def test_a_pause_reaches_every_replica_and_one_refusal_undoes_it() -> None
     with pytest.raises(GeneratorError, match="no /pause"):
         await gate.pause(PauseMode.KEEP)
     assert not gate.state.paused and not engines[0].freeze.frozen and refusing.resumed == 1
+
+
+async def test_a_launched_turn_sent_while_paused_is_in_progress_then_runs_after_the_resume(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    running = await start(start_server, TEXT)
+    with trio.fail_after(600):
+        async with (
+            httpx.AsyncClient(timeout=None) as http,
+            connect(running.address.ws_url, Authorization=CLIENT["Authorization"]) as client,
+        ):
+            await admin(http, running, "POST", "pause?mode=keep")
+            await client.send(launched_create(tools=[], include=[TOKEN_IDS]))
+            head = [await client.receive(), await client.receive()]
+            assert [e["type"] for e in head] == ["response.created", "response.in_progress"]
+            assert await silent(client, 120) == 0
+            await admin(http, running, "POST", "resume", json={"weight_version": "v3"})
+            events = await client.until("response.completed")
+    assert versions(events[-1]["response"]["output"]) == ["v3"]
