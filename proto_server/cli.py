@@ -39,6 +39,7 @@ from proto_server.server.store import StoreRetention
 E = TypeVar("E", bound=BaseException)
 
 API_KEYS_ENV = "PROTO_SERVER_API_KEYS"
+ADMIN_KEY_ENV = "PROTO_SERVER_ADMIN_KEY"
 
 
 def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -61,6 +62,16 @@ def api_keys(flags: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[s
             "with no blank entries"
         )
     return tuple(keys)
+
+
+def admin_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key from --admin-key, else from PROTO_SERVER_ADMIN_KEY; a blank one is refused
+    (ValueError) rather than letting `Bearer` in."""
+    key = flag if flag is not None else environ.get(ADMIN_KEY_ENV)
+    if key is not None and not key.strip():
+        where = "--admin-key" if flag is not None else ADMIN_KEY_ENV
+        raise ValueError(f"{where} must not be empty or blank; pass the key itself")
+    return None if key is None else key.strip()
 
 
 def key_weights(flags: Sequence[str] | None) -> tuple[tuple[str, float], ...]:
@@ -136,9 +147,15 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         planner: Planner = load_script(launch.script) if launch.script else DefaultModel()
         keys = api_keys(launch.api_key, os.environ)
         weights = key_weights(launch.key_weight)
+        admin = admin_key(launch.admin_key, os.environ)
+        if admin is not None and launch.workers > 1:
+            raise ValueError(
+                "--admin-key: a pause would reach only the worker that took its connection; "
+                "run one worker per port (drop --workers) to pause for a weight update"
+            )
     except (ValueError, ScriptError) as exc:
         raise Refused(str(exc)) from None
-    config = from_flags(ServerConfig, args, api_keys=keys, key_weights=weights)
+    config = from_flags(ServerConfig, args, api_keys=keys, key_weights=weights, admin_key=admin)
     retention = from_flags(StoreRetention, args)
     if launch.workers > 1 and launch.listen_fd is None:
         return _supervise(args, argv)

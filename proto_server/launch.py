@@ -165,6 +165,13 @@ class Launch:
         help="accept this bearer key (repeatable); also PROTO_SERVER_API_KEYS=k1,k2; "
         "without any, no auth",
     )
+    admin_key: str | None = setting(
+        None,
+        metavar="KEY",
+        help="the bearer key of the admin endpoints (POST /admin/pause, /admin/resume, GET "
+        "/admin/paused: a pause for a weight update), apart from the clients' keys; also "
+        "PROTO_SERVER_ADMIN_KEY; without it they answer 404",
+    )
     key_weight: tuple[str, ...] = setting(
         (),
         metavar="KEY_ID=W",

@@ -27,6 +27,8 @@ class TokenFields(TypedDict, total=False):
     prompt_token_ids: tuple[int, ...]
     generation_token_ids: tuple[int, ...]
     generation_log_probs: tuple[float, ...]
+    #: The weights' label when the item's segment began (set by a trainer's resume).
+    weight_version: str
 
 
 @attrs.frozen
@@ -46,14 +48,18 @@ class Trace:
     prompt: tuple[int, ...]
     ids: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    weight_version: str | None = None
 
     def fields(self) -> TokenFields:
-        """The item's token fields."""
-        return {
+        """The item's token fields (its weight version where one was set)."""
+        fields: TokenFields = {
             "prompt_token_ids": self.prompt,
             "generation_token_ids": tuple(self.ids),
             "generation_log_probs": tuple(self.logprobs),
         }
+        if self.weight_version is not None:
+            fields["weight_version"] = self.weight_version
+        return fields
 
 
 def token_fields(trace: Trace | None, status: str) -> TokenFields:
@@ -68,12 +74,14 @@ class SegmentTokens:
 
     def __init__(self) -> None:
         self._seen: list[int] = []
+        self._version: str | None = None
 
-    def begin(self, prompt: tuple[int, ...] | None) -> None:
+    def begin(self, prompt: tuple[int, ...] | None, weight_version: str | None = None) -> None:
         self._seen = list(prompt or ())
+        self._version = weight_version
 
     def open(self) -> Trace:
-        return Trace(prompt=tuple(self._seen))
+        return Trace(prompt=tuple(self._seen), weight_version=self._version)
 
     def add(self, trace: Trace | None, sampled: Sampled | None) -> None:
         if sampled is None:

@@ -120,3 +120,17 @@ class ListedGenerator(Protocol):
     async def engine_models(self) -> list[dict[str, Any]] | None:
         """The engine's model objects as it lists them now; None if it does not answer."""
         ...
+
+
+@runtime_checkable
+class PausableGenerator(Protocol):
+    """A generator whose engine can be paused for a weight update (vLLM's `/pause` and
+    `/resume`, on every replica; the simulated GPU's freeze): `mode` is `wait` (called once
+    no segment of this server runs: the engine holds what others send it) or `keep` (what
+    runs is frozen where it is, and goes on after `resume_engine`)."""
+
+    async def pause_engine(self, mode: str) -> None:
+        """Pause; raises `GeneratorError` if the engine refuses or does not answer."""
+        ...
+
+    async def resume_engine(self) -> None: ...

@@ -18,7 +18,7 @@ the served model) and gives a replica that answers again new work at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -32,6 +32,7 @@ from proto_server.engine.base import (
     GeneratorSession,
     GrammarGenerator,
     ListedGenerator,
+    PausableGenerator,
     ProbedGenerator,
     TokenGenerator,
     says_logprobs,
@@ -153,6 +154,30 @@ class ReplicatedGenerator:
 
     def states(self) -> list[ReplicaState]:
         return [self._state(index) for index in range(len(self.replicas))]
+
+    async def pause_engine(self, mode: str) -> None:
+        """Every replica paused at once (one that is down too: it must not serve old weights
+        when it comes back); the first refusal is raised once all have answered."""
+        await self._every(lambda engine: engine.pause_engine(mode))
+
+    async def resume_engine(self) -> None:
+        await self._every(lambda engine: engine.resume_engine())
+
+    async def _every(self, call: Callable[[PausableGenerator], Awaitable[None]]) -> None:
+        failed: list[GeneratorError] = []
+
+        async def one(engine: PausableGenerator) -> None:
+            try:
+                await call(engine)
+            except GeneratorError as exc:
+                failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for replica in self.replicas:
+                if isinstance(replica.generator, PausableGenerator):
+                    nursery.start_soon(one, replica.generator)
+        if failed:
+            raise failed[0]
 
     async def aclose(self) -> None:
         for replica in self.replicas:

@@ -212,6 +212,35 @@ def _chunks(segment: Segment, limits: GenerationLimits) -> Iterator[tuple[Chunk,
         yield ToolCallEnd(), 0
 
 
+class Freeze:
+    """The simulated GPU paused with `keep` (a weight update): no session says a token more
+    until it thaws, as vLLM's scheduler holds its running requests."""
+
+    def __init__(self) -> None:
+        self._thawed: trio.Event | None = None  # made in the run that freezes it
+
+    @property
+    def frozen(self) -> bool:
+        return self._thawed is not None
+
+    def freeze(self) -> None:
+        if self._thawed is None:
+            self._thawed = trio.Event()
+
+    def thaw(self) -> None:
+        if self._thawed is not None:
+            self._thawed.set()
+            self._thawed = None
+
+    async def wait(self) -> bool:
+        """Until thawed; True if it had to wait."""
+        thawed = self._thawed
+        if thawed is None:
+            return False
+        await thawed.wait()
+        return True
+
+
 class SimulatedSession:
     def __init__(
         self,
@@ -222,7 +251,9 @@ class SimulatedSession:
         prefix_cache: PrefixCache | None = None,
         meter: GpuMeter | None = None,
         cache_salt: str | None = None,
+        freeze: Freeze | None = None,
     ) -> None:
+        self._freeze = freeze
         self._conversation = conversation
         self._planner = planner
         self._timing = timing
@@ -306,6 +337,8 @@ class SimulatedSession:
                     await send.send(SegmentEnd(incomplete="max_output_tokens"))
                     return
                 budget -= tokens
+                if self._freeze is not None and await self._freeze.wait():
+                    pacer = _Pacer(self._timing)  # the time frozen was not decoding
                 if tokens:
                     await self._decode(pacer, tokens)
                 await hand_over(send, chunk)
@@ -331,6 +364,8 @@ class SimulatedGenerator:
     prefix_cache: PrefixCache | None = None
     meter: GpuMeter | None = None
     renderer: Renderer | None = None
+    #: Paused with `keep`: every session stops before its next token (`pause_engine`).
+    freeze: Freeze = attrs.field(factory=Freeze, eq=False, repr=False)
 
     @property
     def forces_tool_calls(self) -> bool:
@@ -355,4 +390,14 @@ class SimulatedGenerator:
             prefix_cache=self.prefix_cache,
             meter=self.meter,
             cache_salt=cache_salt,
+            freeze=self.freeze,
         )
+
+    async def pause_engine(self, mode: str) -> None:
+        """`keep` freezes every session before its next token; `wait` has nothing to hold
+        (the server lets no segment start)."""
+        if mode == "keep":
+            self.freeze.freeze()
+
+    async def resume_engine(self) -> None:
+        self.freeze.thaw()

@@ -262,10 +262,13 @@ _function_call = converter.gen_unstructure_attrs_fromdict(FunctionCall)
 
 
 def _without_token_fields(obj: dict[str, Any]) -> dict[str, Any]:
-    """An item carries its token fields only when they were asked for (`include`)."""
+    """An item carries its token fields only when they were asked for (`include`), and its
+    weight version only where one was set."""
     if obj["generation_token_ids"] is None:
         for name in TOKEN_FIELDS:
             del obj[name]
+    if obj["weight_version"] is None:
+        del obj["weight_version"]
     return obj
 
 

@@ -102,6 +102,8 @@ class Message:
     generation_token_ids: tuple[int, ...] | None = None
     #: The logprob of each of `generation_token_ids`.
     generation_log_probs: tuple[float, ...] | None = None
+    #: This server's extension beside them: the weights' label (a trainer's resume sets it).
+    weight_version: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -116,6 +118,7 @@ class FunctionCall:
     prompt_token_ids: tuple[int, ...] | None = None
     generation_token_ids: tuple[int, ...] | None = None
     generation_log_probs: tuple[float, ...] | None = None
+    weight_version: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -161,6 +164,7 @@ class Reasoning:
     prompt_token_ids: tuple[int, ...] | None = None
     generation_token_ids: tuple[int, ...] | None = None
     generation_log_probs: tuple[float, ...] | None = None
+    weight_version: str | None = None
 
     @property
     def text(self) -> str:

@@ -298,8 +298,9 @@ def test_every_validated_setting_the_cli_sets_has_its_flag() -> None:
     from proto_server.server.process.config import ServerConfig
 
     unset = {"client_queue_events", "chunk_queue", "max_request_head_bytes"}  # no flag
-    # their own flags: --api-key also reads PROTO_SERVER_API_KEYS, --key-weight parses pairs
-    own = {"api_keys": "--api-key", "key_weights": "--key-weight"}
+    # their own flags: --api-key also reads PROTO_SERVER_API_KEYS (--admin-key, its
+    # PROTO_SERVER_ADMIN_KEY), --key-weight parses pairs
+    own = {"api_keys": "--api-key", "key_weights": "--key-weight", "admin_key": "--admin-key"}
     for cls in SETTINGS:
         for field in attrs.fields(cls):
             if field.validator is None or field.name in unset:

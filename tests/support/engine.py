@@ -87,6 +87,9 @@ class Engine:
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            # its RL routes (/pause, /resume, /is_paused), which a pause for a weight update
+            # reaches (tests/services/test_vllm_pause.py)
+            "VLLM_SERVER_DEV_MODE": "1",
         }
         with self.log_path.open("ab") as log:
             # a session of its own: the engine's worker processes are stopped with it

@@ -53,6 +53,7 @@ REFUSED: list[tuple[type[Any], str, Any, str]] = [
     (ServerConfig, "admission_ttl_median", -1.0, "between 0 and 1000"),
     (ServerConfig, "admission_bypass", -1, "between 0 and 1000000"),
     (ServerConfig, "admission_timeout_s", -1, "positive"),
+    (ServerConfig, "pause_timeout_s", 0, "positive"),
     (ServerConfig, "admission_sync_interval_s", 0, "between 0.01 and 60"),
     (ServerConfig, "admission_sync_interval_s", 61, "between 0.01 and 60"),
     (TimingModel, "prefill_tokens_per_s", 0, "positive"),

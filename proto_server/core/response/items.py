@@ -144,10 +144,13 @@ class Output:
             OutputItemDone(output_index=index, item=item),
         ]
 
-    def begin_segment(self, prompt_ids: tuple[int, ...] | None) -> None:
-        """A segment begins on a prompt of `prompt_ids` (those the engine was sent)."""
+    def begin_segment(
+        self, prompt_ids: tuple[int, ...] | None, weight_version: str | None = None
+    ) -> None:
+        """A segment begins on a prompt of `prompt_ids` (those the engine was sent), sampled
+        with the weights labelled `weight_version`."""
         if self.token_ids:
-            self._segment.begin(prompt_ids)
+            self._segment.begin(prompt_ids, weight_version)
 
     def _trace(self) -> Trace | None:
         return self._segment.open() if self.token_ids else None

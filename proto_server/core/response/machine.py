@@ -247,12 +247,18 @@ class ResponseMachine(Streamed, Ends):
         return events
 
     def begin_segment(
-        self, *, prompt_tokens: int, cached_tokens: int, prompt_ids: tuple[int, ...] | None = None
+        self,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        prompt_ids: tuple[int, ...] | None = None,
+        weight_version: str | None = None,
     ) -> None:
         """The generator prefilled a prompt of which `cached_tokens` were already warm;
-        `prompt_ids`: its ids, where the client asked for them."""
+        `prompt_ids`: its ids, where the client asked for them, and the version of the weights
+        it samples with, which its items carry beside their ids."""
         self._require_streaming("begin a segment")
-        self._items.begin_segment(prompt_ids)
+        self._items.begin_segment(prompt_ids, weight_version)
         self.segment_open = True
         self.segments += 1
         self._tokens.begin_segment(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)

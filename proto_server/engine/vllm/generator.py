@@ -20,9 +20,14 @@ from proto_server.engine.model_files import LoadedTokenizer
 from proto_server.engine.model_renderer import RENDER_CACHE_BYTES
 from proto_server.engine.renderers import renderer_for
 from proto_server.engine.vllm.protocol import (
+    ENGINE_ERROR,
+    ERROR_BODY_BYTES,
     PROBE_TIMEOUT_S,
+    EngineError,
     EngineSetupError,
     ServedModel,
+    error_for_exception,
+    error_for_status,
     parse_models,
 )
 from proto_server.engine.vllm.session import VllmSession
@@ -129,6 +134,30 @@ class VllmGenerator:
         if not isinstance(data, list):
             return None
         return [entry for entry in data if isinstance(entry, dict) and "id" in entry]
+
+    async def pause_engine(self, mode: str) -> None:
+        """vLLM's `POST /pause?mode=...` (served at the engine's root, not under `/v1`, when
+        it runs with VLLM_SERVER_DEV_MODE=1); `wait` returns once its requests have ended."""
+        await self._admin("/pause", {"mode": mode})
+
+    async def resume_engine(self) -> None:
+        await self._admin("/resume", {})
+
+    async def _admin(self, path: str, params: dict[str, str]) -> None:
+        """One of vLLM's RL endpoints; EngineError saying what to run if it refuses."""
+        url = self.url.removesuffix("/v1") + path
+        try:
+            answer = await self.client.post(url, params=params)
+        except httpx.HTTPError as exc:
+            raise error_for_exception(exc, url) from exc
+        if answer.status_code == 404:
+            raise EngineError(
+                ENGINE_ERROR,
+                f"the engine at {self.url} serves no {path}: start vLLM with "
+                "VLLM_SERVER_DEV_MODE=1 for its pause and resume endpoints",
+            )
+        if answer.status_code != 200:
+            raise error_for_status(answer.status_code, answer.content[:ERROR_BODY_BYTES])
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -11,11 +11,13 @@
     POST   /v1/responses/input_tokens     the prompt tokens a create would be served with
     GET    /v1/models[/{id}]              the engine's models (vLLM), else the served model
     POST   /v1/responses/compact          a compacted history to start a new chain from
+                                          (compacting.py)
     GET  /healthz                 liveness
     GET  /readyz                  readiness: 503 while shutting down, or the store or engine
                                   does not answer (with engine replicas: none does; the body
                                   lists each replica)
     GET  /metrics                 the Prometheus scrape (metrics.py), behind auth when it is on
+    /admin/...                    a pause for a weight update, behind --admin-key (admin.py)
 
 Every request is cold, as a stateless API must be: the whole history is rendered and prefilled
 again; `previous_response_id` is served from the persisted store, which answers each API key
@@ -39,15 +41,12 @@ import h11
 import orjson
 import trio
 
-from proto_server.core.compaction import check_compactions, compact
-from proto_server.core.conversation import Conversation, counted
-from proto_server.core.ids import new_id
 from proto_server.core.paging import PageQuery, page, parse_page_query
-from proto_server.core.render import Renderer
-from proto_server.core.request import input_items
 from proto_server.core.response.status import TERMINAL_EVENTS
 from proto_server.engine.base import ListedGenerator, ProbedGenerator
 from proto_server.engine.replicas import ReplicatedGenerator
+from proto_server.server.dialects.admin import AdminRequest, is_admin, serve_admin
+from proto_server.server.dialects.compacting import compaction
 from proto_server.server.dialects.streams import (
     create_background,
     not_in_flight,
@@ -83,7 +82,7 @@ from proto_server.wire.converter import converter, decode_request_body, encode_j
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import ResponseCreate, ServerEvent
 from proto_server.wire.items import Item, item_id, listed
-from proto_server.wire.response import Response, Usage
+from proto_server.wire.response import Response
 
 RESPONSES = "/v1/responses/"
 INPUT = "/input_items"
@@ -140,6 +139,11 @@ class Exchange:
             return
         if route == ("GET", "/readyz"):
             await self._ready()
+            return
+        if is_admin(self.path):  # a key of their own, never a client's
+            admin = AdminRequest(method=self.method, path=self.path, query=self.query,
+                                 authorization=self.authorization, body=self._body)  # fmt: skip
+            await serve_admin(self.responses, self.stream, self.conn, admin)
             return
         owner = self.responses.tenants.owner(self.authorization)  # before the route: see app.py
         if owner is None:
@@ -441,48 +445,8 @@ class Exchange:
             raise ProtocolError(
                 "invalid_field", "`model` is required by /v1/responses/compact.", param="model"
             )
-        new_items = input_items(create)
-        check_compactions(new_items, self.responses.compaction_key)
-        items = [*await self._history(create.previous_response_id), *new_items]
-        turns, outputs = counted(items)
-        output, summary = compact(
-            items, self.responses.compaction_key, model_turns=turns, tool_outputs=outputs
-        )
-        input_tokens, output_tokens = await self.responses.offload.run(
-            _count_tokens,
-            self.responses.renderer,
-            create.instructions,
-            items,
-            output,
-            size=len(body) + 1024 * len(items),
-        )
-        await self._json(
-            200,
-            {
-                "id": new_id("cmp"),
-                "object": "response.compaction",
-                "created_at": int(time.time()),
-                "model": create.model,
-                "output": converter.unstructure(output),
-                "usage": converter.unstructure(
-                    Usage(
-                        input_tokens=input_tokens,
-                        output_tokens=output_tokens,
-                        total_tokens=input_tokens + output_tokens,
-                    )
-                ),
-            },
-        )
-        log.debug("http.compact", extra={"items": len(items), "summary": summary})
-
-
-def _count_tokens(
-    renderer: Renderer, instructions: str | None, items: list[Item], output: list[Item]
-) -> tuple[int, int]:
-    """The tokens of a compaction's input and of its output (on a worker thread if large)."""
-    conversation = Conversation(renderer, instructions=instructions)
-    conversation.extend(items)
-    return conversation.token_count, Conversation(renderer).extend(output)
+        history = await self._history(create.previous_response_id)
+        await self._json(200, await compaction(self.responses, create, history, len(body)))
 
 
 def input_listing(

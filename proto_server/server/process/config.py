@@ -21,6 +21,11 @@ def _no_blank_keys(instance: Any, attribute: attrs.Attribute[Any], keys: tuple[s
             raise ValueError(f"{attribute.name} must not hold an empty or blank key")
 
 
+def _no_blank_key(instance: Any, attribute: attrs.Attribute[Any], key: str | None) -> None:
+    if key is not None:
+        _no_blank_keys(instance, attribute, (key,))
+
+
 def _weights(
     instance: Any, attribute: attrs.Attribute[Any], weights: tuple[tuple[str, float], ...]
 ) -> None:
@@ -199,6 +204,16 @@ class ServerConfig:
     #: Each key is a tenant: what one stores, another cannot read, continue or compact. (Its
     #: flag, `--api-key`, also reads PROTO_SERVER_API_KEYS: the CLI builds it.)
     api_keys: tuple[str, ...] = attrs.field(default=(), validator=_no_blank_keys, repr=False)
+    #: The bearer key of the admin endpoints (`/admin/...`: a pause for a weight update), apart
+    #: from the clients' keys; None: they answer 404. (Its flag, `--admin-key`, also reads
+    #: PROTO_SERVER_ADMIN_KEY: the CLI builds it.)
+    admin_key: str | None = attrs.field(default=None, validator=_no_blank_key, repr=False)
+    pause_timeout_s: float = setting(
+        600.0,
+        positive,
+        help="a segment held by a pause for a weight update (POST /admin/pause) this long "
+        "ends its Response response.incomplete (reason pause_timeout)",
+    )
     kv_capacity_tokens: int = setting(
         0,
         at_least(0),

@@ -24,7 +24,9 @@ import trio
 from proto_server.core.admission_queue import Request, State
 from proto_server.core.scheduler import Scheduler
 from proto_server.core.shared_capacity import Load, capacity_for
+from proto_server.engine.base import SharedGenerator, TokenGenerator
 from proto_server.server.process import metrics
+from proto_server.server.process.config import ServerConfig
 from proto_server.server.process.logs import log
 from proto_server.server.store import LoadStore, StoreUnavailable
 
@@ -292,3 +294,26 @@ class Admission:
         metrics.ADMITTED.set(scheduler.admitted)
         metrics.ADMISSION_WAITING.set(scheduler.waiting)
         metrics.KV_RESERVED.set(scheduler.reserved)
+
+
+def admission_for(config: ServerConfig, generator: TokenGenerator) -> Admission | None:
+    """Admission as `config` sets it (None: no `--kv-capacity-tokens`, off); over engine
+    replicas, against the capacity of those that answer."""
+    if not config.kv_capacity_tokens:
+        return None
+    scheduler = Scheduler(
+        config.kv_budget_tokens,
+        ttl_s=config.admission_ttl_s,
+        ttl_median=config.admission_ttl_median or None,
+        weights=dict(config.key_weights),
+        bypass=config.admission_bypass,
+        growth=config.admission_growth,
+        overflow=config.admission_overflow,
+    )
+    shared = generator if isinstance(generator, SharedGenerator) else None
+    return Admission(
+        scheduler,
+        timeout_s=config.admission_timeout_s,
+        up_share=shared.up_share if shared is not None else None,
+        recheck_s=shared.probe_interval_s if shared is not None else 0,
+    )

@@ -45,8 +45,7 @@ from proto_server.core.request import (
     wants_token_ids,
 )
 from proto_server.core.response import Mode, ResponseMachine
-from proto_server.core.scheduler import Scheduler
-from proto_server.engine.base import SharedGenerator, TokenGenerator
+from proto_server.engine.base import TokenGenerator
 from proto_server.engine.model_renderer import ModelRenderer
 from proto_server.server.process import metrics
 from proto_server.server.process.auth import Tenants
@@ -55,12 +54,13 @@ from proto_server.server.process.logs import log
 from proto_server.server.process.memory import PREPARING_FACTOR, MemoryBudget
 from proto_server.server.process.observe import ServerObserver
 from proto_server.server.process.offload import INLINE_BYTES, Offload
-from proto_server.server.rollouts.admission import Admission
+from proto_server.server.rollouts.admission import admission_for
 from proto_server.server.rollouts.appending import prepare_append
 from proto_server.server.rollouts.background import Background
 from proto_server.server.rollouts.checks import check_servable, compiles_schema, servable_bytes
 from proto_server.server.rollouts.inflight import InFlight
 from proto_server.server.rollouts.kept import Detached, KeptEvents
+from proto_server.server.rollouts.pausing import PauseGate
 from proto_server.server.rollouts.resume import Durable, claim, claimable, rebuild, restored
 from proto_server.server.rollouts.rollout import Rollout
 from proto_server.server.rollouts.sampling import LoopSettings, SamplingLoop
@@ -126,26 +126,9 @@ class Responses:
         self.observer: ServerObserver | None = None
         self._on_rollout = on_rollout
         #: Admission by the engine's KV capacity (server/rollouts/admission.py); None: off.
-        self.admission: Admission | None = None
-        config = self.config
-        if config.kv_capacity_tokens:
-            scheduler = Scheduler(
-                config.kv_budget_tokens,
-                ttl_s=config.admission_ttl_s,
-                ttl_median=config.admission_ttl_median or None,
-                weights=dict(config.key_weights),
-                bypass=config.admission_bypass,
-                growth=config.admission_growth,
-                overflow=config.admission_overflow,
-            )
-            # over engine replicas, admitted against the capacity of those that answer
-            shared = generator if isinstance(generator, SharedGenerator) else None
-            self.admission = Admission(
-                scheduler,
-                timeout_s=config.admission_timeout_s,
-                up_share=shared.up_share if shared is not None else None,
-                recheck_s=shared.probe_interval_s if shared is not None else 0,
-            )
+        self.admission = admission_for(self.config, generator)
+        #: The gate a trainer's pause closes for a weight update (pausing.py, admin.py).
+        self.pause = PauseGate(generator, timeout_s=self.config.pause_timeout_s)
 
     def keeper(self, owner: str, *, background: bool = False) -> KeptEvents | None:
         """Where a streamed (or `background`) Response's events are kept for a reattach by
@@ -477,6 +460,7 @@ class Responses:
             suspensions=self.suspensions,
             admission=self.admission,
             in_flight=self.in_flight,
+            pause=self.pause,
         )
 
     def _turn_ended(self, record: TurnRecord) -> None:

@@ -16,7 +16,8 @@ steer cuts the generator short; the next step then says what the machine decided
 Its neighbours hold the rest: the wait while suspended (`suspension.IdleWait`), the store step
 (`storing.StoreStep`) and the turn's account (`turns.TurnAccount`). The generator task and the
 loop share the cancel scopes that the client's calls cut (`cancel`, `steer` and `expire` reach
-`_generator_scope` and `_admission_scope`), and only this loop sends the Response's events.
+`_generator_scope` and the wait before a segment, gates.py), and only this loop sends the
+Response's events.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from proto_server.engine.chunks import (
     ToolCallEnd,
 )
 from proto_server.engine.limits import GenerationLimits, GeneratorError
-from proto_server.server.process import metrics
 from proto_server.server.process.logs import log
 from proto_server.server.process.observe import ServerObserver
-from proto_server.server.rollouts.admission import ADMISSION_TIMEOUT, Admission, AdmissionTimeout
+from proto_server.server.rollouts.admission import Admission
+from proto_server.server.rollouts.gates import Gates
 from proto_server.server.rollouts.inflight import InFlight, Running
+from proto_server.server.rollouts.pausing import PauseGate
 from proto_server.server.rollouts.rollout import Rollout
 from proto_server.server.rollouts.storing import StoreStep
 from proto_server.server.rollouts.suspension import IdleWait, Suspensions
@@ -78,6 +80,8 @@ class LoopSettings:
     suspensions: Suspensions | None = None
     #: Who says when a segment may go to the engine (None: at once).
     admission: Admission | None = None
+    #: The gate a pause for a weight update closes (None: never paused).
+    pause: PauseGate | None = None
     #: Where a running Response is found by id, for a cancel or a poll (None: nowhere).
     in_flight: InFlight | None = None
 
@@ -113,10 +117,15 @@ class SamplingLoop:
         self.ended = False
         self._generator_scope: trio.CancelScope | None = None
         self._ended = trio.Event()
-        self._admission = settings.admission
-        self._engine_priority = settings.engine_priority
-        self._priority: int | None = None  # the next segment's, when the engine takes one
-        self._admission_scope: trio.CancelScope | None = None
+        #: Admission, then a pause: what each segment waits for before the engine.
+        self._gates = Gates(
+            machine,
+            rollout,
+            self._emit,
+            admission=settings.admission,
+            pause=settings.pause,
+            engine_priority=settings.engine_priority,
+        )
         self._in_flight = settings.in_flight
 
     # -- called by the connection's reader (synchronously validated, then handed over) --------
@@ -171,9 +180,9 @@ class SamplingLoop:
         self._cut()
 
     def snapshot(self) -> Response:
-        """The Response as it stands: `queued` while it waits for admission."""
+        """The Response as it stands: `queued` while it waits for admission or a pause."""
         response = self.machine.snapshot()
-        waiting = self._admission_scope is not None and not self.machine.ending
+        waiting = self._gates.waiting and not self.machine.ending
         return attrs.evolve(response, status="queued") if waiting else response
 
     def steer(self, steer: Steer) -> list[ServerEvent]:
@@ -190,8 +199,7 @@ class SamplingLoop:
         """Stop the generator and wake a suspension: the machine has decided what comes next."""
         if self._generator_scope is not None:
             self._generator_scope.cancel()
-        if self._admission_scope is not None and self.machine.ending:
-            self._admission_scope.cancel()  # a steer waits for admission with its Response
+        self._gates.cut()
         self._wait.wake()
 
     def evict(self, reason: str) -> None:
@@ -288,7 +296,14 @@ class SamplingLoop:
         machine = self.machine
         await self._emit(machine.start())
         self._count_rendered()
-        prefilled = await self.rollout.session.prefill()
+        if await self._gates.unpaused([]) is None:  # ended while a pause held it
+            await self._emit(machine.end())
+            self._finish()
+            return
+        try:
+            prefilled = await self.rollout.session.prefill()
+        finally:
+            self._gates.ended()
         if machine.status is Status.ENDING:  # cancelled while it prefilled
             await self._emit(machine.end())
         else:
@@ -311,11 +326,21 @@ class SamplingLoop:
     async def _run_segment(self, announce: list[ServerEvent]) -> None:
         """One segment: the generator starts first, so its prefill overlaps with writing the
         `announce` events (a Response snapshot with every tool; measurably slow to encode)."""
-        machine = self.machine
-        waited = await self._admitted(announce)
+        waited = await self._gates.passed(announce)
         if waited is None:
             return
-        announce = waited
+        try:
+            await self._segment(waited)
+        finally:
+            self._gates.ended()
+        self._turn.rendered_mark = self.rollout.conversation.rendered_tokens  # outputs: not input
+        self.rollout.account(self.machine.held_bytes)
+        self.rollout.segments += 1
+        self._gates.suspended()
+
+    async def _segment(self, announce: list[ServerEvent]) -> None:
+        """The segment on the engine, from its generator's start to its last event."""
+        machine = self.machine
         send, receive = trio.open_memory_channel[Chunk](self._chunk_queue)
         last: list[ServerEvent] = []
         async with trio.open_nursery() as nursery:
@@ -337,46 +362,6 @@ class SamplingLoop:
         # The Response's terminal event goes out only now, and `run` marks it ended without
         # yielding in between: a client that answers it with a create finds it ended.
         await self._emit(last)
-        self._turn.rendered_mark = self.rollout.conversation.rendered_tokens  # outputs: not input
-        self.rollout.account(self.machine.held_bytes)
-        self.rollout.segments += 1
-        if self._admission is not None:
-            self._admission.suspended(self.rollout)
-
-    async def _admitted(self, announce: list[ServerEvent]) -> list[ServerEvent] | None:
-        """Once the segment may go to the engine, what of `announce` is still to send: at
-        once (all of it) when admission is off, the rollout is admitted already or there is
-        room; else after `announce` is sent (the client sees the Response in progress) and a
-        wait that a cancel or an expiry cuts short and `--admission-timeout` bounds (a steer
-        waits with it, applied as the segment starts). None: the Response is ending instead."""
-        rollout = self.rollout
-        admission = self._admission
-        if admission is None:
-            resident = rollout.segments > 0
-        else:
-            answer = admission.request(rollout, rollout.owner, rollout.conversation.token_count)
-            resident = answer.resident
-            if not answer.admitted:
-                await self._emit(announce)
-                announce = []
-                try:
-                    with trio.CancelScope() as self._admission_scope:
-                        await admission.wait(rollout)
-                except AdmissionTimeout as exc:
-                    log.info(
-                        "response.admission_timeout",
-                        extra={"response": self.machine.id, "reason": str(exc)},
-                    )
-                    metrics.EVICTIONS.labels(ADMISSION_TIMEOUT).inc()
-                    self.machine.request_expire(ADMISSION_TIMEOUT)
-                finally:
-                    self._admission_scope = None
-                if self.machine.ending:  # cancelled, expired or timed out while it waited
-                    admission.suspended(rollout)  # admitted as it ended: its place may lapse
-                    return None
-        if self._engine_priority:
-            self._priority = 0 if resident else 1
-        return announce
 
     async def _generate(
         self,
@@ -416,7 +401,8 @@ class SamplingLoop:
             logprobs=machine.logprobs,
             token_ids=machine.token_ids,
         )
-        return limits if self._priority is None else attrs.evolve(limits, priority=self._priority)
+        priority = self._gates.priority
+        return limits if priority is None else attrs.evolve(limits, priority=priority)
 
     def _count_rendered(self) -> int:
         """Add the tokens rendered since the last segment to this Response's count; return them."""
@@ -461,7 +447,10 @@ class SamplingLoop:
                 rendered = self._count_rendered()
                 if self._observer is not None:
                     self._observer.prefilled(rendered=rendered, prompt=prompt, cached=cached)
-                machine.begin_segment(prompt_tokens=prompt, cached_tokens=cached, prompt_ids=ids)
+                machine.begin_segment(
+                    prompt_tokens=prompt, cached_tokens=cached, prompt_ids=ids,
+                    weight_version=self._gates.weight_version,
+                )  # fmt: skip
                 return []
             case ReasoningDelta(text=text, tokens=tokens, sampled=sampled):
                 return machine.reasoning_delta(text, tokens=tokens, sampled=sampled)
