@@ -68,7 +68,11 @@ class FaultyGenerator:
         self.after = after
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> FaultySession:
         return FaultySession(
             self.inner.open_session(conversation, cache_salt=cache_salt), self.after
@@ -143,7 +147,11 @@ class MisbehavingGenerator:
         self.sessions: list[MisbehavingSession] = []
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> MisbehavingSession:
         session = MisbehavingSession(self.inner.open_session(conversation, cache_salt=cache_salt))
         self.sessions.append(session)
@@ -184,7 +192,13 @@ class CountingGenerator:
         self.inner = inner
         self.chunks = 0
 
-    def open_session(self, conversation: Conversation, *, cache_salt: str | None = None) -> Any:
+    def open_session(
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
+    ) -> Any:
         generator = self
         session = self.inner.open_session(conversation, cache_salt=cache_salt)
 

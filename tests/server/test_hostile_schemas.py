@@ -518,7 +518,9 @@ class CannotForce:
     renderer = None
     forces_tool_calls = False
 
-    def open_session(self, conversation: Any, *, cache_salt: str | None = None) -> Any:
+    def open_session(
+        self, conversation: Any, *, cache_salt: str | None = None, affinity: str | None = None
+    ) -> Any:
         raise AssertionError("a refused create opens no session")
 
 

@@ -313,6 +313,43 @@ async def test_a_client_killed_mid_arguments_reattaches_over_the_prototype_webso
     )
 
 
+async def test_a_steers_answer_is_kept_with_the_events_it_came_between(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """What answers a client's frame mid-stream (here `response.steer.accepted`) is numbered
+    among the Response's events: a replay across it has no gap."""
+    script = {"segments": [{"text": "word " * 400}, {"text": "Tabs it is."}]}
+    running = await start_server(script, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            checker.sent(create())
+            await client.send(create())
+            seen = await client.until("response.output_text.delta")
+            steer = {"type": "response.steer", "previous_response_id": seen[0]["response"]["id"],
+                     "input": "Use tabs."}  # fmt: skip
+            checker.sent(steer)
+            await client.send(steer)
+            seen += await client.until("response.steer.accepted")
+            seen += [await client.receive() for _ in range(3)]
+            for event in seen:
+                checker.received(event)
+            await client.vanish()
+        before_steer = next(e for e in seen if e["type"] == "response.steer.accepted")
+        after = before_steer["sequence_number"] - 1
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            response_id = seen[0]["response"]["id"]
+            reattach = {"type": "response.reattach", "response_id": response_id}
+            await client.send({**reattach, "starting_after": after})
+            rest = await client.until("response.completed")
+    numbers = [e["sequence_number"] for e in rest]
+    assert numbers == list(range(after + 1, after + 1 + len(numbers)))  # no gap
+    assert rest[0]["type"] == "response.steer.accepted"
+    for event in rest[len(seen) - after - 1 :]:
+        checker.received(event)
+    checker.finish()
+
+
 async def test_another_key_cannot_reattach_over_the_websocket(
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:

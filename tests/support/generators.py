@@ -50,7 +50,11 @@ class RecordingGenerator:
         self.sessions: list[SimulatedSession] = []
 
     def open_session(
-        self, conversation: Conversation, *, cache_salt: str | None = None
+        self,
+        conversation: Conversation,
+        *,
+        cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> SimulatedSession:
         session = self.inner.open_session(conversation, cache_salt=cache_salt)
         self.sessions.append(session)

@@ -31,7 +31,7 @@ from proto_server.server.process.memory import MemoryBudget
 from proto_server.server.process.offload import Offload
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.store import ANONYMOUS
-from proto_server.server.transport.outbox import LaneSink
+from proto_server.server.transport.outbox import LaneAnswers, LaneSink
 from proto_server.wire.converter import steer_items
 from proto_server.wire.errors import ProtocolError, SteerRefused, on_lane, quoted
 from proto_server.wire.events import (
@@ -116,7 +116,7 @@ def require_beta(enabled: bool, what: str) -> None:
 async def serve_inject(
     inject: ResponseInject,
     *,
-    find: Callable[[str], tuple[SamplingLoop, LaneSink] | None],
+    find: Callable[[str], tuple[SamplingLoop, LaneAnswers] | None],
     ended: EndedResponses,
     lane: Callable[[str | None], LaneSink],
     offload: Offload,
@@ -131,13 +131,13 @@ async def serve_inject(
     `invalid_field`) on its lane; nothing was committed."""
     response_id = inject.response_id
 
-    async def failed(code: str, message: str, sink: LaneSink) -> None:
+    async def failed(code: str, message: str, sink: LaneAnswers) -> None:
         error = InjectError(code=code, message=message)
         await sink.send(
             ResponseInjectFailed(response_id=response_id, error=error, input=inject.raw_input)
         )
 
-    def target() -> tuple[SamplingLoop, LaneSink] | None:
+    def target() -> tuple[SamplingLoop, LaneAnswers] | None:
         found = find(response_id)
         if found is not None and not found[0].ending:
             return found
@@ -210,7 +210,7 @@ class NotStarted:
 async def serve_steer(
     frame: ResponseSteer,
     *,
-    find: Callable[[str], tuple[SteerTarget, LaneSink] | None],
+    find: Callable[[str], tuple[SteerTarget, LaneAnswers] | None],
     ended: EndedResponses,
     lane: Callable[[str | None], LaneSink],
     budget: MemoryBudget,
@@ -326,12 +326,16 @@ class DialectBase(Generic[L]):
         lane = self._lanes.get(None)
         return lane.current if lane is not None else None
 
-    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneSink] | None:
-        """The Response in flight with this id, and its lane's sink."""
+    def _find(self, response_id: str) -> tuple[SamplingLoop, LaneAnswers] | None:
+        """The Response in flight with this id, and where answers about it go."""
         for lane in self._lanes.values():
             if lane.current is not None and lane.current.machine.id == response_id:
-                return lane.current, lane.sink
+                return lane.current, self._answers(lane)
         return None
+
+    def _answers(self, lane: L) -> LaneAnswers:
+        """Where answers about `lane`'s Response go: the lane."""
+        return lane.sink
 
     async def _inject(self, inject: ResponseInject, frame_bytes: int) -> None:
         require_beta(self._multi_agent, "response.inject")

@@ -27,7 +27,7 @@ from proto_server.server.rollouts.appending import prepare_append
 from proto_server.server.rollouts.kept import Relay
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.rollouts.turns import TurnSource
-from proto_server.server.transport.outbox import LaneSink
+from proto_server.server.transport.outbox import LaneAnswers, LaneSink
 from proto_server.wire.errors import ProtocolError, quoted
 from proto_server.wire.events import (
     ClientEvent,
@@ -98,6 +98,11 @@ class PrototypeDialect(DialectBase[_Lane]):
                     lane=self._connection.lane,
                     budget=self._connection.budget,
                 )
+
+    def _answers(self, lane: _Lane) -> LaneAnswers:
+        """A Response kept for a reattach is answered through its relay, so that what answers
+        a frame about it is kept among its events: a replay across it has no gap."""
+        return lane.relay if lane.relay is not None else lane.sink
 
     def _resumes(self, response_id: str, stream_id: str | None) -> bool:
         """Whether an append naming `response_id` resumes it from the store onto its lane (no

@@ -267,6 +267,11 @@ class Relay:
         #: Set once the Response ended, or was cut.
         self.done = trio.Event()
 
+    @property
+    def stream_id(self) -> str | None:
+        """The lane it streams to (None: the default lane, or none now)."""
+        return self.target.stream_id if self.target is not None else None
+
     def let_go(self) -> None:
         """Its Response is over: hold nothing of it (its loop, its rollout)."""
         self.loop = None

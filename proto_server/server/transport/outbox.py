@@ -49,6 +49,16 @@ class EventSink(Protocol):
         ...
 
 
+class LaneAnswers(Protocol):
+    """Where what answers a client's frame about a Response goes (a steer's acceptance, an
+    inject's): its lane, numbered among the Response's own events."""
+
+    @property
+    def stream_id(self) -> str | None: ...
+
+    async def send(self, event: ServerEvent) -> None: ...
+
+
 @attrs.frozen
 class LaneSink:
     """The events of one lane, into the one channel its connection's writer drains."""
