@@ -132,6 +132,31 @@ async def killed_and_reattached(
     assert turn.status == "completed"
 
 
+async def test_connections_left_only_for_kept_responses_leave_room_for_new_clients(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Clients that dropped their streams (SSE and WebSocket alike) leave their connections
+    open only for what is kept for a reattach: those do not fill --max-connections."""
+    running = await start_server(
+        LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS, max_connections=4
+    )
+    port = running.address.port
+    with trio.fail_after(60):
+        for _ in range(3):
+            await stream_until(port, payload(), "response.output_text.delta", 2)
+        for _ in range(3):
+            await vanished_at(running.prototype_url, create(), "response.output_text.delta", 2,
+                              LaneChecker(dialect="prototype"))  # fmt: skip
+        await trio.sleep(1)
+        assert running.server.open_connections == 6  # each still runs its kept Response
+        assert running.server.responses.detached.holding == 6
+        seen = await stream_until(port, payload(), "response.output_text.delta", 2)
+        status, rest, _ = await reattach(port, seen[0]["response"]["id"], -1)
+    assert status == 200 and rest[-1]["type"] == "response.completed"
+    await running.server.wait_idle()  # each ran to its end, then let go
+    assert running.server.responses.detached.holding == 0
+
+
 async def test_a_client_killed_mid_text_reattaches_over_sse(
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:

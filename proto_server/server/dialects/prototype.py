@@ -17,6 +17,8 @@ while it waits on tool outputs the steer is pending and follows the append that 
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import trio
 
@@ -24,7 +26,7 @@ from proto_server.core.request import PROTOTYPE_COMPACTION, refuse_background, w
 from proto_server.core.response import Mode, Status
 from proto_server.server.dialects.lanes import DialectBase, serve_steer
 from proto_server.server.rollouts.appending import prepare_append
-from proto_server.server.rollouts.kept import Relay
+from proto_server.server.rollouts.kept import Holding, Relay
 from proto_server.server.rollouts.sampling import SamplingLoop
 from proto_server.server.rollouts.turns import TurnSource
 from proto_server.server.transport.outbox import LaneAnswers, LaneSink
@@ -62,6 +64,11 @@ class _Lane:
 
 
 class PrototypeDialect(DialectBase[_Lane]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Its Responses that run on kept for a reattach once its client went.
+        self._holding = Holding(self._responses.detached)
+
     async def handle(self, event: ClientEvent, frame_bytes: int) -> None:
         match event:
             case ResponseCreate():
@@ -236,6 +243,7 @@ class PrototypeDialect(DialectBase[_Lane]):
         finally:
             relay.done.set()
             relay.let_go()  # a writer's last batch may still name the relay: not the rollout
+            self._holding.over(relay)
 
     async def _reattach(self, event: ResponseReattach) -> None:
         """A Response kept since its connection dropped, attached to a lane that has carried
@@ -277,6 +285,7 @@ class PrototypeDialect(DialectBase[_Lane]):
         finally:
             if not relay.done.is_set():
                 relay.lost(lane.sink)
+                self._holding.lost(relay)  # this connection stays open only for it
                 stopping = self._responses.detached.stopping
                 suspended = loop.machine.status is Status.SUSPENDED
                 if relay.target is None and (stopping or suspended):

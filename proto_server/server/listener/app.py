@@ -233,7 +233,8 @@ class ProtoServer:
         log.info("server.stopped", extra={"forced": self.open_connections})
 
     async def _handle(self, socket_stream: trio.SocketStream) -> None:
-        if self.open_connections >= self.config.max_connections:
+        # a connection open only for what it keeps for a reattach is no client's: not counted
+        if self.open_connections - self.responses.detached.holding >= self.config.max_connections:
             await self._overflow.turn_away(socket_stream)
             return
         stream = SendTimeoutStream(socket_stream, self.config.send_timeout_s)

@@ -99,7 +99,8 @@ class ServerConfig:
         1000,
         at_least(1),
         help="open connections (WebSocket and HTTP); one more is answered 503 server_busy and "
-        "closed (a GET /healthz or /readyz among them is answered: --probe-connections)",
+        "closed (a GET /healthz or /readyz among them is answered: --probe-connections); one "
+        "whose client went away, open only for a Response kept for a reattach, is not counted",
     )
     probe_connections: int = setting(
         16,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import attrs
 import trio
@@ -163,6 +163,18 @@ class Detached:
         self._held: dict[str, KeptEvents] = {}
         #: The server is stopping: a WebSocket Response whose connection goes is cut at once.
         self.stopping = False
+        #: Connections whose client went away, open only for the Responses they keep for a
+        #: reattach: no client's, so not counted toward --max-connections.
+        self.holding = 0
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """While this lasts, one connection is open only for what it keeps."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
 
     def stop(self) -> None:
         """Cut every WebSocket Response that waits for a reattach, and every one that will."""
@@ -196,13 +208,36 @@ class Detached:
         reader has its end, or until no reader was attached for `grace_s`; then, if it has
         not ended, `cut` it as a dropped client's Response is cut."""
         log.info("response.detached", extra={"response": kept.response_id, "from": kept.next})
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, outbox, kept)
-            await _lapsed(kept, grace_s)
-            nursery.cancel_scope.cancel()
+        with self.held():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, outbox, kept)
+                await _lapsed(kept, grace_s)
+                nursery.cancel_scope.cancel()
         if not kept.ended:
             log.info("response.reattach_lapsed", extra={"response": kept.response_id})
             cut()
+
+
+class Holding:
+    """A WebSocket connection's Responses kept after its client went: while any runs, the
+    connection is open only for them (`Detached.holding`)."""
+
+    def __init__(self, detached: Detached) -> None:
+        self._detached = detached
+        self._lost: set[Relay] = set()
+
+    def lost(self, relay: Relay) -> None:
+        """`relay`'s Response runs on here, its client gone."""
+        if not self._lost:
+            self._detached.holding += 1
+        self._lost.add(relay)
+
+    def over(self, relay: Relay) -> None:
+        """`relay`'s Response no longer runs here."""
+        if relay in self._lost:
+            self._lost.remove(relay)
+            if not self._lost:
+                self._detached.holding -= 1
 
 
 async def pump(outbox: Outbox, kept: KeptEvents) -> None:
