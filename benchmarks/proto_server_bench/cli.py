@@ -21,7 +21,16 @@ from proto_server.core import settings as declared
 from proto_server.core.ranges import InvalidSetting
 from proto_server.core.settings import add_flags, from_flags, setting
 from proto_server.launch import LocalModel
-from proto_server_bench import families, fleet, fleet_report, local, memory, probes, vllm_report
+from proto_server_bench import (
+    detached,
+    families,
+    fleet,
+    fleet_report,
+    local,
+    memory,
+    probes,
+    vllm_report,
+)
 from proto_server_bench.agents import AgentsSettings
 from proto_server_bench.agents_run import main as agents_main
 from proto_server_bench.measure import ServerSettings
@@ -130,6 +139,15 @@ SECTIONS = (
         "the memory budget charged; or the steer flood (--steer-flood).",
         (memory.MemorySettings, Output),
         lambda args: memory.run(from_flags(memory.MemorySettings, args), args.out),
+    ),
+    Section(
+        "detached",
+        "streamed Responses whose clients went away, their events kept for a reattach",
+        "One server process: N clients each stream a Response over SSE and go after a few "
+        "events; once the Responses ended, the resident set each added against its kept "
+        "events' bytes and against what the memory budget charged for it.",
+        (detached.DetachedSettings, Output),
+        lambda args: detached.run(from_flags(detached.DetachedSettings, args), args.out),
     ),
     Section(
         "probes",

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -147,10 +147,13 @@ def reset_peak(pid: int) -> bool:
 class Server:
     """A `proto-server serve` subprocess on a free port, its log to a file."""
 
-    def __init__(self, flags: list[str], workdir: Path, *, script: bool = True) -> None:
-        """`script`: SCRIPT's call then answer; else the built-in default model."""
+    def __init__(
+        self, flags: list[str], workdir: Path, *, script: bool | Mapping[str, Any] = True
+    ) -> None:
+        """`script`: SCRIPT's call then answer (True), another script, or the built-in default
+        model (False)."""
         path = workdir / "script.json"
-        path.write_text(json.dumps(SCRIPT))
+        path.write_text(json.dumps(SCRIPT if script is True else script))
         self.log = (workdir / "server.log").open("wb")
         command = [sys.executable, "-m", "proto_server", "serve", "--port", "0", "--store",
                    ":memory:", *(["--script", str(path)] if script else []), "--no-prefix-cache",
@@ -187,7 +190,7 @@ class Server:
 
 
 @contextmanager
-def server(flags: list[str], *, script: bool = True) -> Iterator[Server]:
+def server(flags: list[str], *, script: bool | Mapping[str, Any] = True) -> Iterator[Server]:
     with tempfile.TemporaryDirectory(prefix="proto-bench-memory-") as workdir:
         running = Server(flags, Path(workdir), script=script)
         try:

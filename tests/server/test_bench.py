@@ -187,6 +187,32 @@ def test_bench_memory_refuses_sizes_and_counts_it_cannot_measure(
 
 
 @pytest.mark.slow
+def test_bench_detached_measures_responses_whose_clients_went(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`proto-server bench detached` with 12 clients against a real server process: each goes
+    after 3 events, every Response runs on to its end with its events kept (a reattach from
+    the first replays them), and the resident set and the budget's charge are reported. Whether
+    the budget covers the resident set is what the bench is for, not asserted here."""
+    args = ["bench", "detached", "--responses", "12", "--read", "3", "--words", "50",
+            "--decode-rate", "100", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) in (0, 1)  # 1: the budget did not cover the resident set
+    out = capsys.readouterr()
+    assert "12 detached Responses (12 ended" in out.out
+    row = orjson.loads((tmp_path / "detached.json").read_bytes())
+    assert row["responses"] == row["ended"] == 12
+    assert row["kept_events_each"] > 3 and row["kept_bytes_each"] > 0  # more than they read
+    assert row["charged_each"] > row["kept_bytes_each"]  # each kept event is charged
+
+
+@pytest.mark.parametrize(
+    "flags", [["--responses", "0"], ["--read", "0"], ["--words", "0"], ["--decode-rate", "0"]]
+)
+def test_bench_detached_refuses_what_it_cannot_measure(flags: list[str], tmp_path: Path) -> None:
+    assert _exit_code(["bench", "detached", *flags, "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.slow
 def test_bench_probes_reports_every_case_with_its_bystander(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
