@@ -375,6 +375,63 @@ async def test_a_steers_answer_is_kept_with_the_events_it_came_between(
     checker.finish()
 
 
+async def test_a_reattach_ahead_of_the_old_connections_end_waits_for_it(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A client may reattach before the server has seen its old connection end (it closed it,
+    and the new connection came first): the reattach waits for that end, up to 2 s, then
+    replays; while the old connection still streams after that, it is refused."""
+    running = await start_server(LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    checker = LaneChecker(dialect="prototype")
+    with trio.fail_after(60):
+        async with connect(running.prototype_url, Authorization="Bearer k1") as old:
+            checker.sent(create())
+            await old.send(create())
+            seen = await old.until("response.output_text.delta")
+            response_id = seen[0]["response"]["id"]
+            reattach = {"type": "response.reattach", "response_id": response_id,
+                        "starting_after": seen[-1]["sequence_number"]}  # fmt: skip
+            async with connect(running.prototype_url, Authorization="Bearer k1") as early:
+                await early.send(reattach)
+                refused = await early.receive()  # the old connection streams on: not gone
+                assert refused["type"] == "error"
+                assert refused["error"]["code"] == "response_in_progress"
+            async with connect(running.prototype_url, Authorization="Bearer k1") as new:
+                await new.send(reattach)
+                await trio.sleep(0.5)
+                await old.vanish()  # its end comes after the reattach
+                rest = await new.until("response.completed")
+    for event in seen + rest:
+        checker.received(event)
+    checker.finish()
+    assert rest[0]["sequence_number"] == seen[-1]["sequence_number"] + 1
+
+
+async def test_a_reattach_with_nothing_left_to_replay_goes_on_with_the_responses_numbers(
+    start_server: StartServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A client that saw every event kept so far (it reattached at once) is sent the rest
+    numbered on from them, not from its new lane's 0."""
+    running = await start_server(LONG_TEXT, timing=SLOW, store=CheckpointStore(), api_keys=KEYS)
+    responses = running.server.responses
+    with trio.fail_after(60):
+        seen = await vanished_at(running.prototype_url, create(), "response.output_text.delta",
+                                 5, LaneChecker(dialect="prototype"))  # fmt: skip
+        response_id = seen[0]["response"]["id"]
+        await trio.testing.wait_all_tasks_blocked()  # the server saw the drop
+        assert responses.detached.holding == 1
+        owner = responses.tenants.owner("Bearer k1")
+        assert owner is not None
+        kept = responses.detached.find(response_id, owner)
+        assert kept is not None
+        last = kept.next - 1  # every event kept so far: nothing to replay after it
+        async with connect(running.prototype_url, Authorization="Bearer k1") as client:
+            await client.send({"type": "response.reattach", "response_id": response_id,
+                               "starting_after": last})  # fmt: skip
+            rest = await client.until("response.completed")
+    assert [e["sequence_number"] for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+
+
 async def test_another_key_cannot_reattach_over_the_websocket(
     start_server: StartServer, autojump_clock: trio.testing.MockClock
 ) -> None:

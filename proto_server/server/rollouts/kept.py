@@ -295,6 +295,9 @@ class Relay:
         self._unnumbered: collections.deque[ServerEvent] = collections.deque()
         self._lost_at = math.inf
         self._attaching = False
+        #: The number the next event sent to a lane just attached takes: that lane's writer
+        #: has numbered none of this Response's events when nothing was left to replay.
+        self._resume_at: int | None = None
         #: The Response's sampling loop (set once it is begun).
         self.loop: SamplingLoop | None = None
         #: Cuts the Response short (set by whoever runs it).
@@ -321,7 +324,7 @@ class Relay:
             return
         self._unnumbered.append(event)  # before: its writer may number it as it is handed over
         try:
-            await target.send(event)
+            await target.channel.send(self._outgoing(target, event))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.lost(target)
 
@@ -331,13 +334,21 @@ class Relay:
             self._keep_here(event)
             return
         self._unnumbered.append(event)
+        resume_at = self._resume_at
         try:
-            target.send_nowait(event)
+            target.channel.send_nowait(self._outgoing(target, event))
         except trio.WouldBlock:
             self._unnumbered.pop()
+            self._resume_at = resume_at
             raise
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.lost(target)
+
+    def _outgoing(self, target: LaneSink, event: ServerEvent) -> Outgoing:
+        """`event` for `target`'s writer: numbered by it, but for the first after an attach
+        (its lane goes on from the Response's numbers, not from its own)."""
+        number, self._resume_at = self._resume_at, None
+        return Outgoing(event, target.stream_id, number=number, kept=self)
 
     def keep(self, number: int, event: ServerEvent, nbytes: int, merged: int = 1) -> None:
         for _ in range(merged):
@@ -370,11 +381,18 @@ class Relay:
     async def attach(self, sink: LaneSink, after: int) -> None:
         """Replay what is kept after `after` into `sink`, then stream the rest to it; refused
         if some of it is no longer kept, or the Response streams to a lane still."""
+        if self.target is not None and not self._attaching:
+            # a client that closed its connection and reattached at once may be ahead of the
+            # server's noticing: its old connection's end is waited for, briefly
+            with trio.move_on_after(HANDOVER_S):
+                while self.target is not None:
+                    await self.kept.changed()
         if self.target is not None or self._attaching:
             raise ProtocolError(
                 "response_in_progress",
-                f"Response {quoted(self.kept.response_id)} still streams to its connection; "
-                "reattach once that connection is closed.",
+                f"Response {quoted(self.kept.response_id)} still streams to its connection "
+                f"({HANDOVER_S:g} s after this reattach); reattach once that connection is "
+                "closed.",
                 param="response_id",
             )
         self.kept.after(after)
@@ -389,8 +407,10 @@ class Relay:
                     cursor = kept.number
         finally:
             self._attaching = False
-        # caught up, with no await since: the lane numbers the rest as its writer sends it
+        # caught up, with no await since: the lane numbers the rest as its writer sends it, on
+        # from the Response's numbers (said with the first when nothing was left to replay)
         self.target = attrs.evolve(sink, kept=self)
+        self._resume_at = self.kept.next if cursor == after else None
         self._lost_at = math.inf
         self.kept.touch()
         log.info("response.reattached", extra={"response": self.kept.response_id, "after": after})
@@ -406,6 +426,11 @@ class Relay:
                 return
             with trio.move_on_at(deadline):
                 await self.kept.changed()
+
+
+#: How long a reattach waits for the connection its Response still streams to to be seen gone
+#: (the client's close and its reattach on a new connection may arrive in either order).
+HANDOVER_S = 2.0
 
 
 def _nothing() -> None:
