@@ -30,6 +30,8 @@ from proto_server.server.transport.http import send_json
 from proto_server.wire.errors import ProtocolError, quoted
 
 ADMIN = "/admin"
+#: The longest weight-version label: every output item sampled after it carries it.
+MAX_WEIGHT_VERSION_CHARS = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -134,10 +136,14 @@ def _weight_version(body: bytes) -> str | None:
     except orjson.JSONDecodeError:
         raise ProtocolError("invalid_json", "The body is not JSON.") from None
     version = parsed.get("weight_version") if isinstance(parsed, dict) else ...
-    if version is ... or (version is not None and not isinstance(version, str)):
+    if version is ... or (
+        version is not None
+        and (not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHT_VERSION_CHARS)
+    ):
         raise ProtocolError(
             "invalid_field",
-            'The body must be {"weight_version": "<label>"} (or empty).',
+            'The body must be {"weight_version": "<label>"} (or empty), the label 1 to '
+            f"{MAX_WEIGHT_VERSION_CHARS} characters: every item sampled after it carries it.",
             param="weight_version",
         )
     return version
