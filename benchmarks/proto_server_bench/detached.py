@@ -79,15 +79,6 @@ async def _stream(http: httpx.AsyncClient, read: int | None) -> tuple[str, int]:
     return response_id, nbytes
 
 
-async def _charged(http: httpx.AsyncClient) -> float:
-    """What the process memory budget charges now (`/metrics`)."""
-    scrape = await http.get("/metrics")
-    for line in scrape.text.splitlines():
-        if line.startswith("proto_server_memory_used_bytes "):
-            return float(line.split()[1])
-    raise RuntimeError(f"/metrics answered {scrape.status_code}: {scrape.text[:300]!r}")
-
-
 async def _stored(http: httpx.AsyncClient, response_id: str) -> bool:
     """Whether `response_id` ended (a Response is in the store once it ended)."""
     return (await http.get(f"/v1/responses/{response_id}")).status_code == 200
@@ -123,7 +114,7 @@ async def _measure(running: Server, settings: DetachedSettings) -> dict[str, Any
     async with httpx.AsyncClient(base_url=running.http, timeout=60, limits=limits) as http:
         await _stream(http, None)  # warm-up, read to its end: nothing of it is kept
         baseline = status_kib(running.pid, "VmRSS")
-        charged_before = await _charged(http)
+        charged_before = await running.gauge("proto_server_memory_used_bytes")
         reset_peak(running.pid)
         ids: list[str] = []
         started = time.perf_counter()
@@ -144,7 +135,7 @@ async def _measure(running: Server, settings: DetachedSettings) -> dict[str, Any
         done = sum([await _stored(http, response_id) for response_id in ids])
         rss = status_kib(running.pid, "VmRSS")
         peak = status_kib(running.pid, "VmHWM")
-        charged = await _charged(http) - charged_before
+        charged = await running.gauge("proto_server_memory_used_bytes") - charged_before
         sample = [await _kept_of(http, response_id) for response_id in ids[:SAMPLE]]
         events = sum(e for e, _ in sample) / len(sample)
         event_bytes = sum(b for _, b in sample) / len(sample)

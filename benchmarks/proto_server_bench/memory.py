@@ -181,12 +181,16 @@ class Server:
 
     async def budget_peak(self) -> int:
         """The most the process memory budget ever charged, from `/metrics`."""
+        return int(await self.gauge("proto_server_memory_peak_bytes"))
+
+    async def gauge(self, name: str) -> float:
+        """A label-less metric of the server's, from `/metrics`."""
         async with httpx.AsyncClient() as client:
-            text = (await client.get(self.http + "/metrics", timeout=30)).text
-        for line in text.splitlines():
-            if line.startswith("proto_server_memory_peak_bytes "):
-                return int(float(line.split()[1]))
-        raise RuntimeError(f"no proto_server_memory_peak_bytes on /metrics: {text[:300]!r}")
+            scrape = await client.get(self.http + "/metrics", timeout=30)
+        for line in scrape.text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise RuntimeError(f"no {name} on /metrics ({scrape.status_code}): {scrape.text[:300]!r}")
 
 
 @contextmanager
