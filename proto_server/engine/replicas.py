@@ -17,6 +17,7 @@ the served model) and gives a replica that answers again new work at once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -257,6 +258,15 @@ class ReplicatedGenerator:
         )
 
 
+def affinity_key(cache_salt: str | None, rollout_id: str) -> int:
+    """What the router remembers a tenant's rollout id by: 8 bytes of its digest, whatever
+    the id's length (the router keeps 65,536 of them; two that collide share a replica)."""
+    # keyed by the tenant's salt (43 characters; at most 64 bytes is a BLAKE2b key)
+    key = (cache_salt or "").encode()[:64]
+    digest = hashlib.blake2b(rollout_id.encode(), digest_size=8, key=key)
+    return int.from_bytes(digest.digest(), "big")
+
+
 class ReplicatedSession:
     """A rollout's session on whichever replica the router says, opened again on another when
     it moves (the new one's cache holds nothing of it)."""
@@ -273,7 +283,7 @@ class ReplicatedSession:
         self._conversation = conversation
         self._cache_salt = cache_salt
         #: The client's rollout id, per tenant: its sessions follow one another's replica.
-        self._affinity = None if affinity is None else (cache_salt, affinity)
+        self._affinity = None if affinity is None else affinity_key(cache_salt, affinity)
         self._session: GeneratorSession | None = None
         self._replica: int | None = None
         #: The replica that holds this rollout's prefix: a segment there completed.

@@ -27,6 +27,7 @@ from proto_server.engine.replicas import (
     ReplicaState,
     ReplicatedGenerator,
     ReplicatedSession,
+    affinity_key,
 )
 from proto_server.engine.script import parse_script
 from proto_server.engine.simulated import SimulatedGenerator, SimulatedSession
@@ -222,6 +223,14 @@ async def test_a_rollout_named_by_its_client_goes_back_to_its_replica_on_any_con
         )
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "metadata.rollout_id"
+
+
+def test_a_rollout_id_is_remembered_by_a_small_digest_per_tenant() -> None:
+    long = "r" * 512
+    assert affinity_key("salt-a", long) == affinity_key("salt-a", long)
+    assert affinity_key("salt-a", long) != affinity_key("salt-b", long)  # tenants apart
+    assert affinity_key(None, "r1") != affinity_key(None, "r2")
+    assert 0 <= affinity_key("salt-a", long) < 2**64  # 8 bytes, however long the id
 
 
 # -- failover -------------------------------------------------------------------------------------
